@@ -1,0 +1,261 @@
+"""The ``lollm`` command line.
+
+Commands::
+
+    lollm run       MODEL --prompt TEXT      generate text, streamed to stdout
+    lollm families                           the installed family plugins
+    lollm tokenize  MODEL TEXT [--chat]      how text becomes token ids
+    lollm parity    MODEL                    our logits against transformers'
+    lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
+
+Any :class:`lollm.errors.LollmError` is printed as one ``error:`` line on
+stderr with exit status 2; ``parity`` exits 1 when the gate fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from lollm.errors import LollmError
+
+app = typer.Typer(
+    help="lollm: a study-first LLM inference engine.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
+    messages = []
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    return messages
+
+
+@app.command()
+def run(
+    model: str = typer.Option(..., "--model", "-m", help="Checkpoint folder or Hugging Face repo id."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+) -> None:
+    """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
+    from lollm.generate import generate, stop_token_ids
+    from lollm.pipeline import open_model
+    from lollm.sampling import resolve_sampling
+
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise LollmError("give --prompt, or pipe the prompt on stdin")
+        prompt = sys.stdin.read()
+    loaded = open_model(model, device=device, dtype=dtype, progress=True)
+    tokenizer = loaded.tokenizer
+    if no_chat or tokenizer.chat_template is None:
+        if not no_chat:
+            err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
+        if system:
+            raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = tokenizer.encode_chat(_messages(prompt, system), add_generation_prompt=True)
+    user = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+    sampling = resolve_sampling(user, loaded.checkpoint.generation_config, loaded.family.family.sampling_defaults, seed=seed)
+    stops = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, tokenizer)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate(
+        loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
+        stop_strings=stop, tokenizer=tokenizer, on_text=show,
+    )
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    err.print(
+        "[dim]" + escape(f"[{len(result.new_ids)} tokens · prompt {len(ids)} tokens at {result.prefill_tokens_per_second:.1f} tok/s · "
+        f"decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
+        f"{loaded.family.family.name} on {loaded.device} {str(loaded.dtype).removeprefix('torch.')}]") + "[/dim]"
+    )
+
+
+@app.command()
+def families(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List the installed family plugins (no model code is imported)."""
+    from lollm.plugins import get_registry
+
+    registry = get_registry()
+    if as_json:
+        data = {
+            "families": [
+                {"family": f.family.name, "model_types": list(f.family.model_types),
+                 "gguf_architectures": list(f.family.gguf_architectures), "distribution": f.distribution,
+                 "version": f.version, "plugin": f.plugin, "description": f.family.description}
+                for f in registry.families
+            ],
+            "broken": [{"plugin": b.plugin, "distribution": b.distribution, "error": b.error} for b in registry.broken],
+        }
+        print(json.dumps(data, indent=2))
+        return
+    if not registry.families:
+        out.print("No family plugin is installed. Install one, e.g. pip install lollm-qwen")
+    else:
+        table = Table(title="Installed lollm families")
+        for col in ("family", "model types", "GGUF", "distribution", "version", "capabilities"):
+            table.add_column(col)
+        for f in registry.families:
+            caps = [name for name, on in vars(f.family.capabilities).items() if on]
+            table.add_row(f.family.name, ", ".join(f.family.model_types), ", ".join(f.family.gguf_architectures) or "-",
+                          f.distribution, f.version, ", ".join(caps) or "-")
+        out.print(table)
+    for b in registry.broken:
+        err.print(f"[red]broken plugin {escape(repr(b.plugin))} ({escape(b.distribution)}):[/red] {escape(b.error)}")
+
+
+@app.command()
+def tokenize(
+    model: str = typer.Argument(..., help="Checkpoint folder or repo id (only its tokenizer files are read)."),
+    text: str = typer.Argument(..., help="The text to tokenize."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap TEXT as a user message with the chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for --chat."),
+    as_json: bool = typer.Option(False, "--json", help="Print {ids, pieces} as JSON."),
+) -> None:
+    """Show the token ids and pieces of TEXT: how the model sees it."""
+    from pathlib import Path
+
+    from lollm.loader import download_repo, _looks_like_repo_id
+    from lollm.tokenizer import load_tokenizer
+
+    folder = Path(model)
+    if not folder.exists() and _looks_like_repo_id(model):
+        folder = download_repo(model)
+    tokenizer = load_tokenizer(folder)
+    if chat:
+        rendered = tokenizer.apply_chat_template(_messages(text, system), add_generation_prompt=True)
+        ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True)
+    else:
+        rendered, ids = text, tokenizer.encode(text)
+    pieces = tokenizer.pieces(ids)
+    if as_json:
+        print(json.dumps({"text": rendered, "ids": ids, "pieces": pieces}, ensure_ascii=False))
+        return
+    table = Table(title=f"{len(ids)} tokens")
+    table.add_column("#", justify="right")
+    table.add_column("id", justify="right")
+    table.add_column("piece")
+    for i, (tid, piece) in enumerate(zip(ids, pieces)):
+        table.add_row(str(i), str(tid), repr(piece))
+    out.print(table)
+
+
+@app.command()
+def parity(
+    model: str = typer.Argument(..., help="Checkpoint folder or repo id."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a 40-token paragraph)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
+    dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
+    device: str = typer.Option("cpu", help="Device for both models."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+) -> None:
+    """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
+    from lollm.parity import DEFAULT_PROMPT, run_parity
+
+    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        table = Table(title=f"parity: {report.family} {report.dtype} {report.device}, {report.num_tokens} positions")
+        for col in ("pos", "token", "ours", "ref", "top-5", "cosine", "max |Δ|"):
+            table.add_column(col, justify="right")
+        for p in report.positions:
+            mark = "" if p.ours_argmax == p.ref_argmax else " ✗"
+            table.add_row(str(p.position), str(p.token_id), f"{p.ours_argmax}{mark}", str(p.ref_argmax),
+                          f"{p.top5_overlap}/5", f"{p.cosine:.7f}", f"{p.max_abs_diff:.2e}")
+        out.print(table)
+        verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
+        out.print(
+            f"{verdict}: argmax {report.argmax_matches}/{report.num_tokens}, min cosine {report.min_cosine:.7f} "
+            f"(required {report.min_cosine_required}), max |Δ| {report.max_abs_diff:.3e}, min top-5 overlap {report.min_top5_overlap}/5"
+        )
+        if report.first_diverging_layer is not None:
+            i = report.first_diverging_layer
+            where = "the embeddings" if i == 0 else f"the output of layer {i - 1}"
+            out.print(f"first divergence: hidden state {i} ({where}), cosine {report.layer_cosines[i]:.6f}")
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
+def bench(
+    model: str = typer.Argument(..., help="Checkpoint folder or repo id."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    prompt_tokens: int = typer.Option(512, help="Prefill length."),
+    new_tokens: int = typer.Option(64, help="Decode steps."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
+    no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+) -> None:
+    """Prefill and decode tok/s, load time and peak memory, ours beside transformers in one run."""
+    from lollm.bench import run_bench
+
+    result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                       reference=not no_reference, threads=threads)
+    ratios = {k: result.ratio(k) for k in ("prefill_tok_s", "decode_tok_s", "load_seconds")}
+    if as_json:
+        print(json.dumps({"rows": result.rows, "ratios": ratios}, indent=2))
+        return
+    table = Table(title=f"bench: {model} ({dtype}, prompt {prompt_tokens}, decode {new_tokens})")
+    for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
+        table.add_column(col, justify="right")
+    for r in result.rows:
+        table.add_row(r["engine"], f"{r['load_seconds']:.2f}", f"{r['load_peak_bytes'] / 1e6:.0f}",
+                      f"{r['weights_bytes'] / 1e6:.0f}", f"{r['load_peak_bytes'] / r['weights_bytes']:.2f}",
+                      f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}")
+    out.print(table)
+    if ratios["decode_tok_s"] is not None:
+        out.print(f"ratio lollm/transformers: prefill {ratios['prefill_tok_s']:.2f}×, decode {ratios['decode_tok_s']:.2f}×")
+
+
+def main() -> None:
+    """Console-script entry point: run the Typer app, turning LollmError into one clean line."""
+    try:
+        app(standalone_mode=False)
+    except LollmError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The one generate loop every family shares.
+
+::
+
+    prompt ids ─► prefill (all prompt positions in one forward, fills the cache)
+               ─► sample ─► decode (one position per forward, reads the cache) ─► sample ─► …
+               ─► stop: an end-of-sequence id, a stop string, max_new_tokens, or the context is full
+
+A family provides only ``model.forward(ids, cache)`` and ``model.new_cache``
+(see :mod:`lollm.model`); it never writes its own loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lollm.errors import GenerationError
+from lollm.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    """What a generation produced and how long it took.
+
+    prompt_ids / new_ids: token ids of the prompt and of the generated tokens
+    (the end-of-sequence id, when it stopped the loop, is included in new_ids).
+    text: the generated text (up to a stop string, not including it).
+    stop_reason: "eos", "stop_string", "max_new_tokens" or "context".
+    prefill_seconds: the prompt's forward plus the first sample;
+    decode_seconds: every later step.
+    """
+
+    prompt_ids: list[int]
+    new_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "max_new_tokens"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = max(len(self.new_ids) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together."""
+    ids = set(_as_ids(generation_config.get("eos_token_id")))
+    ids |= set(_as_ids(config.get("eos_token_id")))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class _StopStringWatcher:
+    """Holds back just enough streamed text to never print the start of a stop string."""
+
+    def __init__(self, stop_strings: Iterable[str]):
+        self.stops = [s for s in stop_strings if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # how many characters of it were handed out
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to emit now, whether a stop string was hit)."""
+        self.text += piece
+        for stop in self.stops:
+            at = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if at != -1:
+                self.text = self.text[:at]
+                out = self.text[self.emitted :]
+                self.emitted = len(self.text)
+                return out, True
+        safe_end = max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : safe_end]
+        self.emitted = safe_end
+        return out, False
+
+    def finish(self, tail: str) -> str:
+        out, _ = self.feed(tail)
+        rest = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out + rest
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_strings: Iterable[str] = (),
+    tokenizer: Any = None,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``tokenizer`` (with ``stream_decoder()``) is needed for text output and stop
+    strings; without it only ids are produced. ``on_text`` receives each piece
+    of text as soon as it is safe to print (whole UTF-8 characters, never the
+    beginning of a stop string). The model runs on its own device; ids are
+    moved there. Raises GenerationError for an empty prompt, a non-positive
+    ``max_new_tokens`` or a prompt that does not fit the model's context.
+    """
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty: there is nothing to continue")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= model.max_context:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens, but the model's context is {model.max_context}"
+        )
+    stop_strings = list(stop_strings)
+    if stop_strings and tokenizer is None:
+        raise GenerationError("stop strings need a tokenizer to decode the generated text")
+    max_new_tokens = min(max_new_tokens, model.max_context - len(prompt_ids))
+    device = next(model.parameters()).device
+    result = GenerationResult(prompt_ids=list(prompt_ids))
+    sampler = Sampler(sampling)
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
+    watcher = _StopStringWatcher(stop_strings)
+    history = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+
+    def emit(piece: str) -> None:
+        if piece:
+            result.text += piece
+            if on_text is not None:
+                on_text(piece)
+
+    # 1. Prefill: the whole prompt in one forward; only the last position's logits are needed.
+    start = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache, logits_to_keep=1)
+    next_id = sampler(logits[0, -1], history)
+    result.prefill_seconds = time.perf_counter() - start
+
+    # 2. Decode: feed back one token at a time until a stop condition.
+    start = time.perf_counter()
+    while True:
+        result.new_ids.append(next_id)
+        history = torch.cat([history, torch.tensor([next_id])])
+        if next_id in stop_ids:
+            result.stop_reason = "eos"
+            break
+        if decoder is not None:
+            piece, hit = watcher.feed(decoder.push(next_id))
+            emit(piece)
+            if hit:
+                result.stop_reason = "stop_string"
+                break
+        if len(result.new_ids) >= max_new_tokens:
+            result.stop_reason = "max_new_tokens" if cache.length + 1 < model.max_context else "context"
+            break
+        logits = model(torch.tensor([[next_id]], dtype=torch.long, device=device), cache)
+        next_id = sampler(logits[0, -1], history)
+    result.decode_seconds = time.perf_counter() - start
+
+    # 3. Whatever text the stream decoder and the stop-string watcher still hold.
+    if decoder is not None and result.stop_reason != "stop_string":
+        emit(watcher.finish(decoder.flush()))
+    return result

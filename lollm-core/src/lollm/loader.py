@@ -1,0 +1,269 @@
+"""The loader: turn a model spec into a :class:`Checkpoint`.
+
+The loader is deliberately dumb. It finds the files, reads config.json and
+generation_config.json as plain dicts, and exposes the weights *keyed by the
+file's own tensor names*; it never renames a tensor and knows nothing about
+any architecture. The family that serves the checkpoint owns the name map.
+
+Specs it understands:
+  * a local folder holding ``config.json`` and ``model.safetensors`` (or shards
+    listed in ``model.safetensors.index.json``);
+  * a Hugging Face repo id ``org/name`` (fetched through ``huggingface_hub``,
+    the local cache first; ``HF_HUB_OFFLINE=1`` is honoured).
+
+Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are refused:
+unpickling runs arbitrary code. Remote code (``auto_map``) is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lollm.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from lollm.tokenizer import Tokenizer
+
+#: Files fetched from a hub repo: configs, safetensors weights and tokenizer files only.
+HUB_ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class TensorSource:
+    """Read-only access to the tensors of a safetensors checkpoint, by their names in the file.
+
+    Nothing is read at construction except the headers (names, shapes, dtypes).
+    :meth:`read` opens the shard, copies one tensor out and closes the shard
+    again, so the memory map of a big file never stays resident while a model
+    is being built (the streaming load keeps its peak near one model copy).
+    """
+
+    fmt = "safetensors"
+
+    def __init__(self, files: list[Path]):
+        from safetensors import SafetensorError, safe_open
+
+        self._where: dict[str, Path] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        self._dtype: dict[str, str] = {}
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        if name in self._where:
+                            raise CheckpointError(f"tensor {name!r} appears in both {self._where[name]} and {path}")
+                        sl = f.get_slice(name)
+                        self._where[name] = path
+                        self._shape[name] = tuple(sl.get_shape())
+                        self._dtype[name] = sl.get_dtype()
+            except SafetensorError as exc:
+                raise CheckpointError(f"{path}: not a valid safetensors file (truncated or corrupted?): {exc}") from None
+            except OSError as exc:
+                raise CheckpointError(f"{path}: cannot read: {exc}") from None
+
+    def names(self) -> list[str]:
+        """All tensor names, in file order."""
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def dtype(self, name: str) -> str:
+        """The dtype as the file stores it (safetensors names: ``F32``, ``BF16``, ``F16``, ``I64`` …)."""
+        return self._dtype[name]
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name]
+
+    def read(self, name: str) -> "torch.Tensor":
+        """Copy one tensor out of its file (CPU, the file's dtype)."""
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._where:
+            raise CheckpointError(f"no tensor named {name!r} in the checkpoint")
+        try:
+            with safe_open(str(self._where[name]), framework="pt") as f:
+                return f.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{self._where[name]}: reading tensor {name!r} failed: {exc}") from None
+
+    def nbytes(self) -> int:
+        """Total size of the tensors as stored in the file(s), in bytes."""
+        sizes = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}
+        total = 0
+        for name, shape in self._shape.items():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * sizes.get(self._dtype[name], 4)
+        return total
+
+
+@dataclass
+class Checkpoint:
+    """A located checkpoint: raw configs, the weights by file names, and where the tokenizer lives.
+
+    Fields:
+      spec:              what the user typed (folder or repo id).
+      path:              the local folder holding the files.
+      fmt:               ``"safetensors"`` (``"gguf"`` comes with the GGUF reader).
+      config:            config.json as a dict, untouched.
+      generation_config: generation_config.json as a dict (empty when absent).
+      weights:           :class:`TensorSource` keyed by the file's tensor names.
+    """
+
+    spec: str
+    path: Path
+    fmt: str
+    config: dict[str, Any]
+    generation_config: dict[str, Any]
+    weights: TensorSource
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def tokenizer(self) -> "Tokenizer":
+        """The checkpoint's tokenizer, built on first use from the tokenizer files in :attr:`path`."""
+        if self._tokenizer is None:
+            from lollm.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.path)
+        return self._tokenizer
+
+
+def read_json(path: Path, *, what: str) -> dict[str, Any]:
+    """Read a JSON object from ``path``; CheckpointError naming the file when it is missing or invalid."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: {path} does not exist") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = read_json(index, what="shard index")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: has no 'weight_map'")
+        files = []
+        for shard in dict.fromkeys(weight_map.values()):
+            p = folder / shard
+            if not p.exists():
+                raise CheckpointError(f"{index} lists shard {shard!r}, which is missing from {folder}")
+            files.append(p)
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{folder} holds only pickle checkpoints ({', '.join(pickles)}); lollm refuses them because "
+            f"unpickling can run arbitrary code. Convert them to safetensors first."
+        )
+    raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors found")
+
+
+def load_folder(folder: Path, spec: str | None = None) -> Checkpoint:
+    """Build a :class:`Checkpoint` from a local folder. Raises CheckpointError / ConfigError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder")
+    config = read_json(folder / "config.json", what="checkpoint config")
+    if "model_type" not in config:
+        raise ConfigError(f"{folder / 'config.json'} has no 'model_type' key, so no family can be chosen for it")
+    gen_path = folder / "generation_config.json"
+    generation_config = read_json(gen_path, what="generation config") if gen_path.exists() else {}
+    weights = TensorSource(_weight_files(folder))
+    return Checkpoint(spec or str(folder), folder, "safetensors", config, generation_config, weights)
+
+
+def _looks_like_repo_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def download_repo(repo_id: str) -> Path:
+    """Fetch the allow-listed files of a hub repo; the local cache is tried first.
+
+    Honours ``HF_HUB_OFFLINE=1`` (then only the cache is used). Raises
+    CheckpointError naming the repo when it cannot be found or fetched.
+    """
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True))
+    except Exception as cached_exc:  # not (fully) in the cache
+        if offline:
+            raise CheckpointError(
+                f"{repo_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be downloaded"
+            ) from cached_exc
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
+    except Exception as exc:
+        raise CheckpointError(f"{repo_id}: could not fetch from the Hugging Face hub: {type(exc).__name__}: {exc}") from None
+
+
+def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
+    """Locate and open a checkpoint from a spec (folder path or hub repo id).
+
+    Raises CheckpointError for a missing path, a pickle-only checkpoint, a
+    truncated safetensors file or an unreachable repo; ConfigError for a
+    config.json without ``model_type``.
+    """
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix in PICKLE_SUFFIXES:
+                raise CheckpointError(f"{path} is a pickle checkpoint; lollm refuses them because unpickling can run arbitrary code")
+            if path.suffix == ".gguf":
+                raise CheckpointError(f"{path}: GGUF files are not supported by this lollm-core yet")
+            if path.suffix == ".safetensors":
+                return load_folder(path.parent, text)
+            raise CheckpointError(f"{path} is a file; give the folder holding config.json and the weights")
+        return load_folder(path, text)
+    if _looks_like_repo_id(text):
+        return load_folder(download_repo(text), text)
+    raise CheckpointError(f"{text}: no such folder, and not a Hugging Face repo id of the form 'org/name'")

@@ -1,0 +1,68 @@
+"""What the shared generate loop expects of a family's model.
+
+This is documentation in code: :class:`CausalLM` is a ``typing.Protocol``, so
+a family's ``nn.Module`` satisfies it by having the attributes and methods
+below, without inheriting from anything in core.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Cache(Protocol):
+    """A family's decoding cache (KV cache, recurrent state …), preallocated for ``max_tokens``.
+
+    ``length`` is the number of positions already stored; the model's forward
+    writes the new positions and advances it.
+    """
+
+    length: int
+    max_tokens: int
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model as the loop, the parity gate and the benchmark use it.
+
+    Attributes:
+      vocab_size:   size of the logits' last dimension.
+      max_context:  the longest sequence the model supports (config ``max_position_embeddings``).
+      num_layers:   number of decoder layers (for the parity report).
+      eos_token_ids: end-of-sequence ids named in config.json (may be empty).
+    """
+
+    vocab_size: int
+    max_context: int
+    num_layers: int
+    eos_token_ids: tuple[int, ...]
+
+    def new_cache(self, max_tokens: int) -> Cache:
+        """A fresh, empty cache able to hold ``max_tokens`` positions (batch 1)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Cache | None = None,
+        *,
+        logits_to_keep: int = 0,
+        hidden_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder on ``input_ids`` and return logits.
+
+        input_ids:      (1, T) int64 token ids; positions start at ``cache.length``
+                        (0 without a cache).
+        cache:          updated in place with the T new positions (``None``: no cache,
+                        positions 0..T-1, used by the parity gate).
+        logits_to_keep: 0 for logits of every position, N for the last N only
+                        (prefill needs only the last one).
+        hidden_states:  when a list is given, the model appends (1, T, hidden) tensors
+                        in transformers' ``output_hidden_states`` order: the embeddings,
+                        the output of each layer but the last, and the final-normed
+                        output of the last layer (so the parity gate can name the first
+                        diverging layer).
+        Returns (1, T or logits_to_keep, vocab_size) float logits.
+        """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...

@@ -1,0 +1,186 @@
+"""The parity gate: our logits against the transformers reference, position by position.
+
+Same checkpoint, same token ids, same dtype and device. Only one model is in
+memory at a time: ours runs first and its logits are kept, then it is freed
+and the reference is built. For every position of the prompt we compare:
+
+* argmax: does the most likely next token agree?
+* top-5 overlap: how many of the five most likely tokens are shared (0..5)?
+* cosine similarity of the two logit vectors;
+* max |Δ|: the largest absolute difference of a logit.
+
+The gate passes when every argmax agrees and every cosine reaches
+``min_cosine``. When it fails, the hidden states of the two models are compared
+layer by layer to name the first layer that diverges: that is where to look
+for a wrong RoPE, norm or weight map.
+
+transformers is needed only here (``pip install 'lollm-core[parity]'``).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lollm.errors import LollmError
+from lollm.pipeline import open_model, pick_device, pick_dtype
+
+DEFAULT_PROMPT = (
+    "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to "
+    "753 BC. Over the following centuries the small settlement on the Tiber grew into a republic, and "
+    "then into an empire that stretched from Britain to Egypt. Write a short summary:"
+)
+
+
+@dataclass
+class PositionStats:
+    position: int
+    token_id: int
+    ours_argmax: int
+    ref_argmax: int
+    top5_overlap: int
+    cosine: float
+    max_abs_diff: float
+
+
+@dataclass
+class ParityReport:
+    model: str
+    family: str
+    dtype: str
+    device: str
+    num_tokens: int
+    min_cosine_required: float
+    positions: list[PositionStats] = field(default_factory=list)
+    layer_cosines: list[float] = field(default_factory=list)  # min over positions, per hidden state
+    first_diverging_layer: int | None = None
+
+    @property
+    def argmax_matches(self) -> int:
+        return sum(p.ours_argmax == p.ref_argmax for p in self.positions)
+
+    @property
+    def min_cosine(self) -> float:
+        return min(p.cosine for p in self.positions)
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max(p.max_abs_diff for p in self.positions)
+
+    @property
+    def min_top5_overlap(self) -> int:
+        return min(p.top5_overlap for p in self.positions)
+
+    @property
+    def passed(self) -> bool:
+        return self.argmax_matches == self.num_tokens and self.min_cosine >= self.min_cosine_required
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(
+            passed=self.passed,
+            argmax_matches=self.argmax_matches,
+            min_cosine=self.min_cosine,
+            max_abs_diff=self.max_abs_diff,
+            min_top5_overlap=self.min_top5_overlap,
+        )
+        return data
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> list[PositionStats]:
+    """Per-position statistics of two (T, V) logit tensors (compared in float64)."""
+    ours, ref = ours.double(), ref.double()
+    if ours.shape != ref.shape:
+        raise LollmError(f"logit shapes differ: ours {tuple(ours.shape)}, reference {tuple(ref.shape)}")
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    diff = (ours - ref).abs().amax(dim=-1)
+    top_ours = ours.topk(5, dim=-1).indices
+    top_ref = ref.topk(5, dim=-1).indices
+    stats = []
+    for t in range(ours.shape[0]):
+        overlap = len(set(top_ours[t].tolist()) & set(top_ref[t].tolist()))
+        stats.append(
+            PositionStats(t, ids[t], int(ours[t].argmax()), int(ref[t].argmax()), overlap, float(cos[t]), float(diff[t]))
+        )
+    return stats
+
+
+def layer_cosines(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
+    """Minimum cosine over positions of each pair of hidden states ((1, T, H) each)."""
+    out = []
+    for a, b in zip(ours, ref):
+        out.append(float(torch.nn.functional.cosine_similarity(a[0].double(), b[0].double(), dim=-1).min()))
+    return out
+
+
+def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """transformers' ``AutoModelForCausalLM`` on the same folder, returning (logits, hidden_states)."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise LollmError("the parity gate needs transformers: pip install 'lollm-core[parity]'") from None
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
+    model.eval()
+
+    @torch.inference_mode()
+    def run(ids: torch.Tensor):
+        out = model(ids, output_hidden_states=True, use_cache=False)
+        return out.logits[0].float(), [h.float() for h in out.hidden_states]
+
+    return run
+
+
+def run_parity(
+    spec: str,
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    ids: list[int] | None = None,
+    chat: bool = False,
+    dtype: str = "float32",
+    device: str = "cpu",
+    min_cosine: float | None = None,
+) -> ParityReport:
+    """Run ours, then the reference, on the same ids; return the report (it does not raise on failure)."""
+    # 1. Ours: load, run every position, keep logits and hidden states, free the model.
+    loaded = open_model(spec, device=device, dtype=dtype)
+    tokenizer = loaded.tokenizer
+    if ids is None:
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
+    hidden: list[torch.Tensor] = []
+    with torch.inference_mode():
+        ours_logits = loaded.model(input_ids, None, hidden_states=hidden)[0].float().cpu()
+    hidden = [h.float().cpu() for h in hidden]
+    checkpoint, installed, dt, dev = loaded.checkpoint, loaded.family, loaded.dtype, loaded.device
+    del loaded
+    gc.collect()
+
+    # 2. The reference, built the way the family says (default: transformers AutoModelForCausalLM).
+    if installed.family.parity_reference:
+        build = installed.family.resolve("parity_reference")
+    else:
+        build = default_reference
+    reference = build(checkpoint, dt)
+    ref_logits, ref_hidden = reference(input_ids.cpu() if dev.type == "cpu" else input_ids)
+    ref_logits = ref_logits.float().cpu()
+    del reference
+    gc.collect()
+
+    # 3. Compare.
+    required = min_cosine if min_cosine is not None else (0.99999 if dt == torch.float32 else 0.99)
+    report = ParityReport(
+        model=spec, family=installed.family.name, dtype=str(dt).removeprefix("torch."), device=str(dev),
+        num_tokens=len(ids), min_cosine_required=required,
+    )
+    report.positions = compare_logits(ours_logits, ref_logits, ids)
+    if ref_hidden and len(ref_hidden) == len(hidden):
+        report.layer_cosines = layer_cosines(hidden, [h.cpu() for h in ref_hidden])
+        if not report.passed:
+            for i, c in enumerate(report.layer_cosines):
+                if c < required:
+                    report.first_diverging_layer = i
+                    break
+    return report

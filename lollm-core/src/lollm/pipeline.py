@@ -1,0 +1,83 @@
+"""From a spec to a ready model: loader ─► router ─► family.load.
+
+This is the path every command takes (``lollm run``, ``parity``, ``bench``)
+and the one-call entry point for Python users::
+
+    from lollm.pipeline import open_model
+    loaded = open_model("path/to/qwen2-folder")
+    ids = loaded.tokenizer.encode("Hello")
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lollm.errors import LollmError
+from lollm.loader import Checkpoint, load_checkpoint
+from lollm.plugins import InstalledFamily, get_registry
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``auto`` is CUDA when available, then Apple's MPS, then the CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise LollmError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+
+
+def pick_dtype(name: str, device: torch.device, config: dict[str, Any]) -> torch.dtype:
+    """``auto`` is float32 on the CPU (fast and exact there) and the checkpoint's own dtype elsewhere."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return DTYPES.get(str(stored), torch.float32)
+    if name not in DTYPES:
+        raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(set(DTYPES)))})")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint, the family that serves it, and the model it built."""
+
+    checkpoint: Checkpoint
+    family: InstalledFamily
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+    @property
+    def tokenizer(self):
+        return self.checkpoint.tokenizer
+
+
+def route(checkpoint: Checkpoint) -> InstalledFamily:
+    """The installed family that serves this checkpoint (see :mod:`lollm.plugins`)."""
+    return get_registry().route(checkpoint.model_type)
+
+
+def open_model(spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool = False) -> LoadedModel:
+    """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses."""
+    checkpoint = load_checkpoint(spec)
+    installed = route(checkpoint)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev, checkpoint.config)
+    load = installed.family.resolve("load")
+    start = time.perf_counter()
+    model = load(checkpoint.config, checkpoint.weights, checkpoint.fmt, dev, dt, progress)
+    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start)

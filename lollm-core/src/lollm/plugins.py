@@ -1,0 +1,201 @@
+"""Finding the installed family plugins, and routing a checkpoint to one of them.
+
+Flow::
+
+    entry points "lollm.families"  ─►  pluggy PluginManager  ─►  lollm_register_families(register)
+                                                                     │
+                                              Registry: model_type ─► InstalledFamily
+
+Each entry point is loaded in its own try/except: a plugin that fails to
+import is reported (``Registry.broken``) and the others keep working. The
+router only routes: an unknown type, or a type two plugins claim, is an error
+naming what is installed, never a silent pick.
+
+This module imports no torch and no model code.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import pluggy
+
+from lollm import hookspecs
+from lollm.errors import DuplicateModelType, PluginError, UnknownModelType
+from lollm.family import Family, validate_family
+
+#: Which distribution serves a model type, for the error message when none is
+#: installed. A hint only: routing uses the installed plugins, never this table.
+KNOWN_PROVIDERS = {
+    "qwen2": "lollm-qwen",
+    "qwen3": "lollm-qwen",
+    "gemma2": "lollm-gemma",
+    "gemma3": "lollm-gemma",
+    "gemma3_text": "lollm-gemma",
+    "gemma4": "lollm-gemma",
+    "gemma4_text": "lollm-gemma",
+    "qwen3_5": "lollm-qwen3_5",
+    "qwen3_5_text": "lollm-qwen3_5",
+    "qwen3_5_moe": "lollm-qwen3_5",
+    "qwen3_5_moe_text": "lollm-qwen3_5",
+}
+
+
+@dataclass(frozen=True)
+class InstalledFamily:
+    """A registered :class:`Family` plus where it came from."""
+
+    family: Family
+    plugin: str  # entry-point name
+    distribution: str  # distribution (pip package) name, e.g. "lollm-qwen"
+    version: str
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An entry point that could not be loaded or registered, and why."""
+
+    plugin: str
+    distribution: str
+    error: str
+
+
+@dataclass
+class Registry:
+    """All installed families, indexed by model type and GGUF architecture."""
+
+    families: list[InstalledFamily] = field(default_factory=list)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    by_model_type: dict[str, InstalledFamily] = field(default_factory=dict)
+    by_gguf_architecture: dict[str, InstalledFamily] = field(default_factory=dict)
+    # a type claimed twice maps to every claimant; looked up only to raise
+    conflicts: dict[str, list[InstalledFamily]] = field(default_factory=dict)
+
+    # -- building -------------------------------------------------------
+    def add(self, entry: InstalledFamily) -> None:
+        if any(f.family.name == entry.family.name for f in self.families):
+            other = next(f for f in self.families if f.family.name == entry.family.name)
+            raise PluginError(
+                f"family name {entry.family.name!r} is registered twice: by {_who(other)} and by {_who(entry)}"
+            )
+        self.families.append(entry)
+        for kind, keys, index in (
+            ("model type", entry.family.model_types, self.by_model_type),
+            ("GGUF architecture", entry.family.gguf_architectures, self.by_gguf_architecture),
+        ):
+            for key in keys:
+                slot = f"{kind}:{key}"
+                if slot in self.conflicts:
+                    self.conflicts[slot].append(entry)
+                elif key in index:
+                    self.conflicts[slot] = [index.pop(key), entry]
+                else:
+                    index[key] = entry
+
+    # -- routing --------------------------------------------------------
+    def route(self, model_type: str | None = None, *, gguf_architecture: str | None = None) -> InstalledFamily:
+        """Return the family serving ``model_type`` (or ``gguf_architecture``).
+
+        Raises UnknownModelType (naming the type, the installed families with
+        their distributions, and the distribution that would serve it when
+        known) or DuplicateModelType (naming both claimants).
+        """
+        if (model_type is None) == (gguf_architecture is None):
+            raise ValueError("route() needs exactly one of model_type or gguf_architecture")
+        kind = "model type" if model_type is not None else "GGUF architecture"
+        key = model_type if model_type is not None else gguf_architecture
+        index = self.by_model_type if model_type is not None else self.by_gguf_architecture
+        claimants = self.conflicts.get(f"{kind}:{key}")
+        if claimants:
+            names = " and ".join(_who(c) for c in claimants)
+            raise DuplicateModelType(
+                f"{kind} {key!r} is claimed by more than one installed plugin: {names}; "
+                f"uninstall one of them"
+            )
+        if key in index:
+            return index[key]
+        raise UnknownModelType(self._unknown_message(kind, key))
+
+    def _unknown_message(self, kind: str, key: str) -> str:
+        lines = [f"no installed lollm family serves {kind} {key!r}."]
+        provider = KNOWN_PROVIDERS.get(key)
+        if provider:
+            lines.append(f"It is provided by the distribution {provider!r}: pip install {provider}")
+        if self.families:
+            lines.append("Installed families:")
+            for f in self.families:
+                types = ", ".join(f.family.model_types + f.family.gguf_architectures)
+                lines.append(f"  {f.family.name} ({types}) from {f.distribution} {f.version}")
+        else:
+            lines.append("No family plugin is installed (only lollm-core).")
+        for b in self.broken:
+            lines.append(f"Plugin {b.plugin!r} from {b.distribution} failed to load: {b.error}")
+        return "\n".join(lines)
+
+
+def _who(entry: InstalledFamily) -> str:
+    return f"family {entry.family.name!r} of plugin {entry.plugin!r} ({entry.distribution} {entry.version})"
+
+
+def _entry_points() -> Iterable[md.EntryPoint]:
+    return md.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
+
+
+def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_plugins: Iterable[tuple[str, object]] = ()) -> Registry:
+    """Load every plugin and collect its families.
+
+    ``entry_points`` defaults to the installed ones; ``extra_plugins`` are
+    ``(name, module_or_object)`` pairs registered directly (used by tests and
+    the conformance kit). A plugin that fails to import or registers a bad
+    family is recorded in ``Registry.broken`` and skipped; the others load.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    sources: list[tuple[str, str, str, object]] = []
+    for ep in _entry_points() if entry_points is None else entry_points:
+        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        try:
+            obj = ep.load()
+        except Exception as exc:  # any failure of third-party code
+            registry.broken.append(BrokenPlugin(ep.name, dist, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}"))
+            continue
+        sources.append((ep.name, dist, version, obj))
+    for name, obj in extra_plugins:
+        sources.append((name, name, "(local)", obj))
+
+    for name, dist, version, obj in sources:
+        collected: list[Family] = []
+
+        def register(family, _plugin=name, _out=collected):
+            _out.append(validate_family(family, plugin=_plugin))
+
+        try:
+            pm.register(obj, name=name)
+            pm.subset_hook_caller("lollm_register_families", remove_plugins=[p for p in pm.get_plugins() if p is not obj])(register=register)
+        except PluginError as exc:
+            registry.broken.append(BrokenPlugin(name, dist, str(exc)))
+            continue
+        except Exception as exc:
+            registry.broken.append(BrokenPlugin(name, dist, f"lollm_register_families raised {type(exc).__name__}: {exc}"))
+            continue
+        for family in collected:
+            try:
+                registry.add(InstalledFamily(family, name, dist, version))
+            except PluginError as exc:
+                registry.broken.append(BrokenPlugin(name, dist, str(exc)))
+    return registry
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The registry of installed plugins, built once per process."""
+    global _REGISTRY
+    if _REGISTRY is None or refresh:
+        _REGISTRY = build_registry()
+    return _REGISTRY

