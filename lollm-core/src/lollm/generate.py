@@ -40,6 +40,12 @@ class GenerationResult:
     stop_reason: str = "max_new_tokens"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    drafted: int = 0  # speculative decoding: draft tokens proposed
+    accepted: int = 0  # and how many of them the main model confirmed
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -110,6 +116,7 @@ def generate(
     stop_strings: Iterable[str] = (),
     tokenizer: Any = None,
     on_text: Callable[[str], None] | None = None,
+    speculative_tokens: int = 0,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -117,7 +124,11 @@ def generate(
     strings; without it only ids are produced. ``on_text`` receives each piece
     of text as soon as it is safe to print (whole UTF-8 characters, never the
     beginning of a stop string). The model runs on its own device; ids are
-    moved there. Raises GenerationError for an empty prompt, a non-positive
+    moved there.
+
+    ``speculative_tokens > 0`` turns on self-speculative decoding with the
+    model's draft head (see :func:`_speculative_steps`); the output is exactly
+    the same as without it. Raises GenerationError for an empty prompt, a non-positive
     ``max_new_tokens`` or a prompt that does not fit the model's context.
     """
     if not prompt_ids:
@@ -138,7 +149,8 @@ def generate(
     decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
     watcher = _StopStringWatcher(stop_strings)
     history = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
-    cache = model.new_cache(len(prompt_ids) + max_new_tokens)
+    # room for the drafts a speculative step writes before it rolls back
+    cache = model.new_cache(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0))
 
     def emit(piece: str) -> None:
         if piece:
@@ -153,8 +165,17 @@ def generate(
     result.prefill_seconds = time.perf_counter() - start
 
     # 2. Decode: feed back one token at a time until a stop condition.
+    #    With a draft head, each step may yield several tokens (draft, then verify).
     start = time.perf_counter()
+    if speculative_tokens > 0:
+        if not getattr(model, "has_draft_head", False):
+            raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
+        steps = _speculative_steps(model, cache, sampler, next_id, history, speculative_tokens, result, device)
+    else:
+        steps = None
     while True:
+        if steps is not None:
+            next_id = next(steps)
         result.new_ids.append(next_id)
         history = torch.cat([history, torch.tensor([next_id])])
         if next_id in stop_ids:
@@ -169,11 +190,54 @@ def generate(
         if len(result.new_ids) >= max_new_tokens:
             result.stop_reason = "max_new_tokens" if cache.length + 1 < model.max_context else "context"
             break
-        logits = model(torch.tensor([[next_id]], dtype=torch.long, device=device), cache)
-        next_id = sampler(logits[0, -1], history)
+        if steps is None:
+            logits = model(torch.tensor([[next_id]], dtype=torch.long, device=device), cache)
+            next_id = sampler(logits[0, -1], history)
     result.decode_seconds = time.perf_counter() - start
 
+    if steps is not None:
+        steps.close()
     # 3. Whatever text the stream decoder and the stop-string watcher still hold.
     if decoder is not None and result.stop_reason != "stop_string":
         emit(watcher.finish(decoder.flush()))
     return result
+
+
+def _speculative_steps(model, cache, sampler, first_id: int, history: torch.Tensor, k: int, result: GenerationResult, device):
+    """Yield the tokens of self-speculative decoding, one at a time (draft k, verify in one forward).
+
+    The model drafts ``k`` tokens after ``pending`` (the newest token, not yet
+    in the cache) with its cheap draft head: ``model.draft(cache, pending, k)``.
+    The main model then runs once over ``[pending, d1 … dk]`` and, at each of
+    those positions, the sampler picks the token the main model would have
+    produced. Drafts are accepted while they equal those picks; the first pick
+    that differs (or the pick after the last draft) is the bonus token. The
+    cache is rolled back to the accepted prefix (``cache.rollback(length)``).
+    Because every emitted token is the main model's own pick, made with the
+    same sampler in the same order, the output equals plain decoding exactly.
+    """
+    yield first_id
+    pending = first_id
+    seen = history.clone()
+    seen = torch.cat([seen, torch.tensor([first_id])])
+    while True:
+        room = cache.max_tokens - cache.length - 1  # positions left after `pending`
+        drafts = model.draft(cache, pending, min(k, room)) if room > 0 else []
+        start = cache.length
+        ids = torch.tensor([[pending] + drafts], dtype=torch.long, device=device)
+        logits = model(ids, cache)  # (1, 1 + len(drafts), V)
+        result.drafted += len(drafts)
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            pick = sampler(logits[0, i], seen)
+            seen = torch.cat([seen, torch.tensor([pick])])
+            if i < len(drafts) and pick == drafts[i]:
+                accepted += 1
+                yield pick
+                continue
+            # the main model disagrees (or all drafts were accepted): keep the cache up to here
+            cache.rollback(start + 1 + accepted)
+            result.accepted += accepted
+            pending = pick
+            yield pick
+            break

@@ -22,6 +22,9 @@ class Cache(Protocol):
     length: int
     max_tokens: int
 
+    def rollback(self, length: int) -> None:
+        """Forget every position from ``length`` on (speculative decoding only; optional otherwise)."""
+
 
 class CausalLM(Protocol):
     """A decoder-only language model as the loop, the parity gate and the benchmark use it.
@@ -66,3 +69,23 @@ class CausalLM(Protocol):
         """
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
+class DraftModel(CausalLM, Protocol):
+    """A model with a draft head for self-speculative decoding (e.g. Qwen3.5's MTP head).
+
+    has_draft_head: True when the checkpoint carried the head's weights.
+
+    ``draft(cache, pending, num_tokens)`` proposes ``num_tokens`` greedy tokens
+    that follow ``pending`` (the newest token, not yet written to the cache),
+    using whatever the last forward left in the cache (e.g. the final hidden
+    state). It must not change what the main model's cache holds for positions
+    ``< cache.length``. The loop then verifies ``[pending, *drafts]`` with one
+    ordinary forward and calls ``cache.rollback(length)`` to drop the rejected
+    positions, so the cache must be able to forget the positions written by
+    its most recent forward.
+    """
+
+    has_draft_head: bool
+
+    def draft(self, cache: Cache, pending: int, num_tokens: int) -> list[int]: ...
