@@ -57,6 +57,9 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle). Default: the template's own default."),
+    mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
 ) -> None:
@@ -71,6 +74,14 @@ def run(
         prompt = sys.stdin.read()
     loaded = open_model(model, device=device, dtype=dtype, progress=True)
     tokenizer = loaded.tokenizer
+    capabilities = loaded.family.family.capabilities
+    if think is not None and not capabilities.thinking_toggle:
+        raise LollmError(f"--think/--no-think: the family {loaded.family.family.name!r} has no thinking toggle")
+    if mtp and not capabilities.speculative_head:
+        raise LollmError(f"--mtp: the family {loaded.family.family.name!r} has no speculative (MTP) head")
+    if mtp and not getattr(loaded.model, "has_draft_head", False):
+        raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
+    template_flags = {} if think is None else {"enable_thinking": think}
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
             err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
@@ -78,7 +89,7 @@ def run(
             raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
         ids = tokenizer.encode(prompt)
     else:
-        ids = tokenizer.encode_chat(_messages(prompt, system), add_generation_prompt=True)
+        ids = tokenizer.encode_chat(_messages(prompt, system), add_generation_prompt=True, **template_flags)
     user = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
     sampling = resolve_sampling(user, loaded.checkpoint.generation_config, loaded.family.family.sampling_defaults, seed=seed)
     stops = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, tokenizer)
@@ -89,7 +100,7 @@ def run(
 
     result = generate(
         loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
-        stop_strings=stop, tokenizer=tokenizer, on_text=show,
+        stop_strings=stop, tokenizer=tokenizer, on_text=show, speculative_tokens=draft_tokens if mtp else 0,
     )
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -98,6 +109,11 @@ def run(
         f"decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
         f"{loaded.family.family.name} on {loaded.device} {str(loaded.dtype).removeprefix('torch.')}]") + "[/dim]"
     )
+    if mtp:
+        err.print(
+            f"[dim]MTP: {result.accepted} of {result.drafted} drafted tokens accepted "
+            f"(acceptance rate {result.acceptance_rate:.1%})[/dim]"
+        )
 
 
 @app.command()
