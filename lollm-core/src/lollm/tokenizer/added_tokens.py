@@ -1,0 +1,130 @@
+"""Added tokens: strings such as ``<|im_start|>`` that are cut out of the text *before* BPE runs.
+
+Why they need their own step
+----------------------------
+A chat model learns control tokens like ``<|im_start|>`` or ``<|endoftext|>``
+as single ids. If the text went straight to the pre-tokenizer, ``<|im_start|>``
+would be cut into ``<|``, ``im``, ``_start``, ``|>`` and encoded as several
+ordinary tokens the model never saw in that role. So the tokenizer first scans
+the raw text for every added token, emits its id directly, and runs the normal
+pipeline (normalize, pre-tokenize, BPE) only on the text *between* them.
+
+How the scan works (following the Hugging Face tokenizers library)
+-------------------------------------------------------------------
+* Matching is *leftmost-longest*: scanning from the left, the first position
+  where some added token starts wins, and among the tokens starting there the
+  longest wins. Matches never overlap.
+* It happens in two passes. Tokens with ``normalized=False`` (all of Qwen's)
+  are matched on the raw text. Then the remaining text is normalized and the
+  tokens with ``normalized=True`` are matched on the normalized text.
+* Per-token flags: ``single_word`` only accepts a match that is not glued to
+  a word character on either side; ``lstrip`` / ``rstrip`` make the token
+  swallow the whitespace on its left / right.
+* ``special`` marks control tokens: ``decode(..., skip_special_tokens=True)``
+  leaves them out. Special or not, they are always matched in the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import regex
+
+from lollm.errors import TokenizerError
+
+_ENDS_WITH_WORD_CHAR = regex.compile(r"\w\Z")
+_STARTS_WITH_WORD_CHAR = regex.compile(r"\A\w")
+_TRAILING_WHITESPACE = regex.compile(r"\s*\Z")
+_LEADING_WHITESPACE = regex.compile(r"\A\s*")
+
+
+@dataclass(frozen=True)
+class AddedToken:
+    """One added token with the flags of tokenizer.json's ``added_tokens`` entries."""
+
+    id: int
+    content: str
+    special: bool = False
+    lstrip: bool = False
+    rstrip: bool = False
+    single_word: bool = False
+    normalized: bool = True
+
+
+#: One piece of text after the added-token scan: its text and, when the piece
+#: is an added token, that token's id (``None`` for ordinary text).
+Piece = tuple[str, "int | None"]
+
+
+class AddedVocabulary:
+    """All added tokens of a tokenizer, and the scan that cuts them out of a text."""
+
+    def __init__(self, tokens: Iterable[AddedToken]) -> None:
+        self.tokens: list[AddedToken] = list(tokens)
+        self.by_content: dict[str, AddedToken] = {}
+        self.by_id: dict[int, AddedToken] = {}
+        for token in self.tokens:
+            if token.content == "":
+                raise TokenizerError(f"added token id {token.id} has empty content")
+            self.by_content[token.content] = token
+            self.by_id[token.id] = token
+        self._raw_matcher = self._matcher([t for t in self.tokens if not t.normalized])
+        self._normalized_matcher = self._matcher([t for t in self.tokens if t.normalized])
+
+    @staticmethod
+    def _matcher(tokens: list[AddedToken]) -> regex.Pattern | None:
+        """A regex that finds these tokens leftmost-longest.
+
+        A regex alternation tries its branches in order at each position, so
+        listing longer tokens first makes the longest token win at the leftmost
+        position where any of them matches.
+        """
+        if not tokens:
+            return None
+        contents = sorted({t.content for t in tokens}, key=lambda c: (-len(c), c))
+        return regex.compile("|".join(regex.escape(c) for c in contents))
+
+    def split(self, text: str, normalizer: Callable[[str], str] | None = None) -> list[Piece]:
+        """Cut ``text`` into ordinary text and added tokens; normalize the ordinary text on the way.
+
+        Returns ``(text, None)`` for text that still has to be pre-tokenized
+        and BPE-encoded, and ``(content, id)`` for each added token found.
+        """
+        pieces: list[Piece] = self._find(text, self._raw_matcher)
+        out: list[Piece] = []
+        for piece_text, token_id in pieces:
+            if token_id is not None:
+                out.append((piece_text, token_id))
+                continue
+            if normalizer is not None:
+                piece_text = normalizer(piece_text)
+            out.extend(self._find(piece_text, self._normalized_matcher))
+        return [(t, i) for t, i in out if i is not None or t]
+
+    def _find(self, text: str, matcher: regex.Pattern | None) -> list[Piece]:
+        if matcher is None or not text:
+            return [(text, None)]
+        pieces: list[Piece] = []
+        done = 0  # everything before this offset is already in `pieces`
+        for match in matcher.finditer(text):
+            token = self.by_content[match.group()]
+            start, stop = match.start(), match.end()
+            if start < done:
+                continue  # inside whitespace that an rstrip token already swallowed
+            if token.single_word:
+                glued_left = start > 0 and _ENDS_WITH_WORD_CHAR.search(text[:start]) is not None
+                glued_right = stop < len(text) and _STARTS_WITH_WORD_CHAR.search(text[stop:]) is not None
+                if glued_left or glued_right:
+                    continue  # e.g. "<mask>" inside "a<mask>b" is not a word of its own
+            if token.lstrip:
+                start = max(_TRAILING_WHITESPACE.search(text[:start]).start(), done)
+            if token.rstrip:
+                stop += _LEADING_WHITESPACE.match(text[stop:]).end()
+            if start > done:
+                pieces.append((text[done:start], None))
+            pieces.append((text[start:stop], token.id))
+            done = stop
+        if done < len(text):
+            pieces.append((text[done:], None))
+        return pieces

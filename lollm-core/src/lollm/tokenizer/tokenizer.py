@@ -1,0 +1,230 @@
+"""The :class:`Tokenizer`: text <-> token ids, chat prompts, and streaming decode.
+
+Encoding runs the same pipeline as the Hugging Face tokenizers library::
+
+    text
+      -> cut out added tokens (<|im_start|>, ...)       added_tokens.py
+      -> normalize the text between them (NFC, ...)      normalize.py
+      -> pre-tokenize it into words                      pretokenize.py
+      -> BPE-encode each word                            bpe.py
+      -> add the post-processor's bos/eos ids            (here)
+
+Decoding goes backwards: each id becomes its token string, each token string
+becomes bytes (byte_level.py), and the concatenated bytes are read as UTF-8.
+
+A ``Tokenizer`` is built from files by :func:`lollm.tokenizer.load_tokenizer`;
+it never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lollm.errors import TokenizerError
+from lollm.tokenizer.added_tokens import AddedVocabulary
+from lollm.tokenizer.bpe import BPE
+from lollm.tokenizer.byte_level import byte_symbols_to_bytes
+from lollm.tokenizer.chat import ChatTemplate
+from lollm.tokenizer.pretokenize import PreTokenizer
+from lollm.tokenizer.stream import StreamDecoder
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2, Qwen2, Llama 3 style) with its special tokens and chat template.
+
+    Public attributes:
+
+    * ``vocab_size``: number of ids, added tokens included (largest id + 1).
+    * ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: ids of the tokens
+      tokenizer_config.json names ``bos_token`` / ``eos_token`` / ``pad_token``
+      (``None`` when it names none).
+    * ``add_bos``: whether ``encode(text)`` (with ``add_special_tokens=True``)
+      puts ``bos_token_id`` in front. Qwen: False; Llama 3: True.
+    * ``special_token_ids``: ids of the added tokens marked special (control
+      tokens that ``skip_special_tokens=True`` leaves out of decoded text).
+    * ``chat_template``: the default chat template's Jinja source, or ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: BPE,
+        pre_tokenizer: PreTokenizer,
+        added_vocabulary: AddedVocabulary,
+        normalizer: Callable[[str], str] | None = None,
+        prefix_ids: list[int] | None = None,
+        suffix_ids: list[int] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_templates: Mapping[str, ChatTemplate] | None = None,
+    ) -> None:
+        self._model = model
+        self._pre_tokenizer = pre_tokenizer
+        self._added = added_vocabulary
+        self._normalizer = normalizer
+        #: ids the post-processor puts before / after the text's ids (e.g. [bos]).
+        self._prefix_ids = list(prefix_ids or [])
+        self._suffix_ids = list(suffix_ids or [])
+        #: names -> text of the named special tokens ("bos_token": "<|endoftext|>", ...).
+        self._special_tokens = dict(special_tokens or {})
+        self._chat_templates = dict(chat_templates or {})
+
+        # id -> token string for the whole vocabulary; added tokens win.
+        self._id_to_token: dict[int, str] = {token_id: token for token, token_id in model.vocab.items()}
+        for added in added_vocabulary.tokens:
+            self._id_to_token[added.id] = added.content
+        self._token_bytes_cache: dict[int, bytes] = {}
+
+        self.vocab_size: int = max(self._id_to_token) + 1 if self._id_to_token else 0
+        self.bos_token_id: int | None = self._named_token_id("bos_token")
+        self.eos_token_id: int | None = self._named_token_id("eos_token")
+        self.pad_token_id: int | None = self._named_token_id("pad_token")
+        self.add_bos: bool = self.bos_token_id is not None and self.bos_token_id in self._prefix_ids
+        self.special_token_ids: frozenset[int] = frozenset(t.id for t in added_vocabulary.tokens if t.special)
+
+    def _named_token_id(self, name: str) -> int | None:
+        content = self._special_tokens.get(name)
+        if content is None:
+            return None
+        token_id = self.token_to_id(content)
+        if token_id is None:
+            raise TokenizerError(f"{name} {content!r} is neither an added token nor in the vocabulary")
+        return token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source of the default chat template (``None`` when the model ships none)."""
+        template = self._chat_templates.get("default")
+        return template.source if template is not None else None
+
+    # ----------------------------------------------------------------- encode
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        Added tokens written in the text (``"<|im_end|>"``) become their single
+        id. With ``add_special_tokens=True`` the post-processor's ids (``bos``
+        for Llama 3; nothing for Qwen) are added around the text.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        ids: list[int] = []
+        for piece, added_id in self._added.split(text, self._normalizer):
+            if added_id is not None:
+                ids.append(added_id)
+                continue
+            try:
+                words = self._pre_tokenizer.pre_tokenize(piece)
+            except UnicodeEncodeError:
+                raise TokenizerError(
+                    "the text contains a lone surrogate code point (U+D800..U+DFFF), which is not valid Unicode "
+                    "and has no UTF-8 bytes"
+                ) from None
+            for word in words:
+                ids.extend(self._model.encode_word(word))
+        if add_special_tokens:
+            ids = self._prefix_ids + ids + self._suffix_ids
+        return ids
+
+    # ----------------------------------------------------------------- lookups
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string as stored in the vocabulary (``'Ġhello'``, ``'<|im_end|>'``), or ``None``."""
+        added = self._added.by_content.get(token)
+        if added is not None:
+            return added.id
+        return self._model.vocab.get(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The raw vocabulary string of an id (``'Ġhello'`` for " hello"); unknown ids are an error."""
+        try:
+            return self._id_to_token[token_id]
+        except (KeyError, TypeError):
+            raise TokenizerError(f"token id {token_id!r} is not in the vocabulary (vocab_size {self.vocab_size})") from None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (b' hello' for 'Ġhello'; a piece of a character for a split emoji)."""
+        cached = self._token_bytes_cache.get(token_id)
+        if cached is None:
+            cached = byte_symbols_to_bytes(self.id_to_token(token_id))
+            self._token_bytes_cache[token_id] = cached
+        return cached
+
+    # ----------------------------------------------------------------- decode
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of a list of ids: the bytes of all tokens joined, read as UTF-8.
+
+        Bytes that do not form valid UTF-8 (for example a generation cut in the
+        middle of an emoji) become U+FFFD. ``skip_special_tokens`` leaves out
+        the ids in :attr:`special_token_ids`.
+        """
+        data = b"".join(
+            self.token_bytes(token_id)
+            for token_id in ids
+            if not (skip_special_tokens and token_id in self.special_token_ids)
+        )
+        return data.decode("utf-8", errors="replace")
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Readable text of each id on its own, for showing a tokenization (``lollm tokenize``).
+
+        A token that holds only part of a multi-byte character shows its bytes
+        as ``\\xNN`` escapes (the two tokens of "鱻" show as ``'\\xe9\\xb1'`` and ``'\\xbb'``).
+        """
+        return [self.token_bytes(token_id).decode("utf-8", errors="backslashreplace") for token_id in ids]
+
+    def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
+        """A fresh :class:`StreamDecoder` to print generated ids as they come."""
+        skip = self.special_token_ids if skip_special_tokens else frozenset()
+        return StreamDecoder(self.token_bytes, skip)
+
+    # ----------------------------------------------------------------- chat
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` into the prompt text with the model's chat template.
+
+        ``add_generation_prompt`` appends the header of a new assistant turn
+        (``<|im_start|>assistant\\n`` for Qwen) so the model answers next.
+        Extra keywords (``enable_thinking=False``, ...) are passed to the template.
+        """
+        template = self._select_chat_template(tools)
+        return template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            special_tokens=self._special_tokens,
+            **template_kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
+
+        The template writes its own control tokens, so this equals transformers'
+        ``apply_chat_template(messages, tokenize=True)``.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def _select_chat_template(self, tools: Any) -> ChatTemplate:
+        # Like transformers: a template named "tool_use" is preferred when tools are given.
+        if tools and "tool_use" in self._chat_templates:
+            return self._chat_templates["tool_use"]
+        if "default" in self._chat_templates:
+            return self._chat_templates["default"]
+        if self._chat_templates:
+            names = ", ".join(sorted(self._chat_templates))
+            raise TokenizerError(f"the tokenizer has chat templates named {names} but none named 'default'")
+        raise TokenizerError(
+            "this tokenizer has no chat template (no chat_template.jinja and no 'chat_template' in "
+            "tokenizer_config.json); use plain text completion instead"
+        )
