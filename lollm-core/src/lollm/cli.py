@@ -7,6 +7,7 @@ Commands::
     lollm tokenize  MODEL TEXT [--chat]      how text becomes token ids
     lollm parity    MODEL                    our logits against transformers'
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
+    lollm inspect   MODEL                    metadata and tensor table of a GGUF file or safetensors folder
 
 Any :class:`lollm.errors.LollmError` is printed as one ``error:`` line on
 stderr with exit status 2; ``parity`` exits 1 when the gate fails.
@@ -253,24 +254,59 @@ def bench(
         out.print(f"ratio lollm/transformers: prefill {ratios['prefill_tok_s']:.2f}×, decode {ratios['decode_tok_s']:.2f}×")
 
 
+@app.command()
+def inspect(
+    model: str = typer.Argument(..., help="A .gguf file or a safetensors checkpoint folder."),
+    tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Print the tensor table."),
+    as_json: bool = typer.Option(False, "--json", help="Print everything as JSON (arrays summarized)."),
+) -> None:
+    """Show what is inside a checkpoint: metadata, tensors (name, shape, type, bytes), totals per type."""
+    from lollm.inspect import inspect_checkpoint, summarize
+
+    inv = inspect_checkpoint(model)
+    totals = inv.totals()
+    if as_json:
+        print(json.dumps({
+            "path": str(inv.path), "format": inv.fmt,
+            "metadata": {k: summarize(v) for k, v in inv.metadata.items()},
+            "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.type, "bytes": t.nbytes} for t in inv.tensors],
+            "totals": {k: {"tensors": n, "bytes": b} for k, (n, b) in totals.items()},
+            "total_bytes": inv.total_bytes,
+        }, indent=2, ensure_ascii=False))
+        return
+    meta = Table(title=f"{inv.path} ({inv.fmt}): metadata")
+    meta.add_column("key")
+    meta.add_column("value")
+    for key, value in inv.metadata.items():
+        meta.add_row(escape(str(key)), escape(summarize(value)))
+    out.print(meta)
+    if tensors:
+        table = Table(title=f"{len(inv.tensors)} tensors")
+        for col, justify in (("name", "left"), ("shape", "left"), ("type", "left"), ("bytes", "right")):
+            table.add_column(col, justify=justify)
+        for t in inv.tensors:
+            table.add_row(escape(t.name), "×".join(map(str, t.shape)) or "scalar", t.type, f"{t.nbytes:,}")
+        out.print(table)
+    summary = Table(title="totals per type")
+    for col in ("type", "tensors", "bytes"):
+        summary.add_column(col, justify="right")
+    for kind, (n, b) in totals.items():
+        summary.add_row(kind, str(n), f"{b:,}")
+    summary.add_row("all", str(len(inv.tensors)), f"{inv.total_bytes:,}")
+    out.print(summary)
+
+
 def main() -> None:
     """Console-script entry point: run the Typer app, turning LollmError into one clean line."""
+    # Standalone mode: click itself prints usage errors (status 2), --help, and
+    # turns typer.Exit(code) into that exit status; our own errors pass through it.
     try:
-        app(standalone_mode=False)
+        app()
     except LollmError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
 
 
 if __name__ == "__main__":

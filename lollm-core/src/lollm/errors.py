@@ -15,6 +15,10 @@ class CheckpointError(LollmError):
     """A checkpoint folder, file or repo id is missing, incomplete or of a refused kind (pickle)."""
 
 
+class GGUFError(CheckpointError):
+    """A GGUF file is truncated, corrupted or uses a feature we do not read; the message names the file and the field or tensor."""
+
+
 class ConfigError(LollmError):
     """config.json (or GGUF metadata) is missing a key, or has a value we do not implement."""
 

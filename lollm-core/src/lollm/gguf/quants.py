@@ -1,0 +1,617 @@
+"""ggml tensor types and their dequantization to float32, in numpy.
+
+A GGUF file stores every tensor as a run of *blocks*. A block holds a fixed
+number of weights (``block_size``) in a fixed number of bytes
+(``type_size``): one weight in 4 bytes for ``F32``, 32 weights in 18 bytes
+for ``Q4_0``, 256 weights in 144 bytes for ``Q4_K``. Inside a block, a few
+bytes are *scales* (float16 numbers, or small integers that multiply a
+float16 super-scale) and the rest are small integers packed several to a
+byte. Dequantizing is: unpack the integers, unpack the scales, multiply.
+
+How to read this module
+-----------------------
+* :data:`GGML_TYPES` is the table of every ggml type id that a GGUF file can
+  name, with its block size and bytes per block (from ggml's own type table).
+  Knowing the sizes of *every* type lets the reader validate the layout of a
+  file even when we cannot dequantize some of its tensors.
+* One function per supported type, ``dequantize_<type>(blocks, out)``. It
+  receives ``blocks``, a ``(n_blocks, type_size)`` uint8 array (the raw
+  bytes, one row per block), and writes ``n_blocks * block_size`` float32
+  values into ``out`` (shape ``(n_blocks, block_size)``). Each one is
+  vectorized over all the blocks it is given: there is no Python loop over
+  blocks, only numpy operations on whole columns of bytes. Its docstring draws
+  the block, says how the scales are packed, gives the formula, and names the
+  function of llama.cpp's ``ggml/src/ggml-quants.c`` it follows.
+* :func:`dequantize` is the entry point: raw bytes + type name -> float32.
+
+Bit-exactness
+-------------
+Every kernel computes each weight with the same float32 operations in the
+same order as ggml's reference C code (and gguf-py's ``gguf.quants``): for
+example Q4_K computes ``(d * sc) * q - (dmin * m)`` in float32, never a fused
+multiply-add and never ``d * (sc * q)``. Integers are exact in float32, so
+the only roundings are the ones ggml makes; the tests check bit equality
+against ``gguf.quants.dequantize`` on random blocks and on two real files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lollm.errors import GGUFError
+
+QK_K = 256  # weights in a K-quant (and IQ4_XS) super-block
+
+
+# ---------------------------------------------------------------------------
+# The table of ggml types
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """One ggml tensor type: its name, its numeric id in GGUF files, and its block geometry.
+
+    ``block_size`` weights are stored in ``type_size`` bytes; plain float and
+    integer types are "blocks" of one element.
+    """
+
+    name: str
+    type_id: int
+    block_size: int
+    type_size: int
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.block_size > 1
+
+    def nbytes(self, n_elements: int) -> int:
+        """Bytes that ``n_elements`` weights take (n_elements must be a multiple of block_size)."""
+        return n_elements // self.block_size * self.type_size
+
+
+# (name, id, weights per block, bytes per block), as in ggml's type_traits table.
+# Ids 4, 5 (Q4_2, Q4_3), 31-33 (Q4_0_4_4, Q4_0_4_8, Q4_0_8_8) and 36-38
+# (IQ4_NL_4_4 …) belonged to types that ggml has removed; a file naming one of
+# them is refused like any other unknown id.
+_TYPE_ROWS = [
+    ("F32", 0, 1, 4),
+    ("F16", 1, 1, 2),
+    ("Q4_0", 2, 32, 2 + 16),
+    ("Q4_1", 3, 32, 2 + 2 + 16),
+    ("Q5_0", 6, 32, 2 + 4 + 16),
+    ("Q5_1", 7, 32, 2 + 2 + 4 + 16),
+    ("Q8_0", 8, 32, 2 + 32),
+    ("Q8_1", 9, 32, 4 + 4 + 32),
+    ("Q2_K", 10, QK_K, QK_K // 16 + QK_K // 4 + 2 + 2),
+    ("Q3_K", 11, QK_K, QK_K // 8 + QK_K // 4 + 12 + 2),
+    ("Q4_K", 12, QK_K, 2 + 2 + 12 + QK_K // 2),
+    ("Q5_K", 13, QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
+    ("Q6_K", 14, QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    ("Q8_K", 15, QK_K, 4 + QK_K + QK_K // 8),
+    ("IQ2_XXS", 16, QK_K, 2 + QK_K // 4),
+    ("IQ2_XS", 17, QK_K, 2 + QK_K // 4 + QK_K // 32),
+    ("IQ3_XXS", 18, QK_K, 2 + QK_K // 4 + QK_K // 8),
+    ("IQ1_S", 19, QK_K, 2 + QK_K // 8 + QK_K // 16),
+    ("IQ4_NL", 20, 32, 2 + 16),
+    ("IQ3_S", 21, QK_K, 2 + QK_K // 4 + QK_K // 8 + QK_K // 32 + 4),
+    ("IQ2_S", 22, QK_K, 2 + QK_K // 4 + QK_K // 16),
+    ("IQ4_XS", 23, QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
+    ("I8", 24, 1, 1),
+    ("I16", 25, 1, 2),
+    ("I32", 26, 1, 4),
+    ("I64", 27, 1, 8),
+    ("F64", 28, 1, 8),
+    ("IQ1_M", 29, QK_K, QK_K // 8 + QK_K // 16 + QK_K // 32),
+    ("BF16", 30, 1, 2),
+    ("TQ1_0", 34, QK_K, 2 + 4 * 13),
+    ("TQ2_0", 35, QK_K, 2 + QK_K // 4),
+    ("MXFP4", 39, 32, 1 + 16),
+    ("NVFP4", 40, 64, 4 + 32),
+    ("Q1_0", 41, 128, 2 + 16),
+]
+
+#: Every ggml type a GGUF file may name, by numeric id.
+GGML_TYPES: dict[int, GGMLType] = {row[1]: GGMLType(*row) for row in _TYPE_ROWS}
+#: The same table by name (``"Q4_K"`` -> GGMLType).
+GGML_TYPES_BY_NAME: dict[str, GGMLType] = {t.name: t for t in GGML_TYPES.values()}
+
+
+def ggml_type(name: str) -> GGMLType:
+    """The :class:`GGMLType` called ``name``; GGUFError for a name ggml does not have."""
+    try:
+        return GGML_TYPES_BY_NAME[name]
+    except KeyError:
+        raise GGUFError(f"unknown ggml type {name!r}; known: {', '.join(GGML_TYPES_BY_NAME)}") from None
+
+
+# ---------------------------------------------------------------------------
+# Small helpers shared by the kernels
+# ---------------------------------------------------------------------------
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    """A ``(n, 2)`` column of little-endian float16 bytes -> ``(n, 1)`` float32 (exact)."""
+    return two_bytes.view("<f2").astype(np.float32)
+
+
+def _shaped(out: np.ndarray, *shape: int) -> np.ndarray:
+    """A view of ``out`` with a new shape; fails instead of silently copying (writes must land in ``out``)."""
+    view = out.view()
+    view.shape = shape
+    return view
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Split bytes into 4-bit halves: ``(..., k)`` uint8 -> ``(..., 2, k)``, low nibbles first, then high.
+
+    This is the packing of every 4-bit format in ggml: byte ``j`` of a group
+    of ``k`` bytes holds weight ``j`` in its low nibble and weight ``j + k``
+    in its high nibble.
+    """
+    out = np.empty(packed.shape[:-1] + (2, packed.shape[-1]), dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=out[..., 0, :])
+    np.right_shift(packed, 4, out=out[..., 1, :])
+    return out
+
+
+_SHIFT_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)  # four 2-bit fields per byte
+_SHIFT_1BIT = np.arange(8, dtype=np.uint8).reshape(8, 1)  # eight 1-bit fields per byte
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """Split bytes into four 2-bit fields: ``(..., 32)`` uint8 -> ``(..., 4, 32)``.
+
+    Field ``s`` of byte ``l`` (bits ``2s, 2s+1``) is weight ``32 * s + l`` of
+    the 128 weights those 32 bytes hold (the K-quant layout of 2-bit values).
+    """
+    return (packed[..., None, :] >> _SHIFT_2BIT) & np.uint8(3)
+
+
+def _bits(packed: np.ndarray) -> np.ndarray:
+    """Split bytes into bits: ``(..., 32)`` uint8 -> ``(..., 8, 32)``; bit ``b`` of byte ``l`` is weight ``32 * b + l``."""
+    return (packed[..., None, :] >> _SHIFT_1BIT) & np.uint8(1)
+
+
+# ---------------------------------------------------------------------------
+# Plain floats
+# ---------------------------------------------------------------------------
+
+
+def dequantize_f32(blocks: np.ndarray, out: np.ndarray) -> None:
+    """F32: 4 bytes per weight, IEEE float32, little-endian. Copied as is."""
+    out[:] = blocks.view("<f4")
+
+
+def dequantize_f16(blocks: np.ndarray, out: np.ndarray) -> None:
+    """F16: 2 bytes per weight, IEEE float16, little-endian. Widened to float32 (exact)."""
+    out[:] = blocks.view("<f2")
+
+
+def dequantize_bf16(blocks: np.ndarray, out: np.ndarray) -> None:
+    """BF16: 2 bytes per weight, the top half of a float32.
+
+    Widening is a shift: put the 16 stored bits in the high half of a 32-bit
+    word and read the word as float32 (ggml_bf16_to_fp32 in ggml-impl.h).
+    """
+    bits = blocks.view("<u2").astype(np.uint32) << np.uint32(16)
+    out[:] = bits.view(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# Legacy 32-weight formats
+# ---------------------------------------------------------------------------
+
+
+def dequantize_q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_0: 32 weights in 18 bytes, 4.5 bits per weight; symmetric 4-bit.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-17   qs[16]  32 unsigned 4-bit values; byte j holds
+                             weight j (low nibble) and weight j+16 (high nibble)
+
+        w = (q - 8) * d                  q in 0..15, so q - 8 in -8..7
+
+    Follows dequantize_row_q4_0 in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    q = _nibbles(blocks[:, 2:18]).reshape(n, 32)
+    q -= np.uint8(8)  # wraps around in uint8; read as int8 it is q - 8
+    np.multiply(q.view(np.int8), d, out=out)
+
+
+def dequantize_q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_1: 32 weights in 20 bytes, 5 bits per weight; 4-bit with an offset.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-3    m       float16 minimum (offset)
+        bytes 4-19   qs[16]  32 unsigned 4-bit values, packed as in Q4_0
+
+        w = q * d + m                    q in 0..15
+
+    Follows dequantize_row_q4_1 in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    m = _f16(blocks[:, 2:4])
+    q = _nibbles(blocks[:, 4:20]).reshape(n, 32)
+    np.multiply(q, d, out=out)
+    np.add(out, m, out=out)
+
+
+def dequantize_q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q5_0: 32 weights in 22 bytes, 5.5 bits per weight; symmetric 5-bit.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-5    qh      32 fifth bits, one per weight: bit j of these 4 bytes
+                             (little-endian uint32) is the high bit of weight j
+        bytes 6-21   qs[16]  the low 4 bits, packed as in Q4_0
+
+        q = low4 | (high_bit << 4)       q in 0..31
+        w = (q - 16) * d
+
+    Follows dequantize_row_q5_0 in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # (n, 32): bit j -> weight j
+    q = _nibbles(blocks[:, 6:22]).reshape(n, 32)
+    q |= high << np.uint8(4)
+    q -= np.uint8(16)  # int8 view: q - 16
+    np.multiply(q.view(np.int8), d, out=out)
+
+
+def dequantize_q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q5_1: 32 weights in 24 bytes, 6 bits per weight; 5-bit with an offset.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-3    m       float16 minimum
+        bytes 4-7    qh      the 32 fifth bits, as in Q5_0
+        bytes 8-23   qs[16]  the low 4 bits, as in Q4_0
+
+        w = q * d + m                    q in 0..31
+
+    Follows dequantize_row_q5_1 in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    m = _f16(blocks[:, 2:4])
+    high = np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little")
+    q = _nibbles(blocks[:, 8:24]).reshape(n, 32)
+    q |= high << np.uint8(4)
+    np.multiply(q, d, out=out)
+    np.add(out, m, out=out)
+
+
+def dequantize_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q8_0: 32 weights in 34 bytes, 8.5 bits per weight; symmetric 8-bit.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-33   qs[32]  signed 8-bit values, one per weight
+
+        w = q * d                        q in -128..127
+
+    Follows dequantize_row_q8_0 in ggml-quants.c.
+    """
+    d = _f16(blocks[:, 0:2])
+    np.multiply(blocks[:, 2:34].view(np.int8), d, out=out)
+
+
+# ---------------------------------------------------------------------------
+# K-quants: 256-weight super-blocks made of 16 or 8 sub-blocks
+# ---------------------------------------------------------------------------
+
+
+def dequantize_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q2_K: 256 weights in 84 bytes, 2.625 bits per weight; 16 sub-blocks of 16.
+
+    ::
+
+        bytes  0-15  scales[16]  one byte per sub-block of 16 weights:
+                                 low nibble = scale sc, high nibble = min m (4 bits each)
+        bytes 16-79  qs[64]      256 unsigned 2-bit values, in two halves of 32 bytes;
+                                 bits 2s..2s+1 of byte l of half h = weight 128h + 32s + l
+        bytes 80-81  d           float16 super-scale for the scales
+        bytes 82-83  dmin        float16 super-scale for the mins
+
+        for weight i, in sub-block b = i // 16:
+        w = (d * sc[b]) * q - (dmin * m[b])          q in 0..3
+
+    Follows dequantize_row_q2_K in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    sc = blocks[:, 0:16]
+    d = _f16(blocks[:, 80:82])
+    dmin = _f16(blocks[:, 82:84])
+    scale = d * (sc & np.uint8(0x0F))  # (n, 16) float32
+    minv = dmin * (sc >> np.uint8(4))
+    q = _crumbs(blocks[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
+    y = _shaped(out, n, 16, 16)
+    np.multiply(q, scale[:, :, None], out=y)
+    np.subtract(y, minv[:, :, None], out=y)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """The 16 signed 6-bit scales of a Q3_K block from its 12 packed bytes: ``(n, 12)`` -> ``(n, 16)`` int8.
+
+    Scale j has its low 4 bits in byte j (j < 8, low nibble) or byte j - 8
+    (j >= 8, high nibble), and its high 2 bits in byte 8 + j % 4 at bit
+    position 2 * (j // 4). The 6-bit value is stored with an offset of 32.
+    """
+    n = s.shape[0]
+    low = _nibbles(s[:, 0:8]).reshape(n, 16)  # j < 8: low nibble of byte j; j >= 8: high nibble of byte j - 8
+    high = ((s[:, None, 8:12] >> _SHIFT_2BIT) & np.uint8(3)).reshape(n, 16)  # (j // 4, j % 4)
+    six_bit = low | (high << np.uint8(4))
+    six_bit -= np.uint8(32)
+    return six_bit.view(np.int8)
+
+
+def dequantize_q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q3_K: 256 weights in 110 bytes, 3.4375 bits per weight; 16 sub-blocks of 16, no mins.
+
+    ::
+
+        bytes   0-31   hmask[32]   the third (high) bit of each weight:
+                                   bit b of byte l = weight 32b + l
+        bytes  32-95   qs[64]      the low 2 bits, laid out as Q2_K's qs
+        bytes  96-107  scales[12]  16 scales of 6 bits (see _q3_k_scales), offset by 32
+        bytes 108-109  d           float16 super-scale
+
+        q = low2 - (0 if high bit set else 4)        q in -4..3
+        w = (d * (sc[b] - 32)) * q                   b = i // 16
+
+    The high bit is stored "inverted": a set bit means no -4.
+    Follows dequantize_row_q3_K in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    high = _bits(blocks[:, 0:32]).reshape(n, 256)
+    low = _crumbs(blocks[:, 32:96].reshape(n, 2, 32)).reshape(n, 256)
+    d = _f16(blocks[:, 108:110])
+    scale = d * _q3_k_scales(blocks[:, 96:108])  # (n, 16) float32
+    high ^= np.uint8(1)
+    low -= high << np.uint8(2)  # wraps in uint8; as int8 it is low - 4 * (1 - bit)
+    y = _shaped(out, n, 16, 16)
+    np.multiply(low.view(np.int8).reshape(n, 16, 16), scale[:, :, None], out=y)
+
+
+def _k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack the 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K block: ``(n, 12)`` -> two ``(n, 8)`` uint8.
+
+    ::
+
+        byte  0..3   : bits 0-5 = scale[0..3]      bits 6-7 = high bits of scale[4..7]
+        byte  4..7   : bits 0-5 = min[0..3]        bits 6-7 = high bits of min[4..7]
+        byte  8..11  : bits 0-3 = low of scale[4..7], bits 4-7 = low of min[4..7]
+
+    This is get_scale_min_k4 in ggml-quants.c, done for all 8 sub-blocks at once.
+    """
+    n = s.shape[0]
+    first, second, third = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scales = np.empty((n, 8), dtype=np.uint8)
+    mins = np.empty((n, 8), dtype=np.uint8)
+    scales[:, 0:4] = first & np.uint8(63)
+    mins[:, 0:4] = second & np.uint8(63)
+    scales[:, 4:8] = (third & np.uint8(0x0F)) | ((first >> np.uint8(6)) << np.uint8(4))
+    mins[:, 4:8] = (third >> np.uint8(4)) | ((second >> np.uint8(6)) << np.uint8(4))
+    return scales, mins
+
+
+def dequantize_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_K: 256 weights in 144 bytes, 4.5 bits per weight; 8 sub-blocks of 32.
+
+    ::
+
+        bytes  0-1    d           float16 super-scale for the 8 scales
+        bytes  2-3    dmin        float16 super-scale for the 8 mins
+        bytes  4-15   scales[12]  8 scales + 8 mins, 6 bits each (see _k4_scales_mins)
+        bytes 16-143  qs[128]     256 unsigned 4-bit values in 4 groups of 32 bytes;
+                                  group g holds sub-block 2g in its low nibbles and
+                                  sub-block 2g+1 in its high nibbles
+
+        w = (d * sc[b]) * q - (dmin * m[b])          b = i // 32, q in 0..15
+
+    Follows dequantize_row_q4_K in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    dmin = _f16(blocks[:, 2:4])
+    sc, m = _k4_scales_mins(blocks[:, 4:16])
+    scale = d * sc  # (n, 8) float32
+    minv = dmin * m
+    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    y = _shaped(out, n, 8, 32)
+    np.multiply(q, scale[:, :, None], out=y)
+    np.subtract(y, minv[:, :, None], out=y)
+
+
+def dequantize_q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q5_K: 256 weights in 176 bytes, 5.5 bits per weight; Q4_K plus a fifth bit.
+
+    ::
+
+        bytes  0-1    d           float16 super-scale for the scales
+        bytes  2-3    dmin        float16 super-scale for the mins
+        bytes  4-15   scales[12]  8 scales + 8 mins, 6 bits each, packed as in Q4_K
+        bytes 16-47   qh[32]      the fifth bit: bit b of byte l = weight 32b + l
+        bytes 48-175  qs[128]     the low 4 bits, laid out as Q4_K's qs
+
+        q = low4 | (bit << 4)                        q in 0..31
+        w = (d * sc[b]) * q - (dmin * m[b])          b = i // 32
+
+    Follows dequantize_row_q5_K in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    dmin = _f16(blocks[:, 2:4])
+    sc, m = _k4_scales_mins(blocks[:, 4:16])
+    scale = d * sc
+    minv = dmin * m
+    q = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
+    q |= _bits(blocks[:, 16:48]) << np.uint8(4)
+    y = _shaped(out, n, 8, 32)
+    np.multiply(q, scale[:, :, None], out=y)
+    np.subtract(y, minv[:, :, None], out=y)
+
+
+def dequantize_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q6_K: 256 weights in 210 bytes, 6.5625 bits per weight; 16 sub-blocks of 16.
+
+    ::
+
+        bytes   0-127  ql[128]     low 4 bits, two halves of 64 bytes; in half h,
+                                   byte l (0..63) holds weight 128h + l (low nibble)
+                                   and weight 128h + 64 + l (high nibble)
+        bytes 128-191  qh[64]      high 2 bits, two halves of 32 bytes; in half h,
+                                   bits 2s..2s+1 of byte l = weight 128h + 32s + l
+        bytes 192-207  scales[16]  signed 8-bit scale per sub-block of 16
+        bytes 208-209  d           float16 super-scale
+
+        q = (low4 | (high2 << 4)) - 32               q in -32..31
+        w = (d * sc[b]) * q                          b = i // 16
+
+    Follows dequantize_row_q6_K in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+    high = _crumbs(blocks[:, 128:192].reshape(n, 2, 32))  # (n, 2, 4, 32)
+    d = _f16(blocks[:, 208:210])
+    scale = d * blocks[:, 192:208].view(np.int8)  # (n, 16) float32
+    low |= high << np.uint8(4)
+    low -= np.uint8(32)  # int8 view: q - 32
+    y = _shaped(out, n, 16, 16)
+    np.multiply(low.view(np.int8).reshape(n, 16, 16), scale[:, :, None], out=y)
+
+
+# ---------------------------------------------------------------------------
+# Non-linear 4-bit: IQ4_NL and IQ4_XS
+# ---------------------------------------------------------------------------
+
+#: The 16 levels of the non-linear 4-bit grid (kvalues_iq4nl in ggml-common.h):
+#: denser near zero, where most weights are, than a uniform -8..7 grid.
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def dequantize_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_NL: 32 weights in 18 bytes, 4.5 bits per weight; a 4-bit index into a fixed non-linear grid.
+
+    ::
+
+        bytes 0-1    d       float16 scale
+        bytes 2-17   qs[16]  32 4-bit indices, packed as in Q4_0
+
+        w = d * KVALUES_IQ4NL[q]
+
+    Follows dequantize_row_iq4_nl in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    levels = KVALUES_IQ4NL[_nibbles(blocks[:, 2:18]).reshape(n, 32)]
+    np.multiply(levels, d, out=out)
+
+
+def dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
+    """IQ4_XS: 256 weights in 136 bytes, 4.25 bits per weight; IQ4_NL's grid with 6-bit sub-block scales.
+
+    ::
+
+        bytes  0-1    d           float16 super-scale
+        bytes  2-3    scales_h    little-endian uint16: bits 2b..2b+1 = high 2 bits of scale b
+        bytes  4-7    scales_l[4] low 4 bits of the 8 scales: byte b // 2, nibble b % 2
+        bytes  8-135  qs[128]     8 sub-blocks of 32 weights, 16 bytes each,
+                                  packed inside a sub-block as in Q4_0
+
+        ls = low4 | (high2 << 4)                     6 bits, offset by 32
+        w  = (d * (ls[b] - 32)) * KVALUES_IQ4NL[q]   b = i // 32
+
+    Follows dequantize_row_iq4_xs in ggml-quants.c.
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    scales_h = blocks[:, 2:4].view("<u2").astype(np.uint32)  # (n, 1)
+    high = ((scales_h >> np.arange(0, 16, 2, dtype=np.uint32)) & np.uint32(3)).astype(np.uint8)  # (n, 8)
+    low = _nibbles(blocks[:, 4:8]).transpose(0, 2, 1).reshape(n, 8)  # scale b: byte b // 2, nibble b % 2
+    ls = low | (high << np.uint8(4))
+    ls -= np.uint8(32)
+    scale = d * ls.view(np.int8)  # (n, 8) float32
+    levels = KVALUES_IQ4NL[_nibbles(blocks[:, 8:136].reshape(n, 8, 16)).reshape(n, 8, 32)]
+    y = _shaped(out, n, 8, 32)
+    np.multiply(levels, scale[:, :, None], out=y)
+
+
+# ---------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------
+
+Kernel = Callable[[np.ndarray, np.ndarray], None]
+
+#: The types we can dequantize, with their kernels.
+DEQUANTIZERS: dict[str, Kernel] = {
+    "F32": dequantize_f32,
+    "F16": dequantize_f16,
+    "BF16": dequantize_bf16,
+    "Q4_0": dequantize_q4_0,
+    "Q4_1": dequantize_q4_1,
+    "Q5_0": dequantize_q5_0,
+    "Q5_1": dequantize_q5_1,
+    "Q8_0": dequantize_q8_0,
+    "Q2_K": dequantize_q2_k,
+    "Q3_K": dequantize_q3_k,
+    "Q4_K": dequantize_q4_k,
+    "Q5_K": dequantize_q5_k,
+    "Q6_K": dequantize_q6_k,
+    "IQ4_NL": dequantize_iq4_nl,
+    "IQ4_XS": dequantize_iq4_xs,
+}
+SUPPORTED_TYPES: tuple[str, ...] = tuple(DEQUANTIZERS)
+
+#: Weights dequantized per step. The kernels are vectorized over every block
+#: they are given; handing them a quarter of a million weights at a time keeps
+#: their temporaries (a few bytes per weight) small and bounds the extra memory
+#: to a few MB whatever the tensor size, instead of several times the output.
+STEP_WEIGHTS = 1 << 18
+
+
+def dequantize(raw: np.ndarray, type_name: str, *, what: str = "tensor") -> np.ndarray:
+    """Dequantize the raw bytes of a tensor stored as ``type_name`` into a new flat float32 array.
+
+    ``raw`` is a 1-D uint8 array (for instance :meth:`GGUFFile.raw`) whose
+    length is a whole number of blocks. ``what`` names the tensor in error
+    messages. Raises GGUFError for a type without a dequantizer here (naming
+    the type and ``what``) or for a byte count that is not whole blocks.
+    """
+    kernel = DEQUANTIZERS.get(type_name)
+    if kernel is None:
+        known = "an unknown ggml type" if type_name not in GGML_TYPES_BY_NAME else "a ggml type"
+        raise GGUFError(
+            f"{what}: is stored as {type_name}, {known} that lollm cannot dequantize; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    t = GGML_TYPES_BY_NAME[type_name]
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise TypeError(f"dequantize expects a 1-D uint8 array, got {raw.dtype} of shape {raw.shape}")
+    if raw.size % t.type_size:
+        raise GGUFError(f"{what}: {raw.size} bytes is not a whole number of {type_name} blocks of {t.type_size} bytes")
+    n_blocks = raw.size // t.type_size
+    blocks = raw.reshape(n_blocks, t.type_size)
+    out = np.empty((n_blocks, t.block_size), dtype=np.float32)
+    step = max(1, STEP_WEIGHTS // t.block_size)
+    # inf or NaN scales (a corrupted or odd file) give inf/NaN weights, as in ggml; numpy need not warn
+    with np.errstate(over="ignore", invalid="ignore"):
+        for start in range(0, n_blocks, step):  # a handful of big steps, not a loop over blocks
+            kernel(blocks[start : start + step], out[start : start + step])
+    return out.reshape(-1)

@@ -1,0 +1,479 @@
+"""Read a GGUF file: header, metadata, tensor table, and tensor bytes through a memory map.
+
+The layout (all integers little-endian; docs/gguf.md draws it)::
+
+    magic "GGUF" | version u32 | tensor_count u64 | kv_count u64
+    kv_count   x  (key: string, value_type: u32, value)
+    tensor_count x (name: string, n_dims: u32, ne[n_dims]: u64, ggml_type: u32, offset: u64)
+    padding up to a multiple of the alignment
+    tensor data: each tensor at data_start + offset
+
+    string = length u64 + that many UTF-8 bytes (no terminating zero)
+
+Nothing in the file is trusted before it is checked. Every count and length
+is compared with the bytes actually left in the file *before* anything is
+allocated or read, so a truncated or corrupted file fails fast, with a small
+and bounded amount of memory, and with a :class:`~lollm.errors.GGUFError`
+whose message names the file and the field or tensor at fault.
+
+Decisions this reader makes (see docs/gguf.md):
+
+* versions 2 and 3 are read; version 1 (2023, 32-bit counts) and versions
+  from the future are refused, and so are big-endian files;
+* a tensor whose type *id* ggml does not know fails at open: without its
+  block size we cannot even check that it lies inside the file. A type ggml
+  knows but lollm cannot dequantize (IQ2_XXS, Q8_K, …) opens fine, ``raw()``
+  works, and only ``dequantize()`` of that tensor raises;
+* tensors must lie inside the file, start at a multiple of the alignment and
+  not overlap one another;
+* numeric arrays in the metadata of more than :data:`BIG_ARRAY_LEN` elements
+  (token types, scores) come back as numpy arrays, smaller ones and all
+  string or nested arrays as Python lists.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lollm.errors import GGUFError
+from lollm.gguf.quants import GGML_TYPES, GGML_TYPES_BY_NAME, GGMLType
+from lollm.gguf.quants import dequantize as _dequantize
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+INT64_MAX = 2**63 - 1
+#: Arrays of arrays deeper than this are refused (no real file nests at all).
+MAX_ARRAY_NESTING = 8
+#: Numeric metadata arrays longer than this are returned as numpy arrays.
+BIG_ARRAY_LEN = 1024
+_HEADER_BYTES = 4 + 4 + 8 + 8
+
+# GGUF metadata value types: id -> (name, numpy dtype, struct format) for the fixed-size ones.
+_STRING, _ARRAY = 8, 9
+_SCALARS: dict[int, tuple[str, str, str]] = {
+    0: ("uint8", "<u1", "<B"),
+    1: ("int8", "<i1", "<b"),
+    2: ("uint16", "<u2", "<H"),
+    3: ("int16", "<i2", "<h"),
+    4: ("uint32", "<u4", "<I"),
+    5: ("int32", "<i4", "<i"),
+    6: ("float32", "<f4", "<f"),
+    7: ("bool", "<u1", "<B"),  # one byte, 0 or 1
+    10: ("uint64", "<u8", "<Q"),
+    11: ("int64", "<i8", "<q"),
+    12: ("float64", "<f8", "<d"),
+}
+_STRUCT = {type_id: struct.Struct(fmt) for type_id, (_, _, fmt) in _SCALARS.items()}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def value_type_name(type_id: int) -> str:
+    """The name of a GGUF metadata value type id (``4`` -> ``"uint32"``)."""
+    if type_id in _SCALARS:
+        return _SCALARS[type_id][0]
+    return {_STRING: "string", _ARRAY: "array"}.get(type_id, f"unknown type {type_id}")
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table.
+
+    Fields:
+      name:      the tensor's name as the file spells it (``blk.0.attn_q.weight``).
+      shape:     the shape in PyTorch order, i.e. ggml's ``ne`` reversed: a
+                 ``[out_features, in_features]`` weight is stored with ``ne = [in, out]``.
+      ggml_type: the ggml type name (``"Q4_K"``, ``"F32"`` …).
+      offset:    absolute byte offset of the tensor's data in the file.
+      nbytes:    bytes the tensor takes in the file.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    offset: int
+    nbytes: int
+
+    @property
+    def ne(self) -> tuple[int, ...]:
+        """The dimensions in ggml order (fastest-varying first), as written in the file."""
+        return tuple(reversed(self.shape))
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def type_info(self) -> GGMLType:
+        return GGML_TYPES_BY_NAME[self.ggml_type]
+
+
+class _Parser:
+    """Walks the header of a GGUF file, checking every length against the bytes left."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf = buf
+        self.size = len(buf)
+        self.path = path
+        self.pos = 0
+
+    def fail(self, msg: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {msg}")
+
+    @property
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def take(self, n: int, what: str) -> int:
+        """Reserve ``n`` bytes for ``what``; return where they start. Raises when the file ends first."""
+        if n > self.size - self.pos:
+            raise self.fail(
+                f"truncated file: {what} needs {n} bytes at offset {self.pos}, but only {self.size - self.pos} are left"
+            )
+        start = self.pos
+        self.pos += n
+        return start
+
+    def u32(self, what: str) -> int:
+        return _U32.unpack_from(self.buf, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return _U64.unpack_from(self.buf, self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"the length of {what}")
+        start = self.take(n, what)
+        try:
+            return str(self.buf[start : start + n], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.fail(f"{what} at offset {start} is not valid UTF-8 ({exc.reason})") from None
+
+    # -- metadata values ---------------------------------------------------
+
+    def min_size(self, type_id: int, what: str) -> int:
+        """The fewest bytes one value of this type can take (used to bound array lengths)."""
+        if type_id in _SCALARS:
+            return _STRUCT[type_id].size
+        if type_id == _STRING:
+            return 8  # the length field of an empty string
+        if type_id == _ARRAY:
+            return 4 + 8  # element type + length of an empty array
+        raise self.fail(f"{what} has unknown value type {type_id} (known: 0-12)")
+
+    def value(self, type_id: int, key: str, depth: int = 0) -> tuple[Any, str]:
+        """Read one value of ``type_id``; return it and its type name (``"array[string]"`` …)."""
+        if type_id in _SCALARS:
+            name = _SCALARS[type_id][0]
+            v = _STRUCT[type_id].unpack_from(self.buf, self.take(_STRUCT[type_id].size, f"the {name} value of {key!r}"))[0]
+            if type_id == 7:
+                if v > 1:
+                    raise self.fail(f"the bool value of {key!r} is {v}, not 0 or 1")
+                v = bool(v)
+            return v, name
+        if type_id == _STRING:
+            return self.string(f"the string value of {key!r}"), "string"
+        if type_id == _ARRAY:
+            return self.array(key, depth)
+        raise self.fail(f"metadata key {key!r} has unknown value type {type_id} (known: 0-12)")
+
+    def array(self, key: str, depth: int) -> tuple[Any, str]:
+        if depth >= MAX_ARRAY_NESTING:
+            raise self.fail(f"metadata key {key!r} nests arrays more than {MAX_ARRAY_NESTING} deep")
+        etype = self.u32(f"the element type of array {key!r}")
+        n = self.u64(f"the length of array {key!r}")
+        each = self.min_size(etype, f"array {key!r}")
+        if n * each > self.left:
+            raise self.fail(
+                f"array {key!r} claims {n} elements of {value_type_name(etype)} (at least {n * each} bytes) "
+                f"at offset {self.pos}, but only {self.left} bytes are left"
+            )
+        type_name = f"array[{value_type_name(etype)}]"
+        if etype in _SCALARS:
+            dtype = np.dtype(_SCALARS[etype][1])
+            start = self.take(n * dtype.itemsize, f"array {key!r}")
+            arr = np.frombuffer(self.buf, dtype=dtype, count=n, offset=start)
+            if etype == 7:
+                if n and int(arr.max()) > 1:
+                    raise self.fail(f"array {key!r} holds a bool that is neither 0 nor 1")
+                dtype = np.dtype(np.bool_)
+            # a copy in native byte order (never a view into the file), or plain Python values
+            values = arr.astype(dtype.newbyteorder("="))
+            return (values if n > BIG_ARRAY_LEN else values.tolist()), type_name
+        if etype == _STRING:
+            return self.string_array(key, n), type_name
+        # an array of arrays: each inner array carries its own element type
+        return [self.array(f"{key}[{i}]", depth + 1)[0] for i in range(n)], type_name
+
+    def string_array(self, key: str, n: int) -> list[str]:
+        """``n`` strings in a row; the hot loop of a tokenizer vocabulary (150k+ entries), kept tight."""
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for i in range(n):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"truncated file: string {i} of array {key!r} has no length at offset {pos}")
+            length = unpack(buf, pos)[0]
+            pos += 8
+            if length > size - pos:
+                raise self.fail(
+                    f"string {i} of array {key!r} claims {length} bytes at offset {pos}, but only {size - pos} are left"
+                )
+            try:
+                append(str(buf[pos : pos + length], "utf-8"))
+            except UnicodeDecodeError as exc:
+                raise self.fail(f"string {i} of array {key!r} at offset {pos} is not valid UTF-8 ({exc.reason})") from None
+            pos += length
+        self.pos = pos
+        return out
+
+
+class GGUFFile:
+    """An open GGUF file: its metadata, its tensor table, and its tensors through a read-only memory map.
+
+    Attributes:
+      path:           the file.
+      version:        2 or 3.
+      metadata:       key -> Python value (int, float, bool, str, list; numpy array
+                      for numeric arrays of more than BIG_ARRAY_LEN elements), in file order.
+      metadata_types: key -> GGUF value type name (``"uint32"``, ``"array[string]"`` …), for
+                      callers that must refuse a key written with an unexpected type.
+      tensors:        name -> :class:`GGUFTensorInfo`, in file order.
+      alignment:      ``general.alignment`` or 32.
+      data_offset:    where the tensor data section starts.
+
+    Opening reads and checks the whole header (all of it is validated before
+    this constructor returns) but no tensor data. Raises GGUFError.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._map: np.memmap | None = None
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise GGUFError(f"{self.path}: no such file") from None
+        except OSError as exc:
+            raise GGUFError(f"{self.path}: cannot read: {exc}") from None
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path}: not a file")
+        if size < _HEADER_BYTES:
+            head = self.path.read_bytes()[:4]
+            if head and not GGUF_MAGIC.startswith(head):
+                raise GGUFError(f"{self.path}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})")
+            raise GGUFError(f"{self.path}: truncated file: {size} bytes, shorter than the {_HEADER_BYTES}-byte GGUF header")
+        try:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as exc:
+            raise GGUFError(f"{self.path}: cannot map the file: {exc}") from None
+        self.file_size = size
+        # a memoryview slices fastest; it is not released explicitly, so that an
+        # error raised mid-parse (with arrays still viewing it) stays a GGUFError
+        self._parse(_Parser(memoryview(self._map), self.path))
+
+    # -- parsing -------------------------------------------------------------
+
+    def _parse(self, p: _Parser) -> None:
+        magic = bytes(p.buf[0:4])
+        if magic != GGUF_MAGIC:
+            raise p.fail(f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+        p.pos = 4
+        version = p.u32("the version")
+        if version not in SUPPORTED_VERSIONS:
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if version & 0xFFFF == 0 and swapped in SUPPORTED_VERSIONS:
+                raise p.fail(f"a big-endian GGUF file (version {swapped}); lollm reads little-endian files only")
+            if version == 1:
+                raise p.fail("GGUF version 1 (the 2023 format with 32-bit counts) is not supported; "
+                             "re-convert the model with a current llama.cpp")
+            raise p.fail(f"GGUF version {version} is not supported (lollm reads versions 2 and 3)")
+        self.version = version
+        n_tensors = p.u64("the tensor count")
+        n_kv = p.u64("the metadata key count")
+        # the smallest key-value pair is 13 bytes (empty key, type, one byte), the smallest tensor info 24
+        if n_kv * 13 > p.left:
+            raise p.fail(f"the header claims {n_kv} metadata keys, more than the {p.left} bytes left can hold")
+        if n_tensors * 24 > p.left:
+            raise p.fail(f"the header claims {n_tensors} tensors, more than the {p.left} bytes left can hold")
+
+        self.metadata: dict[str, Any] = {}
+        self.metadata_types: dict[str, str] = {}
+        for i in range(n_kv):
+            key = p.string(f"metadata key {i}")
+            if key in self.metadata:
+                raise p.fail(f"metadata key {key!r} appears twice")
+            type_id = p.u32(f"the value type of {key!r}")
+            self.metadata[key], self.metadata_types[key] = p.value(type_id, key)
+
+        self.alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in self.metadata:
+            if self.metadata_types["general.alignment"] != "uint32":
+                raise p.fail(f"general.alignment must be a uint32, found a {self.metadata_types['general.alignment']}")
+            a = self.metadata["general.alignment"]
+            if a == 0 or a & (a - 1):
+                raise p.fail(f"general.alignment is {a}, not a power of two")
+            self.alignment = a
+
+        infos = [self._tensor_info(p, i) for i in range(n_tensors)]
+        self.data_offset = -(-p.pos // self.alignment) * self.alignment
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, ne, t, rel in infos:
+            if name in self.tensors:
+                raise p.fail(f"tensor {name!r} appears twice in the tensor table")
+            nbytes = t.nbytes(_product(ne))
+            start = self.data_offset + rel
+            if start + nbytes > self.file_size:
+                raise p.fail(
+                    f"tensor {name!r} ({t.name}, {nbytes} bytes at offset {start}) runs past the end of the "
+                    f"file ({self.file_size} bytes): truncated file?"
+                )
+            self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(ne)), t.name, start, nbytes)
+        by_offset = sorted(self.tensors.values(), key=lambda ti: ti.offset)
+        for a, b in zip(by_offset, by_offset[1:], strict=False):
+            if a.offset + a.nbytes > b.offset:
+                raise p.fail(f"tensors {a.name!r} and {b.name!r} overlap in the data section")
+
+    def _tensor_info(self, p: _Parser, i: int) -> tuple[str, list[int], GGMLType, int]:
+        name = p.string(f"the name of tensor {i}")
+        n_dims = p.u32(f"the dimension count of tensor {name!r}")
+        if n_dims > GGML_MAX_DIMS:
+            raise p.fail(f"tensor {name!r} has {n_dims} dimensions; ggml allows at most {GGML_MAX_DIMS}")
+        ne = [p.u64(f"dimension {k} of tensor {name!r}") for k in range(n_dims)]
+        n = 1
+        for k, d in enumerate(ne):
+            if d == 0 or d > INT64_MAX:
+                raise p.fail(f"tensor {name!r} has dimension {k} = {d}; each must be between 1 and 2**63 - 1")
+            n *= d
+            if n > INT64_MAX:
+                raise p.fail(f"tensor {name!r} has dimensions {ne} whose product overflows int64")
+        type_id = p.u32(f"the type of tensor {name!r}")
+        t = GGML_TYPES.get(type_id)
+        if t is None:
+            raise p.fail(f"tensor {name!r} has unknown ggml type id {type_id}")
+        if ne and ne[0] % t.block_size:
+            raise p.fail(
+                f"tensor {name!r} is {t.name}, whose blocks hold {t.block_size} weights, but its first "
+                f"dimension {ne[0]} is not a multiple of {t.block_size}"
+            )
+        if not ne and t.block_size > 1:
+            raise p.fail(f"tensor {name!r} is a scalar stored as the block type {t.name}")
+        offset = p.u64(f"the data offset of tensor {name!r}")
+        if offset % self.alignment:
+            raise p.fail(f"tensor {name!r} has data offset {offset}, not a multiple of the alignment {self.alignment}")
+        return name, ne, t, offset
+
+    # -- access ----------------------------------------------------------------
+
+    def _info(self, name: str) -> GGUFTensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of tensor ``name`` as stored: a read-only uint8 view into the memory map (no copy)."""
+        info = self._info(name)
+        if self._map is None:
+            raise GGUFError(f"{self.path}: the file is closed")
+        return self._map[info.offset : info.offset + info.nbytes].view(np.ndarray)
+
+    def dequantize_numpy(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a new float32 numpy array in PyTorch shape order."""
+        info = self._info(name)
+        flat = _dequantize(self.raw(name), info.ggml_type, what=f"{self.path}: tensor {name!r}")
+        return flat.reshape(info.shape)
+
+    def dequantize(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` dequantized into a new torch tensor (float32 unless ``dtype`` says otherwise).
+
+        The shape is in PyTorch order (ggml's ``ne`` reversed), as transformers
+        and gguf-py reshape it. GGUFError for a type lollm cannot dequantize,
+        naming the type and the tensor.
+        """
+        import torch
+
+        t = torch.from_numpy(self.dequantize_numpy(name))
+        return t if dtype is None or dtype == torch.float32 else t.to(dtype)
+
+    def close(self) -> None:
+        """Drop this object's memory map (views from :meth:`raw` keep theirs alive until they go)."""
+        self._map = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        arch = self.metadata.get("general.architecture", "?")
+        return f"GGUFFile({str(self.path)!r}, version={self.version}, architecture={arch!r}, tensors={len(self.tensors)})"
+
+
+def _product(dims: list[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+class GGUFTensorSource:
+    """The loader's TensorSource interface over a GGUF file, so a family can stream-load it.
+
+    Names are the file's own (``blk.0.attn_q.weight``): the family owns the
+    name map. Nothing is dequantized before :meth:`read`, which returns a new
+    float32 tensor each call. ``dtype(name)`` is the ggml type name as stored.
+    """
+
+    fmt = "gguf"
+
+    def __init__(self, gguf: GGUFFile | str | os.PathLike):
+        self.gguf = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.gguf.metadata
+
+    def names(self) -> list[str]:
+        """All tensor names, in file order."""
+        return list(self.gguf.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def __len__(self) -> int:
+        return len(self.gguf.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape in PyTorch order."""
+        return self.gguf._info(name).shape
+
+    def dtype(self, name: str) -> str:
+        """The ggml type name as stored (``"Q4_K"``, ``"F32"`` …)."""
+        return self.gguf._info(name).ggml_type
+
+    def file_of(self, name: str) -> Path:
+        self.gguf._info(name)
+        return self.gguf.path
+
+    def read(self, name: str) -> torch.Tensor:
+        """Dequantize one tensor into a new float32 CPU tensor."""
+        return self.gguf.dequantize(name)
+
+    def nbytes(self) -> int:
+        """Total size of the tensors as stored in the file, in bytes."""
+        return sum(t.nbytes for t in self.gguf.tensors.values())
