@@ -261,7 +261,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON (arrays summarized)."),
 ) -> None:
     """Show what is inside a checkpoint: metadata, tensors (name, shape, type, bytes), totals per type."""
-    from lollm.inspect import inspect_checkpoint, summarize
+    from lollm.inventory import inspect_checkpoint, summarize
 
     inv = inspect_checkpoint(model)
     totals = inv.totals()

@@ -9,7 +9,12 @@ Specs it understands:
   * a local folder holding ``config.json`` and ``model.safetensors`` (or shards
     listed in ``model.safetensors.index.json``);
   * a Hugging Face repo id ``org/name`` (fetched through ``huggingface_hub``,
-    the local cache first; ``HF_HUB_OFFLINE=1`` is honoured).
+    the local cache first; ``HF_HUB_OFFLINE=1`` is honoured);
+  * a local ``.gguf`` file (read by :mod:`lollm.gguf`; the metadata plays the
+    part of config.json and the tokenizer is built from it);
+  * ``org/name:QUANT`` for a GGUF repo on the hub: the one ``.gguf`` file whose
+    name carries that quant type (``Q4_K_M``) is fetched; none or several raise
+    and list the files there.
 
 Pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are refused:
 unpickling runs arbitrary code. Remote code (``auto_map``) is never run.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,10 +138,11 @@ class Checkpoint:
     Fields:
       spec:              what the user typed (folder or repo id).
       path:              the local folder holding the files.
-      fmt:               ``"safetensors"`` (``"gguf"`` comes with the GGUF reader).
-      config:            config.json as a dict, untouched.
+      fmt:               ``"safetensors"`` or ``"gguf"``.
+      config:            config.json as a dict, untouched (for GGUF: the file's metadata).
       generation_config: generation_config.json as a dict (empty when absent).
-      weights:           :class:`TensorSource` keyed by the file's tensor names.
+      weights:           :class:`TensorSource` (or :class:`lollm.gguf.GGUFTensorSource`)
+                         keyed by the file's tensor names.
     """
 
     spec: str
@@ -148,15 +155,23 @@ class Checkpoint:
 
     @property
     def model_type(self) -> str:
+        """config.json's ``model_type``; for GGUF, ``general.architecture`` (what the router keys on)."""
+        if self.fmt == "gguf":
+            return self.config["general.architecture"]
         return self.config["model_type"]
 
     @property
     def tokenizer(self) -> "Tokenizer":
-        """The checkpoint's tokenizer, built on first use from the tokenizer files in :attr:`path`."""
+        """The checkpoint's tokenizer, built on first use (tokenizer files in :attr:`path`, or GGUF metadata)."""
         if self._tokenizer is None:
-            from lollm.tokenizer import load_tokenizer
+            if self.fmt == "gguf":
+                from lollm.tokenizer import load_gguf_tokenizer
 
-            self._tokenizer = load_tokenizer(self.path)
+                self._tokenizer = load_gguf_tokenizer(self.config)
+            else:
+                from lollm.tokenizer import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
 
@@ -166,6 +181,10 @@ def read_json(path: Path, *, what: str) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CheckpointError(f"{what}: {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc}") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -212,6 +231,8 @@ def load_folder(folder: Path, spec: str | None = None) -> Checkpoint:
     config = read_json(folder / "config.json", what="checkpoint config")
     if "model_type" not in config:
         raise ConfigError(f"{folder / 'config.json'} has no 'model_type' key, so no family can be chosen for it")
+    if not isinstance(config["model_type"], str) or not config["model_type"]:
+        raise ConfigError(f"{folder / 'config.json'}: 'model_type' must be a non-empty string, got {config['model_type']!r}")
     gen_path = folder / "generation_config.json"
     generation_config = read_json(gen_path, what="generation config") if gen_path.exists() else {}
     weights = TensorSource(_weight_files(folder))
@@ -245,6 +266,56 @@ def download_repo(repo_id: str) -> Path:
         raise CheckpointError(f"{repo_id}: could not fetch from the Hugging Face hub: {type(exc).__name__}: {exc}") from None
 
 
+SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def load_gguf(path: Path, spec: str | None = None) -> Checkpoint:
+    """Open a single GGUF file: metadata as the config, tensors as a lazy source. Raises GGUFError."""
+    from lollm.gguf import GGUFTensorSource
+
+    split = SPLIT_GGUF.search(path.name)
+    if split:
+        raise CheckpointError(
+            f"{path} is part {int(split.group(1))} of a GGUF split into {int(split.group(2))} files; lollm reads "
+            f"single files only. Merge the parts first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)."
+        )
+    source = GGUFTensorSource(path)
+    metadata = source.metadata
+    if not isinstance(metadata.get("general.architecture"), str):
+        raise ConfigError(f"{path}: the GGUF metadata has no 'general.architecture', so no family can be chosen for it")
+    return Checkpoint(spec or str(path), path.parent, "gguf", metadata, {}, source)
+
+
+def _hub_gguf_file(repo_id: str, quant: str) -> Path:
+    """Find and fetch the one .gguf file of ``repo_id`` whose name carries ``quant``."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+    try:
+        if offline:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(repo_id, allow_patterns=["*.gguf"], local_files_only=True))
+            files = [str(p.relative_to(folder)) for p in folder.rglob("*.gguf")]
+        else:
+            files = [f for f in HfApi().list_repo_files(repo_id) if f.endswith(".gguf")]
+    except Exception as exc:
+        where = "the local cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
+        raise CheckpointError(f"{repo_id}: could not list its GGUF files from {where}: {type(exc).__name__}: {exc}") from None
+    token = re.compile(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
+    matches = sorted(f for f in files if token.search(Path(f).name))
+    firsts = [f for f in matches if not SPLIT_GGUF.search(f) or SPLIT_GGUF.search(f).group(1) == "00001"]
+    listing = "\n  ".join(sorted(files)) or "(none)"
+    if not firsts:
+        raise CheckpointError(f"{repo_id}: no .gguf file carries the quant {quant!r}. Files there:\n  {listing}")
+    if len(firsts) > 1:
+        raise CheckpointError(f"{repo_id}: several .gguf files carry the quant {quant!r}: {', '.join(firsts)}. Files there:\n  {listing}")
+    try:
+        return Path(hf_hub_download(repo_id, firsts[0], local_files_only=offline))
+    except Exception as exc:
+        raise CheckpointError(f"{repo_id}: could not fetch {firsts[0]}: {type(exc).__name__}: {exc}") from None
+
+
 def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
     """Locate and open a checkpoint from a spec (folder path or hub repo id).
 
@@ -259,11 +330,16 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
             if path.suffix in PICKLE_SUFFIXES:
                 raise CheckpointError(f"{path} is a pickle checkpoint; lollm refuses them because unpickling can run arbitrary code")
             if path.suffix == ".gguf":
-                raise CheckpointError(f"{path}: GGUF files are not supported by this lollm-core yet")
+                return load_gguf(path, text)
             if path.suffix == ".safetensors":
                 return load_folder(path.parent, text)
             raise CheckpointError(f"{path} is a file; give the folder holding config.json and the weights")
         return load_folder(path, text)
+    repo, colon, quant = text.partition(":")
+    if colon and quant and _looks_like_repo_id(repo):
+        return load_gguf(_hub_gguf_file(repo, quant), text)
     if _looks_like_repo_id(text):
         return load_folder(download_repo(text), text)
-    raise CheckpointError(f"{text}: no such folder, and not a Hugging Face repo id of the form 'org/name'")
+    raise CheckpointError(
+        f"{text}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
+    )

@@ -20,6 +20,7 @@ transformers is needed only here (``pip install 'lollm-core[parity]'``).
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -117,12 +118,16 @@ def layer_cosines(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> list[flo
 
 
 def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """transformers' ``AutoModelForCausalLM`` on the same folder, returning (logits, hidden_states)."""
+    """transformers' ``AutoModelForCausalLM`` on the same folder (or the same GGUF file), returning (logits, hidden_states)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise LollmError("the parity gate needs transformers: pip install 'lollm-core[parity]'") from None
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
+    if checkpoint.fmt == "gguf":  # transformers dequantizes the same GGUF file itself
+        source = Path(checkpoint.spec) if Path(checkpoint.spec).is_file() else checkpoint.weights.gguf.path
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
     model.eval()
 
     @torch.inference_mode()

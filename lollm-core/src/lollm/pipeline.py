@@ -43,7 +43,7 @@ def pick_dtype(name: str, device: torch.device, config: dict[str, Any]) -> torch
     if name == "auto":
         if device.type == "cpu":
             return torch.float32
-        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+        stored = config.get("dtype") or config.get("torch_dtype") or "float16"  # GGUF: no stored float dtype
         return DTYPES.get(str(stored), torch.float32)
     if name not in DTYPES:
         raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(set(DTYPES)))})")
@@ -67,7 +67,13 @@ class LoadedModel:
 
 
 def route(checkpoint: Checkpoint) -> InstalledFamily:
-    """The installed family that serves this checkpoint (see :mod:`lollm.plugins`)."""
+    """The installed family that serves this checkpoint (see :mod:`lollm.plugins`).
+
+    safetensors checkpoints are routed by config.json's ``model_type``, GGUF files
+    by their ``general.architecture``.
+    """
+    if checkpoint.fmt == "gguf":
+        return get_registry().route(gguf_architecture=checkpoint.model_type)
     return get_registry().route(checkpoint.model_type)
 
 
