@@ -45,6 +45,19 @@ def _rss_kib() -> int:
 
 
 def _peak_kib() -> int:
+    """Peak resident set size of this process, in KiB.
+
+    Linux /proc's VmHWM first: ``ru_maxrss`` carries a parent's peak over fork + exec,
+    so a worker started from a big process (a notebook holding a model) would report
+    the parent's memory as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak // 1024 if sys.platform == "darwin" else peak
 

@@ -86,13 +86,13 @@ class _StopStringWatcher:
     def feed(self, piece: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to emit now, whether a stop string was hit)."""
         self.text += piece
-        for stop in self.stops:
-            at = self.text.find(stop, max(0, self.emitted - len(stop)))
-            if at != -1:
-                self.text = self.text[:at]
-                out = self.text[self.emitted :]
-                self.emitted = len(self.text)
-                return out, True
+        # the stop string that starts first wins, whatever its place in the list
+        hits = [at for stop in self.stops if (at := self.text.find(stop, max(0, self.emitted - len(stop)))) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out, True
         safe_end = max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted : safe_end]
         self.emitted = safe_end
@@ -149,8 +149,8 @@ def generate(
     decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
     watcher = _StopStringWatcher(stop_strings)
     history = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
-    # room for the drafts a speculative step writes before it rolls back
-    cache = model.new_cache(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0))
+    # room for the drafts a speculative step writes before it rolls back, never past the context
+    cache = model.new_cache(min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), model.max_context))
 
     def emit(piece: str) -> None:
         if piece:

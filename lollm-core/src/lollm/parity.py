@@ -132,7 +132,7 @@ def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor]
 
     @torch.inference_mode()
     def run(ids: torch.Tensor):
-        out = model(ids, output_hidden_states=True, use_cache=False)
+        out = model(ids.to(model.device), output_hidden_states=True, use_cache=False)
         return out.logits[0].float(), [h.float() for h in out.hidden_states]
 
     return run
@@ -151,8 +151,8 @@ def run_parity(
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure)."""
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
     loaded = open_model(spec, device=device, dtype=dtype)
-    tokenizer = loaded.tokenizer
-    if ids is None:
+    if ids is None:  # the tokenizer is read only when the ids are not given
+        tokenizer = loaded.tokenizer
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     hidden: list[torch.Tensor] = []
@@ -169,7 +169,8 @@ def run_parity(
     else:
         build = default_reference
     reference = build(checkpoint, dt)
-    ref_logits, ref_hidden = reference(input_ids.cpu() if dev.type == "cpu" else input_ids)
+    # the reference builds its model where it likes (transformers' default: the CPU); ids go in on the CPU
+    ref_logits, ref_hidden = reference(input_ids.cpu())
     ref_logits = ref_logits.float().cpu()
     del reference
     gc.collect()

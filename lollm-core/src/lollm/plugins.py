@@ -175,11 +175,21 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_pl
 
         try:
             pm.register(obj, name=name)
+            # a hook the contract does not have (a typo, or a newer contract) is an error, not a silent no-op
+            pm.check_pending()
+        except Exception as exc:  # pluggy's validation errors, a name registered twice
+            if pm.is_registered(obj):
+                pm.unregister(obj)
+            registry.broken.append(BrokenPlugin(name, dist, f"does not match the lollm plugin contract: {exc}"))
+            continue
+        try:
             pm.subset_hook_caller("lollm_register_families", remove_plugins=[p for p in pm.get_plugins() if p is not obj])(register=register)
         except PluginError as exc:
+            pm.unregister(obj)
             registry.broken.append(BrokenPlugin(name, dist, str(exc)))
             continue
         except Exception as exc:
+            pm.unregister(obj)
             registry.broken.append(BrokenPlugin(name, dist, f"lollm_register_families raised {type(exc).__name__}: {exc}"))
             continue
         for family in collected:

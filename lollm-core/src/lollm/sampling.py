@@ -15,6 +15,7 @@ defaults, which win over the neutral values of :class:`SamplingParams`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -45,6 +46,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise GenerationError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -84,12 +88,19 @@ def resolve_sampling(
                 values[key] = source[key]
     if generation_config.get("do_sample") is False and user.get("temperature") is None:
         values["temperature"] = 0.0
+
+    def number(key: str, kind: type, neutral: Any) -> Any:
+        value = values.get(key, neutral)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise GenerationError(f"{key} must be a number, got {value!r}")
+        return kind(value)
+
     return SamplingParams(
-        temperature=float(values.get("temperature", 1.0)),
-        top_k=int(values.get("top_k", 0)),
-        top_p=float(values.get("top_p", 1.0)),
-        min_p=float(values.get("min_p", 0.0)),
-        repetition_penalty=float(values.get("repetition_penalty", 1.0)),
+        temperature=number("temperature", float, 1.0),
+        top_k=number("top_k", int, 0),
+        top_p=number("top_p", float, 1.0),
+        min_p=number("min_p", float, 0.0),
+        repetition_penalty=number("repetition_penalty", float, 1.0),
         seed=seed,
     )
 

@@ -103,6 +103,9 @@ def load_weights(
             filled.add(target)
 
     for target, src in (tied or {}).items():
+        for name in (target, src):
+            if name not in dict(model.named_parameters(remove_duplicate=False)):
+                raise WeightsError(f"tied {target!r} -> {src!r}: the model has no parameter {name!r}")
         if target not in filled and src in filled:
             module_name, _, leaf = target.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model

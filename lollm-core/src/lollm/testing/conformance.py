@@ -1,0 +1,424 @@
+"""The conformance kit: the tests every lollm family must pass, for plugin authors to inherit.
+
+A plugin author subclasses :class:`FamilyConformance` in their own test suite
+and gives two fixtures; every test below then runs against their family::
+
+    import pytest
+    from lollm.testing.conformance import FamilyConformance
+
+    class TestMyFamily(FamilyConformance):
+        reference_available = True  # transformers knows this architecture: run the parity test
+
+        @pytest.fixture
+        def family_name(self):
+            return "mine"
+
+        @pytest.fixture
+        def checkpoint_dir(self, tmp_path):
+            return write_my_tiny_checkpoint(tmp_path)  # config.json + model.safetensors
+
+What the inherited tests prove (each one is a method below, read them):
+
+1. the family is registered under its name and serves the checkpoint's ``model_type``;
+2. the plugin module it came from imports no torch (``lollm families`` stays light);
+3. ``load`` builds a model meeting :mod:`lollm.model`'s protocol: attributes, ``new_cache``,
+   forward shapes, ``logits_to_keep``, ``num_layers + 1`` hidden states;
+4. prefill-all equals prefill-then-decode (one token or a chunk at a time);
+5. the cache is preallocated: decoding never replaces its tensors;
+6. a missing and an unexpected tensor raise :class:`~lollm.errors.WeightsError` naming it;
+7. the shared generate loop drives the model, and greedy generation follows the logits;
+8. with ``reference_available = True``: the same argmax at every position as
+   transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``)
+   and cosine >= :attr:`FamilyConformance.parity_min_cosine` at fp32.
+
+The family must be installed (its entry point visible) for the tests to find
+it; while developing, override the ``registry`` fixture with
+``build_registry(entry_points=[], extra_plugins=[("mine", my_plugin_module)])``.
+
+Everything runs on the CPU at float32. pytest is needed (``lollm-core[test]``),
+transformers only for the parity test (``lollm-core[parity]``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from lollm.errors import WeightsError
+from lollm.hookspecs import ENTRY_POINT_GROUP
+from lollm.loader import Checkpoint, TensorSource, load_checkpoint
+from lollm.plugins import InstalledFamily, Registry, build_registry
+
+__all__ = ["FamilyConformance"]
+
+#: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
+UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
+#: Substrings of tensor names that may be legitimately absent (tied embeddings);
+#: the "missing tensor" test does not drop those unless told to.
+TIE_CANDIDATES = ("lm_head", "embed", "wte", "tok_embeddings", "output.weight")
+
+
+def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of each row of two (T, V) tensors, in float64."""
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+def _cache_tensors(obj: Any, path: str = "cache", depth: int = 0, seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of at least 2 dimensions reachable from ``obj`` (attributes, lists, dicts), with its path."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 2:
+            yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _cache_tensors(value, f"{path}[{key!r}]", depth + 1, seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _cache_tensors(value, f"{path}[{i}]", depth + 1, seen)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + [s for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+        for name in names:
+            if hasattr(obj, name):
+                yield from _cache_tensors(getattr(obj, name), f"{path}.{name}", depth + 1, seen)
+
+
+def _storage_map(cache: Any) -> dict[str, tuple[int, tuple[int, ...]]]:
+    return {path: (t.data_ptr(), tuple(t.shape)) for path, t in _cache_tensors(cache)}
+
+
+def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """Copy the checkpoint folder ``src`` to ``dst`` with its weights rewritten as one model.safetensors.
+
+    ``edit`` receives the ``{name: tensor}`` dict of every tensor and changes it in place.
+    """
+    from safetensors.torch import save_file
+
+    source = load_checkpoint(src).weights
+    tensors = {name: source.read(name) for name in source.names()}
+    edit(tensors)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+class FamilyConformance:
+    """Inherit from this in a ``Test…`` class and provide the fixtures ``family_name`` and ``checkpoint_dir``.
+
+    Class attributes to adjust:
+
+    reference_available:     run the parity test against transformers (it must know the architecture).
+    sequence_length:         positions in the test prompt (kept below the model's context).
+    self_consistency_min_cosine: prefill-all versus prefill-then-decode, per position.
+    parity_min_cosine:       ours versus the reference at fp32, per position.
+    tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
+                             one, in sorted order, that is not an embedding or an lm_head).
+    """
+
+    reference_available: bool = False
+    sequence_length: int = 12
+    self_consistency_min_cosine: float = 0.9999
+    parity_min_cosine: float = 0.99999
+    tensor_to_drop: str | None = None
+
+    # -- fixtures the plugin author provides ---------------------------------------
+
+    @pytest.fixture
+    def family_name(self) -> str:
+        pytest.fail("FamilyConformance: define the fixture `family_name` (the Family.name to test) in your subclass",
+                    pytrace=False)
+
+    @pytest.fixture
+    def checkpoint_dir(self) -> Path:
+        pytest.fail("FamilyConformance: define the fixture `checkpoint_dir` (a tiny checkpoint folder with "
+                    "config.json and model.safetensors) in your subclass", pytrace=False)
+
+    # -- fixtures the kit builds from them (override if you must) -------------------
+
+    @pytest.fixture
+    def registry(self) -> Registry:
+        """The installed plugins, read afresh (not the process-wide cache)."""
+        return build_registry()
+
+    @pytest.fixture
+    def checkpoint(self, checkpoint_dir) -> Checkpoint:
+        return load_checkpoint(Path(checkpoint_dir))
+
+    @pytest.fixture
+    def installed(self, registry: Registry, family_name: str) -> InstalledFamily:
+        for entry in registry.families:
+            if entry.family.name == family_name:
+                return entry
+        broken = "; ".join(f"{b.plugin} ({b.distribution}): {b.error}" for b in registry.broken) or "none"
+        names = ", ".join(f.family.name for f in registry.families) or "none"
+        pytest.fail(f"no installed family is named {family_name!r} (installed: {names}; broken plugins: {broken}). "
+                    f"Is your distribution installed, with an entry point in the group {ENTRY_POINT_GROUP!r}?",
+                    pytrace=False)
+
+    @pytest.fixture
+    def load(self, installed: InstalledFamily):
+        """``load(checkpoint)`` with the family's loader, on the CPU at float32."""
+        loader = installed.family.resolve("load")
+
+        def load(checkpoint: Checkpoint):
+            return loader(checkpoint.config, checkpoint.weights, checkpoint.fmt, torch.device("cpu"), torch.float32, False)
+
+        return load
+
+    @pytest.fixture
+    def model(self, load, checkpoint: Checkpoint):
+        return load(checkpoint)
+
+    @pytest.fixture
+    def prompt_ids(self, model) -> torch.Tensor:
+        """(1, T) deterministic random ids inside the vocabulary."""
+        T = max(2, min(self.sequence_length, int(model.max_context) - 2))
+        g = torch.Generator().manual_seed(1234)
+        return torch.randint(0, int(model.vocab_size), (1, T), generator=g)
+
+    # -- 1. registration ------------------------------------------------------------
+
+    def test_family_is_registered_and_serves_the_checkpoint(self, registry, installed, checkpoint, family_name):
+        assert family_name == installed.family.name
+        assert checkpoint.model_type in installed.family.model_types, (
+            f"the checkpoint's model_type {checkpoint.model_type!r} is not among the family's "
+            f"model_types {installed.family.model_types}"
+        )
+        routed = registry.route(checkpoint.model_type)  # raises on an unknown or doubly claimed type
+        assert routed.family.name == family_name, f"{checkpoint.model_type!r} routes to {routed.family.name!r}"
+        assert not [b for b in registry.broken if b.plugin == installed.plugin], registry.broken
+
+    # -- 2. the plugin module is light ----------------------------------------------------
+
+    def test_plugin_module_imports_no_torch(self, installed, family_name):
+        eps = [ep for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == installed.plugin]
+        if not eps:
+            pytest.skip(f"plugin {installed.plugin!r} is not installed through an entry point "
+                        f"(registered directly), so there is no plugin module to import alone")
+        ep = eps[0]
+        code = textwrap.dedent(
+            f"""
+            import json, sys
+            import importlib.metadata as md
+            from lollm.plugins import build_registry
+            ep = md.EntryPoint({ep.name!r}, {ep.value!r}, {ENTRY_POINT_GROUP!r})
+            reg = build_registry(entry_points=[ep])
+            print(json.dumps({{
+                "families": [f.family.name for f in reg.families],
+                "broken": [b.error for b in reg.broken],
+                "heavy": sorted(m for m in ("torch", "transformers", "safetensors", "numpy") if m in sys.modules),
+            }}))
+            """
+        )
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert not result["broken"], result["broken"]
+        assert family_name in result["families"]
+        assert "torch" not in result["heavy"], (
+            f"importing the plugin module {ep.value!r} and registering its families imported {result['heavy']}; "
+            f"name the loader as a 'module:function' string and import torch only there"
+        )
+
+    # -- 3. the model protocol --------------------------------------------------------------
+
+    def test_model_has_the_protocol_attributes(self, model, checkpoint):
+        for name in ("vocab_size", "max_context", "num_layers"):
+            value = getattr(model, name, None)
+            assert isinstance(value, int) and not isinstance(value, bool) and value > 0, f"model.{name} = {value!r}"
+        eos = getattr(model, "eos_token_ids", None)
+        assert isinstance(eos, tuple) and all(isinstance(i, int) for i in eos), f"model.eos_token_ids = {eos!r}"
+        assert callable(getattr(model, "new_cache", None)), "model.new_cache is missing"
+        assert callable(model), "the model is not callable"
+        if isinstance(model, torch.nn.Module):
+            left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+            assert not left, f"tensors left on the meta device after load: {left[:8]}"
+            wrong = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+            assert not wrong, f"asked for float32, got other dtypes for {wrong[:8]}"
+            assert not any(p.requires_grad for p in model.parameters()), "parameters should not require grad"
+        if isinstance(checkpoint.config.get("vocab_size"), int):
+            assert model.vocab_size == checkpoint.config["vocab_size"]
+
+    @torch.inference_mode()
+    def test_forward_shapes_logits_to_keep_and_hidden_states(self, model, prompt_ids):
+        T, V = prompt_ids.shape[1], model.vocab_size
+        logits = model(prompt_ids, None)
+        assert tuple(logits.shape) == (1, T, V), f"forward returned {tuple(logits.shape)}, expected {(1, T, V)}"
+        assert logits.is_floating_point() and torch.isfinite(logits).all()
+        last = model(prompt_ids, None, logits_to_keep=1)
+        assert tuple(last.shape) == (1, 1, V)
+        torch.testing.assert_close(last[0, -1], logits[0, -1], rtol=1e-4, atol=1e-4)
+        three = model(prompt_ids, None, logits_to_keep=3)
+        assert tuple(three.shape) == (1, 3, V)
+        torch.testing.assert_close(three[0], logits[0, -3:], rtol=1e-4, atol=1e-4)
+
+        hidden: list[torch.Tensor] = []
+        again = model(prompt_ids, None, hidden_states=hidden)
+        assert len(hidden) == model.num_layers + 1, (
+            f"{len(hidden)} hidden states for {model.num_layers} layers; expected num_layers + 1 "
+            f"(embeddings, each layer's output but the last, the final-normed last output)"
+        )
+        sizes = {tuple(h.shape) for h in hidden}
+        assert len(sizes) == 1 and next(iter(sizes))[:2] == (1, T), f"hidden state shapes {sizes}"
+        torch.testing.assert_close(again, logits, rtol=1e-5, atol=1e-5)
+
+    @torch.inference_mode()
+    def test_new_cache_and_forward_advance_the_length(self, model, prompt_ids):
+        T = prompt_ids.shape[1]
+        cache = model.new_cache(T + 3)
+        assert cache.length == 0, f"a new cache has length {cache.length}"
+        assert cache.max_tokens >= T + 3
+        model(prompt_ids, cache, logits_to_keep=1)
+        assert cache.length == T
+        model(prompt_ids[:, :1], cache)
+        assert cache.length == T + 1
+
+    # -- 4. self-consistency ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def test_prefill_all_equals_prefill_then_decode(self, model, prompt_ids):
+        T = prompt_ids.shape[1]
+        full = model(prompt_ids, None)[0]
+        cached = model(prompt_ids, model.new_cache(T), logits_to_keep=0)[0]
+        self._assert_same(full, cached, "prefill with a cache vs without")
+        # one token at a time from the start, half then one at a time, and uneven chunks
+        schedules = [[1] * T, [T // 2] + [1] * (T - T // 2), self._chunks(T)]
+        for schedule in schedules:
+            cache = model.new_cache(T)
+            rows, at = [], 0
+            for size in schedule:
+                rows.append(model(prompt_ids[:, at : at + size], cache)[0])
+                at += size
+            assert cache.length == T
+            self._assert_same(full, torch.cat(rows), f"prefill-all vs chunks {schedule}")
+
+    @staticmethod
+    def _chunks(T: int) -> list[int]:
+        out, size = [], 3
+        while sum(out) < T:
+            out.append(min(size, T - sum(out)))
+            size = 1 if size == 3 else 3
+        return out
+
+    def _assert_same(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
+        cos = _cosines(a, b)
+        worst = int(cos.argmin())
+        assert float(cos.min()) >= self.self_consistency_min_cosine, (
+            f"{what}: cosine {float(cos[worst]):.7f} at position {worst} "
+            f"(required {self.self_consistency_min_cosine})"
+        )
+        mismatched = (a.argmax(-1) != b.argmax(-1)).nonzero().flatten().tolist()
+        assert not mismatched, f"{what}: argmax differs at positions {mismatched}"
+
+    # -- 5. the cache is preallocated --------------------------------------------------------
+
+    @torch.inference_mode()
+    def test_cache_is_preallocated(self, model, prompt_ids):
+        T = prompt_ids.shape[1]
+        cache = model.new_cache(T + 4)
+        before = _storage_map(cache)
+        model(prompt_ids, cache, logits_to_keep=1)
+        if not before:
+            before = _storage_map(cache)  # a cache that allocates on the first forward, once
+            if not before:
+                pytest.skip("no tensor of 2+ dimensions is reachable from the cache's attributes, so its storage "
+                            "cannot be checked; the data_ptr check is skipped")
+        for step in range(4):
+            model(prompt_ids[:, step : step + 1], cache)
+            now = _storage_map(cache)
+            assert now == before, (
+                f"decode step {step} changed the cache's tensors (a per-step torch.cat?): "
+                f"{sorted(set(now.items()) ^ set(before.items()))[:4]}"
+            )
+
+    # -- 6. strict loading --------------------------------------------------------------------
+
+    def _droppable(self, names: list[str]) -> str:
+        if self.tensor_to_drop is not None:
+            assert self.tensor_to_drop in names, f"tensor_to_drop {self.tensor_to_drop!r} is not in the checkpoint"
+            return self.tensor_to_drop
+        candidates = [n for n in sorted(names) if not any(t in n for t in TIE_CANDIDATES)]
+        return candidates[0] if candidates else sorted(names)[0]
+
+    def test_missing_tensor_raises_naming_it(self, load, checkpoint_dir, tmp_path):
+        names = load_checkpoint(Path(checkpoint_dir)).weights.names()
+        victim = self._droppable(names)
+        folder = _rewrite_checkpoint(Path(checkpoint_dir), tmp_path / "missing", lambda t: t.pop(victim))
+        with pytest.raises(WeightsError) as info:
+            load(load_checkpoint(folder))
+        leaf = ".".join(victim.split(".")[-2:])
+        assert victim in str(info.value) or leaf in str(info.value), (
+            f"dropping {victim!r} raised a WeightsError that does not name it: {info.value}"
+        )
+
+    def test_unexpected_tensor_raises_naming_it(self, load, checkpoint_dir, tmp_path):
+        def add(tensors):
+            tensors[UNEXPECTED_TENSOR] = torch.zeros(3, 3)
+
+        folder = _rewrite_checkpoint(Path(checkpoint_dir), tmp_path / "unexpected", add)
+        with pytest.raises(WeightsError) as info:
+            load(load_checkpoint(folder))
+        assert UNEXPECTED_TENSOR in str(info.value), f"the WeightsError does not name the tensor: {info.value}"
+
+    # -- 7. the shared loop drives the model ------------------------------------------------
+
+    def test_shared_generate_loop_follows_the_logits(self, model, prompt_ids):
+        from lollm.generate import generate
+        from lollm.sampling import SamplingParams
+
+        ids = prompt_ids[0].tolist()[:6]
+        n = min(5, int(model.max_context) - len(ids))
+        result = generate(model, ids, max_new_tokens=n, sampling=SamplingParams(temperature=0.0))
+        assert len(result.new_ids) == n and result.stop_reason in {"max_new_tokens", "context"}
+        # greedy decoding must pick the argmax of a plain forward over the growing sequence
+        with torch.inference_mode():
+            seq = list(ids)
+            for step, got in enumerate(result.new_ids):
+                logits = model(torch.tensor([seq]), None, logits_to_keep=1)[0, -1]
+                top2 = logits.topk(2).values
+                if float(top2[0] - top2[1]) > 1e-4:  # skip near-ties, where rounding may pick either
+                    assert got == int(logits.argmax()), f"greedy step {step}: loop chose {got}, forward says {int(logits.argmax())}"
+                seq.append(got)
+
+    # -- 8. parity against the reference ------------------------------------------------------
+
+    def test_parity_with_the_reference(self, model, installed, checkpoint, prompt_ids):
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        from lollm.parity import compare_logits, default_reference, layer_cosines
+
+        with torch.inference_mode():
+            hidden: list[torch.Tensor] = []
+            ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
+        build = installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
+        reference = build(checkpoint, torch.float32)
+        ref_logits, ref_hidden = reference(prompt_ids)
+        stats = compare_logits(ours, ref_logits.float(), prompt_ids[0].tolist())
+        bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine]
+        if bad:
+            layers = ""
+            if ref_hidden and len(ref_hidden) == len(hidden):
+                cos = layer_cosines(hidden, ref_hidden)
+                first = next((i for i, c in enumerate(cos) if c < self.parity_min_cosine), None)
+                layers = f"; per hidden state min cosine {[round(c, 6) for c in cos]}, first diverging: {first}"
+            worst = min(stats, key=lambda s: s.cosine)
+            pytest.fail(
+                f"parity failed at {len(bad)} of {len(stats)} positions (argmax or cosine < {self.parity_min_cosine}); "
+                f"worst position {worst.position}: cosine {worst.cosine:.7f}, max |Δ| {worst.max_abs_diff:.3e}, "
+                f"argmax ours {worst.ours_argmax} vs reference {worst.ref_argmax}{layers}",
+                pytrace=False,
+            )

@@ -1,0 +1,162 @@
+"""Tiny random checkpoints written by transformers itself, for family tests.
+
+A family is tested against transformers on a *real* config.json (from the
+hub, so every key of the real model is there) whose dimensions are shrunk so
+that the model runs in milliseconds::
+
+    raw = json.loads((hub_configs / "Qwen__Qwen3-0.6B" / "config.json").read_text())
+    folder = write_tiny_checkpoint(shrink_config(raw, head_dim=32), tmp_path, schema="hub")
+    # folder holds config.json, model.safetensors, generation_config.json
+
+The weights are transformers' own random initialisation (seeded), written
+with ``save_pretrained``; parameters that transformers initialises to a
+constant (norm scales, biases) are perturbed, so that a swapped norm or a
+dropped bias cannot hide behind a 1 or a 0.
+
+transformers is test tooling here (the optional extra ``lollm-core[parity]``):
+it is imported inside the functions only, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+#: The dimensions :func:`shrink_config` sets unless told otherwise.
+TINY_DIMENSIONS = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+
+
+def shrink_config(raw: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """A copy of ``raw`` (a config.json dict) with tiny dimensions, every other key kept.
+
+    Sets :data:`TINY_DIMENSIONS`, then ``overrides`` (any key, set verbatim; they
+    win over everything). Keys that depend on the new sizes follow, unless
+    overridden: ``head_dim`` (when present) becomes ``hidden_size // num_attention_heads``;
+    ``layer_types`` (when a list) is cut or repeated to ``num_hidden_layers``; token
+    ids (``*_token_id`` / ``*_token_index``) that no longer fit the vocabulary are
+    moved to its top (distinct ids stay distinct). A nested ``text_config`` (the
+    decoder of a multimodal config) is shrunk the same way; other nested configs
+    (vision, audio) are left as they are: shrink them through ``overrides``.
+    """
+    out = copy.deepcopy(raw)
+    _shrink(out, overrides)
+    if isinstance(out.get("text_config"), dict) and "text_config" not in overrides:
+        _shrink(out["text_config"], {})
+        _fix_token_ids(out, out["text_config"]["vocab_size"], overrides)
+    return out
+
+
+def _shrink(cfg: dict[str, Any], overrides: dict[str, Any]) -> None:
+    cfg.update(TINY_DIMENSIONS)
+    cfg.update(copy.deepcopy(overrides))
+    if "head_dim" in cfg and "head_dim" not in overrides:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types and "layer_types" not in overrides:
+        n = cfg["num_hidden_layers"]
+        cfg["layer_types"] = [types[i % len(types)] for i in range(n)]
+    _fix_token_ids(cfg, cfg["vocab_size"], overrides)
+
+
+def _fix_token_ids(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any]) -> None:
+    """Move token ids >= vocab_size to vocab_size-1, vocab_size-2, ... (in increasing order of the old id)."""
+    keys = [k for k in cfg if k.endswith(("_token_id", "_token_index")) and k not in overrides]
+    big = sorted({i for k in keys for i in _ids(cfg[k]) if i >= vocab_size})
+    new_id = {old: vocab_size - 1 - n for n, old in enumerate(big)}
+    for k in keys:
+        value = cfg[k]
+        if isinstance(value, list):
+            cfg[k] = [new_id.get(i, i) for i in value]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            cfg[k] = new_id.get(value, value)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [i for i in value if isinstance(i, int) and not isinstance(i, bool)]
+    return []
+
+
+def write_tiny_checkpoint(
+    raw_config: dict[str, Any],
+    folder: str | Path,
+    *,
+    schema: Literal["hub", "transformers5"] = "transformers5",
+    seed: int = 0,
+) -> Path:
+    """Build the transformers model of ``raw_config`` with random float32 weights and save it in ``folder``.
+
+    Writes config.json, model.safetensors and generation_config.json; returns ``folder``.
+
+    schema: how config.json spells RoPE.
+      "transformers5": what transformers 5's ``save_pretrained`` writes
+                       (``rope_parameters = {"rope_type", "rope_theta", ...}``, plus ``layer_types``).
+      "hub":           the form of the published hub files: ``raw_config`` itself with
+                       ``rope_theta`` at the top level and the scaling (if any) in
+                       ``rope_scaling``, no ``rope_parameters``.
+    seed: seeds torch before the model is built, so the same call writes the same weights.
+    """
+    import torch
+    import transformers
+
+    if schema not in ("hub", "transformers5"):
+        raise ValueError(f"schema must be 'hub' or 'transformers5', not {schema!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = copy.deepcopy(raw_config)
+
+    config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(copy.deepcopy(raw))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            flat = param.reshape(-1)
+            if flat.numel() and bool((flat == flat[0]).all()):  # a norm scale or a bias: a constant
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(folder)
+
+    config_path = folder / "config.json"
+    if schema == "hub":
+        config_path.write_text(json.dumps(to_hub_schema(raw), indent=2) + "\n", encoding="utf-8")
+    elif "rope_theta" in json.loads(config_path.read_text(encoding="utf-8")):
+        raise RuntimeError(f"transformers wrote 'rope_theta' at the top level of {config_path}; expected the 5.x schema")
+
+    generation_path = folder / "generation_config.json"
+    if not generation_path.exists():
+        ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+        generation_path.write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def to_hub_schema(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with a flat ``rope_parameters`` moved to ``rope_theta`` (+ ``rope_scaling``), as hub files spell it.
+
+    A config already in the hub form is returned unchanged (a copy). A
+    ``rope_parameters`` nested per layer type has no single hub spelling
+    (each family names its own keys): ValueError.
+    """
+    out = copy.deepcopy(raw)
+    params = out.pop("rope_parameters", None)
+    if params is None:
+        return out
+    if not isinstance(params, dict) or "rope_theta" not in params or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"cannot write rope_parameters={params!r} in the hub schema")
+    params = dict(params)
+    out["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", params.get("type", "default")) != "default" or len(params) > 1:
+        out["rope_scaling"] = params
+    return out

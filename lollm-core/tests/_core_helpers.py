@@ -1,0 +1,148 @@
+"""Helpers shared by lollm-core's tests.
+
+* Real distributions: build one, pip-install it into a folder, run lollm there.
+  Every install goes to a private ``--target`` folder made visible with
+  PYTHONPATH in a child process, so the test venv itself never changes. pip
+  runs with ``--no-index --no-deps --no-build-isolation``: it uses the
+  setuptools of this venv and never touches the network.
+* A tiny byte-level BPE tokenizer folder, trained with the ``tokenizers``
+  library (lollm-core's ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{dist}"
+version = "{version}"
+dependencies = ["lollm-core"]
+
+[project.entry-points."lollm.families"]
+{ep_name} = "{package}.plugin"
+
+[tool.setuptools.packages.find]
+where = ["src"]
+"""
+
+
+def plugin_module(*families: tuple[str, tuple[str, ...]], package: str) -> str:
+    """Source of a plugin module registering ``(family name, model types)`` pairs; it imports no torch."""
+    records = ",\n        ".join(
+        f"Family(name={name!r}, contract=CONTRACT_VERSION, model_types={types!r}, "
+        f"load={package + '.model:load'!r}, description='throwaway test family')"
+        for name, types in families
+    )
+    return textwrap.dedent(
+        f"""\
+        from lollm.family import CONTRACT_VERSION, Family
+        from lollm.hookspecs import hookimpl
+
+
+        @hookimpl
+        def lollm_register_families(register):
+            for family in [
+                {records}
+            ]:
+                register(family)
+        """
+    )
+
+
+def write_distribution(root: Path, dist: str, package: str, plugin_source: str, *, ep_name: str | None = None,
+                       version: str = "0.0.1", extra_files: dict[str, str] | None = None) -> Path:
+    """A project folder for distribution ``dist`` with ``src/<package>/plugin.py`` = ``plugin_source``."""
+    project = root / dist
+    pkg = project / "src" / package
+    pkg.mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        PYPROJECT.format(dist=dist, version=version, ep_name=ep_name or package, package=package)
+    )
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plugin.py").write_text(plugin_source)
+    for name, text in (extra_files or {}).items():
+        (pkg / name).write_text(text)
+    return project
+
+
+def pip_install(project: Path, target: Path) -> Path:
+    """``pip install --target`` one project folder (offline); returns ``target``."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+         "--disable-pip-version-check", "--quiet", "--target", str(target), str(project)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, f"pip install {project} failed:\n{done.stdout}\n{done.stderr}"
+    return target
+
+
+def child_env(*sites: Path, **extra: str) -> dict[str, str]:
+    """The environment of a child process that sees the given --target folders."""
+    env = dict(os.environ)
+    paths = [str(s) for s in sites] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["NO_COLOR"] = "1"
+    env["COLUMNS"] = "200"
+    env["TERM"] = "dumb"
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *sites: Path, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=child_env(*sites), cwd=cwd, timeout=timeout)
+
+
+def run_lollm(*args: str, sites: tuple[Path, ...] = (), cwd: Path | None = None, timeout: int = 300,
+              stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m lollm.cli ARGS`` in a child process seeing ``sites``."""
+    return subprocess.run([sys.executable, "-m", "lollm.cli", *args], capture_output=True, text=True,
+                          env=child_env(*sites), cwd=cwd, timeout=timeout, input=stdin)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "hello world, hello lollm. The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a tiny model that could only say a few words.",
+    "numbers 0123456789 and punctuation: !?.,;'\"()[]{}",
+]
+
+
+def write_tiny_tokenizer(folder: Path, *, vocab_size: int = 320, chat_template: bool = True) -> Path:
+    """tokenizer.json (byte-level BPE, special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) and tokenizer_config.json.
+
+    Every one of the 256 bytes is in the vocabulary, so any text encodes; ids stay below ``vocab_size``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
+    if chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
