@@ -20,14 +20,29 @@ Example with the merges ``[("l", "o"), ("lo", "w"), ("e", "r")]`` on "lower"::
 This module knows nothing about bytes: a symbol is just a string. In a
 byte-level tokenizer (GPT-2, Qwen, Llama 3) the words it receives were already
 rewritten one character per UTF-8 byte by :mod:`lollm.tokenizer.byte_level`.
-A SentencePiece-style BPE (``byte_fallback``) would add its fallback step in
-:meth:`BPE._initial_symbols` and reuse the same merge loop.
+
+Two flavours of BPE share one merge loop
+----------------------------------------
+:func:`merge_symbols` is the loop itself: "merge the best adjacent pair, again
+and again". Only the meaning of *best* differs:
+
+* the Hugging Face flavour (:class:`BPE`, used by tokenizer.json) ranks a pair
+  by its position in the merges list: lowest rank first;
+* SentencePiece's flavour (:mod:`lollm.tokenizer.sentencepiece`) has no merges
+  list; it ranks a pair by the *score* of the piece the two symbols would form:
+  highest score first.
+
+SentencePiece-style vocabularies (Llama 2, Gemma) do not contain every byte,
+so a character missing from the vocabulary is spelled as its UTF-8 bytes with
+the special tokens ``<0x00>`` .. ``<0xFF>``: that is *byte fallback*
+(tokenizer.json's ``"byte_fallback": true``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import heapq
+from collections.abc import Callable, Iterable
 
 from lollm.errors import TokenizerError
 
@@ -35,18 +50,92 @@ from lollm.errors import TokenizerError
 #: words a lot ("the", "Ġ=", "ĊĠĠĠ"), so most words are merged only once.
 WORD_CACHE_SIZE = 100_000
 
+#: Give the priority of merging two adjacent symbols (lower = merged first), or
+#: ``None`` when the two can never be merged.
+PairPriority = Callable[[str, str], "float | int | None"]
+
+
+def byte_token(byte: int) -> str:
+    """The byte-fallback token of one byte value: ``byte_token(0x0A) == "<0x0A>"`` (two upper-case hex digits)."""
+    return f"<0x{byte:02X}>"
+
+
+def merge_symbols(symbols: list[str], priority: PairPriority) -> list[str]:
+    """The BPE merge loop: repeatedly merge the adjacent pair with the best (lowest) priority.
+
+    Ties go to the leftmost pair. This is exactly what both reference
+    implementations do (the Hugging Face tokenizers library and SentencePiece),
+    and they do it the same way, which we follow here:
+
+    * the symbols form a doubly linked list (``prev`` / ``next`` indices), so
+      merging two of them is a constant-time relinking, not a list rebuild;
+    * every candidate pair sits in a heap keyed by ``(priority, position)``;
+      popping the heap gives the best pair, leftmost first;
+    * merging changes the neighbours' pairs, so only the two new pairs (left
+      neighbour + merged symbol, merged symbol + right neighbour) are pushed.
+      Entries that went stale (one of their symbols was merged away since) are
+      recognized when popped and skipped.
+
+    ``priority`` is called exactly when SentencePiece would look a pair up: once
+    for every initial pair from left to right, then for the two new pairs after
+    each merge. (The SentencePiece engine relies on that order.)
+
+    A textbook version rescans all pairs after each merge, which costs time
+    proportional to the square of the word length. SentencePiece-style
+    tokenizers give the merge loop a whole paragraph at once (they have no
+    word-splitting regex), so the heap matters there.
+    """
+    n = len(symbols)
+    if n < 2:
+        return list(symbols)
+    text: list[str | None] = list(symbols)  # None once a symbol was merged into its left neighbour
+    prev = list(range(-1, n - 1))
+    next_ = list(range(1, n + 1))
+    next_[-1] = -1
+    heap: list[tuple[float | int, int, str, str]] = []
+
+    def consider(left: int) -> None:
+        """Push the pair (symbol ``left``, the symbol after it) if it can be merged at all."""
+        right = next_[left] if left >= 0 else -1
+        if left < 0 or right < 0:
+            return
+        a, b = text[left], text[right]
+        p = priority(a, b)
+        if p is not None:
+            heapq.heappush(heap, (p, left, a, b))
+
+    for i in range(n - 1):
+        consider(i)
+    while heap:
+        _, left, a, b = heapq.heappop(heap)
+        right = next_[left]
+        if text[left] != a or right < 0 or text[right] != b:
+            continue  # stale: one of the two symbols has changed since this pair was pushed
+        # merge the right symbol into the left one and unlink it
+        text[left] = a + b
+        text[right] = None
+        next_[left] = next_[right]
+        if next_[right] >= 0:
+            prev[next_[right]] = left
+        consider(prev[left])
+        consider(left)
+    return [t for t in text if t is not None]
+
 
 class BPE:
-    """A BPE vocabulary plus its ranked merges, able to encode single words.
+    """A BPE vocabulary plus its ranked merges, able to encode single words (the Hugging Face flavour).
 
     ``vocab`` maps each token string to its id. ``merges`` lists the learned
     pairs in training order; the first pair has rank 0. ``unk_token`` (with
     ``fuse_unk``) says what to do with a character that is not in the
     vocabulary; byte-level vocabularies contain all 256 byte symbols, so they
     never need it and leave it ``None``, in which case an unknown character is
-    an error. ``ignore_merges`` (Llama 3) looks the whole word up in the
-    vocabulary first and skips the merge loop when it is there. ``source``
-    names the file the data came from, for error messages.
+    an error. ``byte_fallback`` (SentencePiece-style vocabularies) spells such
+    a character as its UTF-8 bytes ``<0xE9><0xB1><0xBB>`` instead, and only
+    falls back to ``unk_token`` when a byte token is missing too.
+    ``ignore_merges`` (Llama 3) looks the whole word up in the vocabulary first
+    and skips the merge loop when it is there. ``source`` names the file the
+    data came from, for error messages.
     """
 
     def __init__(
@@ -56,12 +145,14 @@ class BPE:
         *,
         unk_token: str | None = None,
         fuse_unk: bool = False,
+        byte_fallback: bool = False,
         ignore_merges: bool = False,
         source: str = "the BPE model",
     ) -> None:
         self.vocab = vocab
         self.unk_token = unk_token
         self.fuse_unk = fuse_unk
+        self.byte_fallback = byte_fallback
         self.ignore_merges = ignore_merges
         self.source = source
         if unk_token is not None and unk_token not in vocab:
@@ -94,14 +185,23 @@ class BPE:
         return tuple(self.vocab[symbol] for symbol in symbols)
 
     def _initial_symbols(self, word: str) -> list[str]:
-        """Split ``word`` into single characters, replacing the ones missing from the vocabulary by unk_token."""
+        """Split ``word`` into single characters; a character missing from the vocabulary becomes
+        its byte tokens (``byte_fallback``) or ``unk_token``."""
         symbols: list[str] = []
         previous_was_unk = False
         for char in word:
             if char in self.vocab:
                 symbols.append(char)
                 previous_was_unk = False
-            elif self.unk_token is not None:
+                continue
+            if self.byte_fallback:
+                # Like the Hugging Face library: all bytes of the character, or none of them.
+                byte_symbols = [byte_token(b) for b in char.encode("utf-8")]
+                if all(symbol in self.vocab for symbol in byte_symbols):
+                    symbols.extend(byte_symbols)
+                    previous_was_unk = False
+                    continue
+            if self.unk_token is not None:
                 # fuse_unk: a run of unknown characters becomes a single unk symbol.
                 if not (self.fuse_unk and previous_was_unk):
                     symbols.append(self.unk_token)
@@ -114,34 +214,10 @@ class BPE:
         return symbols
 
     def merge(self, symbols: list[str]) -> list[str]:
-        """The BPE merge loop: repeatedly merge the adjacent pair with the lowest rank.
+        """Merge ``symbols`` by rank: repeatedly the adjacent pair learned earliest, leftmost first.
 
-        Each round finds the best-ranked adjacent pair, then merges every
-        occurrence of it from left to right (``a a a`` with the pair ``(a, a)``
-        becomes ``aa a``). A merged symbol can only take part in merges learned
-        after it, so the result is the same as merging one occurrence at a time
-        in (rank, position) order, which is what the Hugging Face tokenizers
-        library does with a priority queue.
+        ``a a a`` with the pair ``(a, a)`` becomes ``aa a``: the leftmost
+        occurrence merges first and takes the middle ``a`` with it.
         """
         ranks = self.merge_ranks
-        while len(symbols) > 1:
-            best_rank = None
-            best_pair = None
-            for pair in zip(symbols, symbols[1:]):
-                rank = ranks.get(pair)
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best_rank, best_pair = rank, pair
-            if best_pair is None:
-                break  # no adjacent pair was ever learned: the word is fully merged
-            first, second = best_pair
-            merged: list[str] = []
-            i = 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and symbols[i] == first and symbols[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(symbols[i])
-                    i += 1
-            symbols = merged
-        return symbols
+        return merge_symbols(symbols, lambda a, b: ranks.get((a, b)))

@@ -8,6 +8,9 @@ Which files, and who wins
 * Older or slimmer folders only have GPT-2's format: ``vocab.json`` (token ->
   id) and ``merges.txt`` (one merge per line). The rest of the pipeline is then
   implied by tokenizer_config.json's ``tokenizer_class`` (GPT-2 or Qwen2).
+* SentencePiece models ship ``tokenizer.model`` (read by
+  :mod:`lollm.tokenizer.sentencepiece`); it is used when there is no
+  tokenizer.json.
 * ``tokenizer_config.json`` (written by transformers) names the special tokens
   (``bos_token``, ``eos_token``, ``pad_token``, ...), may list extra added
   tokens in ``added_tokens_decoder``, may switch on ``add_bos_token`` /
@@ -15,6 +18,10 @@ Which files, and who wins
 * ``chat_template.jinja`` (written by transformers 5) holds the chat template
   and wins over the one in tokenizer_config.json; templates in
   ``additional_chat_templates/<name>.jinja`` are kept under their names.
+
+tokenizer.json comes in two styles, told apart by its decoder: byte-level
+(decoder ``ByteLevel``; GPT-2, Qwen2, Llama 3) and SentencePiece-style
+(decoder ``Replace("▁", " ")`` + ``ByteFallback`` + ``Fuse``; Llama 2, Gemma).
 
 Anything we do not implement (a model type other than BPE, an unknown
 normalizer, pre-tokenizer, post-processor or decoder) raises
@@ -34,9 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from lollm.errors import TokenizerError
+from lollm.tokenizer import sentencepiece
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
 from lollm.tokenizer.chat import ChatTemplate
+from lollm.tokenizer.decoders import ByteLevelDecoder, Decoder, SentencePieceDecoder, build_decoder
 from lollm.tokenizer.normalize import Normalizer, build_normalizer
 from lollm.tokenizer.pretokenize import (
     QWEN2_PATTERN,
@@ -51,6 +60,7 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
 VOCAB_JSON = "vocab.json"
 MERGES_TXT = "merges.txt"
+TOKENIZER_MODEL = "tokenizer.model"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 ADDITIONAL_CHAT_TEMPLATES_DIR = "additional_chat_templates"
 
@@ -60,9 +70,9 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 @dataclass
 class _Pipeline:
-    """The parts of a tokenizer read from tokenizer.json or vocab.json + merges.txt."""
+    """The parts of a tokenizer read from tokenizer.json, tokenizer.model or vocab.json + merges.txt."""
 
-    model: BPE
+    model: BPE | sentencepiece.SentencePieceBPE
     pre_tokenizer: PreTokenizer
     #: the file(s) read, for error messages
     source: str
@@ -70,6 +80,7 @@ class _Pipeline:
     added_tokens: list[AddedToken] = field(default_factory=list)
     #: (prefix ids, suffix ids) of the post-processor; None = the file has no post-processor.
     post_processor: tuple[list[int], list[int]] | None = None
+    decoder: Decoder = field(default_factory=ByteLevelDecoder)
 
 
 def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
@@ -86,6 +97,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     if tokenizer_json.is_file():
         pipeline = _read_tokenizer_json(tokenizer_json)
         class_defaults: dict[str, str] = {}
+    elif (folder / TOKENIZER_MODEL).is_file():
+        pipeline, class_defaults = _read_sentencepiece_model(folder / TOKENIZER_MODEL, config, config_path)
     elif vocab_json.is_file() and merges_txt.is_file():
         pipeline, class_defaults = _read_vocab_and_merges(vocab_json, merges_txt, config, config_path)
     elif vocab_json.is_file() or merges_txt.is_file():
@@ -93,7 +106,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         raise TokenizerError(f"{folder} has no {TOKENIZER_JSON}, and its GPT-2 style tokenizer lacks {missing}")
     else:
         raise TokenizerError(
-            f"no tokenizer files in {folder}: expected {TOKENIZER_JSON}, or {VOCAB_JSON} + {MERGES_TXT}"
+            f"no tokenizer files in {folder}: expected {TOKENIZER_JSON}, {TOKENIZER_MODEL}, "
+            f"or {VOCAB_JSON} + {MERGES_TXT}"
         )
 
     special_tokens = _named_special_tokens(config, config_path, class_defaults)
@@ -108,6 +122,7 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         suffix_ids=suffix_ids,
         special_tokens=special_tokens,
         chat_templates=_read_chat_templates(folder, config, config_path),
+        decoder=pipeline.decoder,
     )
 
 
@@ -162,15 +177,27 @@ def _read_tokenizer_json(path: Path) -> _Pipeline:
     model = _build_bpe(model_spec, where)
     normalizer = build_normalizer(data.get("normalizer"), where)
     pre_tokenizer = build_pre_tokenizer(data.get("pre_tokenizer"), where)
-    _check_decoder(data.get("decoder"), where)
-    if not pre_tokenizer.uses_byte_level():
+    decoder = build_decoder(data.get("decoder"), where)
+    # The decoder tells the style; the rest of the pipeline must agree with it.
+    if isinstance(decoder, ByteLevelDecoder):
+        if model.byte_fallback:
+            raise TokenizerError(
+                f"{where}: BPE byte_fallback in a byte-level tokenizer (ByteLevel decoder) is not implemented by "
+                "lollm: byte fallback belongs to SentencePiece-style tokenizers"
+            )
+        if not pre_tokenizer.uses_byte_level():
+            raise TokenizerError(
+                f"{where}: the decoder is ByteLevel, but the pre_tokenizer has no ByteLevel step to match it"
+            )
+    elif pre_tokenizer.uses_byte_level():
         raise TokenizerError(
-            f"{where}: lollm implements byte-level BPE only, but the pre_tokenizer has no ByteLevel step"
+            f"{where}: the pre_tokenizer has a ByteLevel step, but the decoder is SentencePiece-style"
         )
     added = [_added_token(entry, f"{where} added_tokens[{i}]") for i, entry in enumerate(data.get("added_tokens") or [])]
     post = _parse_post_processor(data.get("post_processor"), where) if data.get("post_processor") is not None else None
     return _Pipeline(
-        model=model, pre_tokenizer=pre_tokenizer, source=where, normalizer=normalizer, added_tokens=added, post_processor=post
+        model=model, pre_tokenizer=pre_tokenizer, source=where, normalizer=normalizer, added_tokens=added,
+        post_processor=post, decoder=decoder,
     )
 
 
@@ -182,8 +209,6 @@ def _build_bpe(spec: dict, where: str) -> BPE:
         raise TokenizerError(f"{where}: model type {kind!r} is not implemented by lollm (only BPE)")
     if spec.get("dropout") not in (None, 0, 0.0):
         raise TokenizerError(f"{where}: BPE dropout {spec['dropout']!r} is a training-time option lollm does not implement")
-    if spec.get("byte_fallback"):
-        raise TokenizerError(f"{where}: BPE byte_fallback (SentencePiece-style BPE) is not implemented by lollm yet")
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if spec.get(key):
             raise TokenizerError(f"{where}: BPE {key} {spec[key]!r} is not implemented by lollm")
@@ -206,6 +231,7 @@ def _build_bpe(spec: dict, where: str) -> BPE:
         merges,
         unk_token=spec.get("unk_token"),
         fuse_unk=bool(spec.get("fuse_unk", False)),
+        byte_fallback=bool(spec.get("byte_fallback", False)),
         ignore_merges=bool(spec.get("ignore_merges", False)),
         source=where,
     )
@@ -216,23 +242,6 @@ def _check_vocab(vocab: dict, where: str) -> dict[str, int]:
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise TokenizerError(f"{where}: token {token!r} has id {token_id!r}, not a non-negative integer")
     return vocab
-
-
-def _check_decoder(spec: Any, where: str) -> None:
-    """The decoder must turn byte symbols back into bytes, which is what ByteLevel does."""
-    if spec is None:
-        raise TokenizerError(f"{where}: 'decoder' is missing; lollm needs the ByteLevel decoder")
-    if not isinstance(spec, dict):
-        raise TokenizerError(f"{where}: 'decoder' must be an object, got {spec!r}")
-    kind = spec.get("type")
-    if kind == "Sequence":
-        decoders = spec.get("decoders") or []
-        if len(decoders) == 1:
-            return _check_decoder(decoders[0], where)
-        kinds = [d.get("type") if isinstance(d, dict) else d for d in decoders]
-        raise TokenizerError(f"{where}: decoder Sequence {kinds!r} is not implemented by lollm (only ByteLevel)")
-    if kind != "ByteLevel":
-        raise TokenizerError(f"{where}: decoder type {kind!r} is not implemented by lollm (only ByteLevel)")
 
 
 def _added_token(entry: Any, where: str) -> AddedToken:
@@ -336,6 +345,74 @@ def _read_vocab_and_merges(
         merges.append((parts[0], parts[1]))
     model = BPE(vocab, merges, source=f"{vocab_path} + {merges_path}")
     return _Pipeline(model=model, pre_tokenizer=pre_tokenizer, source=model.source, normalizer=normalizer), defaults
+
+
+# ------------------------------------------------------------ tokenizer.model
+
+#: tokenizer_class values whose transformers class puts bos in front of every
+#: text unless tokenizer_config.json says ``"add_bos_token": false``.
+_BOS_BY_DEFAULT_CLASSES = ("LlamaTokenizer", "GemmaTokenizer", "CodeLlamaTokenizer")
+
+
+def _read_sentencepiece_model(path: Path, config: dict, config_path: Path) -> tuple[_Pipeline, dict[str, str]]:
+    """A SentencePiece ``tokenizer.model`` (BPE type) as a pipeline.
+
+    Compared with SentencePiece itself, one thing is added, as transformers and
+    llama.cpp do: control pieces (``<s>``, ``</s>``, ``<start_of_turn>``)
+    written in the text are matched as single tokens (SentencePiece would spell
+    them out character by character). User-defined pieces are matched in the
+    normalized text, exactly as SentencePiece does.
+    """
+    where = str(path)
+    sp = sentencepiece.read_model_file(path)
+    if sp.model_type != sentencepiece.BPE_MODEL:
+        name = sentencepiece.MODEL_TYPE_NAMES.get(sp.model_type, str(sp.model_type))
+        raise TokenizerError(f"{where}: SentencePiece model type {name} is not implemented by lollm (only BPE)")
+    if sp.treat_whitespace_as_suffix:
+        raise TokenizerError(f"{where}: SentencePiece treat_whitespace_as_suffix is not implemented by lollm")
+    if sp.denormalizer is not None and sp.denormalizer.precompiled_charsmap:
+        raise TokenizerError(f"{where}: a SentencePiece denormalizer rule is not implemented by lollm")
+    normalizer = sentencepiece.build_normalizer(sp.normalizer, where)
+    kinds = [kind for _, _, kind in sp.pieces]
+    unknown = [i for i, kind in enumerate(kinds) if kind == sentencepiece.UNKNOWN]
+    if len(unknown) != 1:
+        raise TokenizerError(f"{where}: a SentencePiece model needs exactly one UNKNOWN piece, found {len(unknown)}")
+    if not sp.byte_fallback and sentencepiece.BYTE in kinds:
+        raise TokenizerError(f"{where}: the model has byte pieces although byte_fallback is false")
+    model = sentencepiece.SentencePieceBPE(
+        sp.pieces, byte_fallback=sp.byte_fallback, unk_id=unknown[0], resegment_unused=True, source=where
+    )
+    added = [
+        AddedToken(
+            id=i,
+            content=text,
+            special=kind != sentencepiece.USER_DEFINED,
+            normalized=kind == sentencepiece.USER_DEFINED,
+        )
+        for i, (text, _, kind) in enumerate(sp.pieces)
+        if kind in (sentencepiece.CONTROL, sentencepiece.UNKNOWN, sentencepiece.USER_DEFINED)
+    ]
+    # The trainer spec names unk/bos/eos/pad by id; tokenizer_config.json may override them.
+    defaults = {}
+    for name, token_id in (("unk_token", sp.unk_id), ("bos_token", sp.bos_id), ("eos_token", sp.eos_id),
+                           ("pad_token", sp.pad_id)):
+        if 0 <= token_id < len(sp.pieces):
+            defaults[name] = sp.pieces[token_id][0]
+    post_processor = None
+    class_name = (config.get("tokenizer_class") or "").removesuffix("Fast")
+    if class_name in _BOS_BY_DEFAULT_CLASSES:
+        bos = _token_content(config.get("bos_token"), f"{config_path} 'bos_token'") or defaults.get("bos_token")
+        if bos is None or bos not in model.vocab:
+            raise TokenizerError(f"{config_path}: {class_name} adds a bos token, but the model has none")
+        post_processor = ([model.vocab[bos]], [])
+    decoder = SentencePieceDecoder(
+        byte_fallback=sp.byte_fallback, strip_leading_spaces=1 if sp.normalizer.add_dummy_prefix else 0
+    )
+    pipeline = _Pipeline(
+        model=model, pre_tokenizer=PreTokenizer([]), source=where, normalizer=normalizer, added_tokens=added,
+        post_processor=post_processor, decoder=decoder,
+    )
+    return pipeline, defaults
 
 
 # --------------------------------------------------------- tokenizer_config.json

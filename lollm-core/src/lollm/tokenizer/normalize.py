@@ -6,10 +6,18 @@ accent (U+0065 U+0301). A normalizer picks one of them so that both spellings
 get the same tokens. Qwen2's tokenizer, for instance, applies NFC (compose
 characters where possible).
 
-Only the Unicode normalization forms (and a ``Sequence`` of them) are
-implemented; any other normalizer type in tokenizer.json is refused with a
-:class:`~lollm.errors.TokenizerError` rather than silently skipped, because
-skipping it would produce different token ids than the model was trained on.
+SentencePiece-style tokenizers (Llama 2, Gemma) use the normalizer for another
+job: they write every space as "▁" (U+2581, "lower one eighth block"), so that
+a space is an ordinary visible character of the vocabulary (``"▁world"``).
+tokenizer.json spells this ``Replace(" ", "▁")``, sometimes after
+``Prepend("▁")`` (Llama 2 puts a "▁" in front of the text, so that the first
+word is spelled like a word in the middle of a sentence).
+
+Implemented: the Unicode normalization forms, ``Replace``, ``Prepend`` and a
+``Sequence`` of them. Any other normalizer type in tokenizer.json is refused
+with a :class:`~lollm.errors.TokenizerError` rather than silently skipped,
+because skipping it would produce different token ids than the model was
+trained on.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable
 from typing import Any
+
+import regex
 
 from lollm.errors import TokenizerError
 
@@ -47,4 +57,30 @@ def build_normalizer(spec: Any, source: str) -> Normalizer | None:
             return text
 
         return sequence
+    if kind == "Replace":
+        return _replace(spec, source)
+    if kind == "Prepend":
+        prefix = spec.get("prepend")
+        if not isinstance(prefix, str):
+            raise TokenizerError(f"{source}: Prepend normalizer needs a string 'prepend', got {spec!r}")
+        # Like the Hugging Face library: an empty text stays empty.
+        return lambda text: prefix + text if text else text
     raise TokenizerError(f"{source}: normalizer type {kind!r} is not implemented by lollm")
+
+
+def _replace(spec: dict, source: str) -> Normalizer:
+    """``Replace``: every match of ``pattern`` (a plain string or a regex) becomes ``content``."""
+    pattern, content = spec.get("pattern"), spec.get("content")
+    if not isinstance(content, str):
+        raise TokenizerError(f"{source}: Replace normalizer needs a string 'content', got {spec!r}")
+    if isinstance(pattern, dict) and isinstance(pattern.get("String"), str) and pattern["String"]:
+        old = pattern["String"]
+        return lambda text: text.replace(old, content)
+    if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str):
+        try:
+            compiled = regex.compile(pattern["Regex"])
+        except regex.error as error:
+            raise TokenizerError(f"{source}: cannot compile the Replace regex {pattern['Regex']!r}: {error}") from None
+        # A function as replacement: `content` is inserted literally (no backslash escapes).
+        return lambda text: compiled.sub(lambda _match: content, text)
+    raise TokenizerError(f"{source}: Replace normalizer has no 'pattern' {{'String'|'Regex': ...}}: {spec!r}")

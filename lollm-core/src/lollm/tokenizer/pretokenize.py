@@ -12,13 +12,17 @@ pieces into a (longer) list of pieces:
 
 * :class:`RegexSplit` cuts every piece at the matches of a regex (tokenizer.json's
   ``Split`` with behavior ``Isolated``: matches and the gaps between them both
-  become pieces; ``Removed``: gaps are dropped);
+  become pieces; ``Removed``: the matches are dropped; ``MergedWithPrevious``:
+  each match is glued to the piece before it);
 * :class:`ByteLevel` optionally adds a leading space, optionally splits with
   GPT-2's regex, and then rewrites each piece one character per UTF-8 byte (see
   :mod:`lollm.tokenizer.byte_level`), which is the alphabet the BPE vocabulary uses.
 
 Qwen2's tokenizer.json has ``Sequence[Split(<its regex>, Isolated), ByteLevel(use_regex=false)]``;
-GPT-2's has a single ``ByteLevel(use_regex=true)``.
+GPT-2's has a single ``ByteLevel(use_regex=true)``. SentencePiece-style
+tokenizers (Gemma) have no ByteLevel step: their vocabulary is made of real
+characters, and the pre-tokenizer is null or a ``Split`` on spaces that finds
+nothing to split (the normalizer already turned every space into "▁").
 
 The patterns use Unicode classes (``\\p{L}`` letters, ``\\p{N}`` digits) that
 Python's built-in ``re`` does not know, so we use the ``regex`` package. Its
@@ -63,13 +67,20 @@ class RegexSplit:
     """Cut each piece at the matches of a regex.
 
     ``behavior="Isolated"`` keeps both the matches and the text between them as
-    separate pieces; ``"Removed"`` keeps only the text between matches.
-    ``invert=True`` swaps the roles: the matches are what lies *between* the cuts.
+    separate pieces; ``"Removed"`` keeps only the text between matches;
+    ``"MergedWithPrevious"`` glues each match to the end of the text before it
+    (``"a b c"`` split on ``" "`` gives ``"a "``, ``"b "``, ``"c"``), except
+    when that text is itself a match. ``invert=True`` swaps the roles: the
+    matches are what lies *between* the cuts.
     """
 
+    BEHAVIORS = ("Isolated", "Removed", "MergedWithPrevious")
+
     def __init__(self, pattern: str, *, behavior: str = "Isolated", invert: bool = False, source: str = "") -> None:
-        if behavior not in ("Isolated", "Removed"):
-            raise TokenizerError(f"{source}: Split behavior {behavior!r} is not implemented by lollm")
+        if behavior not in self.BEHAVIORS:
+            raise TokenizerError(
+                f"{source}: Split behavior {behavior!r} is not implemented by lollm (known: {', '.join(self.BEHAVIORS)})"
+            )
         self.pattern = _compile(pattern, source)
         self.behavior = behavior
         self.invert = invert
@@ -77,13 +88,21 @@ class RegexSplit:
     def __call__(self, pieces: list[str]) -> list[str]:
         out: list[str] = []
         for piece in pieces:
-            for text, is_match in self._segments(piece):
-                if self.invert:
-                    is_match = not is_match
-                if self.behavior == "Removed" and is_match:
-                    continue
-                if text:  # empty pieces are dropped, as in Hugging Face tokenizers
-                    out.append(text)
+            segments = [(text, is_match != self.invert) for text, is_match in self._segments(piece)]
+            if self.behavior == "Removed":
+                segments = [(text, False) for text, is_match in segments if not is_match]
+            elif self.behavior == "MergedWithPrevious":
+                merged: list[tuple[str, bool]] = []
+                previous_was_match = False
+                for text, is_match in segments:
+                    if is_match and not previous_was_match and merged:
+                        merged[-1] = (merged[-1][0] + text, False)
+                    else:
+                        merged.append((text, False))
+                    previous_was_match = is_match
+                segments = merged
+            # empty pieces are dropped, as in Hugging Face tokenizers
+            out.extend(text for text, _ in segments if text)
         return out
 
     def _segments(self, text: str) -> list[tuple[str, bool]]:

@@ -33,16 +33,31 @@ class StreamDecoder:
     tokens when ``skip_special_tokens=True``).
     """
 
-    def __init__(self, token_bytes: Callable[[int], bytes], skip_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        skip_ids: frozenset[int] = frozenset(),
+        *,
+        strip_leading_spaces: int = 0,
+    ) -> None:
         self._token_bytes = token_bytes
         self._skip_ids = skip_ids
+        #: spaces still to remove from the start of the text (a SentencePiece dummy prefix)
+        self._strip = strip_leading_spaces
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became complete (may be ``""`` while a character is unfinished)."""
         if token_id in self._skip_ids:
             return ""
-        return self._utf8.decode(self._token_bytes(token_id))
+        data = self._token_bytes(token_id)
+        while self._strip and data:
+            if data.startswith(b" "):
+                data = data[1:]
+                self._strip -= 1
+            else:
+                self._strip = 0  # the text has started: nothing more to strip
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         """End of the stream: return what is left, with an unfinished character shown as U+FFFD."""

@@ -10,28 +10,43 @@ Encoding runs the same pipeline as the Hugging Face tokenizers library::
       -> add the post-processor's bos/eos ids            (here)
 
 Decoding goes backwards: each id becomes its token string, each token string
-becomes bytes (byte_level.py), and the concatenated bytes are read as UTF-8.
+becomes bytes (decoders.py: GPT-2's byte table, or SentencePiece's "▁" and
+``<0xNN>`` byte tokens), and the concatenated bytes are read as UTF-8.
 
-A ``Tokenizer`` is built from files by :func:`lollm.tokenizer.load_tokenizer`;
-it never imports torch.
+The same class serves both vocabulary styles; what differs is plugged in: the
+model (:class:`~lollm.tokenizer.bpe.BPE` by merge rank, or
+:class:`~lollm.tokenizer.sentencepiece.SentencePieceBPE` by piece score), the
+normalizer, the pre-tokenizer and the decoder.
+
+A ``Tokenizer`` is built from files by :func:`lollm.tokenizer.load_tokenizer`
+(a model folder) or :func:`lollm.tokenizer.load_gguf_tokenizer` (GGUF
+metadata); it never imports torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from lollm.errors import TokenizerError
 from lollm.tokenizer.added_tokens import AddedVocabulary
-from lollm.tokenizer.bpe import BPE
-from lollm.tokenizer.byte_level import byte_symbols_to_bytes
 from lollm.tokenizer.chat import ChatTemplate
+from lollm.tokenizer.decoders import ByteLevelDecoder, Decoder
 from lollm.tokenizer.pretokenize import PreTokenizer
 from lollm.tokenizer.stream import StreamDecoder
 
 
+class Model(Protocol):
+    """What the tokenizer needs from its model: the vocabulary and a way to encode one word."""
+
+    vocab: dict[str, int]
+
+    def encode_word(self, word: str) -> list[int]: ...
+
+
 class Tokenizer:
-    """A byte-level BPE tokenizer (GPT-2, Qwen2, Llama 3 style) with its special tokens and chat template.
+    """A BPE tokenizer (byte-level like GPT-2 / Qwen2 / Llama 3, or SentencePiece-style like
+    Llama 2 / Gemma) with its special tokens and chat template.
 
     Public attributes:
 
@@ -49,7 +64,7 @@ class Tokenizer:
     def __init__(
         self,
         *,
-        model: BPE,
+        model: Model,
         pre_tokenizer: PreTokenizer,
         added_vocabulary: AddedVocabulary,
         normalizer: Callable[[str], str] | None = None,
@@ -57,8 +72,11 @@ class Tokenizer:
         suffix_ids: list[int] | None = None,
         special_tokens: Mapping[str, str] | None = None,
         chat_templates: Mapping[str, ChatTemplate] | None = None,
+        decoder: Decoder | None = None,
     ) -> None:
         self._model = model
+        #: how a token string becomes bytes (byte-level table, or "▁" + <0xNN> byte tokens)
+        self._decoder = decoder if decoder is not None else ByteLevelDecoder()
         self._pre_tokenizer = pre_tokenizer
         self._added = added_vocabulary
         self._normalizer = normalizer
@@ -146,7 +164,7 @@ class Tokenizer:
         """The bytes one id stands for (b' hello' for 'Ġhello'; a piece of a character for a split emoji)."""
         cached = self._token_bytes_cache.get(token_id)
         if cached is None:
-            cached = byte_symbols_to_bytes(self.id_to_token(token_id))
+            cached = self._decoder.token_bytes(self.id_to_token(token_id))
             self._token_bytes_cache[token_id] = cached
         return cached
 
@@ -157,13 +175,16 @@ class Tokenizer:
 
         Bytes that do not form valid UTF-8 (for example a generation cut in the
         middle of an emoji) become U+FFFD. ``skip_special_tokens`` leaves out
-        the ids in :attr:`special_token_ids`.
+        the ids in :attr:`special_token_ids`. A SentencePiece tokenizer that
+        adds a dummy "▁" prefix when encoding removes its space here.
         """
         data = b"".join(
             self.token_bytes(token_id)
             for token_id in ids
             if not (skip_special_tokens and token_id in self.special_token_ids)
         )
+        for _ in range(self._decoder.strip_leading_spaces):
+            data = data.removeprefix(b" ")
         return data.decode("utf-8", errors="replace")
 
     def pieces(self, ids: list[int]) -> list[str]:
@@ -177,7 +198,7 @@ class Tokenizer:
     def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
         """A fresh :class:`StreamDecoder` to print generated ids as they come."""
         skip = self.special_token_ids if skip_special_tokens else frozenset()
-        return StreamDecoder(self.token_bytes, skip)
+        return StreamDecoder(self.token_bytes, skip, strip_leading_spaces=self._decoder.strip_leading_spaces)
 
     # ----------------------------------------------------------------- chat
 
