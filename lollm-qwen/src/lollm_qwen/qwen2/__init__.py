@@ -1,0 +1,30 @@
+"""Family ``qwen2``: Qwen2 and Qwen2.5 dense decoders (e.g. Qwen2.5-0.5B-Instruct, Qwen2.5-Coder).
+
+This file is the family's manifest: plain constants that the plugin
+(``lollm_qwen.plugin``) reads without importing torch or any model code.
+
+Read the family in this order: ``config.py`` -> ``blocks.py`` ->
+``modeling_qwen2.py`` -> ``kv.py`` -> ``weights.py``. The learner's page is
+docs/qwen2.md.
+"""
+
+#: config.json ``model_type`` values this family serves.
+MODEL_TYPES = ("qwen2",)
+
+#: GGUF ``general.architecture`` values this family serves (the GGUF name map
+#: is not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+GGUF_ARCHITECTURES = ("qwen2",)
+
+#: Sampling defaults from Qwen2.5's generation_config.json (Qwen2.5-7B-Instruct).
+#: A checkpoint's own generation_config.json and the user's flags override them.
+SAMPLING_DEFAULTS = {
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+}
+
+#: ``module:function`` of the loader, imported only when a model is loaded.
+LOAD = "lollm_qwen.qwen2.weights:load"
+
+DESCRIPTION = "Qwen2 / Qwen2.5 dense decoder: GQA with q/k/v bias, SwiGLU, RMSNorm, RoPE"
