@@ -1,0 +1,188 @@
+"""The qwen3_5 model: a hybrid stack of Gated DeltaNet and gated-attention layers.
+
+::
+
+    input_ids (1, T)
+        │ embed_tokens
+        ▼
+    x (1, T, C) ─────────────────────────┐  ×num_hidden_layers
+        │ input_layernorm                │
+        │ token mixer, by layer_types:   │
+        │   linear_attention: Gated DeltaNet   ◄── conv state + recurrent state
+        │   full_attention:   gated attention  ◄── K/V cache
+        + ◄──────────────────────────────┘
+        ├────────────────────────────────┐
+        │ post_attention_layernorm       │
+        │ mlp (SwiGLU)                   │
+        + ◄──────────────────────────────┘
+        │ norm ──────────────────────────────► (kept for the MTP head)
+        │ lm_head
+        ▼
+    logits (1, T, vocab)
+
+With ``full_attention_interval`` 4 the pattern is linear, linear, linear, full,
+repeated: three DeltaNet layers (fixed-size memory, cost independent of the
+context length) for each attention layer (exact recall over the whole context).
+
+Module names mirror transformers' text-only Qwen3_5ForCausalLM
+(``model.embed_tokens``, ``model.layers.N.linear_attn.in_proj_qkv``,
+``model.layers.N.self_attn.q_proj``, ``model.norm``, ``lm_head``) plus the
+checkpoint's ``mtp.*``, so the name map of a text-only checkpoint is the
+identity. Shape letters as in blocks.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lollm.errors import GenerationError
+
+from .blocks import Qwen3_5Attention, Qwen3_5GatedDeltaNet, Qwen3_5MLP, RMSNorm, RotaryEmbedding, causal_mask
+from .config import Qwen3_5Config
+from .kv import Qwen3_5HybridCache
+from .mtp import Qwen3_5MTP
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    """One pre-norm decoder layer: x + mixer(norm(x)), then x + mlp(norm(x)).
+
+    The mixer is ``linear_attn`` (Gated DeltaNet) or ``self_attn`` (gated
+    attention), as ``layer_types`` says; only that one exists in the layer.
+
+    x: (1, T, C) -> (1, T, C)
+    """
+
+    def __init__(self, config: Qwen3_5Config, layer_idx: int, slot: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, slot)
+        else:
+            self.self_attn = Qwen3_5Attention(config, slot)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = Qwen3_5MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, cache, start: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, cache)
+        else:
+            h = self.self_attn(h, cos, sin, mask, cache, start)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Model(nn.Module):
+    """The decoder body, a container named ``model`` so parameter names match HF checkpoints.
+
+    Its work is done in :meth:`Qwen3_5ForCausalLM.forward`, which narrates every step.
+    """
+
+    def __init__(self, config: Qwen3_5Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Each mixer owns one slot of its kind in the hybrid cache: attention layers
+        # number their K/V slots 0, 1, ..., DeltaNet layers their state slots 0, 1, ...
+        slots = {"full_attention": 0, "linear_attention": 0}
+        layers = []
+        for i, kind in enumerate(config.layer_types):
+            layers.append(Qwen3_5DecoderLayer(config, i, slots[kind]))
+            slots[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)  # no weights: inv_freq is computed
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """A qwen3_5 causal language model, following :class:`lollm.model.CausalLM` (and ``DraftModel`` with MTP)."""
+
+    def __init__(self, config: Qwen3_5Config, *, with_mtp: bool = False):
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_position_embeddings
+        self.num_layers = config.num_hidden_layers
+        self.eos_token_ids = config.eos_token_ids
+        self.model = Qwen3_5Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The MTP head's attention takes the K/V slot after the main model's attention layers.
+        self.mtp = Qwen3_5MTP(config, slot=len(config.full_attention_layers)) if with_mtp else None
+        self.has_draft_head = with_mtp
+
+    def new_cache(self, max_tokens: int) -> Qwen3_5HybridCache:
+        """An empty hybrid cache for ``max_tokens`` positions, on the model's device and dtype."""
+        weight = self.model.embed_tokens.weight
+        return Qwen3_5HybridCache(
+            self.config, max_tokens, device=weight.device, dtype=weight.dtype, with_mtp=self.mtp is not None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Qwen3_5HybridCache | None = None,
+        *,
+        logits_to_keep: int = 0,
+        hidden_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
+
+        The T tokens sit at positions ``cache.length .. cache.length+T-1`` (0.. without
+        a cache); the cache receives their keys/values and DeltaNet states and advances by T.
+        ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
+        the embeddings, each layer's output but the last, the final-normed output.
+        """
+        T = input_ids.shape[1]
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.begin(T)  # room check; a short multi-token step on a non-empty cache is recorded for rollback
+
+        # 1. Embed: each token id becomes a row of the embedding matrix.
+        x = self.model.embed_tokens(input_ids)  # (1, T, C)
+        if hidden_states is not None:
+            hidden_states.append(x)
+
+        # 2. Positions of the new tokens and the cos/sin of their RoPE angles (R channels),
+        #    shared by every attention layer. DeltaNet layers need no positions: the
+        #    order of tokens is in their recurrence.
+        positions = torch.arange(start, start + T, device=input_ids.device)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
+
+        # 3. Who may attend to whom in the attention layers: None or a (T, S) boolean mask.
+        mask = causal_mask(start, T, x.device)
+
+        # 4. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, cache, start)  # (1, T, C)
+            if hidden_states is not None and i < last:
+                hidden_states.append(x)
+        if cache is not None:
+            cache.advance(T)
+
+        # 5. Final RMSNorm. The MTP head drafts from these normed states: keep them.
+        x = self.model.norm(x)  # (1, T, C)
+        if hidden_states is not None:
+            hidden_states.append(x)
+        if cache is not None and self.mtp is not None:
+            cache.remember_last_forward(start, input_ids[0], x[0])
+
+        # 6. Output head, only on the positions whose logits are wanted.
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
+
+    def draft(self, cache: Qwen3_5HybridCache, pending: int, num_tokens: int) -> list[int]:
+        """Greedy draft tokens after ``pending`` from the MTP head (see mtp.py).
+
+        Uses the final hidden states the last forward left in the cache and the
+        MTP head's own K/V slot; it does not touch what the main model's layers
+        hold, so the loop can verify ``[pending, *drafts]`` with one forward.
+        """
+        if self.mtp is None:
+            raise GenerationError("this checkpoint has no MTP head (no mtp.* tensors), so it cannot draft")
+        return self.mtp.draft(
+            cache, pending, num_tokens,
+            embed_tokens=self.model.embed_tokens, rotary_emb=self.model.rotary_emb, lm_head=self.lm_head,
+        )

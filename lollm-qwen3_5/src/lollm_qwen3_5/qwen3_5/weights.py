@@ -1,0 +1,157 @@
+"""Loading a qwen3_5 model: the name map of both checkpoint layouts, tied embeddings, and ``load``.
+
+The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+own names; this module says where each one goes in the model. Qwen3.5
+checkpoints come in two layouts:
+
+* text-only (``Qwen3_5ForCausalLM``): ``model.embed_tokens.weight``,
+  ``model.layers.N....``, ``model.norm.weight``, ``lm_head.weight``. The model
+  mirrors these names, so the map is the identity (:data:`HF_NAMES`).
+* multimodal (``Qwen3_5ForConditionalGeneration``, the published one): the
+  decoder under ``model.language_model.``, the vision tower under
+  ``model.visual.``. The decoder names lose their ``language_model.`` part; the
+  vision tower is skipped by name (lollm reads text only).
+
+Both may carry the MTP head as ``mtp.*`` at the top level; when they do, the
+model is built with its draft head (``has_draft_head``). Any other name is an
+error naming the tensor (hard-fail, never guess).
+
+GGUF (llama.cpp's ``general.architecture = "qwen35"``) is not supported yet:
+``load`` refuses it with a ConfigError naming the architecture.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from lollm.errors import ConfigError, WeightsError
+from lollm.weights import load_weights
+
+from .config import Qwen3_5Config
+from .modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+#: Every tensor name of a text-only qwen3_5 checkpoint (``{i}``: a layer index). Identity map.
+HF_NAMES = {
+    name: name
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.{i}.input_layernorm.weight",
+        "model.layers.{i}.post_attention_layernorm.weight",
+        # Gated DeltaNet layers
+        "model.layers.{i}.linear_attn.in_proj_qkv.weight",
+        "model.layers.{i}.linear_attn.in_proj_z.weight",
+        "model.layers.{i}.linear_attn.in_proj_b.weight",
+        "model.layers.{i}.linear_attn.in_proj_a.weight",
+        "model.layers.{i}.linear_attn.conv1d.weight",
+        "model.layers.{i}.linear_attn.A_log",
+        "model.layers.{i}.linear_attn.dt_bias",
+        "model.layers.{i}.linear_attn.norm.weight",
+        "model.layers.{i}.linear_attn.out_proj.weight",
+        # gated full-attention layers (biases only with attention_bias: true)
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.q_proj.bias",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.bias",
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.bias",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "model.layers.{i}.self_attn.o_proj.bias",
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "model.layers.{i}.self_attn.k_norm.weight",
+        # SwiGLU MLP
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "model.layers.{i}.mlp.up_proj.weight",
+        "model.layers.{i}.mlp.down_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",  # absent when the embeddings are tied
+        # the MTP draft head (see mtp.py)
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+        "mtp.layers.{i}.input_layernorm.weight",
+        "mtp.layers.{i}.post_attention_layernorm.weight",
+        "mtp.layers.{i}.self_attn.q_proj.weight",
+        "mtp.layers.{i}.self_attn.q_proj.bias",
+        "mtp.layers.{i}.self_attn.k_proj.weight",
+        "mtp.layers.{i}.self_attn.k_proj.bias",
+        "mtp.layers.{i}.self_attn.v_proj.weight",
+        "mtp.layers.{i}.self_attn.v_proj.bias",
+        "mtp.layers.{i}.self_attn.o_proj.weight",
+        "mtp.layers.{i}.self_attn.o_proj.bias",
+        "mtp.layers.{i}.self_attn.q_norm.weight",
+        "mtp.layers.{i}.self_attn.k_norm.weight",
+        "mtp.layers.{i}.mlp.gate_proj.weight",
+        "mtp.layers.{i}.mlp.up_proj.weight",
+        "mtp.layers.{i}.mlp.down_proj.weight",
+    )
+}
+
+#: Multimodal layout: the decoder's prefix, and the vision tower's (skipped).
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+
+#: The output head falls back to the embedding matrix when the config ties them
+#: and the checkpoint has no lm_head.weight (Qwen3.5-0.8B ... 9B).
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def name_map(file_name: str) -> str | None:
+    """File name -> model name (``None``: skip, the vision tower). WeightsError for a name it does not know."""
+    if file_name.startswith(VISION_PREFIX):
+        return None
+    name = file_name
+    if name.startswith(LANGUAGE_MODEL_PREFIX):  # multimodal layout -> text-only names
+        name = "model." + name[len(LANGUAGE_MODEL_PREFIX) :]
+    # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight"
+    match = _LAYER_INDEX.search(name)
+    template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
+    if template not in HF_NAMES:
+        raise WeightsError(f"qwen3_5: unexpected tensor {file_name!r} in the checkpoint: no qwen3_5 weight has that name")
+    return name
+
+
+def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3_5ForCausalLM:
+    """Build a qwen3_5 model from a checkpoint (the ``load`` of the qwen3_5 Family).
+
+    raw_config: config.json as a dict (or GGUF metadata); weights: a TensorSource keyed
+    by the file's names; fmt: "safetensors" ("gguf" is refused); device, dtype: where the
+    weights live. Returns the model in eval mode, with the MTP head when the
+    checkpoint has ``mtp.*`` tensors.
+
+    Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
+    unexpected, or of the wrong shape), each naming the key or tensor.
+    """
+    if fmt == "gguf":
+        arch = raw_config.get("general.architecture", "qwen35")
+        raise ConfigError(
+            f"qwen3_5: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
+            f"tensor conversions are not written); use a safetensors checkpoint"
+        )
+    if fmt != "safetensors":
+        raise ConfigError(f"qwen3_5: unknown checkpoint format {fmt!r} (known: safetensors)")
+
+    # 1. Parse config.json (either layout) into the numbers that shape the model.
+    config = Qwen3_5Config.from_hf(raw_config)
+    with_mtp = any(name.startswith("mtp.") for name in weights.names())
+    if with_mtp and config.mtp_num_hidden_layers != 1:
+        raise ConfigError(
+            f"qwen3_5: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented"
+        )
+
+    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config, with_mtp=with_mtp)
+
+    # 3. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
+    model.model.rotary_emb.materialize(device)
+
+    # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
+    tied = TIED if config.tie_word_embeddings else None
+    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
+    return model.eval()
+

@@ -1,0 +1,29 @@
+"""Family ``qwen3_5_moe``: the Qwen3.5 / Qwen3.6 hybrid decoder with a sparse MoE FFN (e.g. Qwen3.5-35B-A3B, Qwen3.6-35B-A3B).
+
+This file is the family's manifest: plain constants that the plugin
+(``lollm_qwen3_5.plugin``) reads without importing torch or any model code.
+
+Read the family in this order: ``config.py`` -> ``blocks.py`` ->
+``modeling_qwen3_5_moe.py`` -> ``kv.py`` -> ``mtp.py`` -> ``weights.py``. The
+learner's page is docs/qwen3_5_moe.md (the backbone is explained in docs/qwen3_5.md).
+"""
+
+#: config.json ``model_type`` values this family serves: the multimodal
+#: wrapper (``Qwen3_5MoeForConditionalGeneration``) and the text-only decoder.
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+#: GGUF ``general.architecture`` llama.cpp writes for Qwen3.5 MoE. Routed here
+#: only to say clearly that it is not supported yet (``weights.load`` raises).
+GGUF_ARCHITECTURES = ("qwen35moe",)
+
+#: No generation_config.json of a Qwen3.5 checkpoint was available when this
+#: family was written, so it sets no sampling defaults of its own.
+SAMPLING_DEFAULTS: dict = {}
+
+#: ``module:function`` of the loader, imported only when a model is loaded.
+LOAD = "lollm_qwen3_5.qwen3_5_moe.weights:load"
+
+DESCRIPTION = (
+    "Qwen3.5 / Qwen3.6 MoE hybrid decoder: Gated DeltaNet + gated attention (3:1), "
+    "top-k routed experts + gated shared expert; MTP draft head"
+)

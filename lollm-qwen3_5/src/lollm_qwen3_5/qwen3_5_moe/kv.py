@@ -1,0 +1,187 @@
+"""The qwen3_5_moe hybrid cache: keys/values for attention layers, fixed-size states for DeltaNet layers.
+
+A hybrid model needs two kinds of memory to decode one token at a time::
+
+    full-attention layer  ->  k, v: (1, K, max_tokens, D)     grows with the text (one row per position)
+    Gated DeltaNet layer  ->  conv state: (W-1, conv_dim)     the last W-1 inputs of the causal conv
+                              recurrent state: (Hv, Dk, Dv)   the delta-rule memory, float32
+
+Everything is allocated once, in :class:`Qwen3_5MoeHybridCache`'s constructor:
+``k`` and ``v`` for the full-attention layers (one slot per layer, plus one
+for the MTP head's own attention layer when the checkpoint has one), ``conv``
+and ``recurrent`` for the DeltaNet layers. A forward writes into them in place;
+nothing is concatenated or reallocated per step. The DeltaNet states do not
+grow: a 200k-token context costs them no more memory than a 2-token one (for
+Qwen3.5-35B-A3B, 30 layers x 32 heads x 128 x 128 floats = 60 MiB).
+
+``length`` counts the positions stored. The model advances it once per forward.
+
+Rollback (speculative decoding)
+-------------------------------
+The shared loop verifies draft tokens with one forward over ``[pending, d1 .. dk]``
+and then calls ``rollback(length)`` to forget the rejected ones. For the
+attention layers that only means lowering ``length`` (the stale rows are
+overwritten later). A DeltaNet state, however, has already absorbed every
+token of the forward; it cannot be "un-written". Two ways out:
+
+* recompute: keep the state from before the verify step and re-run the accepted
+  tokens through every layer (a second forward per step), or
+* snapshot: while verifying, keep the state after *each* token, and restore
+  the one of the last accepted token.
+
+lollm snapshots, because a verify step is short (k + 1 tokens) and copying
+k + 1 states is far cheaper than another forward. So a forward of
+``1 < T <= MAX_ROLLBACK_TOKENS`` tokens on a non-empty cache is *recorded*:
+the DeltaNet layers run the recurrent form of the delta rule and write the
+state after every token into ``state_history``; the conv layers keep the
+window of inputs they read (the old W-1 inputs plus the T new ones), from
+which the conv state after any token is a slice. ``rollback(n)`` copies those
+back. The snapshot buffers are allocated on the first verify step and reused.
+
+A prefill (an empty cache) and a longer multi-token forward are not recorded
+(they use the chunked form and may not be rolled back into); a one-token
+decode step needs no snapshot either.
+
+The MTP draft head (see mtp.py) keeps its own small state here too: one K/V
+slot, how many of its positions hold confirmed values (``mtp_length``), and
+the final hidden states and token ids of the main model's last forward, which
+it reads when drafting.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lollm.errors import GenerationError
+
+from .config import Qwen3_5MoeConfig
+
+#: The longest multi-token forward on a non-empty cache that can be rolled back
+#: (a verify step of 1 + up to 15 draft tokens).
+MAX_ROLLBACK_TOKENS = 16
+
+
+class Qwen3_5MoeHybridCache:
+    """Preallocated memory of every layer of a qwen3_5_moe model, for up to ``max_tokens`` positions (batch 1).
+
+    Attributes:
+      k, v:        (attention slots, 1, K, max_tokens, D): full-attention layers (+ the MTP layer).
+      conv:        (DeltaNet layers, W-1, conv_dim), model dtype: each layer's last W-1 conv inputs.
+      recurrent:   (DeltaNet layers, Hv, Dk, Dv), float32: each layer's delta-rule memory.
+      length:      positions filled so far; the next forward's tokens start there.
+      max_tokens:  capacity in positions.
+      recording:   True during a forward whose states are kept for rollback (see the module docstring).
+    """
+
+    def __init__(self, config: Qwen3_5MoeConfig, max_tokens: int, *, device, dtype: torch.dtype, with_mtp: bool = False):
+        c = config
+        n_attention = len(c.full_attention_layers) + (1 if with_mtp else 0)
+        n_linear = len(c.linear_attention_layers)
+        kv_shape = (n_attention, 1, c.num_key_value_heads, max_tokens, c.head_dim)
+        self.k = torch.zeros(kv_shape, device=device, dtype=dtype)
+        self.v = torch.zeros(kv_shape, device=device, dtype=dtype)
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        self.conv = torch.zeros(n_linear, c.linear_conv_kernel_dim - 1, conv_dim, device=device, dtype=dtype)
+        state_shape = (n_linear, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        self.recurrent = torch.zeros(state_shape, device=device, dtype=torch.float32)
+        self.length = 0
+        self.max_tokens = max_tokens
+        self._kernel = c.linear_conv_kernel_dim
+
+        # Rollback bookkeeping: the forward being (or last) recorded covers positions
+        # record_start .. record_start + record_tokens - 1 (record_tokens 0: nothing recorded).
+        self.recording = False
+        self.record_start = 0
+        self.record_tokens = 0
+        self._conv_windows: torch.Tensor | None = None  # (n_linear, W-1+T, conv_dim)
+        self._states: torch.Tensor | None = None  # (n_linear, T, Hv, Dk, Dv) float32
+
+        # The MTP head's view (mtp.py): its K/V slot is the last attention slot.
+        self.with_mtp = with_mtp
+        self.mtp_slot = n_attention - 1 if with_mtp else None
+        self.mtp_length = 0  # MTP positions 0 .. mtp_length-1 hold values from confirmed tokens
+        self.last_start = 0  # the main model's last forward: its first position,
+        self.last_ids: torch.Tensor | None = None  # its token ids (T,),
+        self.last_hidden: torch.Tensor | None = None  # and its final-normed hidden states (T, C)
+
+    # -- a forward ----------------------------------------------------------
+    def begin(self, T: int) -> None:
+        """Called by the model before a forward of T tokens: check room, decide whether to record."""
+        if self.length + T > self.max_tokens:
+            raise GenerationError(
+                f"the cache holds {self.max_tokens} positions: {self.length} are used and {T} more do not fit"
+            )
+        self.recording = self.length > 0 and 1 < T <= MAX_ROLLBACK_TOKENS
+        self.record_start = self.length
+        self.record_tokens = T if self.recording else 0
+        if self.recording and (self._states is None or self._states.shape[1] < T):
+            # first verify step (or a longer one than before): room for T snapshots, kept for later steps
+            n, H, Dk, Dv = self.recurrent.shape
+            self._states = torch.empty(n, T, H, Dk, Dv, device=self.recurrent.device, dtype=torch.float32)
+            self._conv_windows = torch.empty(
+                n, self._kernel - 1 + T, self.conv.shape[2], device=self.conv.device, dtype=self.conv.dtype
+            )
+
+    def advance(self, T: int) -> None:
+        """Mark T more positions as filled (once per forward, after the last layer)."""
+        self.length += T
+        self.recording = False
+
+    # -- full-attention layers ---------------------------------------------
+    def update_kv(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values for positions ``start .. start+T-1`` in ``slot``; return the slot's positions ``0 .. start+T-1``.
+
+        k, v: (1, K, T, D) -> (1, K, start+T, D), views into the cache (no copy).
+        """
+        end = start + k.shape[2]
+        self.k[slot, :, :, start:end] = k
+        self.v[slot, :, :, start:end] = v
+        return self.k[slot, :, :, :end], self.v[slot, :, :, :end]
+
+    # -- Gated DeltaNet layers ----------------------------------------------
+    def conv_state(self, slot: int) -> torch.Tensor:
+        """The last W-1 conv inputs of DeltaNet layer ``slot``: (W-1, conv_dim), a view to update in place."""
+        return self.conv[slot]
+
+    def recurrent_state(self, slot: int) -> torch.Tensor:
+        """The delta-rule memory of DeltaNet layer ``slot``: (Hv, Dk, Dv) float32, a view to update in place."""
+        return self.recurrent[slot]
+
+    def remember_conv_window(self, slot: int, window: torch.Tensor) -> None:
+        """During a recorded forward, keep the conv inputs it read: (W-1+T, conv_dim)."""
+        if self.recording:
+            self._conv_windows[slot, : window.shape[0]] = window
+
+    def state_history(self, slot: int) -> torch.Tensor:
+        """During a recorded forward, where DeltaNet layer ``slot`` writes its state after each token: (T, Hv, Dk, Dv)."""
+        return self._states[slot, : self.record_tokens]
+
+    # -- speculative decoding -----------------------------------------------
+    def rollback(self, length: int) -> None:
+        """Forget every position from ``length`` on; allowed inside the last recorded forward.
+
+        Attention layers: ``length`` drops (stale rows get overwritten later).
+        DeltaNet layers: the state after position ``length - 1`` is copied back
+        from the snapshots of the recorded forward.
+        """
+        if length == self.length:
+            return
+        first, last = self.record_start, self.record_start + self.record_tokens
+        if not (first < length < self.length and last == self.length):
+            raise GenerationError(
+                f"cannot roll the cache back from {self.length} to {length} positions: the DeltaNet states can only "
+                f"return to a position inside the last multi-token forward of at most {MAX_ROLLBACK_TOKENS} tokens "
+                f"on a non-empty cache (positions {first + 1} .. {last})"
+            )
+        j = length - first - 1  # index, within the recorded forward, of the last token kept
+        self.recurrent.copy_(self._states[:, j])
+        # conv state after token j = the W-1 window inputs ending at it: window rows j+1 .. j+W-1
+        self.conv.copy_(self._conv_windows[:, j + 1 : j + self._kernel])
+        self.length = length
+        self.record_tokens = 0  # snapshots are spent: no second rollback into the same forward
+        self.mtp_length = min(self.mtp_length, length)
+
+    # -- the MTP head ---------------------------------------------------------
+    def remember_last_forward(self, start: int, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Keep the main model's last forward (token ids (T,), final-normed hidden (T, C)) for the MTP head."""
+        self.last_start, self.last_ids, self.last_hidden = start, ids, hidden

@@ -1,0 +1,257 @@
+"""Loading a qwen3_5_moe model: the name map of both checkpoint layouts, the experts' two forms, and ``load``.
+
+The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+own names; this module says where each one goes in the model. Qwen3.5
+checkpoints come in two layouts:
+
+* text-only (``Qwen3_5MoeForCausalLM``): ``model.embed_tokens.weight``,
+  ``model.layers.N....``, ``model.norm.weight``, ``lm_head.weight``. The model
+  mirrors these names, so the map is the identity (:data:`HF_NAMES`).
+* multimodal (``Qwen3_5MoeForConditionalGeneration``, the published one): the
+  decoder under ``model.language_model.``, the vision tower under
+  ``model.visual.``. The decoder names lose their ``language_model.`` part; the
+  vision tower is skipped by name (lollm reads text only).
+
+Both may carry the MTP head as ``mtp.*`` at the top level; when they do, the
+model is built with its draft head (``has_draft_head``). Any other name is an
+error naming the tensor (hard-fail, never guess).
+
+The routed experts come in two forms:
+
+* per expert (the published checkpoints, and what transformers' ``save_pretrained`` writes)::
+
+      model.layers.N.mlp.experts.{e}.gate_proj.weight  (I, C)   for e in 0 .. E-1
+      model.layers.N.mlp.experts.{e}.up_proj.weight    (I, C)
+      model.layers.N.mlp.experts.{e}.down_proj.weight  (C, I)
+
+* fused (transformers' in-memory layout, which the model uses)::
+
+      model.layers.N.mlp.experts.gate_up_proj  (E, 2I, C)   gate rows first, then up rows
+      model.layers.N.mlp.experts.down_proj     (E, C, I)
+
+:class:`FusedExpertsSource` presents a per-expert checkpoint as the fused one:
+it lists one fused name per layer instead of the 3E per-expert names and
+stacks the experts when that name is read, so ``load_weights`` still streams
+one (fused) tensor at a time. Every expert of every layer must be there.
+
+GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
+``load`` refuses it with a ConfigError naming the architecture.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from lollm.errors import ConfigError, WeightsError
+from lollm.weights import load_weights
+
+from .config import Qwen3_5MoeConfig
+from .modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+#: Every tensor name of a text-only qwen3_5_moe checkpoint, experts fused (``{i}``: a layer index). Identity map.
+HF_NAMES = {
+    name: name
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.{i}.input_layernorm.weight",
+        "model.layers.{i}.post_attention_layernorm.weight",
+        # Gated DeltaNet layers
+        "model.layers.{i}.linear_attn.in_proj_qkv.weight",
+        "model.layers.{i}.linear_attn.in_proj_z.weight",
+        "model.layers.{i}.linear_attn.in_proj_b.weight",
+        "model.layers.{i}.linear_attn.in_proj_a.weight",
+        "model.layers.{i}.linear_attn.conv1d.weight",
+        "model.layers.{i}.linear_attn.A_log",
+        "model.layers.{i}.linear_attn.dt_bias",
+        "model.layers.{i}.linear_attn.norm.weight",
+        "model.layers.{i}.linear_attn.out_proj.weight",
+        # gated full-attention layers (biases only with attention_bias: true)
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.q_proj.bias",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.bias",
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.bias",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "model.layers.{i}.self_attn.o_proj.bias",
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "model.layers.{i}.self_attn.k_norm.weight",
+        # sparse MoE: router, fused experts, gated shared expert
+        "model.layers.{i}.mlp.gate.weight",
+        "model.layers.{i}.mlp.experts.gate_up_proj",
+        "model.layers.{i}.mlp.experts.down_proj",
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "model.layers.{i}.mlp.shared_expert_gate.weight",
+        "model.norm.weight",
+        "lm_head.weight",  # absent when the embeddings are tied
+        # the MTP draft head (see mtp.py)
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+        "mtp.layers.{i}.input_layernorm.weight",
+        "mtp.layers.{i}.post_attention_layernorm.weight",
+        "mtp.layers.{i}.self_attn.q_proj.weight",
+        "mtp.layers.{i}.self_attn.q_proj.bias",
+        "mtp.layers.{i}.self_attn.k_proj.weight",
+        "mtp.layers.{i}.self_attn.k_proj.bias",
+        "mtp.layers.{i}.self_attn.v_proj.weight",
+        "mtp.layers.{i}.self_attn.v_proj.bias",
+        "mtp.layers.{i}.self_attn.o_proj.weight",
+        "mtp.layers.{i}.self_attn.o_proj.bias",
+        "mtp.layers.{i}.self_attn.q_norm.weight",
+        "mtp.layers.{i}.self_attn.k_norm.weight",
+        "mtp.layers.{i}.mlp.gate.weight",
+        "mtp.layers.{i}.mlp.experts.gate_up_proj",
+        "mtp.layers.{i}.mlp.experts.down_proj",
+        "mtp.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "mtp.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "mtp.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "mtp.layers.{i}.mlp.shared_expert_gate.weight",
+    )
+}
+
+#: Multimodal layout: the decoder's prefix, and the vision tower's (skipped).
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
+
+#: The output head falls back to the embedding matrix when the config ties them
+#: and the checkpoint has no lm_head.weight (no MoE release does).
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class FusedExpertsSource:
+    """A TensorSource view that shows per-expert tensors as the fused ``experts.gate_up_proj`` / ``experts.down_proj``.
+
+    ``names()`` lists every other tensor unchanged and, in place of the 3E
+    per-expert tensors of a layer, its two fused names; ``read`` of a fused
+    name reads the E experts and stacks them::
+
+        gate_up_proj[e] = concat(gate_proj_e, up_proj_e)   (2I, C)
+        down_proj[e]    = down_proj_e                      (C, I)
+
+    A checkpoint already fused passes through unchanged. A layer with both
+    forms, a missing expert or an expert index >= num_experts raises
+    WeightsError naming the tensor.
+    """
+
+    def __init__(self, source, num_experts: int):
+        self._source = source
+        self._num_experts = num_experts
+        self._groups: dict[str, str] = {}  # fused name -> its "...mlp.experts" prefix
+        names = source.names()
+        present = set(names)
+        seen: dict[str, set[tuple[int, str]]] = {}
+        self._names: list[str] = []
+        for name in names:
+            match = _PER_EXPERT.match(name)
+            if match is None:
+                self._names.append(name)
+                continue
+            prefix, e = match["prefix"], int(match["e"])
+            if e >= num_experts:
+                raise WeightsError(f"qwen3_5_moe: tensor {name!r} names expert {e}, but config.json has {num_experts} experts")
+            if prefix not in seen:
+                seen[prefix] = set()
+                for fused in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                    if fused in present:
+                        raise WeightsError(f"qwen3_5_moe: the checkpoint has both {fused!r} and per-expert tensors such as {name!r}")
+                    self._groups[fused] = prefix
+                    self._names.append(fused)
+            seen[prefix].add((e, match["proj"]))
+        for prefix, have in seen.items():
+            for e in range(num_experts):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    if (e, proj) not in have:
+                        raise WeightsError(f"qwen3_5_moe: the checkpoint has no tensor {prefix}.{e}.{proj}.weight")
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._groups or name in self._source
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def read(self, name: str) -> torch.Tensor:
+        prefix = self._groups.get(name)
+        if prefix is None:
+            return self._source.read(name)
+        experts = []
+        for e in range(self._num_experts):
+            if name.endswith("gate_up_proj"):
+                gate = self._source.read(f"{prefix}.{e}.gate_proj.weight")
+                up = self._source.read(f"{prefix}.{e}.up_proj.weight")
+                experts.append(torch.cat((gate, up), dim=0))  # (2I, C)
+            else:
+                experts.append(self._source.read(f"{prefix}.{e}.down_proj.weight"))  # (C, I)
+        return torch.stack(experts)  # (E, 2I, C) or (E, C, I)
+
+
+def name_map(file_name: str) -> str | None:
+    """File name -> model name (``None``: skip, the vision tower). WeightsError for a name it does not know."""
+    if file_name.startswith(VISION_PREFIX):
+        return None
+    name = file_name
+    if name.startswith(LANGUAGE_MODEL_PREFIX):  # multimodal layout -> text-only names
+        name = "model." + name[len(LANGUAGE_MODEL_PREFIX) :]
+    # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight"
+    match = _LAYER_INDEX.search(name)
+    template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
+    if template not in HF_NAMES:
+        raise WeightsError(f"qwen3_5_moe: unexpected tensor {file_name!r} in the checkpoint: no qwen3_5_moe weight has that name")
+    return name
+
+
+def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3_5MoeForCausalLM:
+    """Build a qwen3_5_moe model from a checkpoint (the ``load`` of the qwen3_5_moe Family).
+
+    raw_config: config.json as a dict (or GGUF metadata); weights: a TensorSource keyed
+    by the file's names; fmt: "safetensors" ("gguf" is refused); device, dtype: where the
+    weights live. Returns the model in eval mode, with the MTP head when the
+    checkpoint has ``mtp.*`` tensors.
+
+    Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
+    unexpected, or of the wrong shape), each naming the key or tensor.
+    """
+    if fmt == "gguf":
+        arch = raw_config.get("general.architecture", "qwen35moe")
+        raise ConfigError(
+            f"qwen3_5_moe: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
+            f"tensor conversions are not written); use a safetensors checkpoint"
+        )
+    if fmt != "safetensors":
+        raise ConfigError(f"qwen3_5_moe: unknown checkpoint format {fmt!r} (known: safetensors)")
+
+    # 1. Parse config.json (either layout) into the numbers that shape the model;
+    #    present per-expert tensors as the fused ones the model holds.
+    config = Qwen3_5MoeConfig.from_hf(raw_config)
+    weights = FusedExpertsSource(weights, config.num_experts)
+    with_mtp = any(name.startswith("mtp.") for name in weights.names())
+    if with_mtp and config.mtp_num_hidden_layers != 1:
+        raise ConfigError(
+            f"qwen3_5_moe: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented"
+        )
+
+    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(config, with_mtp=with_mtp)
+
+    # 3. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
+    model.model.rotary_emb.materialize(device)
+
+    # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
+    tied = TIED if config.tie_word_embeddings else None
+    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
+    return model.eval()
+

@@ -1,0 +1,93 @@
+"""Loading: name maps of both layouts, vision tensors skipped, unknown tensors named, GGUF refused."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lollm.errors import ConfigError, WeightsError
+from lollm.loader import load_checkpoint
+from lollm.plugins import get_registry
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+
+
+def _load(family):
+    return importlib.import_module(f"lollm_qwen3_5.{family}.weights").load
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+def test_gguf_is_refused_naming_the_architecture(family, arch):
+    installed = get_registry().route(gguf_architecture=arch)
+    assert installed.family.name == family
+    with pytest.raises(ConfigError, match=rf"GGUF architecture '{arch}' is not supported yet"):
+        installed.family.resolve("load")({"general.architecture": arch}, None, "gguf", torch.device("cpu"), torch.float32, False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_unknown_tensor_is_named(family, tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint(family, "multimodal")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.language_model.layers.1.linear_attn.extra_bias"] = torch.zeros(4)
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = load_checkpoint(broken)
+    with pytest.raises(WeightsError, match=r"model\.language_model\.layers\.1\.linear_attn\.extra_bias"):
+        _load(family)(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tensor_on_the_wrong_kind_of_layer_is_named(family, tiny_checkpoint, tmp_path):
+    """Layer 3 is full attention: a DeltaNet tensor there has no slot."""
+    src = tiny_checkpoint(family, "text")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.3.linear_attn.A_log"] = tensors["model.layers.0.linear_attn.A_log"].clone()
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = load_checkpoint(broken)
+    with pytest.raises(WeightsError, match=r"model\.layers\.3\.linear_attn\.A_log"):
+        _load(family)(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+
+
+def test_a_missing_output_head_is_an_error_when_not_tied(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen3_5_moe", "text")  # the MoE releases do not tie
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = load_checkpoint(broken)
+    with pytest.raises(WeightsError, match="lm_head.weight"):
+        _load("qwen3_5_moe")(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+
+
+def test_tied_output_head_shares_the_embedding(tiny_checkpoint, load_ours):
+    model = load_ours(tiny_checkpoint("qwen3_5", "multimodal"))  # Qwen3.5-0.8B ties its embeddings
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+def test_a_gguf_file_is_refused_end_to_end(family, arch, tmp_path):
+    """A .gguf file (written by gguf-py) goes loader -> router -> this family, which says it is not supported yet."""
+    import gguf
+    import numpy as np
+
+    from lollm.pipeline import open_model
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match=rf"{family}: GGUF architecture '{arch}' is not supported yet"):
+        open_model(str(path), device="cpu", dtype="float32")
