@@ -1,0 +1,109 @@
+"""Loading a gemma2 model: the name map per format, tied embeddings, and ``load``.
+
+The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+own names; this module says where each one goes in the model. For Hugging
+Face safetensors the model mirrors transformers' module names, so the map
+is the identity, written out below as the list of every tensor a gemma2
+checkpoint holds. A name that is not on the list is an error naming it
+(hard-fail, never guess).
+
+GGUF files name the same tensors the llama.cpp way (``blk.0.attn_q.weight``,
+``token_embd.weight`` …) and llama.cpp's converter bakes Gemma's ``+1`` into the
+norm weights. That map (a table beside :data:`HF_NAMES` in :data:`NAME_MAPS`)
+and ``Gemma2Config.from_gguf`` come with the GGUF reader; until then ``load``
+refuses ``fmt="gguf"``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from lollm.errors import ConfigError, WeightsError
+from lollm.weights import load_weights
+
+from .config import Gemma2Config
+from .modeling_gemma2 import Gemma2ForCausalLM
+
+#: Hugging Face (safetensors) tensor name -> model name; ``{i}`` is the layer index.
+HF_NAMES = {
+    name: name
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.{i}.input_layernorm.weight",
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "model.layers.{i}.mlp.up_proj.weight",
+        "model.layers.{i}.mlp.down_proj.weight",
+        "model.layers.{i}.post_feedforward_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",  # absent when the embeddings are tied (every Gemma 2)
+    )
+}
+
+#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
+NAME_MAPS = {"safetensors": HF_NAMES}
+
+#: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def name_map_for(fmt: str) -> Callable[[str], str | None]:
+    """The function file name -> model name for checkpoints of format ``fmt``.
+
+    It raises WeightsError naming a tensor it does not know.
+    """
+    table = NAME_MAPS[fmt]
+
+    def name_map(file_name: str) -> str | None:
+        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
+        match = _LAYER_INDEX.search(file_name)
+        template = file_name if match is None else f"{file_name[:match.start()]}.{{i}}.{file_name[match.end():]}"
+        if template not in table:
+            raise WeightsError(f"gemma2: unexpected tensor {file_name!r} in the {fmt} checkpoint: no gemma2 weight has that name")
+        target = table[template]
+        return target if match is None else target.format(i=match.group(1))
+
+    return name_map
+
+
+def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Gemma2ForCausalLM:
+    """Build a gemma2 model from a checkpoint (the ``load`` of the gemma2 Family).
+
+    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
+    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
+    weights live. Returns the model in eval mode.
+
+    Raises ConfigError (config.json) and WeightsError (a tensor missing,
+    unexpected, or of the wrong shape), each naming the key or tensor.
+    """
+    if fmt == "gguf":
+        # the seam for the GGUF work: Gemma2Config.from_gguf + a "gguf" entry in NAME_MAPS
+        raise ConfigError("GGUF for gemma2 not supported yet (use a safetensors checkpoint)")
+    if fmt not in NAME_MAPS:
+        raise ConfigError(f"gemma2: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+
+    # 1. Parse config.json (either schema) into the numbers that shape the model.
+    config = Gemma2Config.from_hf(raw_config)
+
+    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    with torch.device("meta"):
+        model = Gemma2ForCausalLM(config)
+
+    # 3. What is not in the checkpoint: RoPE frequencies and the embedding scale.
+    model.materialize(device, dtype)
+
+    # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
+    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED)
+
+    # 5. Inference only: eval mode (no dropout anywhere; set for good measure).
+    return model.eval()

@@ -1,0 +1,33 @@
+"""Family ``gemma3``: Gemma 3 text decoders (Gemma 3 270M, 1B; the language model of 4B, 12B, 27B).
+
+This file is the family's manifest: plain constants that the plugin
+(``lollm_gemma.plugin``) reads without importing torch or any model code.
+
+Read the family in this order: ``config.py`` -> ``blocks.py`` ->
+``modeling_gemma3.py`` -> ``kv.py`` -> ``weights.py``. The learner's pages are
+docs/gemma3.md (what changed since Gemma 2) and docs/sliding-window.md (the cache).
+"""
+
+NAME = "gemma3"
+
+#: config.json ``model_type`` values this family serves:
+#: ``gemma3_text`` (Gemma3ForCausalLM: 270M, 1B) and ``gemma3`` (Gemma3ForConditionalGeneration:
+#: 4B, 12B, 27B; only the language model is loaded, the vision tower is skipped).
+MODEL_TYPES = ("gemma3_text", "gemma3")
+
+#: GGUF ``general.architecture`` values this family serves (the GGUF name map is
+#: not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+GGUF_ARCHITECTURES = ("gemma3",)
+
+#: Sampling defaults from Gemma 3's generation_config.json (gemma-3-270m-it, gemma-3-4b-it).
+#: A checkpoint's own generation_config.json and the user's flags override them.
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_k": 64,
+    "top_p": 0.95,
+}
+
+#: ``module:function`` of the loader, imported only when a model is loaded.
+LOAD = "lollm_gemma.gemma3.weights:load"
+
+DESCRIPTION = "Gemma 3 text decoder: sandwich norms, QK-norm, GeGLU, 5:1 sliding-window/global layers, two RoPE bases"

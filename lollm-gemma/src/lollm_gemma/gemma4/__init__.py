@@ -1,0 +1,32 @@
+"""Family ``gemma4``: the Gemma 4 text decoder (gemma-4-E2B, E4B and dense siblings).
+
+This file is the family's manifest: plain constants that the plugin
+(``lollm_gemma.plugin``) reads without importing torch or any model code.
+
+Read the family in this order: ``config.py`` -> ``blocks.py`` ->
+``modeling_gemma4.py`` -> ``kv.py`` -> ``weights.py``. The learner's pages are
+docs/gemma4.md (what changed since Gemma 3) and docs/sliding-window.md (the cache).
+"""
+
+NAME = "gemma4"
+
+#: config.json ``model_type`` values this family serves: ``gemma4_text``
+#: (Gemma4ForCausalLM) and ``gemma4`` (Gemma4ForConditionalGeneration: only the
+#: language model is loaded; the vision and audio towers are skipped).
+MODEL_TYPES = ("gemma4_text", "gemma4")
+
+#: GGUF ``general.architecture`` values this family serves (the GGUF name map is
+#: not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+GGUF_ARCHITECTURES = ("gemma4",)
+
+#: Sampling defaults from gemma-4-E2B-it's generation_config.json.
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_k": 64,
+    "top_p": 0.95,
+}
+
+#: ``module:function`` of the loader, imported only when a model is loaded.
+LOAD = "lollm_gemma.gemma4.weights:load"
+
+DESCRIPTION = "Gemma 4 text decoder: per-layer embeddings, shared KV layers, proportional RoPE, per-layer head dims"

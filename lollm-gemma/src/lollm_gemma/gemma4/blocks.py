@@ -1,0 +1,275 @@
+"""The small pieces of a gemma4 decoder layer: RMSNorm, RoPE (incl. proportional), masks,
+attention with shared KV, GeGLU MLP.
+
+Shapes use these letters (batch is always 1 in lollm):
+
+    T   tokens in this forward call (the prompt in a prefill, 1 in a decode step)
+    S   key positions the attention reads: cached ones plus the T new ones
+    C   hidden_size                      H   num_attention_heads (query heads)
+    K   key/value heads of this layer    D   head dim of this layer (256 sliding, 512 global on E2B)
+    F   MLP width of this layer          W   sliding_window
+    L   num_hidden_layers                P   hidden_size_per_layer_input (PLE width)
+
+References: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021), GQA
+(Ainslie et al. 2023), GeGLU (Shazeer 2020), the Gemma 3n / Gemma 4 model
+cards (per-layer embeddings, KV sharing); transformers' modeling_gemma4.py is
+the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Gemma4Config, RopeConfig
+
+
+# ---------------------------------------------------------------------------
+# RMSNorm, Gemma 4 style
+# ---------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm: ``x / sqrt(mean(x**2) + eps) * weight``, over the last dim, in float32.
+
+    Changed since Gemma 3: the scale is ``weight`` itself again (Gemma 2 and 3
+    stored ``weight`` as an offset and multiplied by ``1 + weight``), and
+    ``with_scale=False`` gives a norm with no weight at all (the value norm).
+    ``mean ** -0.5`` is written as a power rather than ``rsqrt``, as the reference
+    does (the two may differ in the last bit).
+
+    x: (..., dim) -> (..., dim)
+    """
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            x = x * self.weight.float()
+        return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Rotary position embedding (RoPE): one per layer type
+# ---------------------------------------------------------------------------
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """The rotation speed of each pair of channels: (D/2,) float32.
+
+    * default:      ``inv_freq[i] = theta ** (-2i / D)`` for every pair i.
+    * linear:       the same, divided by ``factor``.
+    * proportional: only the first ``rotary_fraction`` of the pairs rotate, at the
+      speeds they would have in a full-width RoPE of this head (exponent
+      ``2i / D``, D the whole head); the other pairs get speed 0, i.e. angle 0:
+      cos 1, sin 0, they pass through unrotated. On Gemma 4's global layers 64
+      of 256 pairs rotate: those carry position, the rest carry pure content.
+      (Divided by ``factor``, 1 unless set.)
+
+    Computed in float32 on the CPU, as transformers does, so both give the same angles.
+    """
+    if rope.rope_type == "proportional":
+        rotating = int(rope.rotary_fraction * head_dim // 2)  # pairs that rotate
+        exponents = torch.arange(0, 2 * rotating, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = torch.cat((1.0 / (rope.theta**exponents), torch.zeros(head_dim // 2 - rotating)))
+        return inv_freq / rope.factor
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim  # (D/2,)
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "default":  # config.py rejects it first
+        raise ValueError(f"unknown rope_type {rope.rope_type!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of the rotation angles of one layer type, for the given positions.
+
+    ``inv_freq`` is a non-persistent buffer: not in the checkpoint, computed by
+    :meth:`materialize` after the model was built on the meta device.
+
+    positions: (T,) int64 -> cos, sin: (T, D) in ``dtype``; the D/2 angles are
+    repeated twice, ``[a0 .. a_{D/2-1}, a0 .. a_{D/2-1}]``, to match rotate_half.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Compute ``inv_freq`` on the CPU in float32 and place it on ``device``."""
+        self.inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions[:, None].float() * self.inv_freq[None, :]  # (T, D/2), float32
+        angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dim: (..., D) -> (..., D).
+
+    Channel ``i`` is paired with channel ``i + D/2`` (the "rotate-half" layout of HF checkpoints).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each channel pair of every head by its angle: (1, heads, T, D) -> (1, heads, T, D)."""
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------
+# Masks: causal, and causal within a sliding window
+# ---------------------------------------------------------------------------
+def attention_mask(start: int, T: int, window: int | None, device: torch.device, *, explicit: bool = False) -> torch.Tensor | None:
+    """Who may see whom, for T new tokens at positions ``start .. start+T-1``.
+
+    ``window`` is None for a global layer. A sliding-window layer's query at
+    position p sees the keys at positions ``p-W+1 .. p``: W positions, itself
+    included (transformers' convention: key j is visible when ``j > p - W``).
+
+    The keys this mask's columns stand for are the ones the cache returns
+    (kv.py): positions ``first .. start+T-1`` with ``first = 0`` for a global
+    layer and ``first = max(0, start - (W-1))`` for a sliding one, in order.
+
+    Returns ``None`` when no explicit mask is needed (unless ``explicit``):
+      * T == 1 (decode): the cache returns exactly the keys the token may see;
+      * start == 0 and the window (if any) is at least T: plain causal, which
+        SDPA's ``is_causal`` does exactly.
+    Otherwise a boolean (T, S) mask, True where query row i may see key column j.
+    """
+    if not explicit and (T == 1 or (start == 0 and (window is None or T <= window))):
+        return None
+    first = 0 if window is None else max(0, start - (window - 1))
+    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(first, start + T, device=device)[None, :]  # (1, S)
+    visible = key_pos <= query_pos  # causal: never the future
+    if window is not None:
+        visible = visible & (key_pos > query_pos - window)  # and not further back than the window
+    return visible  # (T, S)
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Give each query head its own copy of its group's key/value head.
+
+    (1, K, S, D) -> (1, K * n_rep, S, D); head ``h`` of the result is head ``h // n_rep`` of x.
+    """
+    if n_rep == 1:
+        return x
+    _, K, S, D = x.shape
+    return x[:, :, None].expand(1, K, n_rep, S, D).reshape(1, K * n_rep, S, D)
+
+
+def grouped_query_attention(q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T + mask) v, with H query heads sharing K key/value heads (GQA).
+
+    No 1/sqrt(D) scaling: Gemma 4 normalises q and k per head (QK-norm) and
+    trained with a score scale of 1.
+
+    q: (1, H, T, D); k, v: (1, K, S, D); mask: None or bool (T, S) -> (1, H, T, D)
+    """
+    _, H, T, D = q.shape
+    K = k.shape[1]
+    n_rep = H // K
+    if T == 1:
+        # One query per head (a decode step, or the last prompt position): fold the n_rep
+        # query heads of a group into n_rep query *rows* of that head,
+        # (1, H, 1, D) -> (1, K, n_rep, D), so no copy of the cache is made.
+        out = F.scaled_dot_product_attention(q.reshape(1, K, n_rep, D), k, v, attn_mask=mask, scale=1.0)
+        return out.reshape(1, H, 1, D)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (1, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0)
+
+
+class Gemma4Attention(nn.Module):
+    """Self-attention with GQA, QK-norm, a value norm and RoPE; optionally on another layer's KV.
+
+    * Every layer has q_proj, q_norm and o_proj. Its head width D depends on its
+      type: sliding layers ``head_dim``, global ones ``global_head_dim``.
+    * A layer that computes its own keys/values also has k_proj, k_norm and
+      v_proj (none when ``attention_k_eq_v`` on a global layer: the values are
+      then the un-normed keys), and a weightless value norm.
+    * A KV-sharing layer (the last ``num_kv_shared_layers``) has none of those:
+      it attends over the keys/values its source layer produced in this same
+      forward (``shared_kv[layer_type]``), and writes nothing to the cache.
+
+    x: (1, T, C) -> (1, T, C)
+    """
+
+    def __init__(self, config: Gemma4Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.kv_heads_for(self.layer_type)
+        self.head_dim = config.head_dim_for(self.layer_type)
+        source = config.kv_source(layer_idx)
+        self.is_kv_shared = source != layer_idx
+        # the layer whose keys/values the KV-sharing layers of this type read
+        self.stores_kv = not self.is_kv_shared and any(
+            config.kv_source(j) == layer_idx for j in range(config.first_kv_shared_layer, config.num_hidden_layers)
+        )
+        C, H, K, D, eps = config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.q_norm = RMSNorm(D, eps)
+        if not self.is_kv_shared:
+            self.k_proj = nn.Linear(C, K * D, bias=False)
+            self.k_norm = RMSNorm(D, eps)
+            values_are_keys = config.attention_k_eq_v and self.layer_type != "sliding_attention"
+            self.v_proj = None if values_are_keys else nn.Linear(C, K * D, bias=False)
+            self.v_norm = RMSNorm(D, eps, with_scale=False)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache, shared_kv: dict) -> torch.Tensor:
+        _, T, _ = x.shape
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        # queries: project, split into heads, normalise each head, rotate
+        q = self.q_norm(self.q_proj(x).view(1, T, H, D)).transpose(1, 2)  # (1, H, T, D)
+        q = apply_rope(q, cos, sin)
+        if self.is_kv_shared:
+            k, v = shared_kv[self.layer_type]  # (1, K, S, D), produced earlier in this forward
+        else:
+            k_raw = self.k_proj(x).view(1, T, K, D)
+            v_raw = self.v_proj(x).view(1, T, K, D) if self.v_proj is not None else k_raw
+            k = apply_rope(self.k_norm(k_raw).transpose(1, 2), cos, sin)  # (1, K, T, D)
+            v = self.v_norm(v_raw).transpose(1, 2)  # (1, K, T, D)
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): the keys this layer may read
+            if self.stores_kv:
+                shared_kv[self.layer_type] = (k, v)
+        out = grouped_query_attention(q, k, v, mask)  # (1, H, T, D)
+        out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
+        return self.o_proj(out)  # (1, T, C)
+
+
+# ---------------------------------------------------------------------------
+# MLP
+# ---------------------------------------------------------------------------
+class Gemma4MLP(nn.Module):
+    """GeGLU feed-forward: ``down(gelu_tanh(gate(x)) * up(x))``, no biases.
+
+    Its width F is ``intermediate_size``, doubled on the KV-sharing layers when
+    ``use_double_wide_mlp`` (those layers skip the key/value work, and spend it here).
+
+    x: (1, T, C) -> gate, up: (1, T, F) -> (1, T, C)
+    """
+
+    def __init__(self, config: Gemma4Config, layer_idx: int):
+        super().__init__()
+        width = config.intermediate_size_for(layer_idx)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

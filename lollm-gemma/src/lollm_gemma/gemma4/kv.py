@@ -1,0 +1,164 @@
+"""The gemma4 cache: a ring buffer per sliding-window layer, a full KV cache per global layer,
+and nothing at all for the layers that share another layer's keys/values.
+
+Gemma 4 has two kinds of layer, so it has two kinds of cache (see
+docs/sliding-window.md for the whole story, with pictures)::
+
+    global layer      k, v: (1, K, max_tokens, D)   every position ever seen (D = global_head_dim)
+    sliding layer     k, v: (1, K, R, D)            only the last R = min(W, max_tokens)
+                                                    positions, position p in slot p % R
+    KV-sharing layer  none                          reads its source layer's keys/values
+
+A sliding-window layer's query at position p sees the keys of positions
+``p-W+1 .. p`` (W of them, itself included). So once a position is W behind
+the newest token, no query will ever read it again, and its slot can be
+reused: the ring needs W slots, whatever the length of the text.
+
+gemma-4-E2B: of 35 layers only the first 15 keep a cache (12 rings of 512
+positions, 3 full caches); the last 20 reuse layer 13's (sliding) or layer
+14's (global) keys and values.
+
+Everything is allocated once; writes are slice assignments into the
+preallocated tensors (no per-step allocation or concatenation):
+
+* decode (T == 1): write the new key into slot ``p % R``, then attend over the
+  filled slots. Their order in the ring is not position order, and need not
+  be: attention is a weighted sum over keys, which does not depend on their
+  order (RoPE already baked each key's position into it).
+* prefill or a chunk (T > 1): the queries need the W-1 positions before the
+  chunk too. Those are read out of the ring in position order and put in front
+  of the new keys (one copy per prefill, not per token); the mask
+  (``blocks.attention_mask``) then applies causality and the window. Only
+  then are the last R of the new keys written into the ring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lollm.errors import GenerationError
+
+from .config import SLIDING, Gemma4Config
+
+
+class FullKV:
+    """Keys and values of one global layer, for up to ``max_tokens`` positions.
+
+    k, v: (1, K, max_tokens, D), allocated once; positions ``0 .. length-1`` are filled.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int, *, device, dtype):
+        self.k = torch.zeros(1, num_kv_heads, max_tokens, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store keys/values of positions ``start .. start+T-1``; return those of ``0 .. start+T-1``.
+
+        k, v: (1, K, T, D) -> (1, K, start+T, D), views into the cache (no copy).
+        """
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class SlidingWindowKV:
+    """Keys and values of one sliding-window layer: a ring of R = min(W, max_tokens) slots.
+
+    Position p lives in slot ``p % R``. k, v: (1, K, R, D), allocated once; their
+    size depends on the window, never on the length of the text.
+    """
+
+    def __init__(self, window: int, num_kv_heads: int, head_dim: int, max_tokens: int, *, device, dtype):
+        self.window = window
+        self.slots = min(window, max_tokens)
+        self.k = torch.zeros(1, num_kv_heads, self.slots, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys/values of positions ``start .. start+T-1``; return the ones the queries read.
+
+        k, v: (1, K, T, D). Returns (1, K, S, D):
+          * T == 1: the filled slots of the ring (positions ``max(0, start-W+1) .. start``,
+            in ring order), views into the cache;
+          * T > 1: positions ``max(0, start-(W-1)) .. start+T-1`` in position order
+            (the columns of ``blocks.attention_mask``), a new tensor.
+        """
+        T = k.shape[2]
+        if T == 1:  # decode: write first, then read the whole (filled part of the) ring
+            slot = start % self.slots
+            self.k[:, :, slot : slot + 1] = k
+            self.v[:, :, slot : slot + 1] = v
+            filled = min(start + 1, self.slots)
+            return self.k[:, :, :filled], self.v[:, :, :filled]
+        # prefill / chunk: read the earlier positions the chunk can see *before* the
+        # write, which may overwrite them
+        first = max(0, start - (self.window - 1))
+        if first < start:
+            old_k, old_v = self._read(first, start)
+            k_all, v_all = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
+        else:
+            k_all, v_all = k, v
+        self._write(start, k, v)
+        return k_all, v_all
+
+    def _read(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of positions ``first .. end-1`` (all still in the ring), in position order."""
+        slots = torch.arange(first, end, device=self.k.device) % self.slots
+        return self.k.index_select(2, slots), self.v.index_select(2, slots)
+
+    def _write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put the last R of the T new positions into their slots (at most two slice copies)."""
+        T = k.shape[2]
+        keep = min(T, self.slots)
+        k, v = k[:, :, T - keep :], v[:, :, T - keep :]
+        slot = (start + T - keep) % self.slots  # slot of the first position kept
+        head = min(keep, self.slots - slot)  # how many fit before the end of the ring
+        self.k[:, :, slot : slot + head] = k[:, :, :head]
+        self.v[:, :, slot : slot + head] = v[:, :, :head]
+        if head < keep:  # the rest wraps around to slot 0
+            self.k[:, :, : keep - head] = k[:, :, head:]
+            self.v[:, :, : keep - head] = v[:, :, head:]
+
+
+class Gemma4Cache:
+    """The cache of a whole gemma4 model (batch 1): per layer a FullKV, a SlidingWindowKV, or None.
+
+    Attributes:
+      layers:     per decoder layer, its cache (the kind follows ``config.layer_types``;
+                  None for a KV-sharing layer, which keeps nothing of its own).
+      length:     positions processed so far; the next forward's tokens start there.
+      max_tokens: capacity in positions (what the global layers hold).
+    """
+
+    def __init__(self, config: Gemma4Config, max_tokens: int, *, device, dtype):
+        self.layers: list[FullKV | SlidingWindowKV | None] = []
+        for i, layer_type in enumerate(config.layer_types):
+            K, D = config.kv_heads_for(layer_type), config.head_dim_for(layer_type)
+            if config.kv_source(i) != i:
+                self.layers.append(None)
+            elif layer_type == SLIDING:
+                self.layers.append(SlidingWindowKV(config.sliding_window, K, D, max_tokens, device=device, dtype=dtype))
+            else:
+                self.layers.append(FullKV(K, D, max_tokens, device=device, dtype=dtype))
+        self.length = 0
+        self.max_tokens = max_tokens
+
+    def check_room(self, T: int) -> None:
+        """Raise GenerationError when T more positions do not fit."""
+        if self.length + T > self.max_tokens:
+            raise GenerationError(
+                f"the KV cache holds {self.max_tokens} positions: {self.length} are used and {T} more do not fit"
+            )
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values of ``layer`` (at positions from ``length`` on); return what it reads."""
+        return self.layers[layer].update(k, v, self.length)
+
+    def advance(self, T: int) -> None:
+        """Mark T more positions as processed (once per forward, after the last layer)."""
+        self.length += T
+
+    def nbytes(self) -> int:
+        """Memory held by the cache's tensors, in bytes."""
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer is not None for t in (layer.k, layer.v))

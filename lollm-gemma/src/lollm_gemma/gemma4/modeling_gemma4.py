@@ -1,0 +1,242 @@
+"""The gemma4 text decoder: Gemma 3's sandwich layers plus per-layer embeddings and shared KV.
+
+::
+
+    input_ids (1, T) ──────────────────────────────┐
+        │ embed_tokens, × sqrt(C)                  │ embed_tokens_per_layer, × sqrt(P)
+        ▼                                          ▼
+    x (1, T, C) ── per_layer_model_projection ──► per-layer inputs (1, T, L, P)
+        │                                          │  (one P-wide vector per token per layer)
+        ├──────────────────────────────┐           │
+        │ input_layernorm              │  ×L       │
+        │ self_attn (QK-norm, v-norm,  │           │
+        │   RoPE local / proportional) ◄── cache, or the source layer's K/V (last layers)
+        │ post_attention_layernorm     │           │
+        + ◄────────────────────────────┘           │
+        ├──────────────────────────────┐           │
+        │ pre_feedforward_layernorm    │           │
+        │ mlp (GeGLU; 2x wide on the   │           │
+        │   KV-sharing layers)         │           │
+        │ post_feedforward_layernorm   │           │
+        + ◄────────────────────────────┘           │
+        ├──────────────────────────────┐           │
+        │ gelu(per_layer_input_gate) × ◄───────────┘  layer i's slice
+        │ per_layer_projection         │
+        │ post_per_layer_input_norm    │
+        + ◄────────────────────────────┘
+        │ × layer_scalar (a per-layer constant stored in the checkpoint)
+        │ norm
+        │ lm_head (tied), cap * tanh(logits / cap)
+        ▼
+    logits (1, T, vocab)
+
+Module names mirror transformers' Gemma4ForCausalLM (``model.embed_tokens_per_layer``,
+``model.layers.N.per_layer_input_gate``, ``model.layers.N.layer_scalar`` …), so the
+name map from a Hugging Face checkpoint is the identity (weights.py).
+Shape letters as in blocks.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding, attention_mask
+from .config import SLIDING, Gemma4Config
+from .kv import Gemma4Cache
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """One layer: Gemma 3's sandwich, then the per-layer-embedding block, then a constant scale.
+
+        x = x + post_attention_layernorm(attention(input_layernorm(x)))
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+        x = x + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(x)) * ple))
+        x = x * layer_scalar
+
+    x: (1, T, C), ple: (1, T, P) -> (1, T, C)
+    """
+
+    def __init__(self, config: Gemma4Config, layer_idx: int):
+        super().__init__()
+        C, P, eps = config.hidden_size, config.hidden_size_per_layer_input, config.rms_norm_eps
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(C, eps)
+        self.self_attn = Gemma4Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        self.pre_feedforward_layernorm = RMSNorm(C, eps)
+        self.mlp = Gemma4MLP(config, layer_idx)
+        self.post_feedforward_layernorm = RMSNorm(C, eps)
+        self.has_per_layer_input = P > 0
+        if self.has_per_layer_input:
+            self.per_layer_input_gate = nn.Linear(C, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, C, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(C, eps)
+        # a checkpoint buffer, not a parameter: a fixed per-layer scale of the residual stream
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x, per_layer_input, cos, sin, mask, cache, shared_kv) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, shared_kv))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        if self.has_per_layer_input:
+            gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")  # (1, T, P)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
+        return x * self.layer_scalar
+
+
+class Gemma4TextModel(nn.Module):
+    """The decoder body, a container named ``model`` so parameter names match HF checkpoints.
+
+    Per-layer embeddings (PLE), when ``hidden_size_per_layer_input`` P > 0:
+      embed_tokens_per_layer:     (vocab_per_layer, L*P) table, a P-wide vector per token per layer;
+      per_layer_model_projection: C -> L*P, the same from the (scaled) token embedding;
+      per_layer_projection_norm:  RMSNorm over each P-wide slice.
+    Its work is done in :meth:`Gemma4ForCausalLM.forward`.
+    """
+
+    def __init__(self, config: Gemma4Config):
+        super().__init__()
+        C, L, P = config.hidden_size, config.num_hidden_layers, config.hidden_size_per_layer_input
+        self.embed_tokens = nn.Embedding(config.vocab_size, C)
+        if P:
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, L * P)
+            self.per_layer_model_projection = nn.Linear(C, L * P, bias=False)
+            self.per_layer_projection_norm = RMSNorm(P, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i) for i in range(L))
+        self.norm = RMSNorm(C, config.rms_norm_eps)
+        self.rotary_emb = nn.ModuleDict(
+            {t: RotaryEmbedding(config.rope_for(t), config.head_dim_for(t)) for t in sorted(set(config.layer_types))}
+        )
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """A gemma4 causal language model (text only), following :class:`lollm.model.CausalLM`."""
+
+    def __init__(self, config: Gemma4Config):
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_position_embeddings
+        self.num_layers = config.num_hidden_layers
+        self.eos_token_ids = config.eos_token_ids
+        self.model = Gemma4TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # sqrt(C) and sqrt(P), stored in the model dtype as transformers does
+        self.register_buffer("embed_scale", torch.empty(()), persistent=False)
+        self.register_buffer("per_layer_embed_scale", torch.empty(()), persistent=False)
+
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Compute the tensors that are not in the checkpoint: RoPE frequencies and the embedding scales."""
+        for rope in self.model.rotary_emb.values():
+            rope.materialize(device)
+        self.embed_scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
+        self.per_layer_embed_scale = torch.tensor(self.config.hidden_size_per_layer_input**0.5, dtype=dtype, device=device)
+
+    def new_cache(self, max_tokens: int) -> Gemma4Cache:
+        """An empty cache for ``max_tokens`` positions, on the model's device and dtype."""
+        weight = self.model.embed_tokens.weight
+        return Gemma4Cache(self.config, max_tokens, device=weight.device, dtype=weight.dtype)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The per-layer embeddings: (1, T) ids and (1, T, C) scaled embeddings -> (1, T, L, P).
+
+        Two views of each token, averaged: its own row of the per-layer table (what
+        the token *is*), and a projection of its main embedding (normed per layer).
+        The factor 1/sqrt(2) keeps the sum of the two at the size of either.
+        """
+        m, L, P = self.model, self.config.num_hidden_layers, self.config.hidden_size_per_layer_input
+        T = input_ids.shape[1]
+        from_table = m.embed_tokens_per_layer(input_ids).view(1, T, L, P) * self.per_layer_embed_scale
+        projected = m.per_layer_model_projection(x) * self.config.hidden_size**-0.5  # (1, T, L*P)
+        projected = m.per_layer_projection_norm(projected.view(1, T, L, P))
+        return (projected + from_table) * 2.0**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Gemma4Cache | None = None,
+        *,
+        logits_to_keep: int = 0,
+        hidden_states: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
+
+        The T tokens sit at positions ``cache.length .. cache.length+T-1`` (0.. without
+        a cache); the cache receives their keys/values and advances by T.
+        ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
+        the embeddings, each layer's output but the last, the final-normed output.
+        """
+        c = self.config
+        T = input_ids.shape[1]
+        start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.check_room(T)
+
+        # 1. Embed, then scale by sqrt(C).
+        x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
+        if hidden_states is not None:
+            hidden_states.append(x)
+
+        # 2. Per-layer embeddings (PLE): one P-wide input per token for every layer.
+        ple = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None  # (1, T, L, P)
+
+        # 3. Positions, and the cos/sin of their RoPE angles per layer type (the head
+        #    widths differ: 256 for sliding layers, 512 for global ones on E2B).
+        positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
+        rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
+
+        # 4. Who may attend to whom, per layer type.
+        windows = {t: c.sliding_window if t == SLIDING else None for t in rope}
+        masks = {t: attention_mask(start, T, windows[t], x.device) for t in rope}
+
+        # 5. The decoder layers. Layers that compute keys/values write them to their cache;
+        #    the last num_kv_shared_layers read their source layer's from `shared_kv`.
+        shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            if i == c.first_kv_shared_layer and 0 < logits_to_keep < x.shape[1] and hidden_states is None:
+                # 5a. From here on no layer writes to the cache, and position t of the output
+                #     depends only on position t of x (plus the stored keys/values). So only the
+                #     positions whose logits are wanted need to go on: a prefill carries its
+                #     last token alone through the KV-sharing layers.
+                x, ple, rope, masks = self._keep_last(logits_to_keep, x, ple, rope, masks, start, T, windows)
+            t = layer.layer_type
+            cos, sin = rope[t]
+            x = layer(x, None if ple is None else ple[:, :, i], cos, sin, masks[t], cache, shared_kv)  # (1, T, C)
+            if hidden_states is not None and i < last:
+                hidden_states.append(x)
+        if cache is not None:
+            cache.advance(T)
+
+        # 6. Final RMSNorm.
+        x = self.model.norm(x)  # (1, T, C)
+        if hidden_states is not None:
+            hidden_states.append(x)
+
+        # 7. Output head, only on the positions whose logits are wanted.
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(x)  # (1, T or logits_to_keep, vocab)
+
+        # 8. Final-logit soft-cap: cap * tanh(logits / cap) keeps every logit in (-cap, cap).
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+    @staticmethod
+    def _keep_last(n, x, ple, rope, masks, start, T, windows):
+        """Cut every per-position input of the remaining layers to the last n positions.
+
+        The masks keep all their key columns (the stored keys are unchanged) and only
+        their last n query rows; a mask that was implicit (None: plain causal) is made
+        explicit first, since SDPA's ``is_causal`` would align it to the wrong corner.
+        """
+        x = x[:, -n:]
+        ple = None if ple is None else ple[:, -n:]
+        rope = {t: (cos[-n:], sin[-n:]) for t, (cos, sin) in rope.items()}
+        masks = {
+            t: (m if m is not None else attention_mask(start, T, windows[t], x.device, explicit=True))[-n:]
+            for t, m in masks.items()
+        }
+        return x, ple, rope, masks

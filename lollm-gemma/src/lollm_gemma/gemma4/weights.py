@@ -1,0 +1,158 @@
+"""Loading a gemma4 model: the name map per format and layout, tied embeddings, and ``load``.
+
+The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+own names; this module says where each one goes in the model. The model
+mirrors transformers' module names, so for a ``gemma4_text`` checkpoint the
+map is the identity, written out below as the list of every tensor such a
+checkpoint may hold. A name that is not on the list is an error naming it
+(hard-fail, never guess).
+
+Three kinds of names need a word:
+
+* ``model.layers.N.layer_scalar`` is a *buffer* (a fixed per-layer scale), not a
+  parameter; it is in the checkpoint and loaded like a weight.
+* The KV-sharing layers have no k_proj / v_proj / k_norm of their own.
+  Checkpoints may still carry them (transformers lists them as "ignored on
+  load"); for those layers, and only those, they are skipped by name.
+* A multimodal ``gemma4`` checkpoint (gemma-4-E2B-it as published) holds the
+  decoder under ``model.language_model.*`` beside the vision and audio towers
+  (``model.vision_tower.*``, ``model.audio_tower.*``) and their projections into
+  the text space (``model.embed_vision.*``, ``model.embed_audio.*``). We load the
+  decoder only: its prefix is mapped back to ``model.*`` and the four tower
+  prefixes are skipped by name; anything else unknown still raises.
+
+GGUF: the llama.cpp names and ``Gemma4Config.from_gguf`` come with the GGUF
+reader (a table beside :data:`HF_NAMES` in :data:`NAME_MAPS`); until then
+``load`` refuses ``fmt="gguf"``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from lollm.errors import ConfigError, WeightsError
+from lollm.weights import load_weights
+
+from .config import Gemma4Config
+from .modeling_gemma4 import Gemma4ForCausalLM
+
+#: Hugging Face (safetensors) tensor name -> model name; ``{i}`` is the layer index.
+HF_NAMES = {
+    name: name
+    for name in (
+        "model.embed_tokens.weight",
+        "model.embed_tokens_per_layer.weight",
+        "model.per_layer_model_projection.weight",
+        "model.per_layer_projection_norm.weight",
+        "model.layers.{i}.input_layernorm.weight",
+        "model.layers.{i}.self_attn.q_proj.weight",
+        "model.layers.{i}.self_attn.q_norm.weight",
+        "model.layers.{i}.self_attn.k_proj.weight",
+        "model.layers.{i}.self_attn.k_norm.weight",
+        "model.layers.{i}.self_attn.v_proj.weight",
+        "model.layers.{i}.self_attn.o_proj.weight",
+        "model.layers.{i}.post_attention_layernorm.weight",
+        "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "model.layers.{i}.mlp.gate_proj.weight",
+        "model.layers.{i}.mlp.up_proj.weight",
+        "model.layers.{i}.mlp.down_proj.weight",
+        "model.layers.{i}.post_feedforward_layernorm.weight",
+        "model.layers.{i}.per_layer_input_gate.weight",
+        "model.layers.{i}.per_layer_projection.weight",
+        "model.layers.{i}.post_per_layer_input_norm.weight",
+        "model.layers.{i}.layer_scalar",
+        "model.norm.weight",
+        "lm_head.weight",  # absent when the embeddings are tied
+    )
+}
+
+#: Tensors a KV-sharing layer may carry in a checkpoint but does not use.
+KV_SHARED_UNUSED = {
+    "model.layers.{i}.self_attn.k_proj.weight",
+    "model.layers.{i}.self_attn.k_norm.weight",
+    "model.layers.{i}.self_attn.v_proj.weight",
+    "model.layers.{i}.self_attn.v_norm.weight",
+}
+
+#: The multimodal layout: decoder prefix in the file -> prefix in the model.
+MULTIMODAL_PREFIXES = {"model.language_model.": "model."}
+#: ... and these prefixes hold the towers, which this text family does not load.
+MULTIMODAL_SKIPPED = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
+NAME_MAPS = {"safetensors": HF_NAMES}
+
+#: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def name_map_for(fmt: str, config: Gemma4Config) -> Callable[[str], str | None]:
+    """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
+
+    It raises WeightsError naming a tensor it does not know.
+    """
+    table = NAME_MAPS[fmt]
+    layout = "multimodal (model_type 'gemma4')" if config.multimodal else "text (model_type 'gemma4_text')"
+
+    def name_map(file_name: str) -> str | None:
+        name = file_name
+        if config.multimodal:
+            if name.startswith(MULTIMODAL_SKIPPED):
+                return None  # a vision or audio tower: not part of the text decoder
+            prefix = next((p for p in MULTIMODAL_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                name = MULTIMODAL_PREFIXES[prefix] + name[len(prefix) :]
+            elif name != "lm_head.weight":
+                raise WeightsError(f"gemma4: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint")
+        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
+        match = _LAYER_INDEX.search(name)
+        template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
+        if match is not None and template in KV_SHARED_UNUSED:
+            layer = int(match.group(1))
+            if layer < config.num_hidden_layers and config.kv_source(layer) != layer:
+                return None  # a KV-sharing layer's unused key/value weights
+        if template not in table:
+            raise WeightsError(f"gemma4: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint: no gemma4 weight has that name")
+        target = table[template]
+        return target if match is None else target.format(i=match.group(1))
+
+    return name_map
+
+
+def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Gemma4ForCausalLM:
+    """Build a gemma4 text decoder from a checkpoint (the ``load`` of the gemma4 Family).
+
+    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
+    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
+    weights live. Returns the model in eval mode.
+
+    Raises ConfigError (config.json) and WeightsError (a tensor missing,
+    unexpected, or of the wrong shape), each naming the key or tensor.
+    """
+    if fmt == "gguf":
+        # the seam for the GGUF work: Gemma4Config.from_gguf + a "gguf" entry in NAME_MAPS
+        raise ConfigError("GGUF for gemma4 not supported yet (use a safetensors checkpoint)")
+    if fmt not in NAME_MAPS:
+        raise ConfigError(f"gemma4: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+
+    # 1. Parse config.json (either layout) into the numbers that shape the model.
+    config = Gemma4Config.from_hf(raw_config)
+
+    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+
+    # 3. What is not in the checkpoint: RoPE frequencies and the embedding scales.
+    model.materialize(device, dtype)
+
+    # 4. Stream the tensors in, one at a time, through the name map (checks every shape;
+    #    the layer_scalar buffers are filled like the weights).
+    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress, tied=TIED)
+
+    # 5. Inference only: eval mode (no dropout anywhere; set for good measure).
+    return model.eval()

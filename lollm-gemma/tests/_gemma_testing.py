@@ -1,0 +1,172 @@
+"""Helpers of lollm-gemma's tests (a module with a unique name, so that test runs of
+several distributions together never import another distribution's helpers).
+
+Tiny random checkpoints are written by transformers itself from the *real*
+hub config.json files (``$LOLLM_HUB_CONFIGS``, default ``<repo>/../shared/hub-configs``),
+shrunk to tiny dimensions with a sliding window of a few tokens, so that
+prompts several windows long run in milliseconds. Each checkpoint is written
+once per session (see the ``tiny`` fixture in conftest.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HUB_CONFIGS = Path(os.environ.get("LOLLM_HUB_CONFIGS") or REPO.parent / "shared" / "hub-configs")
+
+#: The sliding window of the tiny checkpoints; prompts are several windows long.
+WINDOW = 6
+
+
+def hub_config(name: str) -> dict[str, Any]:
+    """config.json of a real hub checkpoint, e.g. ``hub_config("google__gemma-3-1b-it")``."""
+    path = HUB_CONFIGS / name / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: set LOLLM_HUB_CONFIGS to the hub-configs folder")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------
+# The tiny configs: real hub files, shrunk (every other key kept)
+# ---------------------------------------------------------------------------
+def tiny_gemma2() -> dict[str, Any]:
+    from lollm.testing.tiny import shrink_config
+
+    return shrink_config(hub_config("google__gemma-2-2b-it"), num_hidden_layers=4, sliding_window=WINDOW)
+
+
+def tiny_gemma3_1b() -> dict[str, Any]:
+    """gemma-3-1b-it: hub schema with ``sliding_window_pattern`` 6 (layers 0-4 sliding, 5 global)."""
+    from lollm.testing.tiny import shrink_config
+
+    return shrink_config(hub_config("google__gemma-3-1b-it"), num_hidden_layers=6, sliding_window=WINDOW)
+
+
+def tiny_gemma3_270m() -> dict[str, Any]:
+    """gemma-3-270m-it: hub RoPE keys plus an explicit ``layer_types`` list."""
+    from lollm.testing.tiny import shrink_config
+
+    return shrink_config(hub_config("google__gemma-3-270m-it"), num_hidden_layers=6, sliding_window=WINDOW)
+
+
+def tiny_gemma3_4b() -> dict[str, Any]:
+    """gemma-3-4b-it, multimodal: a tiny decoder under ``text_config`` (linear RoPE x8 on global
+    layers kept), a tiny SigLIP vision tower beside it."""
+    raw = hub_config("google__gemma-3-4b-it")
+    out = copy.deepcopy(raw)
+    out["text_config"] = {
+        **raw["text_config"],  # model_type, rope_scaling (linear, factor 8) ...
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "sliding_window": WINDOW,
+    }
+    out["vision_config"] = {
+        **raw["vision_config"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+    }
+    out.update(mm_tokens_per_image=4, boi_token_index=509, eoi_token_index=510, image_token_index=511)
+    return out
+
+
+def tiny_gemma4_text() -> dict[str, Any]:
+    """The decoder of gemma-4-E2B-it as a ``gemma4_text`` config: 10 layers, the last 5 sharing
+    KV caches (double-wide MLP there), per-layer embeddings, global head dim 2x the local one."""
+    from lollm.testing.tiny import shrink_config
+
+    text = hub_config("google__gemma-4-E2B-it")["text_config"]
+    return shrink_config(
+        text, num_hidden_layers=10, num_kv_shared_layers=5, sliding_window=WINDOW, global_head_dim=32,
+        hidden_size_per_layer_input=16, vocab_size_per_layer_input=512,
+    )
+
+
+def tiny_gemma4_k_eq_v() -> dict[str, Any]:
+    """The E2B decoder with the larger Gemma 4 models' attention variant: global layers whose values
+    are their keys (no v_proj), with their own KV-head count; no per-layer embeddings, no KV sharing."""
+    return {**tiny_gemma4_text(), "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+            "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "use_double_wide_mlp": False}
+
+
+def tiny_gemma4_multimodal() -> dict[str, Any]:
+    """gemma-4-E2B-it as published (model_type "gemma4"): the tiny decoder plus tiny vision and audio towers."""
+    raw = hub_config("google__gemma-4-E2B-it")
+    out = copy.deepcopy(raw)
+    out["text_config"] = tiny_gemma4_text()
+    out["vision_config"] = {
+        **raw["vision_config"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+        "position_embedding_size": 64,
+    }
+    out["audio_config"] = {
+        **raw["audio_config"], "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "subsampling_conv_channels": [8, 4], "output_proj_dims": 32,
+    }
+    # multimodal token ids must fit the tiny vocabulary (512)
+    out.update(audio_token_id=505, boa_token_id=506, boi_token_id=507, eoa_token_id=508, eoa_token_index=508,
+               eoi_token_id=509, image_token_id=510, video_token_id=511)
+    return out
+
+
+TINY: dict[str, Callable[[], dict[str, Any]]] = {
+    "gemma2": tiny_gemma2,
+    "gemma3-1b": tiny_gemma3_1b,
+    "gemma3-270m": tiny_gemma3_270m,
+    "gemma3-4b": tiny_gemma3_4b,
+    "gemma4-e2b-text": tiny_gemma4_text,
+    "gemma4-e2b": tiny_gemma4_multimodal,
+    "gemma4-k-eq-v": tiny_gemma4_k_eq_v,
+}
+
+
+# ---------------------------------------------------------------------------
+# Running ours and the reference
+# ---------------------------------------------------------------------------
+def load_ours(folder: Path):
+    """Our model for a checkpoint folder, routed through the installed plugins, fp32 on the CPU."""
+    from lollm.pipeline import open_model
+
+    return open_model(str(folder), device="cpu", dtype="float32").model
+
+
+@torch.inference_mode()
+def reference_logits(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' logits (T, V) and hidden states for ``ids``, fp32, no cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    logits, hidden = out.logits[0].float(), [h.float() for h in out.hidden_states]
+    del model
+    gc.collect()
+    return logits, hidden
+
+
+def prompt_ids(n: int, seed: int = 0, vocab: int = 500) -> list[int]:
+    """n random token ids in [3, vocab) (clear of pad/eos/bos and the multimodal ids at the top)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, ids: list[int], *, min_cosine: float = 0.9999) -> None:
+    """Same argmax at every position and cosine >= min_cosine of each position's logits.
+
+    ours, ref: (T, V). The cosine is computed in float64, a few rows at a time (a
+    700-token prompt over Gemma's 262144-token vocabulary is 1.5 GB in float64).
+    """
+    assert ours.shape == ref.shape, f"shapes differ: ours {tuple(ours.shape)}, reference {tuple(ref.shape)}"
+    bad_argmax = (ours.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
+    assert not bad_argmax, f"argmax differs at positions {bad_argmax} (token ids {[ids[p] for p in bad_argmax]})"
+    cosines = torch.cat([
+        torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+        for a, b in zip(ours.split(64), ref.split(64))
+    ])
+    worst = int(cosines.argmin())
+    diff = float((ours[worst] - ref[worst]).abs().max())
+    assert cosines[worst] >= min_cosine, f"cosine {float(cosines[worst]):.6f} at position {worst} (max |d| there {diff:.3g})"
