@@ -18,13 +18,14 @@ import os
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["core_only", "qwen", "qwen3_5", "everything"]
+nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "everything"]
 
 TORCH = "torch==2.13.0"
 CORE = "./lollm-core"
 QWEN = "./lollm-qwen"
+GEMMA = "./lollm-gemma"
 QWEN3_5 = "./lollm-qwen3_5"
-FAMILIES = [QWEN, QWEN3_5]
+FAMILIES = [QWEN, GEMMA, QWEN3_5]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
 # the hub is unreachable on the project's machines: fail fast instead of retrying
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -47,6 +48,13 @@ def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
     _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
     session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+
+
+@nox.session(tags=["tests"])
+def gemma(session: nox.Session) -> None:
+    """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", GEMMA)
+    session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
 
 
 @nox.session(tags=["tests"])

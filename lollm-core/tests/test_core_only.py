@@ -42,7 +42,7 @@ def test_families_lists_none():
     require_core_only()
     done = run_lollm("families", "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"families": [], "broken": []}
+    assert json.loads(done.stdout) == {"families": [], "broken": [], "conflicts": {}}
     done = run_lollm("families")
     assert done.returncode == 0, done.stderr
     assert "No family plugin is installed" in done.stdout
