@@ -79,6 +79,19 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+class _Stamps:
+    """A transformers streamer that only records when each chunk of ids arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def worker(engine: str, spec: str, dtype_name: str, prompt_tokens: int, new_tokens: int, threads: int | None) -> dict[str, Any]:
     import torch
 
@@ -112,7 +125,7 @@ def worker(engine: str, spec: str, dtype_name: str, prompt_tokens: int, new_toke
 
             greedy = SamplingParams(temperature=0.0)
             generate(model, ids[:16], max_new_tokens=4, sampling=greedy)  # warm-up
-            result = generate(model, ids, max_new_tokens=new_tokens, sampling=greedy)
+            result = generate(model, ids, max_new_tokens=new_tokens + 1, sampling=greedy)  # 1 prefill + new_tokens decode steps
             prefill = result.prefill_seconds
             decode_steps = len(result.new_ids) - 1
             decode = result.decode_seconds
@@ -122,14 +135,12 @@ def worker(engine: str, spec: str, dtype_name: str, prompt_tokens: int, new_toke
             start = time.perf_counter()
             model(prompt, logits_to_keep=1)
             prefill = time.perf_counter() - start
-            # decode rate: the time of new_tokens+1 tokens minus the time of 1 (prefill + first token)
-            start = time.perf_counter()
-            model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kwargs)
-            one = time.perf_counter() - start
-            start = time.perf_counter()
-            model.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, **kwargs)
-            decode = time.perf_counter() - start - one
-            decode_steps = new_tokens
+            # decode: one generate call; a streamer stamps the time each token comes out, so the
+            # decode rate is measured between the first and the last generated token, as for ours
+            stamps = _Stamps()
+            model.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, streamer=stamps, **kwargs)
+            decode = stamps.times[-1] - stamps.times[1]  # times[0] is the prompt itself
+            decode_steps = len(stamps.times) - 2
     return {
         "engine": engine,
         "dtype": str(dtype).removeprefix("torch."),
