@@ -18,3 +18,8 @@ def qwen25_dir() -> Path:
     from lollm.testing.real_models import derive_safetensors
 
     return derive_safetensors("qwen2.5-coder-0.5b-instruct")
+
+
+def pytest_configure(config):
+    # also registered in lollm-qwen/pyproject.toml; repeated here for runs whose rootdir is the repo
+    config.addinivalue_line("markers", "real: needs the real Qwen2.5-Coder-0.5B-Instruct GGUF (minutes on 2 cores)")

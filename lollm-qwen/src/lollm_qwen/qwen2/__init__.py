@@ -11,8 +11,8 @@ docs/qwen2.md.
 #: config.json ``model_type`` values this family serves.
 MODEL_TYPES = ("qwen2",)
 
-#: GGUF ``general.architecture`` values this family serves (the GGUF name map
-#: is not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+#: GGUF ``general.architecture`` values this family serves (name map and metadata
+#: keys: weights.py ``GGUF_NAMES`` and config.py ``from_gguf``).
 GGUF_ARCHITECTURES = ("qwen2",)
 
 #: Sampling defaults from Qwen2.5's generation_config.json (Qwen2.5-7B-Instruct).

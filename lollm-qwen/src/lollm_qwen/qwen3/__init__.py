@@ -15,8 +15,8 @@ Read it in this order: ``config.py`` -> ``blocks.py`` -> ``modeling_qwen3.py``
 #: config.json ``model_type`` values this family serves.
 MODEL_TYPES = ("qwen3",)
 
-#: GGUF ``general.architecture`` values this family serves (the GGUF name map
-#: is not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+#: GGUF ``general.architecture`` values this family serves (name map and metadata
+#: keys: weights.py ``GGUF_NAMES`` and config.py ``from_gguf``).
 GGUF_ARCHITECTURES = ("qwen3",)
 
 #: Sampling defaults from Qwen3's generation_config.json (Qwen3-4B; thinking mode).

@@ -8,10 +8,27 @@ checkpoint holds. A name that is not on the list is an error naming it
 (hard-fail, never guess).
 
 GGUF files name the same tensors the llama.cpp way (``blk.0.attn_q.weight``,
-``token_embd.weight`` …). Their map will be a second table beside
-:data:`HF_NAMES` in :data:`NAME_MAPS`, e.g.
-``"blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight"``; the GGUF
-reader and that table are not written yet, so ``load`` refuses ``fmt="gguf"``.
+``token_embd.weight`` …): :data:`GGUF_NAMES` is the second table, beside
+:data:`HF_NAMES` in :data:`NAME_MAPS`. The names are gguf-py's
+(``gguf/constants.py``: ``TENSOR_NAMES`` and ``MODEL_TENSORS[MODEL_ARCH.QWEN3]``;
+``tensor_mapping.py`` maps the Hugging Face names to them).
+
+What llama.cpp's converter does to qwen3 tensors besides renaming: nothing.
+``conversion/qwen.py`` ``Qwen3Model`` (a ``Qwen2Model``) does not permute the
+Q/K rows (only the ``LlamaModel`` family does, for ggml's interleaved RoPE;
+qwen3 runs with NEOX, "rotate half", RoPE) and does not shift the QK-norm
+weights (``attn_q_norm``/``attn_k_norm`` are stored as they are, unlike
+Gemma's +1), so everything loads as it is. There is no real Qwen3 GGUF here:
+this is read in the converter and tested on tiny random qwen3 GGUFs written
+the converter's way and compared with transformers loading the same file.
+A tied model has no ``output.weight`` in the file: lm_head then shares the
+embedding (:data:`TIED`), as for safetensors without ``lm_head.weight``.
+
+The tensors of a GGUF are dequantized to float32 one at a time by
+:class:`lollm.gguf.GGUFTensorSource` and streamed through the same
+:func:`lollm.weights.load_weights`, which converts each to the target dtype
+and drops it before reading the next: a GGUF load peaks near one copy of the
+model (plus the memory-mapped file's pages).
 """
 
 from __future__ import annotations
@@ -57,8 +74,35 @@ HF_NAMES = {
 #: old exports saved RoPE's inv_freq buffer, which the model computes itself.
 HF_IGNORED = {"model.layers.{i}.self_attn.rotary_emb.inv_freq"}
 
-#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
-NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED)}
+#: GGUF (llama.cpp) tensor name -> model name; ``{i}`` is the block index.
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",  # not permuted (NEOX RoPE)
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",  # not permuted (NEOX RoPE)
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # QK-norm: (head_dim,), no +1 shift
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    # biases exist only with "attention_bias": true (from_gguf sets it when they are present)
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent when the embeddings are tied
+}
+
+#: GGUF tensors knowingly skipped: none. (``rope_freqs.weight``, which gguf-py lists
+#: for qwen3, would rescale RoPE's frequencies: unmapped, so it raises.)
+GGUF_IGNORED: set[str] = set()
+
+#: Name maps per checkpoint format: (table, ignored templates).
+NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED), "gguf": (GGUF_NAMES, GGUF_IGNORED)}
 
 #: The output head falls back to the embedding matrix when the checkpoint has
 #: no lm_head.weight ("tied embeddings": Qwen3-0.6B, -1.7B, -4B).
@@ -91,20 +135,22 @@ def name_map_for(fmt: str) -> Callable[[str], str | None]:
 def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3ForCausalLM:
     """Build a qwen3 model from a checkpoint (the ``load`` of the qwen3 Family).
 
-    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
-    weights live. Returns the model in eval mode.
+    raw_config: config.json as a dict (for "gguf": the file's metadata); weights: a
+    TensorSource keyed by the file's names (:class:`lollm.gguf.GGUFTensorSource` for
+    GGUF, dequantizing each tensor to float32 when read); fmt: "safetensors" or
+    "gguf"; device, dtype: where the weights live. Returns the model in eval mode.
 
-    Raises ConfigError (config.json) and WeightsError (a tensor missing,
+    Raises ConfigError (config.json / GGUF metadata) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    if fmt == "gguf":
-        raise ConfigError("qwen3: GGUF not supported yet (the GGUF name map is not written; use a safetensors checkpoint)")
     if fmt not in NAME_MAPS:
         raise ConfigError(f"qwen3: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
 
-    # 1. Parse config.json (either schema) into the numbers that shape the model.
-    config = Qwen3Config.from_hf(raw_config)
+    # 1. Parse config.json (either schema) or the GGUF metadata into the numbers that shape the model.
+    if fmt == "gguf":
+        config = Qwen3Config.from_gguf(raw_config, {name: weights.shape(name) for name in weights.names()})
+    else:
+        config = Qwen3Config.from_hf(raw_config)
 
     # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):

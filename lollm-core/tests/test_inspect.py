@@ -1,0 +1,82 @@
+"""``lollm inspect MODEL --json``: the tensor table and per-type totals of a GGUF file and a safetensors folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def _inspect(target: Path) -> dict:
+    done = subprocess.run([sys.executable, "-m", "lollm.cli", "inspect", str(target), "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.real
+def test_real_qwen_gguf_counts_match_models_md():
+    """/work/shared/models.md: 291 tensors: F32 121, Q5_0 133, Q8_0 13, Q6_K 12, Q4_K 12."""
+    from lollm.testing.real_models import fetch_gguf
+
+    path = fetch_gguf("qwen2.5-coder-0.5b-instruct")
+    data = _inspect(path)
+    assert data["format"] == "gguf"
+    assert len(data["tensors"]) == 291
+    assert {k: v["tensors"] for k, v in data["totals"].items()} == {"F32": 121, "Q5_0": 133, "Q8_0": 13, "Q6_K": 12, "Q4_K": 12}
+    assert data["total_bytes"] == sum(t["bytes"] for t in data["tensors"])
+    assert data["total_bytes"] < path.stat().st_size < data["total_bytes"] + 10_000_000  # the rest: metadata (vocab)
+    assert data["metadata"]["general.architecture"] == "'qwen2'"
+    row = next(t for t in data["tensors"] if t["name"] == "blk.0.attn_q.weight")
+    assert row == {"name": "blk.0.attn_q.weight", "shape": [896, 896], "type": "Q5_0", "bytes": 896 * 896 // 32 * 22}
+
+
+def test_tiny_gguf_table(tmp_path):
+    from lollm.testing.tiny_gguf import write_gguf
+
+    tensors = {
+        "a.weight": (np.ones((4, 64), np.float32), "F32"),
+        "b.weight": (np.ones((2, 64), np.float32), "F16"),
+        "c.weight": (np.ones((3, 64), np.float32), "Q8_0"),
+        "d.weight": (np.ones((1, 64), np.float32), "Q5_0"),
+    }
+    data = _inspect(write_gguf(tmp_path / "t.gguf", "qwen2", {"qwen2.block_count": 1}, tensors))
+    assert [(t["name"], t["shape"], t["type"], t["bytes"]) for t in data["tensors"]] == [
+        ("a.weight", [4, 64], "F32", 4 * 64 * 4),
+        ("b.weight", [2, 64], "F16", 2 * 64 * 2),
+        ("c.weight", [3, 64], "Q8_0", 3 * 2 * 34),
+        ("d.weight", [1, 64], "Q5_0", 2 * 22),
+    ]
+    assert data["totals"]["Q8_0"] == {"tensors": 1, "bytes": 204}
+    assert data["metadata"]["qwen2.block_count"] == "1"
+
+
+def test_safetensors_folder_table_matches_the_file(tmp_path):
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(16, 8, dtype=torch.bfloat16),
+        "model.norm.weight": torch.ones(8, dtype=torch.float32),
+        "lm_head.weight": torch.zeros(16, 8, dtype=torch.float16),
+        "position_ids": torch.arange(5, dtype=torch.int64),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
+    data = _inspect(tmp_path)
+    assert data["format"] == "safetensors"
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        expected = []
+        for name in f.keys():
+            t = f.get_tensor(name)
+            expected.append({"name": name, "shape": list(t.shape), "bytes": t.numel() * t.element_size(),
+                             "type": {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64"}[t.dtype]})
+    assert sorted(data["tensors"], key=lambda t: t["name"]) == sorted(expected, key=lambda t: t["name"])
+    assert data["totals"]["BF16"] == {"tensors": 1, "bytes": 16 * 8 * 2}
+    assert data["total_bytes"] == sum(e["bytes"] for e in expected)
+    assert data["metadata"]["model_type"] == "'qwen2'"
