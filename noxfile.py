@@ -98,6 +98,9 @@ def parity(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Prefill/decode tok/s, load time and peak memory on the real checkpoint, ours beside transformers."""
+    """Ours beside transformers on the real Qwen2.5 checkpoint, safetensors then GGUF; then GGUF dequantization speed."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("lollm", "bench", _real_checkpoint(session), *session.posargs, env=OFFLINE)
+    gguf = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, "--gguf", silent=True, env=OFFLINE)
+    session.run("lollm", "bench", gguf.strip().splitlines()[-1], *session.posargs, env=OFFLINE)
+    session.run("python", "lollm-core/benchmarks/bench_dequant.py", env=OFFLINE)

@@ -112,7 +112,11 @@ def worker(engine: str, spec: str, dtype_name: str, prompt_tokens: int, new_toke
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
+        if checkpoint.fmt == "gguf":  # transformers dequantizes the same GGUF file itself
+            gguf_path = checkpoint.weights.gguf.path
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
         model.eval()
     load_seconds = time.perf_counter() - start
     load_peak = _peak_kib() - baseline
