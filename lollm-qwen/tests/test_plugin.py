@@ -53,7 +53,7 @@ def test_families_register_and_route():
 def test_installed_entry_point():
     eps = [ep for ep in md.entry_points(group="lollm.families") if ep.value == "lollm_qwen.plugin"]
     if not eps:
-        pytest.skip("lollm-qwen is not installed (pip install -e lollm-qwen)")
+        pytest.fail("lollm-qwen is not installed (pip install -e lollm-qwen)")
     registry = build_registry(entry_points=eps)
     assert registry.route("qwen2").distribution == "lollm-qwen"
     assert registry.route("qwen3").distribution == "lollm-qwen"
