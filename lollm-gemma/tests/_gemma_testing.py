@@ -26,6 +26,19 @@ HUB_CONFIGS = Path(os.environ.get("LOLLM_HUB_CONFIGS") or REPO.parent / "shared"
 WINDOW = 6
 
 
+def long_text() -> str:
+    """A plain, varied English text of 700+ Gemma tokens (past the 512-token window of Gemma 3 270M)."""
+    things = ["river", "mountain", "library", "harbour", "forest", "market", "castle", "garden", "bridge", "desert"]
+    people = ["a farmer", "two sailors", "the old teacher", "a young painter", "the mayor", "three children"]
+    lines = []
+    for i in range(34):
+        lines.append(
+            f"On day {i + 1}, {people[i % len(people)]} walked to the {things[i % len(things)]} "
+            f"and wrote down what they saw near the {things[(i * 7 + 3) % len(things)]}."
+        )
+    return " ".join(lines) + " In the end, all of them agreed that"
+
+
 def hub_config(name: str) -> dict[str, Any]:
     """config.json of a real hub checkpoint, e.g. ``hub_config("google__gemma-3-1b-it")``."""
     path = HUB_CONFIGS / name / "config.json"
@@ -114,8 +127,23 @@ def tiny_gemma4_multimodal() -> dict[str, Any]:
     return out
 
 
+def tiny_gemma2_for_gguf() -> dict[str, Any]:
+    """tiny_gemma2 with ``query_pre_attn_scalar`` = head_dim: a GGUF file does not carry that
+    value, and llama.cpp derives it as head_dim (every size but 27B), so a checkpoint meant to
+    round-trip through GGUF must use it (the real Gemma 2 2B/9B do: 256 = head_dim)."""
+    cfg = tiny_gemma2()
+    return {**cfg, "query_pre_attn_scalar": cfg["head_dim"]}
+
+
+def tiny_gemma3_long() -> dict[str, Any]:
+    """tiny gemma3 (270m layout) with a 4,200-position context, for 4,000-token generations."""
+    return {**tiny_gemma3_270m(), "max_position_embeddings": 4200}
+
+
 TINY: dict[str, Callable[[], dict[str, Any]]] = {
     "gemma2": tiny_gemma2,
+    "gemma2-gguf": tiny_gemma2_for_gguf,
+    "gemma3-long": tiny_gemma3_long,
     "gemma3-1b": tiny_gemma3_1b,
     "gemma3-270m": tiny_gemma3_270m,
     "gemma3-4b": tiny_gemma3_4b,
@@ -170,3 +198,77 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor, ids: list[int], *
     worst = int(cosines.argmin())
     diff = float((ours[worst] - ref[worst]).abs().max())
     assert cosines[worst] >= min_cosine, f"cosine {float(cosines[worst]):.6f} at position {worst} (max |d| there {diff:.3g})"
+
+
+# ---------------------------------------------------------------------------
+# GGUF files written the way llama.cpp's converter writes them
+# ---------------------------------------------------------------------------
+def sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style (``tokenizer.ggml.model = "llama"``) vocabulary of ``size`` pieces:
+    <pad> <eos> <bos> <unk>, the 256 byte-fallback pieces <0x00>..<0xFF>, then word pieces."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256  # control, unknown, byte
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = [f"\u2581{c}" for c in letters] + list(letters)
+    words += [f"\u2581{a}{b}" for a in letters for b in letters]
+    for w in words:
+        if len(tokens) >= size:
+            break
+        tokens.append(w)
+        types.append(1)
+    assert len(tokens) == size, f"vocabulary of {size} pieces asked, {len(tokens)} made"
+    scores = [0.0] * 260 + [-float(i) for i in range(size - 260)]
+    return tokens, scores, types
+
+
+def write_gemma2_gguf(folder: Path, out: Path) -> Path:
+    """Convert a tiny gemma2 safetensors checkpoint to GGUF as llama.cpp's ``Gemma2Model`` does:
+    its metadata keys, gguf-py's tensor names (``TensorNameMap``, independent of our map), +1 on
+    every ``*norm.weight``, no lm_head, a SentencePiece vocabulary; every tensor F32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    n_layers = cfg["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), "gemma2")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    tokens, scores, types = sentencepiece_vocab(cfg["vocab_size"])
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, n_layers)
+    for name, value in tensors.items():
+        if name == "lm_head.weight":
+            continue  # the converter skips it (tied)
+        value = value.float()
+        if name.endswith("norm.weight"):
+            value = value + 1  # Gemma2Model.modify_tensors
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, value.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -100,3 +100,35 @@ def test_gemma4_kv_sharing_layers_keep_no_cache(tiny):
         assert (layer is None) == (i >= config.first_kv_shared_layer)
     # layer 5 (sliding) reads layer 3's keys, layer 9 (global) reads layer 4's
     assert [config.kv_source(i) for i in range(10)] == [0, 1, 2, 3, 4, 3, 3, 3, 3, 4]
+
+
+def test_sliding_layer_cache_bytes_bounded_by_window_after_4000_tokens(tiny):
+    """A 4,000-token greedy generation through the shared loop: each sliding-window layer's cache
+    holds exactly WINDOW positions of keys and values (the ring), each global layer the whole text."""
+    from lollm.generate import generate
+    from lollm.sampling import SamplingParams
+    from lollm_gemma.gemma3.kv import FullKV, SlidingWindowKV
+
+    model = load_ours(tiny("gemma3-long", "transformers5"))
+    made = []
+    new_cache = model.new_cache
+
+    def spy(max_tokens):
+        made.append(new_cache(max_tokens))
+        return made[-1]
+
+    model.new_cache = spy
+    prompt = prompt_ids(8)
+    result = generate(model, prompt, max_new_tokens=4000, sampling=SamplingParams(temperature=0.0))
+    assert len(result.new_ids) == 4000
+    (cache,) = made
+    assert cache.length >= 4000
+    cfg = model.config
+    per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, float32
+    sliding = [layer for layer in cache.layers if isinstance(layer, SlidingWindowKV)]
+    full = [layer for layer in cache.layers if isinstance(layer, FullKV)]
+    assert sliding and full
+    for layer in sliding:
+        assert layer.k.numel() * 4 + layer.v.numel() * 4 == WINDOW * per_position
+    for layer in full:
+        assert layer.k.numel() * 4 + layer.v.numel() * 4 == cache.max_tokens * per_position

@@ -16,7 +16,7 @@ import gc
 
 import pytest
 import torch
-from _gemma_testing import assert_close_logits
+from _gemma_testing import assert_close_logits, long_text
 
 SHORT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to 753 BC. Write a short summary:"
 NEW_TOKENS = 64
@@ -24,16 +24,7 @@ WINDOW = 512  # Gemma 3 270M's sliding window
 
 
 def _long_text() -> str:
-    """A plain, varied English text of 700+ tokens (past the 512-token window)."""
-    things = ["river", "mountain", "library", "harbour", "forest", "market", "castle", "garden", "bridge", "desert"]
-    people = ["a farmer", "two sailors", "the old teacher", "a young painter", "the mayor", "three children"]
-    lines = []
-    for i in range(34):
-        lines.append(
-            f"On day {i + 1}, {people[i % len(people)]} walked to the {things[i % len(things)]} "
-            f"and wrote down what they saw near the {things[(i * 7 + 3) % len(things)]}."
-        )
-    return " ".join(lines) + " In the end, all of them agreed that"
+    return long_text()
 
 
 @pytest.fixture(scope="module")

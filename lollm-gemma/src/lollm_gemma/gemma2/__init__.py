@@ -13,8 +13,8 @@ NAME = "gemma2"
 #: config.json ``model_type`` values this family serves.
 MODEL_TYPES = ("gemma2",)
 
-#: GGUF ``general.architecture`` values this family serves (the GGUF name map is
-#: not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+#: GGUF ``general.architecture`` values this family serves (llama.cpp's converter;
+#: name map, metadata keys and the +1 norm quirk in weights.py and config.py).
 GGUF_ARCHITECTURES = ("gemma2",)
 
 #: Gemma 2's generation_config.json names no sampling settings, so the family

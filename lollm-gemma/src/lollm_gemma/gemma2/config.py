@@ -160,6 +160,33 @@ class Gemma2Config:
             eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
         )
 
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], *, vocab_size: int, tie_word_embeddings: bool = True) -> "Gemma2Config":
+        """Parse the metadata of a GGUF file of ``general.architecture`` "gemma2".
+
+        Keys (gguf-py ``Keys``; written by llama.cpp's ``Gemma2Model.set_gguf_parameters``,
+        convert_hf_to_gguf.py / conversion/gemma.py), all required because that converter
+        always writes them: ``gemma2.context_length``, ``.embedding_length``, ``.block_count``,
+        ``.feed_forward_length``, ``.attention.head_count``, ``.attention.head_count_kv``,
+        ``.attention.key_length`` (head_dim), ``.attention.value_length`` (= key_length),
+        ``.attention.layer_norm_rms_epsilon``, ``.attention.sliding_window``,
+        ``.attn_logit_softcapping``, ``.final_logit_softcapping``. Optional: ``.rope.freq_base``,
+        ``.rope.dimension_count`` (must equal head_dim), ``.vocab_size`` (must equal
+        token_embd's rows). Any other ``gemma2.*`` key raises as an "unverified GGUF key".
+
+        Not in the file, derived as llama.cpp does (src/llama-model.cpp, ``load_hparams``,
+        ``case LLM_ARCH_GEMMA2``):
+
+        * RoPE base: this converter writes no ``rope.freq_base``; llama.cpp then uses its
+          default ``rope_freq_base_train`` 10000 (also transformers' Gemma2 ``rope_theta``);
+        * the layer pattern: ``set_swa_pattern(2)``: layer i slides when ``i % 2 == 0``;
+        * ``query_pre_attn_scalar``: head_dim, except the 46-layer 27B model where it is
+          ``hidden / heads`` (``f_attention_scale``; hub configs: 256 for 2B/9B, 144 for 27B).
+
+        vocab_size: rows of ``token_embd.weight``; tie_word_embeddings: no ``output.weight``.
+        """
+        return _from_gguf(cls, metadata, vocab_size, tie_word_embeddings)
+
 
 def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
     """ConfigError for every setting that would change the math and that this family does not implement."""
@@ -245,3 +272,79 @@ def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         raise ConfigError(f"gemma2: config.json 'rope_theta' is {theta!r}, not a number")
     return RopeConfig(rope_type=rope_type, theta=float(theta), factor=None if factor is None else float(factor))
+
+
+# ---------------------------------------------------------------------------
+# GGUF metadata (llama.cpp's keys)
+# ---------------------------------------------------------------------------
+#: Required ``gemma2.*`` keys (the converter always writes them) and optional ones.
+GGUF_REQUIRED = (
+    "context_length", "embedding_length", "block_count", "feed_forward_length",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "attention.layer_norm_rms_epsilon", "attention.sliding_window",
+    "attn_logit_softcapping", "final_logit_softcapping",
+)
+GGUF_OPTIONAL = ("attention.value_length", "rope.freq_base", "rope.dimension_count", "vocab_size")
+#: llama.cpp's values for what the file does not say (llama-model.cpp, LLM_ARCH_GEMMA2).
+GGUF_ROPE_BASE = 10_000.0
+GGUF_SWA_PATTERN = 2
+GGUF_27B_BLOCK_COUNT = 46
+
+
+def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddings: bool) -> "Gemma2Config":
+    arch = metadata.get("general.architecture")
+    if arch != "gemma2":
+        raise ConfigError(f"gemma2: GGUF general.architecture is {arch!r}, expected 'gemma2'")
+    for key in sorted(k for k in metadata if k.startswith("gemma2.")):
+        if key[len("gemma2."):] not in GGUF_REQUIRED + GGUF_OPTIONAL:
+            raise ConfigError(f"gemma2: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+
+    def get(key, kind=int, required=True):
+        full = f"{arch}.{key}"
+        value = metadata.get(full)
+        if value is None:
+            if required:
+                raise ConfigError(f"gemma2: GGUF metadata has no {full!r}, which the model needs")
+            return None
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(f"gemma2: GGUF metadata {full!r} is {value!r}, not of the expected kind")
+        return value
+
+    hidden = get("embedding_length")
+    heads = get("attention.head_count")
+    kv_heads = get("attention.head_count_kv")
+    if heads % kv_heads:
+        raise ConfigError(f"gemma2: GGUF 'gemma2.attention.head_count' ({heads}) is not a multiple of 'gemma2.attention.head_count_kv' ({kv_heads})")
+    head_dim = get("attention.key_length")
+    for key in ("attention.value_length", "rope.dimension_count"):
+        value = get(key, required=False)
+        if value is not None and value != head_dim:
+            raise ConfigError(f"gemma2: GGUF 'gemma2.{key}' ({value}) differs from the head width ({head_dim}); not implemented")
+    file_vocab = get("vocab_size", required=False)
+    if file_vocab is not None and file_vocab != vocab_size:
+        raise ConfigError(f"gemma2: GGUF 'gemma2.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
+    num_layers = get("block_count")
+    window = get("attention.sliding_window")
+    if window < 1:
+        raise ConfigError(f"gemma2: GGUF 'gemma2.attention.sliding_window' is {window}; it must be >= 1")
+    base = get("rope.freq_base", (int, float), required=False)
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
+        query_pre_attn_scalar=float(hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim),
+        sliding_window=window,
+        layer_types=tuple(SLIDING if i % GGUF_SWA_PATTERN < GGUF_SWA_PATTERN - 1 else FULL for i in range(num_layers)),
+        rope=RopeConfig("default", float(GGUF_ROPE_BASE if base is None else base)),
+        attn_logit_softcapping=float(get("attn_logit_softcapping", (int, float))),
+        final_logit_softcapping=float(get("final_logit_softcapping", (int, float))),
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+    )

@@ -7,11 +7,12 @@ is the identity, written out below as the list of every tensor a gemma2
 checkpoint holds. A name that is not on the list is an error naming it
 (hard-fail, never guess).
 
-GGUF files name the same tensors the llama.cpp way (``blk.0.attn_q.weight``,
-``token_embd.weight`` …) and llama.cpp's converter bakes Gemma's ``+1`` into the
-norm weights. That map (a table beside :data:`HF_NAMES` in :data:`NAME_MAPS`)
-and ``Gemma2Config.from_gguf`` come with the GGUF reader; until then ``load``
-refuses ``fmt="gguf"``.
+GGUF files (llama.cpp's converter, ``Gemma2Model``) name the same tensors the
+llama.cpp way (:data:`GGUF_NAMES`, as in gguf-py's ``tensor_mapping.py``), write no
+``output.weight`` (tied), and store every norm weight as ``w + 1`` (``modify_tensors``:
+every HF name ending in ``norm.weight``; HF Gemma 2's RMSNorm computes ``x · (1 + w)``,
+llama.cpp ``x · w``). :func:`undo_gguf_norm_shift` subtracts that 1 again. Q/K rows
+are not permuted (llama.cpp runs Gemma 2 with NEOX RoPE).
 """
 
 from __future__ import annotations
@@ -48,8 +49,35 @@ HF_NAMES = {
     )
 }
 
-#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
-NAME_MAPS = {"safetensors": HF_NAMES}
+#: llama.cpp (GGUF) tensor name -> model name (gguf-py tensor_mapping.py, MODEL_ARCH.GEMMA2).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # the converter skips lm_head: tied to token_embd
+}
+
+#: Name maps per checkpoint format.
+NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
+
+#: What llama.cpp's converter added to every norm weight (``Gemma2Model.modify_tensors``).
+GGUF_NORM_SHIFT = 1.0
+
+
+def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``w + 1`` back to ``w`` for every norm weight (model names ending in ``norm.weight``,
+    the converter's own test on the same HF names); other tensors as they are."""
+    return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor
 
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -80,20 +108,27 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     """Build a gemma2 model from a checkpoint (the ``load`` of the gemma2 Family).
 
     raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
+    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the
+    GGUF metadata); device, dtype: where the
     weights live. Returns the model in eval mode.
 
     Raises ConfigError (config.json) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    if fmt == "gguf":
-        # the seam for the GGUF work: Gemma2Config.from_gguf + a "gguf" entry in NAME_MAPS
-        raise ConfigError("GGUF for gemma2 not supported yet (use a safetensors checkpoint)")
     if fmt not in NAME_MAPS:
         raise ConfigError(f"gemma2: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
 
-    # 1. Parse config.json (either schema) into the numbers that shape the model.
-    config = Gemma2Config.from_hf(raw_config)
+    # 1. Parse config.json (either schema) or the GGUF metadata into the numbers that shape
+    #    the model. GGUF: the vocabulary is token_embd's rows, tied when output.weight is absent.
+    if fmt == "gguf":
+        if "token_embd.weight" not in weights.names():
+            raise WeightsError("gemma2: the GGUF file has no 'token_embd.weight'")
+        config = Gemma2Config.from_gguf(
+            raw_config, vocab_size=weights.shape("token_embd.weight")[0],
+            tie_word_embeddings="output.weight" not in weights.names(),
+        )
+    else:
+        config = Gemma2Config.from_hf(raw_config)
 
     # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
@@ -103,7 +138,10 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     model.materialize(device, dtype)
 
     # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED)
+    load_weights(
+        model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED,
+        transform=undo_gguf_norm_shift if fmt == "gguf" else None,
+    )
 
     # 5. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

@@ -15,8 +15,8 @@ NAME = "gemma3"
 #: 4B, 12B, 27B; only the language model is loaded, the vision tower is skipped).
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
-#: GGUF ``general.architecture`` values this family serves (the GGUF name map is
-#: not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+#: GGUF ``general.architecture`` values this family serves (llama.cpp's converter;
+#: name map, metadata keys and the +1 norm quirk in weights.py and config.py).
 GGUF_ARCHITECTURES = ("gemma3",)
 
 #: Sampling defaults from Gemma 3's generation_config.json (gemma-3-270m-it, gemma-3-4b-it).

@@ -201,6 +201,42 @@ class Gemma3Config:
             multimodal=multimodal,
         )
 
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], *, vocab_size: int, tie_word_embeddings: bool = True) -> "Gemma3Config":
+        """Parse the metadata of a GGUF file of ``general.architecture`` "gemma3".
+
+        Keys read (gguf-py ``Keys``; written by llama.cpp's ``Gemma3Model.set_gguf_parameters``):
+        ``gemma3.context_length`` (max_position_embeddings), ``.embedding_length`` (hidden_size),
+        ``.block_count``, ``.feed_forward_length``, ``.attention.head_count``,
+        ``.attention.head_count_kv``, ``.attention.key_length`` (head_dim),
+        ``.attention.value_length`` (must equal key_length), ``.attention.layer_norm_rms_epsilon``,
+        ``.attention.sliding_window``, ``.rope.freq_base`` (global layers) and the optional
+        ``.rope.scaling.type`` / ``.rope.scaling.factor`` (linear, global layers only: the converter
+        writes them from ``rope_scaling``), ``.rope.freq_base_swa``, ``.rope.dimension_count``,
+        ``.attention.sliding_window_pattern``, ``.vocab_size``. Every one of the required keys
+        missing raises naming it; any other ``gemma3.*`` key raises as an "unverified GGUF key";
+        ``.final_logit_softcapping`` / ``.attn_logit_softcapping`` are refused (no soft-caps here).
+
+        Not in the file at all, derived as llama.cpp does in ``llama_model::load_hparams``
+        (src/llama-model.cpp, ``case LLM_ARCH_GEMMA3``):
+
+        * the layer pattern: ``set_swa_pattern(6)``: layer i slides when ``i % 6 < 5``
+          (the hub's ``sliding_window_pattern`` 6), unless the file has a
+          ``sliding_window_pattern`` key;
+        * the sliding layers' RoPE base: ``rope_freq_base_train_swa = 10000`` (unscaled), unless
+          the file has ``rope.freq_base_swa``;
+        * ``query_pre_attn_scalar``: ``f_attention_scale`` is ``1/sqrt(head_dim)``, except for the
+          62-layer 27B model where it is ``1/sqrt(hidden / heads)`` (as gemma_pytorch's config.py
+          and the hub config.json files: 256 for 270M..12B, 168 for 27B);
+        * the activation (tanh GELU) and the absence of biases, fixed by the architecture.
+
+        vocab_size: the rows of ``token_embd.weight`` (the converter trims the embedding to the
+        tokenizer's real vocabulary, so a config default would be wrong); tie_word_embeddings:
+        True when the file has no ``output.weight``. eos: ``tokenizer.ggml.eos_token_id`` and
+        ``tokenizer.ggml.eot_token_id`` when present.
+        """
+        return _from_gguf(cls, metadata, vocab_size, tie_word_embeddings)
+
 
 def _refuse_unimplemented(raw: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
     """ConfigError for every setting that would change the math and that this family does not implement."""
@@ -313,3 +349,138 @@ def _rope(params: dict[str, Any], where: str) -> RopeConfig:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         raise ConfigError(f"gemma3: {where} 'rope_theta' is {theta!r}, not a number")
     return RopeConfig(rope_type=rope_type, theta=float(theta), factor=None if factor is None else float(factor))
+
+
+# ---------------------------------------------------------------------------
+# GGUF metadata (llama.cpp's keys)
+# ---------------------------------------------------------------------------
+#: The ``gemma3.*`` metadata keys this family reads, as llama.cpp's converter writes them
+#: (``Gemma3Model.set_gguf_parameters`` in convert_hf_to_gguf.py / conversion/gemma.py, key
+#: names from gguf-py's ``gguf/constants.py`` ``Keys``). Any other ``gemma3.*`` key is an
+#: "unverified GGUF key" and raises: it may change the math in a way we do not know.
+GGUF_KEYS = (
+    "context_length",                    # max_position_embeddings
+    "embedding_length",                  # hidden_size
+    "block_count",                       # num_hidden_layers
+    "feed_forward_length",               # intermediate_size
+    "attention.head_count",              # num_attention_heads
+    "attention.head_count_kv",           # num_key_value_heads
+    "attention.key_length",              # head_dim
+    "attention.value_length",            # head_dim again (must equal key_length)
+    "attention.layer_norm_rms_epsilon",  # rms_norm_eps (a float32: 1e-6 reads 9.99999997e-07)
+    "attention.sliding_window",          # sliding_window
+    "attention.sliding_window_pattern",  # optional: N (every N-th layer global) or one bool per layer
+    "rope.freq_base",                    # RoPE base of the global layers
+    "rope.freq_base_swa",                # optional: RoPE base of the sliding-window layers
+    "rope.dimension_count",              # optional: must equal head_dim (RoPE over the whole head)
+    "rope.scaling.type",                 # optional: "none" or "linear" (global layers only)
+    "rope.scaling.factor",               # with "linear"
+    "vocab_size",                        # optional: must equal token_embd.weight's rows
+)
+#: Written by the converter only when the HF config sets them; Gemma 3 has no soft-caps,
+#: so a file carrying one is refused by name (as ``from_hf`` refuses the config keys).
+GGUF_REFUSED = ("final_logit_softcapping", "attn_logit_softcapping")
+
+#: Values llama.cpp does not read from the file for architecture gemma3 but sets in
+#: ``llama_model::load_hparams`` (src/llama-model.cpp, ``case LLM_ARCH_GEMMA3``):
+#: ``hparams.set_swa_pattern(6)`` and ``rope_freq_base_train_swa = 10000.0f``.
+GGUF_SWA_PATTERN = 6
+GGUF_ROPE_BASE_SWA = 10_000.0
+#: Gemma 3 27B (62 layers) scales attention by (hidden / heads) ** -0.5, every other size
+#: by head_dim ** -0.5 (llama-model.cpp, ``f_attention_scale``, after gemma_pytorch's config.py).
+GGUF_27B_BLOCK_COUNT = 62
+
+
+def gguf_key(metadata: dict[str, Any], arch: str, key: str, kind, *, required: bool = True) -> Any:
+    """``metadata[f"{arch}.{key}"]``, checked; ConfigError naming the key when required and missing."""
+    full = f"{arch}.{key}"
+    value = metadata.get(full)
+    if value is None:
+        if required:
+            raise ConfigError(f"gemma3: GGUF metadata has no {full!r}, which the model needs")
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"gemma3: GGUF metadata {full!r} is {value!r}, not of the expected kind")
+    return value
+
+
+def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddings: bool) -> "Gemma3Config":
+    arch = metadata.get("general.architecture")
+    if arch != "gemma3":
+        raise ConfigError(f"gemma3: GGUF general.architecture is {arch!r}, expected 'gemma3'")
+    prefix = f"{arch}."
+    for key in sorted(k for k in metadata if k.startswith(prefix)):
+        short = key[len(prefix):]
+        if short in GGUF_REFUSED:
+            raise ConfigError(f"gemma3: GGUF metadata sets {key!r} = {metadata[key]!r}; Gemma 3 has no soft-caps and this family does not implement them")
+        if short not in GGUF_KEYS:
+            raise ConfigError(f"gemma3: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+
+    def get(key, kind=int, required=True):
+        return gguf_key(metadata, arch, key, kind, required=required)
+
+    hidden = get("embedding_length")
+    heads = get("attention.head_count")
+    kv_heads = get("attention.head_count_kv")
+    if heads % kv_heads:
+        raise ConfigError(f"gemma3: GGUF '{arch}.attention.head_count' ({heads}) is not a multiple of '{arch}.attention.head_count_kv' ({kv_heads})")
+    head_dim = get("attention.key_length")
+    value_dim = get("attention.value_length", required=False)
+    if value_dim is not None and value_dim != head_dim:
+        raise ConfigError(f"gemma3: GGUF '{arch}.attention.value_length' ({value_dim}) differs from '{arch}.attention.key_length' ({head_dim}); not implemented")
+    rope_dims = get("rope.dimension_count", required=False)
+    if rope_dims is not None and rope_dims != head_dim:
+        raise ConfigError(f"gemma3: GGUF '{arch}.rope.dimension_count' ({rope_dims}) is not the head width ({head_dim}); partial RoPE is not implemented")
+    num_layers = get("block_count")
+    window = get("attention.sliding_window")
+    if window < 1:
+        raise ConfigError(f"gemma3: GGUF '{arch}.attention.sliding_window' is {window}; it must be >= 1")
+    file_vocab = get("vocab_size", required=False)
+    if file_vocab is not None and file_vocab != vocab_size:
+        raise ConfigError(f"gemma3: GGUF '{arch}.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
+
+    # which layers slide: llama.cpp's set_swa_pattern(n) makes layer i sliding when i % n < n - 1
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", GGUF_SWA_PATTERN)
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        layer_types = tuple(SLIDING if i % pattern < pattern - 1 else FULL for i in range(num_layers))
+    elif isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern):
+        layer_types = tuple(SLIDING if b else FULL for b in pattern)  # one bool per layer: true = sliding
+    else:
+        raise ConfigError(f"gemma3: GGUF '{arch}.attention.sliding_window_pattern' is {pattern!r}: neither a positive integer nor {num_layers} booleans")
+
+    # RoPE: the global layers read rope.freq_base and any linear scaling; the sliding ones use 10000
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = get("rope.scaling.factor", (int, float), required=False)
+    if scaling == "linear":
+        if factor is None:
+            raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.type' is 'linear' but '{arch}.rope.scaling.factor' is missing")
+        rope_global = RopeConfig("linear", float(get("rope.freq_base", (int, float))), float(factor))
+    elif scaling == "none":
+        if factor is not None and factor != 1.0:
+            raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.factor' is {factor} but '{arch}.rope.scaling.type' is not 'linear'")
+        rope_global = RopeConfig("default", float(get("rope.freq_base", (int, float))))
+    else:
+        raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.type' is {scaling!r}; implemented: 'none', 'linear'")
+    base_swa = get("rope.freq_base_swa", (int, float), required=False)
+    rope_local = RopeConfig("default", float(GGUF_ROPE_BASE_SWA if base_swa is None else base_swa))
+
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    return cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
+        query_pre_attn_scalar=float(hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim),
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local=rope_local,
+        rope_global=rope_global,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        multimodal=False,
+    )

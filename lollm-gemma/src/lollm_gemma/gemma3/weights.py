@@ -18,11 +18,19 @@ beside a SigLIP vision tower and its projector, under one of two spellings:
 We load the decoder only: both decoder prefixes are mapped back to ``model.*``
 and the vision prefixes are skipped by name; anything else unknown still raises.
 
-GGUF files name the same tensors the llama.cpp way (``blk.0.attn_q.weight``,
-``token_embd.weight`` …) and llama.cpp's converter bakes Gemma's ``+1`` into the
-norm weights. That map (a table beside :data:`HF_NAMES` in :data:`NAME_MAPS`)
-and ``Gemma3Config.from_gguf`` come with the GGUF reader; until then ``load``
-refuses ``fmt="gguf"``.
+GGUF files (llama.cpp's converter) name the same tensors the llama.cpp way
+(:data:`GGUF_NAMES`: ``blk.0.attn_q.weight``, ``token_embd.weight`` …, as in gguf-py's
+``tensor_mapping.py``) and change two things we undo here:
+
+* **norm weights carry Gemma's +1.** HF Gemma's RMSNorm computes ``x · (1 + w)``; the
+  converter stores ``w + 1`` for every tensor whose HF name ends in ``norm.weight``
+  (``Gemma3Model.norm_shift``: input/post-attention/pre-/post-feedforward norms, the
+  final norm, and the ``q_norm``/``k_norm`` of QK-norm) so that llama.cpp can compute
+  ``x · w``. We subtract 1 from exactly those tensors (:func:`undo_gguf_norm_shift`).
+* **the embedding is trimmed** to the tokenizer's real vocabulary, and there is no
+  ``output.weight`` (tied): the vocabulary size is read from ``token_embd.weight``'s rows.
+
+Attention Q/K rows are *not* permuted for Gemma (llama.cpp runs it with NEOX RoPE).
 """
 
 from __future__ import annotations
@@ -70,8 +78,40 @@ MULTIMODAL_PREFIXES = {
 #: ... and these prefixes hold the vision tower, which this text family does not load.
 MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
-#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
-NAME_MAPS = {"safetensors": HF_NAMES}
+#: llama.cpp (GGUF) tensor name -> model name (gguf-py tensor_mapping.py, MODEL_ARCH.GEMMA3).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent in Gemma 3 files: tied to token_embd
+}
+
+#: Name maps per checkpoint format.
+NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
+
+#: What llama.cpp's converter added to every norm weight (``Gemma3Model.norm_shift``).
+GGUF_NORM_SHIFT = 1.0
+
+
+def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The GGUF quirk undone: ``w + 1`` back to ``w`` for every norm weight, other tensors as they are.
+
+    The converter's test is "HF name ends in ``norm.weight``"; our model names are the
+    HF names, so the same test picks the same tensors (q_norm and k_norm included).
+    """
+    return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor
 
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -112,20 +152,27 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     """Build a gemma3 model from a checkpoint (the ``load`` of the gemma3 Family).
 
     raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
+    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the
+    GGUF metadata); device, dtype: where the
     weights live. Returns the model in eval mode.
 
     Raises ConfigError (config.json) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    if fmt == "gguf":
-        # the seam for the GGUF work: Gemma3Config.from_gguf + a "gguf" entry in NAME_MAPS
-        raise ConfigError("GGUF for gemma3 not supported yet (use a safetensors checkpoint)")
     if fmt not in NAME_MAPS:
         raise ConfigError(f"gemma3: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
 
-    # 1. Parse config.json (either layout, either schema) into the numbers that shape the model.
-    config = Gemma3Config.from_hf(raw_config)
+    # 1. Parse config.json (either layout, either schema) or the GGUF metadata into the numbers
+    #    that shape the model. GGUF: the vocabulary is token_embd's rows, tied when output.weight is absent.
+    if fmt == "gguf":
+        if "token_embd.weight" not in weights.names():
+            raise WeightsError("gemma3: the GGUF file has no 'token_embd.weight'")
+        config = Gemma3Config.from_gguf(
+            raw_config, vocab_size=weights.shape("token_embd.weight")[0],
+            tie_word_embeddings="output.weight" not in weights.names(),
+        )
+    else:
+        config = Gemma3Config.from_hf(raw_config)
 
     # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
@@ -138,6 +185,7 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     load_weights(
         model, weights, name_map_for(fmt, config.multimodal),
         device=device, dtype=dtype, progress=progress, tied=TIED,
+        transform=undo_gguf_norm_shift if fmt == "gguf" else None,
     )
 
     # 5. Inference only: eval mode (no dropout anywhere; set for good measure).

@@ -136,7 +136,7 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     """
     if fmt == "gguf":
         # the seam for the GGUF work: Gemma4Config.from_gguf + a "gguf" entry in NAME_MAPS
-        raise ConfigError("GGUF for gemma4 not supported yet (use a safetensors checkpoint)")
+        raise ConfigError("gemma4: GGUF (general.architecture 'gemma4') is not supported yet: use a safetensors checkpoint")
     if fmt not in NAME_MAPS:
         raise ConfigError(f"gemma4: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
 
