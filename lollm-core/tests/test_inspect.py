@@ -80,3 +80,20 @@ def test_safetensors_folder_table_matches_the_file(tmp_path):
     assert data["totals"]["BF16"] == {"tensors": 1, "bytes": 16 * 8 * 2}
     assert data["total_bytes"] == sum(e["bytes"] for e in expected)
     assert data["metadata"]["model_type"] == "'qwen2'"
+
+
+@pytest.mark.real
+def test_tokenize_reads_a_gguf_files_tokenizer(qwen25_dir):
+    """`lollm tokenize FILE.gguf` builds the tokenizer from the GGUF metadata; ids equal the folder's."""
+    from lollm.testing.real_models import fetch_gguf
+
+    qwen25_gguf = fetch_gguf("qwen2.5-coder-0.5b-instruct")
+    text = "def f(x):\n    return x * 2  # 双倍 🤖"
+    runs = [
+        subprocess.run([sys.executable, "-m", "lollm.cli", "tokenize", str(where), text, "--json"], capture_output=True, text=True)
+        for where in (qwen25_gguf, qwen25_dir)
+    ]
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    from_gguf, from_folder = (json.loads(done.stdout) for done in runs)
+    assert from_gguf["ids"] == from_folder["ids"] and len(from_gguf["ids"]) > 5

@@ -163,7 +163,7 @@ def families(
 
 @app.command()
 def tokenize(
-    model: str = typer.Argument(..., help="Checkpoint folder or repo id (only its tokenizer files are read)."),
+    model: str = typer.Argument(..., help="Checkpoint folder, .gguf file or repo id (only the tokenizer is read)."),
     text: str = typer.Argument(..., help="The text to tokenize."),
     chat: bool = typer.Option(False, "--chat", help="Wrap TEXT as a user message with the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for --chat."),
@@ -173,12 +173,15 @@ def tokenize(
     from pathlib import Path
 
     from lollm.loader import download_repo, _looks_like_repo_id
-    from lollm.tokenizer import load_tokenizer
+    from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
     folder = Path(model)
-    if not folder.exists() and _looks_like_repo_id(model):
-        folder = download_repo(model)
-    tokenizer = load_tokenizer(folder)
+    if folder.is_file() and folder.suffix == ".gguf":
+        tokenizer = load_gguf_tokenizer(folder)  # built from the file's tokenizer.* metadata
+    else:
+        if not folder.exists() and _looks_like_repo_id(model):
+            folder = download_repo(model)
+        tokenizer = load_tokenizer(folder)
     if chat:
         rendered = tokenizer.apply_chat_template(_messages(text, system), add_generation_prompt=True)
         ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True)
