@@ -28,9 +28,23 @@ def tiny_qwen2_gguf(path: Path, name: str = "tiny") -> Path:
     return write_gguf(path, "qwen2", meta, {"token_embd.weight": (np.ones((8, 32), np.float32), "Q8_0")})
 
 
-def test_local_gguf_opens_and_routes_to_qwen2(tmp_path):
+class _GGUFOnlyPlugin:
+    """A stand-in plugin that serves the GGUF architecture 'qwen2' (core's tests run without lollm-qwen)."""
+
+    @staticmethod
+    def lollm_register_families(register):
+        from lollm.family import CONTRACT_VERSION, Family
+
+        register(Family(name="stand_in", contract=CONTRACT_VERSION, model_types=("stand_in",),
+                        gguf_architectures=("qwen2",), load="stand_in:load"))
+
+
+def test_local_gguf_opens_and_routes_by_architecture(tmp_path, monkeypatch):
+    from lollm import plugins
     from lollm.loader import load_checkpoint
     from lollm.pipeline import route
+
+    monkeypatch.setattr(plugins, "_REGISTRY", plugins.build_registry(entry_points=[], extra_plugins=[("stand_in", _GGUFOnlyPlugin)]))
 
     path = tiny_qwen2_gguf(tmp_path / "tiny.gguf")
     ckpt = load_checkpoint(str(path))
@@ -39,7 +53,7 @@ def test_local_gguf_opens_and_routes_to_qwen2(tmp_path):
     assert ckpt.weights.names() == ["token_embd.weight"]
     assert ckpt.weights.dtype("token_embd.weight") == "Q8_0"
     assert ckpt.weights.read("token_embd.weight").shape == (8, 32)
-    assert route(ckpt).family.name == "qwen2"
+    assert route(ckpt).family.name == "stand_in"  # routed by general.architecture, not by a model_type
 
 
 def test_gguf_without_architecture_is_refused(tmp_path):
