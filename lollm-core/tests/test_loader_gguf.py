@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from lollm.errors import CheckpointError
+from lollm.hookspecs import hookimpl
 
 
 def tiny_qwen2_gguf(path: Path, name: str = "tiny") -> Path:
@@ -32,6 +33,7 @@ class _GGUFOnlyPlugin:
     """A stand-in plugin that serves the GGUF architecture 'qwen2' (core's tests run without lollm-qwen)."""
 
     @staticmethod
+    @hookimpl
     def lollm_register_families(register):
         from lollm.family import CONTRACT_VERSION, Family
 
