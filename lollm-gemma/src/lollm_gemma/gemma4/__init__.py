@@ -15,8 +15,7 @@ NAME = "gemma4"
 #: language model is loaded; the vision and audio towers are skipped).
 MODEL_TYPES = ("gemma4_text", "gemma4")
 
-#: GGUF ``general.architecture`` values this family serves (the GGUF name map is
-#: not written yet: loading a GGUF file raises a ConfigError, see weights.py).
+#: GGUF ``general.architecture`` values this family serves (llama.cpp's converter; see weights.py).
 GGUF_ARCHITECTURES = ("gemma4",)
 
 #: Sampling defaults from gemma-4-E2B-it's generation_config.json.

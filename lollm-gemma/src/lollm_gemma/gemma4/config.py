@@ -54,7 +54,7 @@ No torch here: a config is plain numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from lollm.errors import ConfigError
 
@@ -280,6 +280,58 @@ class Gemma4Config:
             multimodal=multimodal,
         )
 
+    @classmethod
+    def from_gguf(
+        cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], *, rope_freqs: Sequence[float] | None,
+    ) -> "Gemma4Config":
+        """Parse the metadata of a GGUF file of ``general.architecture`` "gemma4".
+
+        metadata: the file's key/value pairs; tensor_shapes: each tensor's name -> shape (the
+        llama.cpp names); rope_freqs: the values of the file's ``rope_freqs.weight`` tensor
+        (None when the file has none, which is refused).
+
+        Keys read, with what llama.cpp's converter writes into them (``Gemma4Model``, which
+        extends ``Gemma3Model`` and ``TextModel`` in conversion/gemma.py and conversion/base.py;
+        names as gguf-py's ``Keys``):
+
+        * ``gemma4.context_length`` (max_position_embeddings), ``.embedding_length``
+          (hidden_size), ``.block_count``, ``.attention.head_count``,
+          ``.attention.layer_norm_rms_epsilon``, ``.attention.sliding_window``;
+        * ``.feed_forward_length``: intermediate_size, or with ``use_double_wide_mlp`` one value
+          per layer (2x on the KV-sharing layers);
+        * ``.attention.head_count_kv``: num_key_value_heads, or with ``num_global_key_value_heads``
+          one value per layer (that count on the global layers);
+        * ``.attention.key_length`` / ``.value_length``: ``global_head_dim`` (global layers);
+          ``.attention.key_length_swa`` / ``.value_length_swa``: ``head_dim`` (sliding layers);
+        * ``.attention.sliding_window_pattern``: one bool per layer, true = sliding;
+        * ``.attention.shared_kv_layers`` (num_kv_shared_layers);
+        * ``.embedding_length_per_layer_input`` (hidden_size_per_layer_input, 0 = no PLE);
+        * ``.rope.freq_base`` (the global layers' theta), ``.rope.freq_base_swa`` (the sliding
+          layers'), ``.rope.dimension_count`` (= global head dim: the whole head goes through
+          llama.cpp's RoPE, see below), ``.rope.dimension_count_swa`` (= the sliding head dim);
+        * ``.final_logit_softcapping`` (absent: no soft-cap); ``.vocab_size`` if present must
+          equal token_embd's rows.
+
+        Every required key missing raises naming it; any other ``gemma4.*`` key raises as an
+        "unverified GGUF key"; the MoE keys (``.expert_*``, 26B-A4B) are refused by name.
+
+        From the tensors, not the keys:
+
+        * vocab_size: rows of ``token_embd.weight``; vocab_size_per_layer_input: rows of
+          ``per_layer_token_embd.weight`` (when PLE is on); tie_word_embeddings: no ``output.weight``;
+        * attention_k_eq_v: the global layers that compute their own keys/values have no
+          ``attn_v`` (the converter has no key for it; the checkpoint simply has no v_proj);
+        * the global layers' "proportional" RoPE: the converter writes it as the extra tensor
+          ``rope_freqs`` (``Gemma4Model.generate_extra_tensors``): one factor per channel pair of
+          a global head, 1.0 for the pairs that rotate and 1e30 for the others (llama.cpp divides
+          each pair's speed by its factor, so 1e30 means "does not rotate"). The number of 1.0s
+          gives ``partial_rotary_factor``; anything but 1.0s followed by 1e30s is refused.
+
+        eos: ``tokenizer.ggml.eos_token_id`` and ``tokenizer.ggml.eot_token_id`` when present.
+        The norms need no change: Gemma 4's converter adds nothing to them (``norm_shift`` is 0).
+        """
+        return _from_gguf(cls, metadata, tensor_shapes, rope_freqs)
+
 
 def _refuse_unimplemented(raw: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
     """ConfigError for every setting that would change the math and that this family does not implement."""
@@ -433,3 +485,222 @@ def _rope(params: dict[str, Any], where: str) -> RopeConfig:
     if not 0.0 <= float(fraction) <= 1.0:
         raise ConfigError(f"gemma4: {where} 'partial_rotary_factor' is {fraction!r}; expected 0 .. 1")
     return RopeConfig(rope_type=rope_type, theta=float(theta), factor=float(factor), rotary_fraction=float(fraction))
+
+
+# ---------------------------------------------------------------------------
+# GGUF (llama.cpp's converter, conversion/gemma.py ``Gemma4Model``)
+# ---------------------------------------------------------------------------
+GGUF_ARCH = "gemma4"
+
+#: The gemma4.* keys the converter writes for a dense Gemma 4 text decoder (see ``from_gguf``).
+GGUF_KEYS = (
+    "context_length",                    # max_position_embeddings
+    "embedding_length",                  # hidden_size
+    "block_count",                       # num_hidden_layers
+    "feed_forward_length",               # intermediate_size: a number, or one per layer
+    "attention.head_count",              # num_attention_heads
+    "attention.head_count_kv",           # KV heads: a number, or one per layer
+    "attention.layer_norm_rms_epsilon",  # rms_norm_eps
+    "attention.key_length",              # global_head_dim
+    "attention.value_length",            # global_head_dim
+    "attention.key_length_swa",          # head_dim (sliding layers)
+    "attention.value_length_swa",        # head_dim (sliding layers)
+    "attention.sliding_window",          # sliding_window
+    "attention.sliding_window_pattern",  # one bool per layer: true = sliding
+    "attention.shared_kv_layers",        # num_kv_shared_layers
+    "embedding_length_per_layer_input",  # hidden_size_per_layer_input
+    "rope.freq_base",                    # theta of the global layers
+    "rope.freq_base_swa",                # theta of the sliding layers
+    "rope.dimension_count",              # = global head dim
+    "rope.dimension_count_swa",          # = sliding head dim
+    "final_logit_softcapping",           # the logit soft-cap, when the model has one
+    "vocab_size",                        # (optional) = token_embd rows
+)
+#: Keys the converter writes for the mixture-of-experts models (26B-A4B), not implemented here.
+GGUF_MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_gating_func")
+#: ``rope_freqs`` value of a channel pair that does not rotate (``Gemma4Model.generate_extra_tensors``).
+GGUF_UNROTATED_FREQ_FACTOR = 1e30
+
+
+def _gguf_get(metadata: dict[str, Any], key: str, kind, *, required: bool = True) -> Any:
+    """``metadata["gemma4." + key]``, checked; ConfigError naming the key when required and missing."""
+    full = f"{GGUF_ARCH}.{key}"
+    value = metadata.get(full)
+    if value is None:
+        if required:
+            raise ConfigError(f"gemma4: GGUF metadata has no {full!r}, which the model needs")
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"gemma4: GGUF metadata {full!r} is {value!r}, not of the expected kind")
+    return value
+
+
+def _gguf_per_layer(metadata: dict[str, Any], key: str, num_layers: int) -> list[int]:
+    """A key written either as one number or as one number per layer, as a per-layer list."""
+    full = f"{GGUF_ARCH}.{key}"
+    value = metadata.get(full)
+    if value is None:
+        raise ConfigError(f"gemma4: GGUF metadata has no {full!r}, which the model needs")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * num_layers
+    if isinstance(value, (list, tuple)) and len(value) == num_layers and \
+            all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise ConfigError(f"gemma4: GGUF metadata {full!r} is {value!r}: neither a number nor {num_layers} numbers (one per layer)")
+
+
+def _one_per_type(values: list[int], layer_types: tuple[str, ...], layers: range, key: str) -> dict[str, int]:
+    """The single value each layer type has in ``values`` (over ``layers``); ConfigError if a type has two."""
+    out: dict[str, set[int]] = {SLIDING: set(), FULL: set()}
+    for i in layers:
+        out[layer_types[i]].add(values[i])
+    for layer_type, found in out.items():
+        if len(found) > 1:
+            raise ConfigError(f"gemma4: GGUF '{GGUF_ARCH}.{key}' gives the {layer_type} layers different values {sorted(found)}; not implemented")
+    return {t: next(iter(v)) for t, v in out.items() if v}
+
+
+def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+               rope_freqs: Sequence[float] | None) -> Gemma4Config:
+    arch = metadata.get("general.architecture")
+    if arch != GGUF_ARCH:
+        raise ConfigError(f"gemma4: GGUF general.architecture is {arch!r}, expected {GGUF_ARCH!r}")
+    prefix = f"{arch}."
+    for key in sorted(k for k in metadata if k.startswith(prefix)):
+        short = key[len(prefix):]
+        if short in GGUF_MOE_KEYS:
+            raise ConfigError(f"gemma4: GGUF metadata sets {key!r} = {metadata[key]!r}; the mixture-of-experts block (26B-A4B) is not implemented")
+        if short not in GGUF_KEYS:
+            raise ConfigError(f"gemma4: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+
+    def get(key, kind=int, required=True):
+        return _gguf_get(metadata, key, kind, required=required)
+
+    where = "GGUF metadata"
+    num_layers = get("block_count")
+    heads = get("attention.head_count")
+
+    # which layers slide: the converter always writes one bool per layer
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        raise ConfigError(f"gemma4: GGUF metadata has no '{arch}.attention.sliding_window_pattern', which the model needs")
+    if not (isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern)):
+        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window_pattern' is {pattern!r}, not {num_layers} booleans (one per layer)")
+    layer_types = tuple(SLIDING if b else FULL for b in pattern)
+    if layer_types[-1] != FULL:
+        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window_pattern' makes the last layer sliding; Gemma 4's last layer must be global")
+    shared = get("attention.shared_kv_layers")
+    _check_kv_sharing(layer_types, shared, f"{where} ('{arch}.attention.shared_kv_layers')")
+    first_shared = num_layers - shared
+
+    # head widths: key_length (global) and key_length_swa (sliding); values equally wide
+    global_dim, swa_dim = get("attention.key_length"), get("attention.key_length_swa")
+    for key, expected in (("attention.value_length", global_dim), ("attention.value_length_swa", swa_dim)):
+        value = get(key, required=False)
+        if value is not None and value != expected:
+            raise ConfigError(f"gemma4: GGUF '{arch}.{key}' ({value}) differs from the key width ({expected}); not implemented")
+    kv = _one_per_type(_gguf_per_layer(metadata, "attention.head_count_kv", num_layers), layer_types, range(num_layers), "attention.head_count_kv")
+    for layer_type, kv_heads in kv.items():
+        if heads % kv_heads:
+            raise ConfigError(f"gemma4: GGUF '{arch}.attention.head_count' ({heads}) is not a multiple of the {kv_heads} KV heads of the {layer_type} layers")
+
+    # MLP width: one number, or per layer with the KV-sharing layers doubled (use_double_wide_mlp)
+    widths = _gguf_per_layer(metadata, "feed_forward_length", num_layers)
+    base = widths[0]
+    if widths == [base] * num_layers:
+        double_wide = False
+    elif shared and widths == [base] * first_shared + [2 * base] * shared:
+        double_wide = True
+    else:
+        raise ConfigError(f"gemma4: GGUF '{arch}.feed_forward_length' is {widths}; only one width, or one doubled on the KV-sharing layers, is implemented")
+
+    # RoPE: dimension counts must be the whole heads (the global layers' partial RoPE is rope_freqs)
+    for key, expected in (("rope.dimension_count", global_dim), ("rope.dimension_count_swa", swa_dim)):
+        value = get(key, required=False)
+        if value is not None and value != expected:
+            raise ConfigError(f"gemma4: GGUF '{arch}.{key}' ({value}) is not the head width ({expected}); partial RoPE there is not implemented")
+    rope_local = RopeConfig("default", float(get("rope.freq_base_swa", (int, float))))
+    rope_global = RopeConfig("proportional", float(get("rope.freq_base", (int, float))),
+                             rotary_fraction=_rotary_fraction(rope_freqs, global_dim))
+
+    # per-layer embeddings
+    ple = get("embedding_length_per_layer_input")
+    ple_vocab = 0
+    if ple:
+        if "per_layer_token_embd.weight" not in tensor_shapes:
+            raise ConfigError(f"gemma4: GGUF '{arch}.embedding_length_per_layer_input' is {ple} but the file has no 'per_layer_token_embd.weight'")
+        ple_vocab = tensor_shapes["per_layer_token_embd.weight"][0]
+
+    # values are keys on the global layers when those layers have no attn_v (the larger Gemma 4s)
+    has_v = {i for i in range(first_shared) if layer_types[i] == FULL and f"blk.{i}.attn_v.weight" in tensor_shapes}
+    own_full = [i for i in range(first_shared) if layer_types[i] == FULL]
+    if has_v and len(has_v) != len(own_full):
+        missing = sorted(set(own_full) - has_v)
+        raise ConfigError(f"gemma4: GGUF file has 'attn_v' on some global layers but not on layer {missing[0]}; not implemented")
+    k_eq_v = bool(own_full) and not has_v
+
+    if "token_embd.weight" not in tensor_shapes:
+        raise ConfigError("gemma4: the GGUF file has no 'token_embd.weight'")
+    vocab = tensor_shapes["token_embd.weight"][0]
+    file_vocab = get("vocab_size", required=False)
+    if file_vocab is not None and file_vocab != vocab:
+        raise ConfigError(f"gemma4: GGUF '{arch}.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab} rows")
+    window = get("attention.sliding_window")
+    if window < 1:
+        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window' is {window}; it must be >= 1")
+    cap = get("final_logit_softcapping", (int, float), required=False)
+    if cap is not None and cap <= 0:
+        raise ConfigError(f"gemma4: GGUF '{arch}.final_logit_softcapping' is {cap}; expected a positive number")
+
+    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    return cls(
+        vocab_size=vocab,
+        hidden_size=get("embedding_length"),
+        intermediate_size=base,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv.get(SLIDING, kv[FULL]),
+        head_dim=swa_dim,
+        global_head_dim=global_dim,
+        global_num_key_value_heads=kv[FULL],
+        attention_k_eq_v=k_eq_v,
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local=rope_local,
+        rope_global=rope_global,
+        final_logit_softcapping=None if cap is None else float(cap),
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=ple_vocab,
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=double_wide,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        multimodal=False,
+    )
+
+
+def _rotary_fraction(rope_freqs: Sequence[float] | None, head_dim: int) -> float:
+    """``partial_rotary_factor`` of the global layers from the ``rope_freqs`` tensor's values.
+
+    The converter writes ``[1.0] * n + [1e30] * (head_dim / 2 - n)``: n channel pairs rotate.
+    """
+    if rope_freqs is None:
+        raise ConfigError(
+            "gemma4: the GGUF file has no 'rope_freqs.weight'; llama.cpp's converter writes it to mark "
+            "which channel pairs of the global layers rotate (proportional RoPE), and without it we will not guess"
+        )
+    values = [float(v) for v in rope_freqs]
+    pairs = head_dim // 2
+    rotating = sum(1 for v in values if v == 1.0)
+    expected = [1.0] * rotating + [GGUF_UNROTATED_FREQ_FACTOR] * (pairs - rotating)
+    if len(values) != pairs or any(v != e and not (e == GGUF_UNROTATED_FREQ_FACTOR and v >= e * 0.999) for v, e in zip(values, expected)):
+        raise ConfigError(
+            f"gemma4: GGUF 'rope_freqs.weight' is not {pairs} factors of 1.0 (pairs that rotate) followed by 1e30 "
+            f"(pairs that do not); other frequency factors are not implemented"
+        )
+    fraction = 2 * rotating / head_dim
+    if int(fraction * head_dim // 2) != rotating:  # blocks.rope_inverse_frequencies must rotate the same pairs
+        raise ConfigError(f"gemma4: GGUF 'rope_freqs.weight' rotates {rotating} of {pairs} pairs, which proportional RoPE cannot express")
+    return fraction

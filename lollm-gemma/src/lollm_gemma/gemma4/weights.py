@@ -21,9 +21,23 @@ Three kinds of names need a word:
   decoder only: its prefix is mapped back to ``model.*`` and the four tower
   prefixes are skipped by name; anything else unknown still raises.
 
-GGUF: the llama.cpp names and ``Gemma4Config.from_gguf`` come with the GGUF
-reader (a table beside :data:`HF_NAMES` in :data:`NAME_MAPS`); until then
-``load`` refuses ``fmt="gguf"``.
+GGUF files (llama.cpp's converter, ``Gemma4Model`` in conversion/gemma.py) name the
+same tensors the llama.cpp way (:data:`GGUF_NAMES`, as gguf-py's ``tensor_mapping.py``
+gives them for ``MODEL_ARCH.GEMMA4``: ``blk.0.attn_q.weight``, ``per_layer_token_embd.weight``,
+``blk.0.layer_output_scale.weight`` …). What differs from Gemma 2 and 3:
+
+* **no +1 on the norms.** ``Gemma4Model.norm_shift`` returns 0: Gemma 4's RMSNorm
+  computes ``x · w`` already, so the weights are loaded as they are.
+* **one extra tensor, ``rope_freqs.weight``**, that no HF checkpoint has: the global
+  layers' proportional RoPE written as per-pair frequency factors (1.0 rotates, 1e30
+  does not). ``Gemma4Config.from_gguf`` reads it into ``partial_rotary_factor``; the
+  RoPE tables are then computed like for safetensors, so the tensor itself is skipped.
+* ``layer_scalar`` is named ``blk.N.layer_output_scale.weight`` (the converter appends
+  ``.weight`` before mapping), shape (1,) as in the checkpoint.
+* the embedding is trimmed to the tokenizer's vocabulary, and there is no ``output.weight``
+  (tied): the vocabulary size is read from ``token_embd.weight``'s rows.
+
+Attention Q/K rows are *not* permuted (llama.cpp runs Gemma with NEOX RoPE).
 """
 
 from __future__ import annotations
@@ -82,8 +96,44 @@ MULTIMODAL_PREFIXES = {"model.language_model.": "model."}
 #: ... and these prefixes hold the towers, which this text family does not load.
 MULTIMODAL_SKIPPED = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
-#: Name maps per checkpoint format (a "gguf" entry comes with the GGUF reader).
-NAME_MAPS = {"safetensors": HF_NAMES}
+#: llama.cpp (GGUF) tensor name -> model name (gguf-py tensor_mapping.py, MODEL_ARCH.GEMMA4).
+GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    "blk.{i}.inp_gate.weight": "model.layers.{i}.per_layer_input_gate.weight",
+    "blk.{i}.proj.weight": "model.layers.{i}.per_layer_projection.weight",
+    "blk.{i}.post_norm.weight": "model.layers.{i}.post_per_layer_input_norm.weight",
+    "blk.{i}.layer_output_scale.weight": "model.layers.{i}.layer_scalar",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent in Gemma 4 files: tied to token_embd
+}
+
+#: GGUF tensors with no slot in the model, skipped by name: ``rope_freqs`` is read by
+#: ``Gemma4Config.from_gguf`` (proportional RoPE), the tables are computed from the config.
+GGUF_SKIPPED = ("rope_freqs.weight",)
+
+#: Name maps per checkpoint format.
+NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
+#: Per format, the file names of the tensors a KV-sharing layer may carry but does not use.
+KV_SHARED_UNUSED_BY_FORMAT = {
+    "safetensors": KV_SHARED_UNUSED,
+    "gguf": {"blk.{i}.attn_k.weight", "blk.{i}.attn_k_norm.weight", "blk.{i}.attn_v.weight"},
+}
 
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -97,10 +147,13 @@ def name_map_for(fmt: str, config: Gemma4Config) -> Callable[[str], str | None]:
     It raises WeightsError naming a tensor it does not know.
     """
     table = NAME_MAPS[fmt]
+    unused = KV_SHARED_UNUSED_BY_FORMAT[fmt]
     layout = "multimodal (model_type 'gemma4')" if config.multimodal else "text (model_type 'gemma4_text')"
 
     def name_map(file_name: str) -> str | None:
         name = file_name
+        if fmt == "gguf" and name in GGUF_SKIPPED:
+            return None  # rope_freqs: already read into the config
         if config.multimodal:
             if name.startswith(MULTIMODAL_SKIPPED):
                 return None  # a vision or audio tower: not part of the text decoder
@@ -112,7 +165,7 @@ def name_map_for(fmt: str, config: Gemma4Config) -> Callable[[str], str | None]:
         # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
         match = _LAYER_INDEX.search(name)
         template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
-        if match is not None and template in KV_SHARED_UNUSED:
+        if match is not None and template in unused:
             layer = int(match.group(1))
             if layer < config.num_hidden_layers and config.kv_source(layer) != layer:
                 return None  # a KV-sharing layer's unused key/value weights
@@ -128,20 +181,25 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     """Build a gemma4 text decoder from a checkpoint (the ``load`` of the gemma4 Family).
 
     raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" ("gguf" is refused for now); device, dtype: where the
-    weights live. Returns the model in eval mode.
+    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the GGUF
+    metadata); device, dtype: where the weights live. Returns the model in eval mode.
 
     Raises ConfigError (config.json) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    if fmt == "gguf":
-        # the seam for the GGUF work: Gemma4Config.from_gguf + a "gguf" entry in NAME_MAPS
-        raise ConfigError("gemma4: GGUF (general.architecture 'gemma4') is not supported yet: use a safetensors checkpoint")
     if fmt not in NAME_MAPS:
         raise ConfigError(f"gemma4: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
 
-    # 1. Parse config.json (either layout) into the numbers that shape the model.
-    config = Gemma4Config.from_hf(raw_config)
+    # 1. Parse config.json (either layout) or the GGUF metadata into the numbers that shape
+    #    the model. GGUF: some numbers come from tensors (vocabularies, tying, k_eq_v, and the
+    #    proportional RoPE written as the small rope_freqs tensor).
+    if fmt == "gguf":
+        names = set(weights.names())
+        shapes = {name: tuple(weights.shape(name)) for name in names}
+        rope_freqs = weights.read("rope_freqs.weight").float().flatten().tolist() if "rope_freqs.weight" in names else None
+        config = Gemma4Config.from_gguf(raw_config, shapes, rope_freqs=rope_freqs)
+    else:
+        config = Gemma4Config.from_hf(raw_config)
 
     # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
