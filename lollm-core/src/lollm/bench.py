@@ -9,6 +9,12 @@ measures, on the same token ids:
 * prefill: one forward over a ``prompt_tokens``-long prompt, in tokens/s;
 * decode: ``new_tokens`` greedy steps after that prompt, in tokens/s.
 
+A caveat on memory: when the file already stores the target dtype, both
+engines keep the tensors backed by the file's memory map, so their pages are
+counted when first touched (in prefill), not during the load; the load peak is
+then far below the weights' size. Converting (bf16 file, fp32 model) or
+dequantizing (GGUF) loads show the real peak.
+
 The parent prints both rows and the ratios ours / transformers. Figures are
 noisy on a shared machine; compare the ratios of one run, never absolute
 numbers across runs.
