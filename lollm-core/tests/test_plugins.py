@@ -88,8 +88,8 @@ def test_unknown_type_names_the_type_the_installed_families_and_the_provider():
     assert isinstance(info.value, PluginError) and isinstance(info.value, LollmError)
     assert "'qwen2'" in msg
     assert "lollm-qwen" in msg and KNOWN_PROVIDERS["qwen2"] == "lollm-qwen"
-    assert "toy (toy, toy_text) from toy-plugin" in msg
-    assert "other (other) from other" in msg
+    assert "toy (model types: toy, toy_text) from toy-plugin" in msg
+    assert "other (model types: other) from other" in msg
 
 
 def test_unknown_type_without_known_provider_and_without_families():

@@ -32,8 +32,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# Piped output (CI logs, files) gets wide lines instead of rich's 80-column default.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
 def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
@@ -46,7 +47,7 @@ def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
 
 @app.command()
 def run(
-    model: str = typer.Option(..., "--model", "-m", help="Checkpoint folder or Hugging Face repo id."),
+    model: str = typer.Option(..., "--model", "-m", help="Checkpoint folder, .gguf file, Hugging Face repo id, or org/name:QUANT for a GGUF repo."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
@@ -72,7 +73,7 @@ def run(
     if prompt is None:
         if sys.stdin.isatty():
             raise LollmError("give --prompt, or pipe the prompt on stdin")
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().rstrip("\n")  # the newline that ends a piped line is not part of the prompt
     loaded = open_model(model, device=device, dtype=dtype, progress=True)
     tokenizer = loaded.tokenizer
     capabilities = loaded.family.family.capabilities
@@ -108,12 +109,14 @@ def run(
     err.print(
         "[dim]" + escape(f"[{len(result.new_ids)} tokens · prompt {len(ids)} tokens at {result.prefill_tokens_per_second:.1f} tok/s · "
         f"decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
-        f"{loaded.family.family.name} on {loaded.device} {str(loaded.dtype).removeprefix('torch.')}]") + "[/dim]"
+        f"{loaded.family.family.name} on {loaded.device} {str(loaded.dtype).removeprefix('torch.')}]") + "[/dim]",
+        soft_wrap=True,
     )
     if mtp:
         err.print(
             f"[dim]MTP: {result.accepted} of {result.drafted} drafted tokens accepted "
-            f"(acceptance rate {result.acceptance_rate:.1%})[/dim]"
+            f"(acceptance rate {result.acceptance_rate:.1%})[/dim]",
+            soft_wrap=True,
         )
 
 
@@ -196,14 +199,15 @@ def tokenize(
     table.add_column("id", justify="right")
     table.add_column("piece")
     for i, (tid, piece) in enumerate(zip(ids, pieces)):
-        table.add_row(str(i), str(tid), repr(piece))
+        shown = piece.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")  # whitespace made visible
+        table.add_row(str(i), str(tid), escape(f"'{shown}'"))
     out.print(table)
 
 
 @app.command()
 def parity(
     model: str = typer.Argument(..., help="Checkpoint folder or repo id."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a 40-token paragraph)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a paragraph of about 60 tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
     device: str = typer.Option("cpu", help="Device for both models."),

@@ -33,9 +33,16 @@ def pick_device(name: str = "auto") -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
         raise LollmError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LollmError(f"device {name!r}: this torch build has no usable CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise LollmError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise LollmError(f"device {name!r}: Apple's MPS backend is not available in this torch build or machine")
+    return device
 
 
 def pick_dtype(name: str, device: torch.device, config: dict[str, Any]) -> torch.dtype:

@@ -126,7 +126,9 @@ class Registry:
         if self.families:
             lines.append("Installed families:")
             for f in self.families:
-                types = ", ".join(f.family.model_types + f.family.gguf_architectures)
+                types = "model types: " + ", ".join(f.family.model_types)
+                if f.family.gguf_architectures:
+                    types += "; GGUF: " + ", ".join(f.family.gguf_architectures)
                 lines.append(f"  {f.family.name} ({types}) from {f.distribution} {f.version}")
         else:
             lines.append("No family plugin is installed (only lollm-core).")
