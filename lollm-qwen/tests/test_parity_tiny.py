@@ -138,3 +138,16 @@ def test_protocol_attributes(tiny_checkpoint, family):
     assert not model.training
     assert all(not p.requires_grad for p in model.parameters())
     assert model.model.rotary_emb.inv_freq.device.type == "cpu"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_parity_gate_passes_on_random_checkpoints(tiny_checkpoint, family, schema):
+    """The gate `lollm parity` runs (lollm.parity.run_parity), on a random checkpoint in each config schema."""
+    from lollm.parity import run_parity
+
+    folder = tiny_checkpoint(family, schema)
+    ids = prompt(512)[0].tolist()  # tiny checkpoints have no tokenizer: the gate takes ids directly
+    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu")
+    assert report.family == family and report.num_tokens == len(ids) >= 30
+    assert report.argmax_matches == report.num_tokens
+    assert report.min_cosine >= 0.99999 and report.passed
