@@ -165,7 +165,7 @@ def test_invalid_json(tmp_path, text):
     (folder / "config.json").write_text(text)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(folder)
-    assert_error(info, CheckpointError, folder / "config.json", "invalid JSON")
+    assert_error(info, CheckpointError, folder / "config.json", "not valid JSON")
 
 
 def test_config_that_is_not_an_object(tmp_path):

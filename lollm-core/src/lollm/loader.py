@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lollm.errors import CheckpointError, ConfigError
+from lollm.errors import CheckpointError, ConfigError, LollmError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -175,22 +175,23 @@ class Checkpoint:
         return self._tokenizer
 
 
-def read_json(path: Path, *, what: str) -> dict[str, Any]:
-    """Read a JSON object from ``path``; CheckpointError naming the file when it is missing or invalid."""
+def read_json(path: Path, *, what: str, error: type[LollmError] = CheckpointError) -> dict[str, Any]:
+    """Read a JSON object from ``path``; ``error`` (CheckpointError by default) naming the file when it
+    is missing, unreadable, not UTF-8, not valid JSON, or not an object at the top level."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CheckpointError(f"{what}: {path} does not exist") from None
+        raise error(f"{what}: {path} does not exist") from None
     except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: not UTF-8 text: {exc}") from None
+        raise error(f"{path}: not UTF-8 text: {exc}") from None
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc}") from None
+        raise error(f"{path}: cannot read: {exc}") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+        raise error(f"{path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise error(f"{path}: expected a JSON object at the top level, found {type(value).__name__}")
     return value
 
 

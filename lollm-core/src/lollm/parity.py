@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from lollm.errors import LollmError
-from lollm.pipeline import open_model, pick_device, pick_dtype
+from lollm.pipeline import open_model
 
 DEFAULT_PROMPT = (
     "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to "

@@ -56,7 +56,7 @@ import torch
 
 from lollm.errors import WeightsError
 from lollm.hookspecs import ENTRY_POINT_GROUP
-from lollm.loader import Checkpoint, TensorSource, load_checkpoint
+from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, Registry, build_registry
 
 __all__ = ["FamilyConformance"]

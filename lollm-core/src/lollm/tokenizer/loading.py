@@ -33,7 +33,6 @@ one text and are ignored.
 
 from __future__ import annotations
 
-import json
 import os
 import unicodedata
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lollm.errors import TokenizerError
+from lollm.loader import read_json
 from lollm.tokenizer import sentencepiece
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
@@ -130,22 +130,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 
 
 def _read_json_object(path: Path) -> dict:
-    """Parse a JSON file whose top level must be an object; every failure names the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise TokenizerError(f"{path} is not UTF-8 text") from None
-    except OSError as error:
-        raise TokenizerError(f"cannot read {path}: {error.strerror or error}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TokenizerError(
-            f"{path} is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
-        ) from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path} must hold a JSON object at the top level, got {type(data).__name__}")
-    return data
+    """Parse a JSON file whose top level must be an object; every failure is a TokenizerError naming the file."""
+    return read_json(path, what="tokenizer file", error=TokenizerError)
 
 
 def _read_text(path: Path) -> str:
