@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
 
@@ -51,8 +50,9 @@ GEMMA_COMPARABLE = [i for i, s in enumerate(CORPUS) if not LONG_SPACE_RUN.search
 
 
 def _hub_configs() -> Path:
-    repo = Path(__file__).resolve().parents[2]
-    return Path(os.environ.get("LOLLM_HUB_CONFIGS") or repo.parent / "shared" / "hub-configs")
+    from lollm.testing.hub_configs import hub_configs_dir
+
+    return hub_configs_dir()
 
 
 def _metadata(path: Path) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -56,8 +55,9 @@ SPACE = "\u2581"
 
 
 def _hub_configs() -> Path:
-    repo = Path(__file__).resolve().parents[2]
-    return Path(os.environ.get("LOLLM_HUB_CONFIGS") or repo.parent / "shared" / "hub-configs")
+    from lollm.testing.hub_configs import hub_configs_dir
+
+    return hub_configs_dir()
 
 
 # ====================================================== 1. building blocks

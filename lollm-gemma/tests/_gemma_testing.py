@@ -2,7 +2,7 @@
 several distributions together never import another distribution's helpers).
 
 Tiny random checkpoints are written by transformers itself from the *real*
-hub config.json files (``$LOLLM_HUB_CONFIGS``, default ``<repo>/../shared/hub-configs``),
+hub config.json files shipped with lollm-core (:mod:`lollm.testing.hub_configs`),
 shrunk to tiny dimensions with a sliding window of a few tokens, so that
 prompts several windows long run in milliseconds. Each checkpoint is written
 once per session (see the ``tiny`` fixture in conftest.py).
@@ -13,14 +13,15 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from lollm.testing.hub_configs import hub_configs_dir
+
 REPO = Path(__file__).resolve().parents[2]
-HUB_CONFIGS = Path(os.environ.get("LOLLM_HUB_CONFIGS") or REPO.parent / "shared" / "hub-configs")
+HUB_CONFIGS = hub_configs_dir()
 
 #: The sliding window of the tiny checkpoints; prompts are several windows long.
 WINDOW = 6
@@ -43,7 +44,7 @@ def hub_config(name: str) -> dict[str, Any]:
     """config.json of a real hub checkpoint, e.g. ``hub_config("google__gemma-3-1b-it")``."""
     path = HUB_CONFIGS / name / "config.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: set LOLLM_HUB_CONFIGS to the hub-configs folder")
+        raise FileNotFoundError(f"{path} is missing (is LOLLM_HUB_CONFIGS set to a wrong folder?)")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

@@ -12,14 +12,13 @@ way lollm loads it (``lollm.loader.load_checkpoint`` + the family's ``load``)
 and compared against transformers on the same folder, in float32 on the CPU.
 
 The hub configs are read from ``$LOLLM_HUB_CONFIGS``, by default
-``<repo>/../shared/hub-configs`` (CI lays ``shared/`` beside the clone).
+the copy shipped with lollm-core (:mod:`lollm.testing.hub_configs`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,16 @@ MAX_ABS_DIFF = 1e-4
 
 
 def hub_configs_dir() -> Path:
-    return Path(os.environ.get("LOLLM_HUB_CONFIGS", REPO.parent / "shared" / "hub-configs"))
+    from lollm.testing.hub_configs import hub_configs_dir as packaged
+
+    return packaged()
 
 
 def real_config(family: str) -> dict:
     """The unmodified hub config.json the family is tested on."""
     path = hub_configs_dir() / FAMILIES[family]["hub_config"] / "config.json"
     if not path.exists():
-        pytest.fail(f"hub config {path} not found (lay shared/ beside the repo or set LOLLM_HUB_CONFIGS)")
+        pytest.fail(f"hub config {path} not found (is LOLLM_HUB_CONFIGS set to a wrong folder?)")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

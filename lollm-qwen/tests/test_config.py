@@ -41,7 +41,7 @@ def test_qwen25_05b_hub_config():
 def test_qwen25_7b_instruct_hub_config():
     path = hub_configs_dir() / "Qwen__Qwen2.5-7B-Instruct" / "config.json"
     if not path.exists():
-        pytest.fail(f"{path} not found: lay shared/ beside the repo or set LOLLM_HUB_CONFIGS")
+        pytest.fail(f"{path} not found (is LOLLM_HUB_CONFIGS set to a wrong folder?)")
     import json
 
     c = Qwen2Config.from_hf(json.loads(path.read_text()))

@@ -21,7 +21,9 @@ from pathlib import Path
 
 def main() -> None:
     out = Path(sys.argv[1])
-    hub = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parents[2].parent / "shared" / "hub-configs"
+    from lollm.testing.hub_configs import hub_configs_dir
+
+    hub = Path(sys.argv[2]) if len(sys.argv) > 2 else hub_configs_dir()
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         print(out)
         return

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
+from lollm.testing.hub_configs import hub_configs_dir
+
 REPO = Path(__file__).resolve().parents[2]
-HUB_CONFIGS = Path(os.environ.get("LOLLM_HUB_CONFIGS") or REPO.parent / "shared" / "hub-configs")
+HUB_CONFIGS = hub_configs_dir()
 
 #: hub config folder of each family's reference checkpoint
 HUB = {"qwen3_5": "Qwen__Qwen3.5-0.8B", "qwen3_5_moe": "Qwen__Qwen3.5-35B-A3B"}
