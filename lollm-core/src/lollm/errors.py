@@ -45,3 +45,7 @@ class DuplicateModelType(PluginError):
 
 class GenerationError(LollmError):
     """Bad generation request: prompt longer than the context, invalid sampling values."""
+
+
+class AttentionBackendError(LollmError):
+    """An unknown attention backend name (``--attn``, ``LOLLM_ATTN``), or one that cannot run here."""

@@ -1,0 +1,417 @@
+"""The attention seam: the one function every family's attention layer calls.
+
+A family projects its queries, keys and values, rotates them, stores the new
+keys/values in its cache and gets back the keys this layer may read. What
+happens next is the same arithmetic in every family,
+
+    out = softmax(cap * tanh(q k^T * scale / cap)  +  mask) v          (the soft-cap only in gemma2)
+
+and it is the part of a forward pass that fast kernels replace. So it lives
+here, once, behind :func:`attend`, and a family's forward says in words what
+attention does at that step while the kernel stays hidden::
+
+    out = attend(q, k, v, start=start, window=W, layer=self.layer_idx)   # (1, H, T, D)
+
+Shape letters (batch is always 1 in lollm):
+
+    H   query heads               K   key/value heads (H is a multiple of K: GQA)
+    T   new tokens (queries)      S   keys this layer reads (cached + new)
+    D   head width
+
+**Backends.** The same call runs on one of several implementations, picked by
+name (:data:`BACKENDS`):
+
+* ``sdpa`` (the default, and the reference): PyTorch's
+  ``scaled_dot_product_attention``, called exactly as the families called it
+  before this seam existed, so the parity figures against transformers are
+  unchanged. SDPA has no hook between the scores and the softmax, so a
+  soft-capped call (gemma2) takes the ``eager`` arithmetic.
+* ``eager``: the scores and the softmax written out as matrix products; the
+  readable reference, and the path that can hand out the probabilities.
+* ``triton``: FlashAttention-style kernels (``lollm-core[triton]``); a slot
+  for now, it raises a clear error until the kernels land.
+
+Pick one with ``--attn NAME`` on the command line, the environment variable
+``LOLLM_ATTN``, or in Python with :func:`use_backend` (a context manager) or
+:func:`set_backend`. The choice is held in a :mod:`contextvars` variable: no
+family code and no load signature knows about it, and two models (or two
+threads) can run with different backends in turn.
+
+**Recording.** Inside ``with recording() as rec:`` every call computes the
+probabilities explicitly (the eager arithmetic, whatever backend is picked)
+and appends an :class:`AttentionRecord` to ``rec.records``; ``lollm trace``
+shows them. When nothing records, nothing of this runs.
+
+See docs/attention.md for the lesson; the masks follow transformers'
+conventions (``masking_utils.py``: causal, and ``p - W < j <= p`` for a
+sliding window of W), GQA follows Ainslie et al. 2023, the soft-cap the Gemma 2
+report (Gemma Team 2024) and transformers' ``modeling_gemma2.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lollm.errors import AttentionBackendError
+
+DEFAULT_BACKEND = "sdpa"
+ENV_VAR = "LOLLM_ATTN"
+
+
+# ---------------------------------------------------------------------------
+# Where the keys sit: positions and masks
+# ---------------------------------------------------------------------------
+def key_positions(start: int, T: int, S: int, *, ring: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+    """The position of each of the S keys a layer reads: (S,) int64.
+
+    The convention every family's cache follows: the keys always end at the
+    newest query's own position ``start+T-1`` (the cache already holds this
+    step's keys), and they are the last S positions up to it:
+
+    * ``ring=False``: in position order, ``start+T-S .. start+T-1``
+      (a full KV cache returns ``0 .. start+T-1``; a sliding-window cache in a
+      prefill or chunk returns the last ``W-1`` cached positions and the new ones);
+    * ``ring=True``: the S slots of a ring buffer in which position p sits in
+      slot ``p % S`` (a sliding-window cache in a one-token decode step returns its
+      filled slots as they lie): slot s holds ``last - ((last - s) mod S)``, with
+      ``last = start+T-1``. Before the ring is full (``S == start+1``) that is
+      simply position s.
+    """
+    last = start + T - 1
+    slots = torch.arange(S, device=device)
+    if ring:
+        return last - torch.remainder(last - slots, S)
+    return slots + (last - S + 1)
+
+
+def visible(start: int, T: int, S: int, *, ring: bool = False, window: int | None = None,
+            device: torch.device | str | None = None) -> torch.Tensor:
+    """Who may see whom: a bool (T, S) mask, True where query row i may read key column j.
+
+    Query i sits at position ``p = start + i``; key j at ``key_positions(...)[j]``.
+    Causal: ``j_pos <= p``, never the future. With a sliding window of W,
+    also ``j_pos > p - W``: W positions, the query's own included
+    (transformers' convention).
+    """
+    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+    key_pos = key_positions(start, T, S, ring=ring, device=device)[None, :]  # (1, S)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    return mask  # (T, S)
+
+
+def sees_every_key(T: int, S: int, window: int | None) -> bool:
+    """True when every query may read every key, so no mask is needed at all.
+
+    The keys end at the newest query (see :func:`key_positions`), so causality
+    hides nothing only for a single query (T == 1); the window hides nothing
+    when the oldest key is still inside it (S <= W). A decode step on a full
+    cache or on a sliding window's ring is such a case.
+    """
+    return T == 1 and (window is None or S <= window)
+
+
+def plain_causal(T: int, S: int, *, ring: bool, window: int | None) -> bool:
+    """True when the mask is the plain lower triangle, which SDPA's ``is_causal`` builds itself.
+
+    That is the case when the keys are exactly the T new positions in order
+    (S == T: no cache before them) and a window, if any, hides none of them
+    (T <= W). ``is_causal`` aligns its triangle to the top-left corner, so with
+    cached keys in front (S > T) it would be wrong and an explicit mask is needed.
+    """
+    return S == T and not ring and (window is None or T <= window)
+
+
+# ---------------------------------------------------------------------------
+# The backends
+# ---------------------------------------------------------------------------
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shapes a family passes: q (1, H, T, D), k and v (1, K, S, D) with H a multiple of K."""
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != 1 or k.shape[0] != 1 or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want (1, H, T, D) and (1, K, S, D)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attend: {q.shape[1]} query heads cannot share {k.shape[1]} key/value heads evenly")
+    if k.shape[2] < q.shape[2]:
+        raise ValueError(f"attend: {q.shape[2]} queries but only {k.shape[2]} keys: the keys must include the new positions")
+
+
+def sdpa_attention(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
+                   softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
+    """The ``sdpa`` backend: ``torch.nn.functional.scaled_dot_product_attention``.
+
+    q (1, H, T, D), k, v (1, K, S, D) -> (1, H, T, D), in q's dtype. Arguments as in :func:`attend`.
+
+    * T == 1 (a decode step): the n_rep = H/K query heads of a group all read
+      the same key/value head, so they are folded into n_rep query *rows* of
+      that head, (1, H, 1, D) -> (1, K, n_rep, D): one SDPA call per K/V head,
+      no copy of the cache.
+    * T > 1: SDPA's ``enable_gqa`` maps query head h to K/V head ``h // n_rep``
+      (the CPU flash kernel reads the shared head in place; the result is bit for
+      bit the one of repeating K/V first, as transformers does).
+    * The mask: none when every query sees every key, ``is_causal`` when the
+      keys are exactly the new positions, else the explicit (T, S) mask of :func:`visible`.
+    * A soft-cap needs a step between the scores and the softmax that SDPA
+      lacks: such a call runs :func:`eager_attention`.
+    """
+    if softcap is not None:
+        return eager_attention(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
+    _, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    n_rep = H // K
+    if sees_every_key(T, S, window):
+        mask, causal = None, False
+    elif plain_causal(T, S, ring=ring, window=window):
+        mask, causal = None, True
+    else:
+        mask, causal = visible(start, T, S, ring=ring, window=window, device=q.device), False
+    if T == 1:
+        out = F.scaled_dot_product_attention(q.reshape(1, K, n_rep, D), k, v, attn_mask=mask, scale=scale)  # (1, K, n_rep, D)
+        return out.reshape(1, H, 1, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=n_rep > 1)
+
+
+def eager_probs(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
+                softcap: float | None = None, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention arithmetic written out; returns (out (1, H, T, D) in q's dtype, probs (1, H, T, S) float32).
+
+    1. scores = q k^T * scale, with the n_rep query heads of a group stacked as
+       n_rep*T rows of their K/V head: (1, K, n_rep*T, D) @ (1, K, D, S), one
+       matmul per K/V head and no repeated K/V (GQA folding);
+    2. soft-cap (gemma2): ``cap * tanh(scores / cap)``, every score squashed
+       smoothly into (-cap, cap);
+    3. mask: -inf where a key is hidden (the future, or outside the window);
+    4. softmax over the keys, in float32 whatever the model dtype;
+    5. out = probs @ v, back in the model dtype.
+
+    This is how gemma2 computed its attention before the seam, so its outputs are unchanged.
+    """
+    _, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    n_rep = H // K
+    scale = D**-0.5 if scale is None else scale
+    scores = torch.matmul(q.reshape(1, K, n_rep * T, D), k.transpose(2, 3)) * scale  # (1, K, n_rep*T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(1, K, n_rep, T, S)
+    if not sees_every_key(T, S, window):
+        mask = visible(start, T, S, ring=ring, window=window, device=q.device)  # (T, S): broadcasts over K, n_rep
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1)  # (1, K, n_rep, T, S) float32
+    out = torch.matmul(probs.to(q.dtype).view(1, K, n_rep * T, S), v)  # (1, K, n_rep*T, D)
+    return out.view(1, H, T, D), probs.view(1, H, T, S)
+
+
+def eager_attention(q, k, v, **kwargs) -> torch.Tensor:
+    """The ``eager`` backend: :func:`eager_probs` without keeping the probabilities. (1, H, T, D)."""
+    return eager_probs(q, k, v, **kwargs)[0]
+
+
+def _triton_unavailable(device: torch.device | None = None) -> None:
+    raise AttentionBackendError(
+        "the 'triton' attention backend needs lollm-core[triton] (pip install 'lollm-core[triton]'), "
+        "and its kernels are not built yet: use --attn sdpa (the default) or eager"
+    )
+
+
+def triton_attention(q, k, v, **kwargs) -> torch.Tensor:
+    """The ``triton`` backend: a slot until the kernels of ``lollm/kernels/`` land; raises AttentionBackendError."""
+    _triton_unavailable(q.device)
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of :func:`attend`.
+
+    name:    what ``--attn`` and ``LOLLM_ATTN`` call it.
+    summary: one line for help texts and docs.
+    attend:  ``attend(q, k, v, *, start, ring, window, softcap, scale) -> out (1, H, T, D)``.
+    check:   ``check(device or None)``: raises AttentionBackendError when the backend
+             cannot run here (a missing extra, no GPU); called before a model loads.
+    """
+
+    name: str
+    summary: str
+    attend: Callable[..., torch.Tensor]
+    check: Callable[[torch.device | None], None] = lambda device: None
+
+
+BACKENDS: dict[str, Backend] = {
+    "sdpa": Backend("sdpa", "PyTorch's scaled_dot_product_attention (the default and the reference)", sdpa_attention),
+    "eager": Backend("eager", "scores and softmax written out (readable; the path that records probabilities)", eager_attention),
+    "triton": Backend("triton", "FlashAttention-style Triton kernels (lollm-core[triton]; not built yet)",
+                      triton_attention, _triton_unavailable),
+}
+
+
+# ---------------------------------------------------------------------------
+# Picking a backend
+# ---------------------------------------------------------------------------
+_selected: ContextVar[str | None] = ContextVar("lollm_attention_backend", default=None)
+
+
+def _lookup(name: str, source: str) -> Backend:
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise AttentionBackendError(f"{source}: unknown attention backend {name!r} (use one of: {', '.join(BACKENDS)})")
+    return backend
+
+
+def current_backend() -> str:
+    """The name of the backend :func:`attend` uses now.
+
+    In order: the one set by :func:`use_backend` / :func:`set_backend` in this
+    context, else the environment variable ``LOLLM_ATTN``, else ``sdpa``.
+    """
+    return _selected.get() or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+
+
+def resolve_backend(name: str | None = None, device: torch.device | str | None = None) -> str:
+    """Check a backend name (None: :func:`current_backend`) and that it can run on ``device``; return it.
+
+    Raises AttentionBackendError (a LollmError) naming the unknown value and the
+    known ones, or saying what the backend lacks here. Call it before loading a
+    model, so that a typo costs nothing.
+    """
+    if name is not None:
+        source = "--attn"
+    elif _selected.get():
+        name, source = _selected.get(), "attention backend"
+    else:
+        name, source = os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR
+    backend = _lookup(name, source)
+    backend.check(None if device is None else torch.device(device))
+    return name
+
+
+def set_backend(name: str) -> None:
+    """Use backend ``name`` from now on in this context (the whole program, for a plain script)."""
+    _selected.set(resolve_backend(name))
+
+
+@contextmanager
+def use_backend(name: str | None) -> Iterator[str]:
+    """``with use_backend("eager"):`` runs the block with that backend, then restores the previous choice.
+
+    ``None`` keeps the current choice (so callers can pass an optional setting through).
+    Yields the backend's name. Raises AttentionBackendError for an unknown or unusable name.
+    """
+    if name is None:
+        yield current_backend()
+        return
+    token = _selected.set(resolve_backend(name))
+    try:
+        yield name
+    finally:
+        _selected.reset(token)
+
+
+# ---------------------------------------------------------------------------
+# Recording the probabilities (for lollm trace)
+# ---------------------------------------------------------------------------
+@dataclass
+class AttentionRecord:
+    """What one attention call looked at.
+
+    layer:           the ``layer`` the family passed (its decoder-layer index; a name such
+                     as ``"mtp.0"`` for a layer outside the main stack).
+    probs:           (1, H, T, S) float32; row (h, i) is query i's weights over the S keys
+                     of head h, summing to 1 (0 on hidden keys).
+    query_positions: (T,) int64, the positions of the T queries.
+    key_positions:   (S,) int64, the position of each key column (see :func:`key_positions`).
+    window:          the sliding window of the call, None for a global layer.
+    """
+
+    layer: Any
+    probs: torch.Tensor
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    window: int | None
+
+
+@dataclass
+class AttentionRecording:
+    """The records of every :func:`attend` call made inside :func:`recording`, in call order."""
+
+    records: list[AttentionRecord] = field(default_factory=list)
+
+
+_recorder: ContextVar[AttentionRecording | None] = ContextVar("lollm_attention_recorder", default=None)
+
+
+@contextmanager
+def recording() -> Iterator[AttentionRecording]:
+    """``with recording() as rec:``: every :func:`attend` inside records its probabilities in ``rec.records``.
+
+    The calls run the eager arithmetic (the probabilities must exist to be
+    recorded), whatever backend is picked; their outputs equal the backend's
+    within float rounding. Outside the block nothing is recorded or computed.
+    """
+    rec = AttentionRecording()
+    token = _recorder.set(rec)
+    try:
+        yield rec
+    finally:
+        _recorder.reset(token)
+
+
+# ---------------------------------------------------------------------------
+# The seam
+# ---------------------------------------------------------------------------
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    start: int,
+    ring: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    layer: Any = None,
+) -> torch.Tensor:
+    """softmax(mask(softcap(q k^T * scale))) v for T new queries against S keys, with GQA.
+
+    q:       (1, H, T, D), the queries of positions ``start .. start+T-1``, RoPE applied.
+    k, v:    (1, K, S, D), the keys/values this layer reads, as the family's cache
+             returns them; they end at the newest query's position (see
+             :func:`key_positions`). H must be a multiple of K: query head h reads
+             K/V head ``h // (H/K)``; repeated K/V are never materialised. H and K
+             are taken from the tensors, so a tensor-parallel rank passes its local heads.
+    start:   position of the first query (the number of positions cached before this step).
+    ring:    True when k, v are the slots of a ring buffer (position p in slot
+             ``p % S``), as a sliding-window cache returns them in a one-token step;
+             False for keys in position order.
+    window:  sliding window W: query p reads keys j with ``p - W < j <= p``; None: all ``j <= p``.
+    softcap: logit soft-cap (gemma2's ``attn_logit_softcapping``): scores become
+             ``cap * tanh(score / cap)`` before the mask and softmax; None: off.
+    scale:   the factor on ``q k^T``; None: ``1/sqrt(D)``. (gemma: ``query_pre_attn_scalar ** -0.5``,
+             gemma4: 1.0.)
+    layer:   the caller's layer index, kept in the :class:`AttentionRecord` when recording.
+
+    Returns (1, H, T, D) in q's dtype (the softmax runs in float32 in ``eager``;
+    ``sdpa`` follows PyTorch's kernels). Raises AttentionBackendError when the
+    picked backend is unknown or cannot run; ValueError for shapes that break the
+    contract above (a bug in the calling family).
+    """
+    _check_heads(q, k, v)
+    rec = _recorder.get()
+    if rec is not None:
+        T, S = q.shape[2], k.shape[2]
+        out, probs = eager_probs(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
+        rec.records.append(AttentionRecord(
+            layer, probs, torch.arange(start, start + T, device=q.device),
+            key_positions(start, T, S, ring=ring, device=q.device), window,
+        ))
+        return out
+    backend = _lookup(current_backend(), ENV_VAR if _selected.get() is None else "attention backend")
+    return backend.attend(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)

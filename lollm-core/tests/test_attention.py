@@ -1,0 +1,385 @@
+"""The attention seam (lollm.attention): every backend against a float64 softmax written out here.
+
+The reference below shares no code with the seam: it computes each query's
+scores against keys given in *position order* with explicit positions, and
+applies the causal and window rules as transformers states them
+(key j visible from query p when ``p - W < j <= p``). The seam gets the same
+keys as a family's cache hands them over, ring order included.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lollm import attention
+from lollm.attention import attend, recording, use_backend
+from lollm.errors import AttentionBackendError, LollmError
+
+HEADS = [(3, 3), (4, 2), (7, 1)]  # (H, K): GQA ratios 1, 2, 7
+HEAD_DIMS = [16, 256, 512]
+
+# (name, start, T, window, layout): layout says how the cache hands its keys over
+#   "full":  positions 0 .. start+T-1 in order (a full KV cache)
+#   "slide": positions max(0, start-(W-1)) .. start+T-1 in order (a sliding cache, T > 1)
+#   "ring":  the min(start+1, W) newest positions in ring slots p % W (a sliding cache, T == 1)
+CASES = [
+    ("prefill", 0, 6, None, "full"),
+    ("prefill window shorter than the prompt", 0, 6, 3, "slide"),
+    ("prefill window longer than the prompt", 0, 6, 9, "slide"),
+    ("chunk after a cache", 5, 3, None, "full"),
+    ("chunk after a cache, window", 5, 3, 4, "slide"),
+    ("decode", 7, 1, None, "full"),
+    ("decode T=3 (speculative verify)", 7, 3, None, "full"),
+    ("decode T=3 on a sliding layer", 7, 3, 4, "slide"),
+    ("decode on a full ring (wrapped)", 9, 1, 4, "ring"),
+    ("decode on a ring not yet full", 2, 1, 4, "ring"),
+    ("decode, window longer than the text", 4, 1, 16, "ring"),
+    # gemma4's KV-sharing layers carry only the last prompt position, against all the prompt's keys
+    ("last prompt position only, window", 7, 1, 3, "full"),
+]
+
+
+def cache_positions(start: int, T: int, window: int | None, layout: str) -> torch.Tensor:
+    """Positions of the keys, in the order the cache returns them."""
+    last = start + T - 1
+    if layout == "full":
+        return torch.arange(0, last + 1)
+    first = max(0, start - (window - 1))
+    if layout == "slide":
+        return torch.arange(first, last + 1)
+    first = max(0, last - window + 1)
+    filled = last + 1 - first  # slots in use: min(start+1, W)
+    slots = {p % window: p for p in range(first, last + 1)}  # slot -> position
+    return torch.tensor([slots[s] for s in range(filled)])
+
+
+def reference(q, k, v, q_pos, k_pos, *, window, softcap, scale) -> torch.Tensor:
+    """softmax over visible keys, in float64, one head at a time. Returns (1, H, T, D) float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    _, H, T, D = q.shape
+    K = k.shape[1]
+    scale = D**-0.5 if scale is None else scale
+    out = torch.zeros(1, H, T, D, dtype=torch.float64)
+    for h in range(H):
+        g = h // (H // K)
+        for i in range(T):
+            p = int(q_pos[i])
+            seen = [j for j in range(k.shape[2]) if int(k_pos[j]) <= p and (window is None or int(k_pos[j]) > p - window)]
+            s = (k[0, g, seen] @ q[0, h, i]) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[0, h, i] = torch.softmax(s, dim=0) @ v[0, g, seen]
+    return out
+
+
+def make(H, K, D, start, T, window, layout, *, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_pos = cache_positions(start, T, window, layout)
+    S = len(k_pos)
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    k = torch.randn(1, K, S, D, generator=g).to(dtype)
+    v = torch.randn(1, K, S, D, generator=g).to(dtype)
+    return q, k, v, torch.arange(start, start + T), k_pos
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_backends_against_a_float64_softmax(backend, softcap, case):
+    _, start, T, window, layout = case
+    for H, K in HEADS:
+        for D in HEAD_DIMS:
+            q, k, v, q_pos, k_pos = make(H, K, D, start, T, window, layout)
+            scale = 1.0 if D == 512 else None  # gemma4's global heads: 512 wide, scale 1
+            want = reference(q, k, v, q_pos, k_pos, window=window, softcap=softcap, scale=scale)
+            with use_backend(backend):
+                got = attend(q, k, v, start=start, ring=layout == "ring", window=window, softcap=softcap, scale=scale)
+            assert got.shape == (1, H, T, D) and got.dtype == torch.float32
+            err = (got.double() - want).abs().max().item()
+            assert err < 2e-5, f"H={H} K={K} D={D}: max |Δ| {err:.2e}"
+
+
+def test_ring_order_is_not_position_order_in_the_wrapped_case():
+    """The ring case above really hands keys out of position order (else it would test nothing new)."""
+    k_pos = cache_positions(9, 1, 4, "ring")
+    assert k_pos.tolist() == [8, 9, 6, 7]
+    assert attention.key_positions(9, 1, 4, ring=True).tolist() == [8, 9, 6, 7]
+    assert attention.key_positions(2, 1, 3, ring=True).tolist() == [0, 1, 2]  # ring not yet full
+    assert attention.key_positions(5, 3, 8).tolist() == list(range(8))
+
+
+def test_a_window_hides_keys_of_a_ring_read_as_positions():
+    """A T=3 step on keys given in ring order must use the ring's positions, not their order."""
+    H, K, D, start, T, W = 2, 1, 8, 10, 3, 4
+    q, k, v, q_pos, k_pos = make(H, K, D, start, T, W, "slide")  # positions 7 .. 12
+    perm = torch.tensor([p % len(k_pos) for p in k_pos.tolist()]).argsort()  # slot order of a 6-slot ring
+    assert k_pos[perm].tolist() == [12, 7, 8, 9, 10, 11]
+    want = reference(q, k, v, q_pos, k_pos, window=W, softcap=None, scale=None)
+    for backend in ("sdpa", "eager"):
+        with use_backend(backend):
+            got = attend(q, k[:, :, perm], v[:, :, perm], start=start, ring=True, window=W)
+        assert (got.double() - want).abs().max() < 2e-5
+        wrong = attend(q, k[:, :, perm], v[:, :, perm], start=start, ring=False, window=W)
+        assert (wrong.double() - want).abs().max() > 1e-3  # the flag matters
+
+
+def _attention_before_the_seam(q, k, v, mask, scale=None):
+    """What qwen2/qwen3/qwen3_5/gemma3/gemma4 ran before lollm.attention (repeat_kv, then SDPA)."""
+    _, H, T, D = q.shape
+    K = k.shape[1]
+    n = H // K
+    if T == 1:
+        return F.scaled_dot_product_attention(q.reshape(1, K, n, D), k, v, attn_mask=mask, scale=scale).reshape(1, H, 1, D)
+    S = k.shape[2]
+    k = k[:, :, None].expand(1, K, n, S, D).reshape(1, H, S, D)
+    v = v[:, :, None].expand(1, K, n, S, D).reshape(1, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_backend_is_bit_for_bit_the_code_it_replaced(dtype):
+    """The reference path must not move: the parity figures on real checkpoints depend on it."""
+    H, K, D = 14, 2, 64
+    for start, T in [(0, 9), (6, 4), (9, 1)]:
+        q, k, v, q_pos, k_pos = make(H, K, D, start, T, None, "full", dtype=dtype)
+        mask = None if T == 1 or start == 0 else (k_pos[None, :] <= q_pos[:, None])
+        old = _attention_before_the_seam(q, k, v, mask)
+        with use_backend("sdpa"):
+            new = attend(q, k, v, start=start)
+        assert torch.equal(old, new), (start, T)
+
+
+def test_eager_backend_is_gemma2s_soft_capped_arithmetic():
+    """gemma2 computed its attention explicitly before the seam; ``sdpa`` with a soft-cap runs the same."""
+    H, K, D, start, T, W, cap, scale = 4, 2, 32, 5, 3, 4, 50.0, 0.1
+    q, k, v, q_pos, k_pos = make(H, K, D, start, T, W, "slide", dtype=torch.bfloat16)
+    mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - W)
+    scores = torch.matmul(q.reshape(1, K, 2 * T, D), k.transpose(2, 3)) * scale
+    scores = (torch.tanh(scores / cap) * cap).view(1, K, 2, T, len(k_pos)).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    old = torch.matmul(probs.view(1, K, 2 * T, len(k_pos)), v).view(1, H, T, D)
+    for backend in ("sdpa", "eager"):
+        with use_backend(backend):
+            assert torch.equal(attend(q, k, v, start=start, window=W, softcap=cap, scale=scale), old)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_sdpa_and_eager_agree(dtype, tol):
+    for name, start, T, window, layout in CASES:
+        q, k, v, *_ = make(7, 1, 64, start, T, window, layout, dtype=dtype, seed=1)
+        kw = dict(start=start, ring=layout == "ring", window=window)
+        with use_backend("sdpa"):
+            a = attend(q, k, v, **kw)
+        with use_backend("eager"):
+            b = attend(q, k, v, **kw)
+        assert a.dtype == b.dtype == dtype
+        assert (a.float() - b.float()).abs().max() < tol, name
+
+
+# -- recording --------------------------------------------------------------------------------
+
+
+def test_recording_hands_out_probabilities_that_reproduce_the_output():
+    H, K, D = 4, 2, 32
+    for name, start, T, window, layout in CASES:
+        q, k, v, q_pos, k_pos = make(H, K, D, start, T, window, layout, seed=2)
+        kw = dict(start=start, ring=layout == "ring", window=window, softcap=3.0 if window else None)
+        with use_backend("sdpa"):
+            plain = attend(q, k, v, **kw)
+            with recording() as rec:
+                recorded = attend(q, k, v, layer=5, **kw)
+        (r,) = rec.records
+        assert r.layer == 5 and r.window == window
+        assert r.probs.shape == (1, H, T, len(k_pos)) and r.probs.dtype == torch.float32
+        assert torch.equal(r.query_positions, q_pos) and torch.equal(r.key_positions, k_pos), name
+        assert torch.allclose(r.probs.sum(-1), torch.ones(1, H, T), atol=1e-6), name
+        hidden = (k_pos[None, :] > q_pos[:, None]) | ((k_pos[None, :] <= q_pos[:, None] - window) if window else False)
+        assert (r.probs[..., hidden] == 0).all(), name
+        groups = torch.arange(H) // (H // K)
+        weighted = r.probs.double() @ v[0, groups].double()  # (1, H, T, D): the rows times V
+        assert (weighted - plain.double()).abs().max() < 1e-5, name
+        assert torch.allclose(recorded, plain, atol=1e-5), name
+
+
+def test_nothing_is_recorded_outside_the_block_and_blocks_nest():
+    q, k, v, *_ = make(2, 1, 8, 0, 4, None, "full")
+    with recording() as outer:
+        attend(q, k, v, start=0, layer=0)
+        with recording() as inner:
+            attend(q, k, v, start=0, layer=1)
+        attend(q, k, v, start=0, layer=2)
+    attend(q, k, v, start=0, layer=3)
+    assert [r.layer for r in outer.records] == [0, 2]
+    assert [r.layer for r in inner.records] == [1]
+
+
+# -- picking a backend --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Replace the sdpa and eager backends by spies that note which one ran."""
+    ran: list[str] = []
+    for name in ("sdpa", "eager"):
+        real = attention.BACKENDS[name]
+
+        def spy(q, k, v, _name=name, _real=real, **kw):
+            ran.append(_name)
+            return _real.attend(q, k, v, **kw)
+
+        monkeypatch.setitem(attention.BACKENDS, name, attention.Backend(name, real.summary, spy))
+    return ran
+
+
+def test_selection_order_context_then_environment_then_sdpa(spies, monkeypatch):
+    q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
+    monkeypatch.delenv("LOLLM_ATTN", raising=False)
+    attend(q, k, v, start=0)
+    monkeypatch.setenv("LOLLM_ATTN", "eager")
+    attend(q, k, v, start=0)
+    with use_backend("sdpa"):
+        attend(q, k, v, start=0)
+        with use_backend(None):  # None passes the current choice through
+            attend(q, k, v, start=0)
+    attend(q, k, v, start=0)
+    assert spies == ["sdpa", "eager", "sdpa", "sdpa", "eager"]
+
+
+def test_two_threads_keep_their_own_backend(spies):
+    q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
+    barrier = threading.Barrier(2)
+
+    def run(name):
+        with use_backend(name):
+            barrier.wait()  # both threads have set their backend before either attends
+            attend(q, k, v, start=0)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("sdpa", "eager")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(spies) == ["eager", "sdpa"]
+
+
+def test_set_backend_holds_until_changed(spies):
+    import contextvars
+
+    def body():
+        q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
+        attention.set_backend("eager")
+        attend(q, k, v, start=0)
+        assert attention.current_backend() == "eager"
+
+    contextvars.copy_context().run(body)  # a copy: the setting does not leak into other tests
+    assert spies == ["eager"]
+
+
+def test_unknown_names_are_one_clear_error(monkeypatch):
+    with pytest.raises(AttentionBackendError, match=r"--attn: unknown attention backend 'flash' \(use one of: sdpa, eager, triton\)"):
+        attention.resolve_backend("flash")
+    with pytest.raises(AttentionBackendError, match="--attn: unknown attention backend 'flash'"):
+        with use_backend("flash"):
+            pass
+    monkeypatch.setenv("LOLLM_ATTN", "fast")
+    with pytest.raises(AttentionBackendError, match="LOLLM_ATTN: unknown attention backend 'fast'"):
+        attention.resolve_backend()
+    q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
+    with pytest.raises(AttentionBackendError, match="LOLLM_ATTN: unknown attention backend 'fast'"):
+        attend(q, k, v, start=0)
+    assert issubclass(AttentionBackendError, LollmError)
+
+
+def test_triton_slot_says_what_it_needs():
+    with pytest.raises(AttentionBackendError, match=r"lollm-core\[triton\].*not built yet"):
+        attention.resolve_backend("triton")
+    q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
+    with pytest.raises(AttentionBackendError, match=r"lollm-core\[triton\]"):
+        attention.triton_attention(q, k, v, start=0)
+
+
+def test_shapes_that_break_the_contract_are_refused():
+    q = torch.zeros(1, 3, 2, 8)
+    with pytest.raises(ValueError, match="3 query heads cannot share 2"):
+        attend(q, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), start=2)
+    with pytest.raises(ValueError, match="the keys must include the new positions"):
+        attend(q, torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8), start=0)
+
+
+# -- the command line: --attn and LOLLM_ATTN ------------------------------------------------------
+
+
+def _one_error_line(done, *needles):
+    assert done.returncode == 2, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ")
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def test_cli_refuses_unknown_backends_before_loading_anything(tmp_path, monkeypatch):
+    """The model path does not exist: the error is about the backend, so it was checked first."""
+    from _core_helpers import run_lollm
+
+    missing = str(tmp_path / "no-such-model")
+    _one_error_line(run_lollm("run", "-m", missing, "-p", "hi", "--attn", "flash"),
+                    "--attn: unknown attention backend 'flash'", "sdpa, eager, triton")
+    _one_error_line(run_lollm("bench", missing, "--attn", "triton"), "lollm-core[triton]")
+    monkeypatch.setenv("LOLLM_ATTN", "fast")
+    _one_error_line(run_lollm("parity", missing), "LOLLM_ATTN: unknown attention backend 'fast'")
+
+
+@pytest.mark.parametrize("command", ["parity", "bench"])
+def test_cli_hands_the_backend_to_parity_and_bench(monkeypatch, capsys, command):
+    import sys
+
+    import lollm.bench as bench
+    import lollm.cli as cli
+    import lollm.parity as parity
+
+    seen = {}
+
+    def fake_parity(spec, **kwargs):
+        seen.update(kwargs)
+        report = parity.ParityReport(model=spec, family="fake", dtype="float32", device="cpu", num_tokens=1,
+                                     min_cosine_required=0.99999, attn=kwargs["attn"])
+        report.positions = [parity.PositionStats(0, 5, 1, 1, 5, 1.0, 0.0)]
+        return report
+
+    def fake_bench(spec, **kwargs):
+        seen.update(kwargs)
+        return bench.BenchResult([])
+
+    monkeypatch.setattr(parity, "run_parity", fake_parity)
+    monkeypatch.setattr(bench, "run_bench", fake_bench)
+    monkeypatch.setattr(sys, "argv", ["lollm", command, "some/model", "--attn", "eager", "--json"])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    assert info.value.code in (0, None)
+    assert seen["attn"] == "eager"
+
+
+def test_bench_hands_the_backend_to_its_worker_process(monkeypatch):
+    import subprocess
+
+    import lollm.bench as bench
+
+    envs = []
+
+    def fake_run(cmd, **kwargs):
+        envs.append(kwargs["env"])
+        row = {"engine": "lollm"}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.delenv("LOLLM_ATTN", raising=False)
+    bench.run_bench("some/model", reference=False, attn="eager")
+    bench.run_bench("some/model", reference=False)
+    assert [env["LOLLM_ATTN"] for env in envs] == ["eager", "sdpa"]
