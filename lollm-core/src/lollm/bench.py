@@ -177,12 +177,19 @@ class BenchResult:
 
 
 def run_bench(spec: str, *, dtype: str = "float32", prompt_tokens: int = 512, new_tokens: int = 64,
-              reference: bool = True, threads: int | None = None) -> BenchResult:
-    """Run the workers one after the other and collect their figures."""
+              reference: bool = True, threads: int | None = None, attn: str | None = None) -> BenchResult:
+    """Run the workers one after the other and collect their figures.
+
+    ``attn``: the attention backend of our engine (lollm.attention; None: ``LOLLM_ATTN``, else sdpa),
+    checked here and handed to the worker as ``LOLLM_ATTN``.
+    """
+    from lollm.attention import ENV_VAR, resolve_backend
+
+    attn = resolve_backend(attn)
     rows = []
     for engine in ["lollm"] + (["transformers"] if reference else []):
         cmd = [sys.executable, "-m", "lollm.bench", engine, spec, dtype, str(prompt_tokens), str(new_tokens), str(threads or 0)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", ENV_VAR: attn})
         if done.returncode != 0:
             from lollm.errors import LollmError
 

@@ -37,6 +37,9 @@ out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
+ATTN_HELP = "Attention backend: sdpa (the default and reference), eager (scores written out), triton (lollm-core[triton]). Default: $LOLLM_ATTN, else sdpa."
+
+
 def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
     messages = []
     if system:
@@ -64,6 +67,7 @@ def run(
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
     from lollm.generate import generate, stop_token_ids
@@ -74,7 +78,7 @@ def run(
         if sys.stdin.isatty():
             raise LollmError("give --prompt, or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\n")  # the newline that ends a piped line is not part of the prompt
-    loaded = open_model(model, device=device, dtype=dtype, progress=True)
+    loaded = open_model(model, device=device, dtype=dtype, progress=True, attn=attn)
     tokenizer = loaded.tokenizer
     capabilities = loaded.family.family.capabilities
     if think is not None and not capabilities.thinking_toggle:
@@ -103,6 +107,7 @@ def run(
     result = generate(
         loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
         stop_strings=stop, tokenizer=tokenizer, on_text=show, speculative_tokens=draft_tokens if mtp else 0,
+        attn=loaded.attn,
     )
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -213,15 +218,17 @@ def parity(
     device: str = typer.Option("cpu", help="Device for both models."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
-    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine)
+    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
+                        attn=attn)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        table = Table(title=f"parity: {report.family} {report.dtype} {report.device}, {report.num_tokens} positions")
+        table = Table(title=f"parity: {report.family} {report.dtype} {report.device} attn {report.attn}, {report.num_tokens} positions")
         for col in ("pos", "token", "ours", "ref", "top-5", "cosine", "max |Δ|"):
             table.add_column(col, justify="right")
         for p in report.positions:
@@ -250,17 +257,20 @@ def bench(
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory, ours beside transformers in one run."""
+    from lollm.attention import resolve_backend
     from lollm.bench import run_bench
 
+    attn = resolve_backend(attn)
     result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                       reference=not no_reference, threads=threads)
+                       reference=not no_reference, threads=threads, attn=attn)
     ratios = {k: result.ratio(k) for k in ("prefill_tok_s", "decode_tok_s", "load_seconds")}
     if as_json:
         print(json.dumps({"rows": result.rows, "ratios": ratios}, indent=2))
         return
-    table = Table(title=f"bench: {model} ({dtype}, prompt {prompt_tokens}, decode {new_tokens})")
+    table = Table(title=f"bench: {model} ({dtype}, attn {attn}, prompt {prompt_tokens}, decode {new_tokens})")
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
         table.add_column(col, justify="right")
     for r in result.rows:

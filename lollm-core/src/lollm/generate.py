@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lollm.attention import use_backend
 from lollm.errors import GenerationError
 from lollm.sampling import Sampler, SamplingParams
 
@@ -117,6 +118,7 @@ def generate(
     tokenizer: Any = None,
     on_text: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
+    attn: str | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -128,9 +130,16 @@ def generate(
 
     ``speculative_tokens > 0`` turns on self-speculative decoding with the
     model's draft head (see :func:`_speculative_steps`); the output is exactly
-    the same as without it. Raises GenerationError for an empty prompt, a non-positive
-    ``max_new_tokens`` or a prompt that does not fit the model's context.
+    the same as without it. ``attn`` names the attention backend to run with
+    (:mod:`lollm.attention`; None: the current one). Raises GenerationError for an empty
+    prompt, a non-positive ``max_new_tokens`` or a prompt that does not fit the model's
+    context, AttentionBackendError for an unknown or unusable backend.
     """
+    if attn is not None:
+        with use_backend(attn):
+            return generate(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                            stop_strings=stop_strings, tokenizer=tokenizer, on_text=on_text,
+                            speculative_tokens=speculative_tokens)
     if not prompt_ids:
         raise GenerationError("the prompt is empty: there is nothing to continue")
     if max_new_tokens < 1:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from lollm.errors import LollmError
+from lollm.attention import use_backend
 from lollm.pipeline import open_model
 
 DEFAULT_PROMPT = (
@@ -58,6 +59,7 @@ class ParityReport:
     positions: list[PositionStats] = field(default_factory=list)
     layer_cosines: list[float] = field(default_factory=list)  # min over positions, per hidden state
     first_diverging_layer: int | None = None
+    attn: str = "sdpa"  # the attention backend ours ran with
 
     @property
     def argmax_matches(self) -> int:
@@ -147,19 +149,24 @@ def run_parity(
     dtype: str = "float32",
     device: str = "cpu",
     min_cosine: float | None = None,
+    attn: str | None = None,
 ) -> ParityReport:
-    """Run ours, then the reference, on the same ids; return the report (it does not raise on failure)."""
+    """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
+
+    ``attn``: the attention backend ours runs with (lollm.attention; None: ``LOLLM_ATTN``, else sdpa).
+    """
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
-    loaded = open_model(spec, device=device, dtype=dtype)
+    loaded = open_model(spec, device=device, dtype=dtype, attn=attn)
     if ids is None:  # the tokenizer is read only when the ids are not given
         tokenizer = loaded.tokenizer
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     hidden: list[torch.Tensor] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), use_backend(loaded.attn):
         ours_logits = loaded.model(input_ids, None, hidden_states=hidden)[0].float().cpu()
     hidden = [h.float().cpu() for h in hidden]
     checkpoint, installed, dt, dev = loaded.checkpoint, loaded.family, loaded.dtype, loaded.device
+    attn_name = loaded.attn
     del loaded
     gc.collect()
 
@@ -179,7 +186,7 @@ def run_parity(
     required = min_cosine if min_cosine is not None else (0.99999 if dt == torch.float32 else 0.99)
     report = ParityReport(
         model=spec, family=installed.family.name, dtype=str(dt).removeprefix("torch."), device=str(dev),
-        num_tokens=len(ids), min_cosine_required=required,
+        num_tokens=len(ids), min_cosine_required=required, attn=attn_name,
     )
     report.positions = compare_logits(ours_logits, ref_logits, ids)
     if ref_hidden and len(ref_hidden) == len(hidden):

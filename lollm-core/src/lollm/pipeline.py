@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lollm.attention import resolve_backend
 from lollm.errors import LollmError
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, get_registry
@@ -67,6 +68,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    attn: str = "sdpa"  # the attention backend the commands run it with (lollm.attention)
 
     @property
     def tokenizer(self):
@@ -84,13 +86,22 @@ def route(checkpoint: Checkpoint) -> InstalledFamily:
     return get_registry().route(checkpoint.model_type)
 
 
-def open_model(spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool = False) -> LoadedModel:
-    """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses."""
+def open_model(spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
+               attn: str | None = None) -> LoadedModel:
+    """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
+
+    ``attn`` names the attention backend (``sdpa``, ``eager``, ``triton``; None: ``LOLLM_ATTN``,
+    else ``sdpa``). It is checked before anything loads and kept in ``LoadedModel.attn``; the
+    commands run the model inside ``lollm.attention.use_backend(loaded.attn)`` (so does
+    ``generate(..., attn=loaded.attn)``). A direct ``loaded.model(ids)`` uses whatever backend
+    is current: wrap it in that context manager to pick one.
+    """
+    dev = pick_device(device)
+    backend = resolve_backend(attn, dev)
     checkpoint = load_checkpoint(spec)
     installed = route(checkpoint)
-    dev = pick_device(device)
     dt = pick_dtype(dtype, dev, checkpoint.config)
     load = installed.family.resolve("load")
     start = time.perf_counter()
     model = load(checkpoint.config, checkpoint.weights, checkpoint.fmt, dev, dt, progress)
-    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start)
+    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start, backend)
