@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.attention import attend
+
 from .config import Gemma2Config, RopeConfig
 
 
@@ -110,65 +112,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------------------
-# Masks: causal, and causal within a sliding window
-# ---------------------------------------------------------------------------
-def attention_mask(start: int, T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Who may see whom, for T new tokens at positions ``start .. start+T-1``.
-
-    ``window`` is None for a global layer. A sliding-window layer's query at
-    position p sees the keys at positions ``p-W+1 .. p``: W positions, itself
-    included (transformers' convention: key j is visible when ``j > p - W``).
-
-    The keys this mask's columns stand for are the ones the cache returns
-    (kv.py): positions ``first .. start+T-1`` with ``first = 0`` for a global
-    layer and ``first = max(0, start - (W-1))`` for a sliding one, in order.
-
-    Returns ``None`` for T == 1 (decode: the cache returns exactly the keys the
-    token may see), otherwise a boolean (T, S) mask, True where query row i
-    may see key column j.
-    """
-    if T == 1:
-        return None
-    first = 0 if window is None else max(0, start - (window - 1))
-    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(first, start + T, device=device)[None, :]  # (1, S)
-    visible = key_pos <= query_pos  # causal: never the future
-    if window is not None:
-        visible = visible & (key_pos > query_pos - window)  # and not further back than the window
-    return visible  # (T, S)
-
-
-# ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-def softcapped_attention(q, k, v, mask: torch.Tensor | None, scale: float, softcap: float | None) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T * scale / cap) + mask) v, with H query heads sharing K key/value heads.
-
-    q: (1, H, T, D); k, v: (1, K, S, D); mask: None (T == 1) or bool (T, S) -> (1, H, T, D)
-
-    The soft-cap squashes every score into (-cap, cap) smoothly: small scores
-    pass almost unchanged, huge ones saturate. PyTorch's fused
-    ``scaled_dot_product_attention`` has no hook between the scores and the
-    softmax, so the scores are computed here explicitly.
-
-    GQA without copies: the n_rep query heads that share one K/V head are
-    stacked as n_rep*T query rows of that head, (1, H, T, D) -> (1, K, n_rep*T, D),
-    so each K/V head is read once by a single matmul.
-    """
-    _, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    n_rep = H // K
-    scores = torch.matmul(q.reshape(1, K, n_rep * T, D), k.transpose(2, 3)) * scale  # (1, K, n_rep*T, S)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(1, K, n_rep, T, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))  # (T, S) broadcasts over K and n_rep
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # softmax in float32
-    out = torch.matmul(probs.view(1, K, n_rep * T, S), v)  # (1, K, n_rep*T, D)
-    return out.view(1, H, T, D)
-
-
 class Gemma2Attention(nn.Module):
     """Self-attention with GQA, RoPE and an attention-logit soft-cap; no biases.
 
@@ -194,7 +139,7 @@ class Gemma2Attention(nn.Module):
         self.v_proj = nn.Linear(C, K * D, bias=False)
         self.o_proj = nn.Linear(H * D, C, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+    def forward(self, x, cos, sin, start: int, window: int | None, cache) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # project and split into heads: (1, T, H*D) -> (1, T, H, D) -> (1, H, T, D)
@@ -205,7 +150,12 @@ class Gemma2Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): the keys this layer may read
-        out = softcapped_attention(q, k, v, mask, self.scale, self.softcap)  # (1, H, T, D)
+        # attention: scores soft-capped to (-cap, cap), then causal; a sliding layer reads only
+        # the last W positions (p - W < j <= p). Query head h reads K/V head h // (H/K) (GQA).
+        # In a one-token step a sliding layer's ring hands its slots in ring order (kv.py).
+        ring = window is not None and cache is not None and T == 1
+        out = attend(q, k, v, start=start, ring=ring, window=window, softcap=self.softcap,
+                     scale=self.scale, layer=self.layer_idx)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
         return self.o_proj(out)  # (1, T, C)
 

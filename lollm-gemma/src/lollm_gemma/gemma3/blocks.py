@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.attention import attend
+
 from .config import Gemma3Config, RopeConfig
 
 
@@ -115,70 +117,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------------------
-# Masks: causal, and causal within a sliding window
-# ---------------------------------------------------------------------------
-def attention_mask(start: int, T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Who may see whom, for T new tokens at positions ``start .. start+T-1``.
-
-    ``window`` is None for a global layer. A sliding-window layer's query at
-    position p sees the keys at positions ``p-W+1 .. p``: W positions, itself
-    included (transformers' convention: key j is visible when ``j > p - W``).
-
-    The keys this mask's columns stand for are the ones the cache returns
-    (kv.py): positions ``first .. start+T-1`` with ``first = 0`` for a global
-    layer and ``first = max(0, start - (W-1))`` for a sliding one, in order.
-
-    Returns ``None`` when no explicit mask is needed:
-      * T == 1 (decode): the cache returns exactly the keys the token may see;
-      * start == 0 and the window (if any) is at least T: plain causal, which
-        SDPA's ``is_causal`` does exactly.
-    Otherwise a boolean (T, S) mask, True where query row i may see key column j.
-    """
-    if T == 1:
-        return None
-    if start == 0 and (window is None or T <= window):
-        return None
-    first = 0 if window is None else max(0, start - (window - 1))
-    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(first, start + T, device=device)[None, :]  # (1, S)
-    visible = key_pos <= query_pos  # causal: never the future
-    if window is not None:
-        visible = visible & (key_pos > query_pos - window)  # and not further back than the window
-    return visible  # (T, S)
-
-
-# ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Give each query head its own copy of its group's key/value head.
-
-    (1, K, S, D) -> (1, K * n_rep, S, D); head ``h`` of the result is head ``h // n_rep`` of x.
-    """
-    if n_rep == 1:
-        return x
-    _, K, S, D = x.shape
-    return x[:, :, None].expand(1, K, n_rep, S, D).reshape(1, K * n_rep, S, D)
-
-
-def grouped_query_attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v, with H query heads sharing K key/value heads (GQA).
-
-    q: (1, H, T, D); k, v: (1, K, S, D); mask: None or bool (T, S) -> (1, H, T, D)
-    """
-    _, H, T, D = q.shape
-    K = k.shape[1]
-    n_rep = H // K
-    if T == 1:
-        # Decode: one query per head and no mask. The n_rep query heads of a group all
-        # read the same K/V head, so fold them into n_rep query *rows* of that head:
-        # (1, H, 1, D) -> (1, K, n_rep, D). No copy of the cache is made.
-        out = F.scaled_dot_product_attention(q.reshape(1, K, n_rep, D), k, v, scale=scale)
-        return out.reshape(1, H, 1, D)
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (1, H, S, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-
-
 class Gemma3Attention(nn.Module):
     """Self-attention with GQA, QK-norm and RoPE; no biases.
 
@@ -207,7 +147,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+    def forward(self, x, cos, sin, start: int, window: int | None, cache) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # project, split into heads, normalise each head: (1, T, H*D) -> (1, T, H, D) -> (1, H, T, D)
@@ -218,7 +158,12 @@ class Gemma3Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): the keys this layer may read
-        out = grouped_query_attention(q, k, v, mask, self.scale)  # (1, H, T, D)
+        # attention: causal; a sliding layer reads only the last W positions (p - W < j <= p).
+        # Query head h reads K/V head h // (H/K) (GQA). In a one-token step a sliding
+        # layer's ring hands its slots in ring order (kv.py).
+        ring = window is not None and cache is not None and T == 1
+        out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,
+                     layer=self.layer_idx)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
         return self.o_proj(out)  # (1, T, C)
 

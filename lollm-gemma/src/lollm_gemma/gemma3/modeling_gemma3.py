@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import Gemma3Attention, Gemma3MLP, RMSNorm, RotaryEmbedding, attention_mask
+from .blocks import Gemma3Attention, Gemma3MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma3Config
 from .kv import Gemma3Cache
 
@@ -57,8 +57,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(config)
         self.post_feedforward_layernorm = RMSNorm(C, eps)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+    def forward(self, x, cos, sin, start: int, window: int | None, cache) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x
 
@@ -138,16 +138,16 @@ class Gemma3ForCausalLM(nn.Module):
         positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
         rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
 
-        # 3. Who may attend to whom, per layer type: causal for global layers, causal
-        #    within the last W positions for sliding ones (None where none is needed).
-        window = self.config.sliding_window
-        masks = {t: attention_mask(start, T, window if t == SLIDING else None, x.device) for t in rope}
+        # 3. Who may attend to whom: every layer causally, a sliding layer only within the
+        #    last W positions (window None: a global layer). The masks themselves are built
+        #    where attention runs (lollm.attention), from these windows and the positions.
+        windows = {t: self.config.sliding_window if t == SLIDING else None for t in set(self.config.layer_types)}
 
         # 4. The decoder layers; each writes its keys/values into its own cache.
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             cos, sin = rope[layer.layer_type]
-            x = layer(x, cos, sin, masks[layer.layer_type], cache)  # (1, T, C)
+            x = layer(x, cos, sin, start, windows[layer.layer_type], cache)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:

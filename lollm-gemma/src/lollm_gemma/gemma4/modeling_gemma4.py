@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding, attention_mask
+from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma4Config
 from .kv import Gemma4Cache
 
@@ -76,8 +76,8 @@ class Gemma4DecoderLayer(nn.Module):
         # a checkpoint buffer, not a parameter: a fixed per-layer scale of the residual stream
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, per_layer_input, cos, sin, mask, cache, shared_kv) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, shared_kv))
+    def forward(self, x, per_layer_input, cos, sin, start: int, window: int | None, cache, shared_kv) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache, shared_kv))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_per_layer_input:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")  # (1, T, P)
@@ -186,24 +186,26 @@ class Gemma4ForCausalLM(nn.Module):
         positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
         rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
 
-        # 4. Who may attend to whom, per layer type.
+        # 4. Who may attend to whom, per layer type: causally, a sliding layer only within the
+        #    last W positions (None: global). The masks are built where attention runs (lollm.attention).
         windows = {t: c.sliding_window if t == SLIDING else None for t in rope}
-        masks = {t: attention_mask(start, T, windows[t], x.device) for t in rope}
 
         # 5. The decoder layers. Layers that compute keys/values write them to their cache;
         #    the last num_kv_shared_layers read their source layer's from `shared_kv`.
-        shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # type -> (k, v, ring order?)
         last = len(self.model.layers) - 1
+        q_start = start  # position of the first query the layers carry
         for i, layer in enumerate(self.model.layers):
             if i == c.first_kv_shared_layer and 0 < logits_to_keep < x.shape[1] and hidden_states is None:
                 # 5a. From here on no layer writes to the cache, and position t of the output
                 #     depends only on position t of x (plus the stored keys/values). So only the
                 #     positions whose logits are wanted need to go on: a prefill carries its
-                #     last token alone through the KV-sharing layers.
-                x, ple, rope, masks = self._keep_last(logits_to_keep, x, ple, rope, masks, start, T, windows)
+                #     last token alone through the KV-sharing layers (against all the stored keys).
+                x, ple, rope = self._keep_last(logits_to_keep, x, ple, rope)
+                q_start = start + T - logits_to_keep
             t = layer.layer_type
             cos, sin = rope[t]
-            x = layer(x, None if ple is None else ple[:, :, i], cos, sin, masks[t], cache, shared_kv)  # (1, T, C)
+            x = layer(x, None if ple is None else ple[:, :, i], cos, sin, q_start, windows[t], cache, shared_kv)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:
@@ -225,18 +227,13 @@ class Gemma4ForCausalLM(nn.Module):
         return logits
 
     @staticmethod
-    def _keep_last(n, x, ple, rope, masks, start, T, windows):
+    def _keep_last(n, x, ple, rope):
         """Cut every per-position input of the remaining layers to the last n positions.
 
-        The masks keep all their key columns (the stored keys are unchanged) and only
-        their last n query rows; a mask that was implicit (None: plain causal) is made
-        explicit first, since SDPA's ``is_causal`` would align it to the wrong corner.
+        The stored keys stay whole; attention is told where the remaining queries sit
+        (``start + T - n``), and builds their masks from that.
         """
         x = x[:, -n:]
         ple = None if ple is None else ple[:, -n:]
         rope = {t: (cos[-n:], sin[-n:]) for t, (cos, sin) in rope.items()}
-        masks = {
-            t: (m if m is not None else attention_mask(start, T, windows[t], x.device, explicit=True))[-n:]
-            for t, m in masks.items()
-        }
-        return x, ple, rope, masks
+        return x, ple, rope

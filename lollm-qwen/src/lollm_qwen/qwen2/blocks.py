@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.attention import attend
+
 from .config import Qwen2Config, RopeConfig
 
 
@@ -177,55 +179,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------
-def causal_mask(start: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """The attention mask for T new tokens at positions ``start .. start+T-1``.
-
-    Returns ``None`` when no explicit mask is needed:
-      * T == 1 (decode): the one new token may see every cached position;
-      * start == 0 (prefill on an empty cache): SDPA's ``is_causal`` is exact.
-    Otherwise (a chunk of T > 1 tokens after a non-empty cache) a boolean
-    (T, start+T) mask, True where query ``i`` (position ``start+i``) may see key ``j``,
-    i.e. ``j <= start + i``. (``is_causal`` would be wrong there: SDPA aligns
-    its triangle to the top-left corner, not to the last key.)
-    """
-    if T == 1 or start == 0:
-        return None
-    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
-    return key_pos <= query_pos  # (T, S)
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Give each query head its own copy of its group's key/value head.
-
-    (1, K, S, D) -> (1, K * n_rep, S, D); head ``h`` of the result is head ``h // n_rep`` of x.
-    """
-    if n_rep == 1:
-        return x
-    _, K, S, D = x.shape
-    return x[:, :, None].expand(1, K, n_rep, S, D).reshape(1, K * n_rep, S, D)
-
-
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v, with H query heads sharing K key/value heads (GQA).
-
-    q: (1, H, T, D); k, v: (1, K, S, D); mask: None or bool (T, S) -> (1, H, T, D)
-
-    Query head ``h`` reads key/value head ``h // (H/K)``. Runs in the dtype of q.
-    """
-    _, H, T, D = q.shape
-    K = k.shape[1]
-    n_rep = H // K
-    if T == 1:
-        # Decode: one query per head and no mask. The n_rep query heads of a group all
-        # read the same K/V head, so fold them into n_rep query *rows* of that head:
-        # (1, H, 1, D) -> (1, K, n_rep, D). No copy of the (long) cache is made.
-        out = F.scaled_dot_product_attention(q.reshape(1, K, n_rep, D), k, v)
-        return out.reshape(1, H, 1, D)
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (1, H, S, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-
-
 class Qwen2Attention(nn.Module):
     """Self-attention with GQA and RoPE; q/k/v projections have a bias, o_proj has none.
 
@@ -245,7 +198,7 @@ class Qwen2Attention(nn.Module):
         self.v_proj = nn.Linear(C, K * D, bias=True)
         self.o_proj = nn.Linear(H * D, C, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+    def forward(self, x, cos, sin, start: int, cache) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # project and split into heads: (1, T, H*D) -> (1, T, H, D) -> (1, H, T, D)
@@ -256,7 +209,9 @@ class Qwen2Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): cached + new
-        out = grouped_query_attention(q, k, v, mask)  # (1, H, T, D)
+        # causal attention: the query at position p reads the keys of positions 0 .. p;
+        # query head h reads K/V head h // (H/K) (GQA). lollm.attention runs it (--attn picks the kernel).
+        out = attend(q, k, v, start=start, layer=self.layer_idx)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
         return self.o_proj(out)  # (1, T, C)
 

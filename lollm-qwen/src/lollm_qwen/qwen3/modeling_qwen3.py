@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding, causal_mask
+from .blocks import Qwen3Attention, Qwen3MLP, RMSNorm, RotaryEmbedding
 from .config import Qwen3Config
 from .kv import Qwen3KVCache
 
@@ -50,8 +50,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def forward(self, x, cos, sin, start: int, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -122,25 +122,22 @@ class Qwen3ForCausalLM(nn.Module):
         positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, D) each
 
-        # 3. Who may attend to whom: None (decode, or prefill from an empty cache,
-        #    where SDPA's is_causal is exact) or a (T, S) boolean mask.
-        mask = causal_mask(start, T, x.device)
-
-        # 4. The decoder layers; each writes its keys/values into the cache.
+        # 3. The decoder layers; each writes its keys/values into the cache, and its
+        #    attention reads them causally (the mask is made where attention runs, lollm.attention).
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache)  # (1, T, C)
+            x = layer(x, cos, sin, start, cache)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:
             cache.advance(T)
 
-        # 5. Final RMSNorm.
+        # 4. Final RMSNorm.
         x = self.model.norm(x)  # (1, T, C)
         if hidden_states is not None:
             hidden_states.append(x)
 
-        # 6. Output head, only on the positions whose logits are wanted
+        # 5. Output head, only on the positions whose logits are wanted
         #    (a prefill needs the last one: 1 row of the vocab-sized matmul, not T).
         if logits_to_keep:
             x = x[:, -logits_to_keep:]

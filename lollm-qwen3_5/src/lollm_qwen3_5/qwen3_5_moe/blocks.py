@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.attention import attend
+
 from .config import Qwen3_5MoeConfig
 
 
@@ -157,43 +159,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 # ---------------------------------------------------------------------------
 # Gated full attention
 # ---------------------------------------------------------------------------
-def causal_mask(start: int, T: int, device: torch.device) -> torch.Tensor | None:
-    """The attention mask for T new tokens at positions ``start .. start+T-1``.
-
-    Returns ``None`` when no explicit mask is needed:
-      * T == 1 (decode): the one new token may see every cached position;
-      * start == 0 (prefill on an empty cache): SDPA's ``is_causal`` is exact.
-    Otherwise (T > 1 tokens after a non-empty cache, e.g. the verify step of
-    speculative decoding) a boolean (T, start+T) mask, True where query ``i``
-    (position ``start+i``) may see key ``j``, i.e. ``j <= start + i``.
-    """
-    if T == 1 or start == 0:
-        return None
-    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
-    return key_pos <= query_pos  # (T, S)
-
-
-def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + mask) v, with H query heads sharing K key/value heads (GQA).
-
-    q: (1, H, T, D); k, v: (1, K, S, D); mask: None or bool (T, S) -> (1, H, T, D)
-    Query head ``h`` reads key/value head ``h // (H/K)``.
-    """
-    _, H, T, D = q.shape
-    K = k.shape[1]
-    n_rep = H // K
-    if T == 1:
-        # Decode: fold the n_rep query heads of a group into n_rep query rows of its
-        # K/V head, (1, H, 1, D) -> (1, K, n_rep, D): no copy of the (long) cache.
-        return F.scaled_dot_product_attention(q.reshape(1, K, n_rep, D), k, v).reshape(1, H, 1, D)
-    if n_rep > 1:  # give each query head its own view of its group's K/V head
-        S = k.shape[2]
-        k = k[:, :, None].expand(1, K, n_rep, S, D).reshape(1, H, S, D)
-        v = v[:, :, None].expand(1, K, n_rep, S, D).reshape(1, H, S, D)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-
-
 class Qwen3_5MoeAttention(nn.Module):
     """Softmax attention with GQA, QK-norm, partial RoPE and a sigmoid output gate.
 
@@ -206,9 +171,10 @@ class Qwen3_5MoeAttention(nn.Module):
     ``slot`` at positions ``start ..``; attention reads every stored position.
     """
 
-    def __init__(self, config: Qwen3_5MoeConfig, slot: int):
+    def __init__(self, config: Qwen3_5MoeConfig, slot: int, layer: int | str):
         super().__init__()
         self.slot = slot  # which K/V slot of the hybrid cache this layer owns
+        self.layer = layer  # the decoder layer's index ("mtp.N" in the MTP head), for attention records
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -221,7 +187,7 @@ class Qwen3_5MoeAttention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)  # QK-norm: over each head's D channels
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, start: int) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # 1. Project. q_proj's output per head is [query (D) | gate (D)].
@@ -236,8 +202,10 @@ class Qwen3_5MoeAttention(nn.Module):
         # 3. Store this step's keys/values; read back every position so far.
         if cache is not None:
             k, v = cache.update_kv(self.slot, start, k, v)  # (1, K, S, D)
-        # 4. Attention, then the output gate, then the output projection.
-        out = grouped_query_attention(q, k, v, mask)  # (1, H, T, D)
+        # 4. Causal attention (the query at position p reads the keys of positions 0 .. p;
+        #    query head h reads K/V head h // (H/K), GQA), then the output gate, then the
+        #    output projection. lollm.attention runs the kernel (--attn picks it).
+        out = attend(q, k, v, start=start, layer=self.layer)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)
         out = out * torch.sigmoid(gate)
         return self.o_proj(out)  # (1, T, C)

@@ -39,7 +39,7 @@ from torch import nn
 
 from lollm.errors import GenerationError
 
-from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeSparseMoeBlock, RMSNorm, RotaryEmbedding, causal_mask
+from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeSparseMoeBlock, RMSNorm, RotaryEmbedding
 from .config import Qwen3_5MoeConfig
 from .kv import Qwen3_5MoeHybridCache
 from .mtp import Qwen3_5MoeMTP
@@ -61,16 +61,16 @@ class Qwen3_5MoeDecoderLayer(nn.Module):
         if self.layer_type == "linear_attention":
             self.linear_attn = Qwen3_5MoeGatedDeltaNet(config, slot)
         else:
-            self.self_attn = Qwen3_5MoeAttention(config, slot)
+            self.self_attn = Qwen3_5MoeAttention(config, slot, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3_5MoeSparseMoeBlock(config)
 
-    def forward(self, x, cos, sin, mask, cache, start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, start: int) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache)
         else:
-            h = self.self_attn(h, cos, sin, mask, cache, start)
+            h = self.self_attn(h, cos, sin, cache, start)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -150,26 +150,25 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         positions = torch.arange(start, start + T, device=input_ids.device)
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
 
-        # 3. Who may attend to whom in the attention layers: None or a (T, S) boolean mask.
-        mask = causal_mask(start, T, x.device)
-
-        # 4. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
+        # 3. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
+        #    The attention layers read their keys causally (the mask is made where attention
+        #    runs, lollm.attention); the DeltaNet layers carry the order in their recurrence.
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, start)  # (1, T, C)
+            x = layer(x, cos, sin, cache, start)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:
             cache.advance(T)
 
-        # 5. Final RMSNorm. The MTP head drafts from these normed states: keep them.
+        # 4. Final RMSNorm. The MTP head drafts from these normed states: keep them.
         x = self.model.norm(x)  # (1, T, C)
         if hidden_states is not None:
             hidden_states.append(x)
         if cache is not None and self.mtp is not None:
             cache.remember_last_forward(start, input_ids[0], x[0])
 
-        # 6. Output head, only on the positions whose logits are wanted.
+        # 5. Output head, only on the positions whose logits are wanted.
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)

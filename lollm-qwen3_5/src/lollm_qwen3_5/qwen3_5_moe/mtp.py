@@ -54,7 +54,7 @@ from torch import nn
 
 from lollm.errors import GenerationError
 
-from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeSparseMoeBlock, RMSNorm, causal_mask
+from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeSparseMoeBlock, RMSNorm
 from .config import Qwen3_5MoeConfig
 from .kv import MAX_ROLLBACK_TOKENS
 
@@ -65,15 +65,15 @@ class Qwen3_5MoeMTPLayer(nn.Module):
     x: (1, T, C) -> (1, T, C); its keys/values live in the cache's MTP slot.
     """
 
-    def __init__(self, config: Qwen3_5MoeConfig, slot: int):
+    def __init__(self, config: Qwen3_5MoeConfig, slot: int, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen3_5MoeAttention(config, slot)
+        self.self_attn = Qwen3_5MoeAttention(config, slot, f"mtp.{index}")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen3_5MoeSparseMoeBlock(config)
 
-    def forward(self, x, cos, sin, mask, cache, start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
+    def forward(self, x, cos, sin, cache, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -86,15 +86,15 @@ class Qwen3_5MoeMTP(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(C, eps)
         self.pre_fc_norm_hidden = RMSNorm(C, eps)
         self.fc = nn.Linear(2 * C, C, bias=False)
-        self.layers = nn.ModuleList(Qwen3_5MoeMTPLayer(config, slot) for _ in range(config.mtp_num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3_5MoeMTPLayer(config, slot, i) for i in range(config.mtp_num_hidden_layers))
         self.norm = RMSNorm(C, eps)
 
-    def forward(self, embeds, hidden, cos, sin, mask, cache, start: int) -> torch.Tensor:
+    def forward(self, embeds, hidden, cos, sin, cache, start: int) -> torch.Tensor:
         """embeds (1, T, C): embeddings of the tokens x_{p+1}; hidden (1, T, C): h_p -> (1, T, C), after ``mtp.norm``."""
         x = torch.cat((self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)), dim=-1)  # (1, T, 2C)
         x = self.fc(x)  # (1, T, C)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, start)
+            x = layer(x, cos, sin, cache, start)
         return self.norm(x)
 
     @torch.inference_mode()
@@ -136,8 +136,7 @@ class Qwen3_5MoeMTP(nn.Module):
         next_ids = torch.cat((cache.last_ids[offset + 1 : L - cache.last_start], torch.tensor([pending], device=device)))
         positions = torch.arange(first, L, device=device)
         cos, sin = rotary_emb(positions, hidden.dtype)
-        mask = causal_mask(first, L - first, device)
-        h = self(embed_tokens(next_ids)[None], hidden[None], cos, sin, mask, cache, first)  # (1, T1, C)
+        h = self(embed_tokens(next_ids)[None], hidden[None], cos, sin, cache, first)  # (1, T1, C)
         cache.mtp_length = L
         h = h[:, -1:]
         token = int(lm_head(h)[0, -1].argmax())
@@ -147,7 +146,7 @@ class Qwen3_5MoeMTP(nn.Module):
         for i in range(1, num_tokens):
             position = L - 1 + i
             cos, sin = rotary_emb(torch.tensor([position], device=device), h.dtype)
-            h = self(embed_tokens(torch.tensor([[token]], device=device)), h, cos, sin, None, cache, position)
+            h = self(embed_tokens(torch.tensor([[token]], device=device)), h, cos, sin, cache, position)
             token = int(lm_head(h)[0, -1].argmax())
             drafts.append(token)
         return drafts
