@@ -24,7 +24,7 @@ preallocated tensors (no per-step allocation or concatenation):
 * prefill or a chunk (T > 1): the queries need the W-1 positions before the
   chunk too. Those are read out of the ring in position order and put in front
   of the new keys (one copy per prefill, not per token); the mask
-  (``blocks.attention_mask``) then applies causality and the window. Only
+  (made by ``lollm.attention``) then applies causality and the window. Only
   then are the last R of the new keys written into the ring.
 """
 
@@ -78,7 +78,7 @@ class SlidingWindowKV:
           * T == 1: the filled slots of the ring (positions ``max(0, start-W+1) .. start``,
             in ring order), views into the cache;
           * T > 1: positions ``max(0, start-(W-1)) .. start+T-1`` in position order
-            (the columns of ``blocks.attention_mask``), a new tensor.
+            (as ``lollm.attention.key_positions`` describes them), a new tensor.
         """
         T = k.shape[2]
         if T == 1:  # decode: write first, then read the whole (filled part of the) ring
