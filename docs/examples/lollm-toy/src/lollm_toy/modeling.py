@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.attention import attend
 from lollm.errors import ConfigError
 from lollm.weights import load_weights
 
@@ -130,10 +131,10 @@ class ToyAttention(nn.Module):
         q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # now every position 0 .. start+T-1
-        # causal mask: the query at position start+i sees keys 0 .. start+i
-        query_pos = torch.arange(start, start + T, device=x.device)[:, None]
-        key_pos = torch.arange(k.shape[2], device=x.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_pos <= query_pos)
+        # causal attention: the query at position start+i reads keys 0 .. start+i. lollm-core's
+        # seam builds the mask and runs the kernel the user picked (--attn), and records the
+        # probabilities for `lollm trace`; a family only says which keys it hands over.
+        out = attend(q, k, v, start=start, layer=self.layer)  # (B, heads, T, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, C))
 
 
