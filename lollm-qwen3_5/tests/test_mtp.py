@@ -123,7 +123,7 @@ def test_mtp_cache_after_speculative_steps_equals_a_fresh_run(family, mtp_models
         positions = torch.arange(L)
         cos, sin = model.model.rotary_emb(positions, torch.float32)
         embeds = model.model.embed_tokens(torch.tensor([truth[1 : L + 1]]))
-        model.mtp(embeds, hidden[-1], cos, sin, None, fresh, 0)
+        model.mtp(embeds, hidden[-1], cos, sin, fresh, 0)
     slot = cache.mtp_slot
     # (the hidden states of incremental and one-shot runs differ in rounding only: ~1e-5)
     torch.testing.assert_close(cache.k[slot, :, :, :L], fresh.k[slot, :, :, :L], rtol=1e-3, atol=2e-4)

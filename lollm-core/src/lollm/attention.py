@@ -135,13 +135,15 @@ def plain_causal(T: int, S: int, *, ring: bool, window: int | None) -> bool:
 # The backends
 # ---------------------------------------------------------------------------
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shapes a family passes: q (1, H, T, D), k and v (1, K, S, D) with H a multiple of K."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != 1 or k.shape[0] != 1 or q.shape[3] != k.shape[3]:
+    """Shapes a family passes: q (1, H, T, D), k and v (1, K, S, D), H a multiple of K, S >= T."""
+    B, H, T, D = q.shape
+    Bk, K, S, Dk = k.shape
+    if B != 1 or Bk != 1 or Dk != D or k.shape != v.shape:
         raise ValueError(f"attend: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: want (1, H, T, D) and (1, K, S, D)")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"attend: {q.shape[1]} query heads cannot share {k.shape[1]} key/value heads evenly")
-    if k.shape[2] < q.shape[2]:
-        raise ValueError(f"attend: {q.shape[2]} queries but only {k.shape[2]} keys: the keys must include the new positions")
+    if H % K:
+        raise ValueError(f"attend: {H} query heads cannot share {K} key/value heads evenly")
+    if S < T:
+        raise ValueError(f"attend: {T} queries but only {S} keys: the keys must include the new positions")
 
 
 def sdpa_attention(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
@@ -413,5 +415,6 @@ def attend(
             key_positions(start, T, S, ring=ring, device=q.device), window,
         ))
         return out
-    backend = _lookup(current_backend(), ENV_VAR if _selected.get() is None else "attention backend")
+    name = _selected.get()  # checked when it was set
+    backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
     return backend.attend(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
