@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +16,21 @@ from lollm.plugins import get_registry
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lollm_qwen3_5"
 
 
+def _normalized(name: str) -> str:
+    """A distribution name as PEP 503 compares them (builds may write lollm-qwen3_5 or lollm-qwen3-5)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def test_both_families_are_registered():
     registry = get_registry(refresh=True)
-    assert not [b for b in registry.broken if b.distribution == "lollm-qwen3_5"]
+    assert not [b for b in registry.broken if _normalized(b.distribution) == "lollm-qwen3-5"]
     expected = {
         "qwen3_5": (("qwen3_5", "qwen3_5_text"), ("qwen35",)),
         "qwen3_5_moe": (("qwen3_5_moe", "qwen3_5_moe_text"), ("qwen35moe",)),
     }
     for name, (types, archs) in expected.items():
         installed = next(f for f in registry.families if f.family.name == name)
-        assert installed.distribution == "lollm-qwen3_5"
+        assert _normalized(installed.distribution) == "lollm-qwen3-5"
         family = installed.family
         assert family.contract == CONTRACT_VERSION
         assert family.model_types == types and family.gguf_architectures == archs
