@@ -38,7 +38,7 @@ Capacity: the cache is allocated once, for ``max_tokens`` positions (the
 session's context, ``--ctx-size``), and kept; a conversation that outgrows it
 is an error naming the context, like a prompt longer than the model's. The
 memory is the family's per-position cost times ``max_tokens`` (Qwen2.5-0.5B in
-float32: 12 KiB per position, 48 MiB for 4096) plus the snapshots.
+float32: 24 KiB per position, 96 MiB for 4096) plus the snapshots.
 """
 
 from __future__ import annotations
