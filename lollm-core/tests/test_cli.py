@@ -72,6 +72,21 @@ def test_tokenize_chat_applies_the_template(tokenizer_dir):
     assert data["pieces"][0] == "<|im_start|>" and data["ids"][0] == 1
 
 
+def test_tokenize_think_follows_the_template(tmp_path_factory, tokenizer_dir):
+    thinking = write_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "thinking", thinking=True)
+    texts = {}
+    for flag in ("--think", "--no-think"):
+        done = run_lollm("tokenize", str(thinking), "hi", "--chat", flag, "--json")
+        assert done.returncode == 0, done.stderr
+        texts[flag] = json.loads(done.stdout)["text"]
+    assert texts["--no-think"] == texts["--think"] + "<think>\n\n</think>\n\n"
+    # a template that does not read enable_thinking: a clear error, not a silently ignored flag
+    done = run_lollm("tokenize", str(tokenizer_dir), "hi", "--chat", "--think")
+    assert done.returncode == 2 and "does not read enable_thinking" in done.stderr and "Traceback" not in done.stderr
+    done = run_lollm("tokenize", str(thinking), "hi", "--think")
+    assert done.returncode == 2 and "add --chat" in done.stderr
+
+
 # -- clean errors ------------------------------------------------------------------
 
 

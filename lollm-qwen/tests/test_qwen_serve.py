@@ -39,7 +39,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    return serving.Reference(folder)
+    with serving.one_torch_thread():  # tiny models: threads only wait for each other
+        yield serving.Reference(folder)
 
 
 def test_chat(client, reference):
