@@ -46,7 +46,7 @@ def test_a_forward_interrupted_mid_layer_is_never_reused(family, tiny_checkpoint
     model = load_ours(tiny_checkpoint(family, "text", lively=True))
     greedy = SamplingParams(temperature=0.0)
     ids = torch.randint(3, 500, (60,), generator=torch.Generator().manual_seed(5)).tolist()
-    cache = PromptCache(model)
+    cache = PromptCache(model, 256)
     first = generate(model, ids[:30], max_new_tokens=6, sampling=greedy, prompt_cache=cache)
     prompt = ids[:30] + first.new_ids + ids[30:40]
 
@@ -81,7 +81,7 @@ def test_the_mtp_head_cache_is_right_after_the_prompt_cache_went_back(family, ti
     greedy = SamplingParams(temperature=0.0)
     g = torch.Generator().manual_seed(11)
     words = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
-    cache = PromptCache(model)
+    cache = PromptCache(model, 256)
     p1 = words(30)
     a1 = generate(model, p1, max_new_tokens=10, sampling=greedy, prompt_cache=cache, speculative_tokens=3).new_ids
     # p2 parts from p1 at its last token: back to the snapshot just before it, where the MTP row

@@ -375,13 +375,17 @@ def create_app(server: ModelServer):
         return body
 
     async def wait(request: Request, job: Job) -> GenerationResult | None:
-        """Run ``job`` on the worker; cancel it if the client disconnects meanwhile."""
+        """Run ``job`` on the worker; cancel it if the client disconnects meanwhile (or the server stops)."""
         future = asyncio.get_running_loop().run_in_executor(server.worker, server.run, job)
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=0.25)
-            if done:
-                return future.result()
-            if not job.cancel.is_set() and await request.is_disconnected():
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=0.25)
+                if done:
+                    return future.result()
+                if not job.cancel.is_set() and await request.is_disconnected():
+                    job.cancel.set()
+        finally:
+            if not future.done():
                 job.cancel.set()
 
     def stream(job: Job, chunk: Callable[..., dict[str, Any]], include_usage: bool):

@@ -157,7 +157,9 @@ def check_prompt_cache_turns(
         return torch.randint(3, vocab, (n,), generator=g).tolist()
 
     greedy = SamplingParams(temperature=0.0)
-    cache = PromptCache(model, max_snapshots=max_snapshots)
+    # room for the longest turn (3) and its answer, with the drafts of a speculative step
+    room = first + message + long_message + 3 * answer + speculative_tokens + 1
+    cache = PromptCache(model, min(room, int(model.max_context)), max_snapshots=max_snapshots)
     records = []
 
     def turn(number: int, prompt: list[int]) -> list[int]:
