@@ -168,3 +168,22 @@ def test_lollm_error_inside_a_command_is_one_line_and_status_2(monkeypatch, caps
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: config.json: rope_scaling type 'yarn' is not implemented"
+
+
+def test_serve_and_chat_name_their_extra_when_it_is_missing(monkeypatch):
+    import subprocess
+
+    # uvicorn blocked: `lollm serve` stops before loading anything, naming the extra
+    code = "import sys; sys.modules['uvicorn'] = None; sys.argv = ['lollm', 'serve', 'no-such-model']; " \
+           "from lollm.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"})
+    assert done.returncode == 2 and "lollm-core[serve]" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+    from lollm.conversation import _line_reader
+    from lollm.errors import LollmError
+
+    monkeypatch.setitem(sys.modules, "prompt_toolkit", None)
+    with pytest.raises(LollmError, match=r"lollm-core\[chat\]"):
+        _line_reader(interactive=True)
+    assert _line_reader(interactive=False)  # piped input needs no line editor
