@@ -6,6 +6,7 @@
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
+    nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -114,3 +115,10 @@ def bench_qwen3_5(session: nox.Session) -> None:
     folder = os.path.join(os.path.expanduser(os.environ.get("LOLLM_CACHE", "~/.cache/lollm")), "bench", "qwen3_5-0.8b-random")
     session.run("python", "lollm-qwen3_5/benchmarks/make_bench_checkpoint.py", folder, env=OFFLINE)
     session.run("lollm", "bench", folder, *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_chat(session: nox.Session) -> None:
+    """A 10-turn chat on the real Qwen2.5 checkpoint: time per turn, cold beside the prompt cache's reuse."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/bench_chat_turns.py", *session.posargs, env=OFFLINE)

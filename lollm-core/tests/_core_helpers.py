@@ -6,7 +6,7 @@
   runs with ``--no-index --no-deps --no-build-isolation``: it uses the
   setuptools of this venv and never touches the network.
 * A tiny byte-level BPE tokenizer folder, trained with the ``tokenizers``
-  library (lollm-core's ``test`` extra).
+  library (lollm-core's ``test`` extra): :func:`lollm.testing.tiny.write_tiny_tokenizer`.
 """
 
 from __future__ import annotations
@@ -110,39 +110,5 @@ def run_lollm(*args: str, sites: tuple[Path, ...] = (), cwd: Path | None = None,
                           env=child_env(*sites), cwd=cwd, timeout=timeout, input=stdin)
 
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "hello world, hello lollm. The quick brown fox jumps over the lazy dog.",
-    "Once upon a time there was a tiny model that could only say a few words.",
-    "numbers 0123456789 and punctuation: !?.,;'\"()[]{}",
-]
-
-
-def write_tiny_tokenizer(folder: Path, *, vocab_size: int = 320, chat_template: bool = True) -> Path:
-    """tokenizer.json (byte-level BPE, special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) and tokenizer_config.json.
-
-    Every one of the 256 bytes is in the vocabulary, so any text encodes; ids stay below ``vocab_size``.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 10, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
-    if chat_template:
-        config["chat_template"] = CHAT_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+# the tiny tokenizer lives in lollm.testing.tiny, for the family distributions' tests too
+from lollm.testing.tiny import CHAT_TEMPLATE, write_tiny_tokenizer  # noqa: E402,F401

@@ -72,6 +72,21 @@ def test_tokenize_chat_applies_the_template(tokenizer_dir):
     assert data["pieces"][0] == "<|im_start|>" and data["ids"][0] == 1
 
 
+def test_tokenize_think_follows_the_template(tmp_path_factory, tokenizer_dir):
+    thinking = write_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "thinking", thinking=True)
+    texts = {}
+    for flag in ("--think", "--no-think"):
+        done = run_lollm("tokenize", str(thinking), "hi", "--chat", flag, "--json")
+        assert done.returncode == 0, done.stderr
+        texts[flag] = json.loads(done.stdout)["text"]
+    assert texts["--no-think"] == texts["--think"] + "<think>\n\n</think>\n\n"
+    # a template that does not read enable_thinking: a clear error, not a silently ignored flag
+    done = run_lollm("tokenize", str(tokenizer_dir), "hi", "--chat", "--think")
+    assert done.returncode == 2 and "does not read enable_thinking" in done.stderr and "Traceback" not in done.stderr
+    done = run_lollm("tokenize", str(thinking), "hi", "--think")
+    assert done.returncode == 2 and "add --chat" in done.stderr
+
+
 # -- clean errors ------------------------------------------------------------------
 
 
@@ -153,3 +168,22 @@ def test_lollm_error_inside_a_command_is_one_line_and_status_2(monkeypatch, caps
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: config.json: rope_scaling type 'yarn' is not implemented"
+
+
+def test_serve_and_chat_name_their_extra_when_it_is_missing(monkeypatch):
+    import subprocess
+
+    # uvicorn blocked: `lollm serve` stops before loading anything, naming the extra
+    code = "import sys; sys.modules['uvicorn'] = None; sys.argv = ['lollm', 'serve', 'no-such-model']; " \
+           "from lollm.cli import main; main()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"})
+    assert done.returncode == 2 and "lollm-core[serve]" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+    from lollm.conversation import _line_reader
+    from lollm.errors import LollmError
+
+    monkeypatch.setitem(sys.modules, "prompt_toolkit", None)
+    with pytest.raises(LollmError, match=r"lollm-core\[chat\]"):
+        _line_reader(interactive=True)
+    assert _line_reader(interactive=False)  # piped input needs no line editor

@@ -117,3 +117,15 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """A tiny qwen2 that chats: varied greedy output (untied head, larger weights), a 512-id ChatML tokenizer
+    whose end-of-text id 0 is the model's eos. For `lollm serve` and `lollm chat` tests."""
+    from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
+
+    raw = shrink_config(real_config("qwen2"), vocab_size=512, bos_token_id=0, eos_token_id=0,
+                        initializer_range=0.1, tie_word_embeddings=False)
+    folder = write_tiny_checkpoint(raw, tmp_path_factory.mktemp("chat-qwen2"))
+    return write_tiny_tokenizer(folder, vocab_size=512)

@@ -3,6 +3,8 @@
 Commands::
 
     lollm run       MODEL --prompt TEXT      generate text, streamed to stdout
+    lollm chat      MODEL                    a conversation in the terminal (the cache carries over)
+    lollm serve     MODEL                    an OpenAI-compatible HTTP server
     lollm families                           the installed family plugins
     lollm tokenize  MODEL TEXT [--chat]      how text becomes token ids
     lollm parity    MODEL                    our logits against transformers'
@@ -70,6 +72,7 @@ def run(
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
+    from lollm.conversation import thinking_flags
     from lollm.generate import generate, stop_token_ids
     from lollm.pipeline import open_model
     from lollm.sampling import resolve_sampling
@@ -81,13 +84,11 @@ def run(
     loaded = open_model(model, device=device, dtype=dtype, progress=True, attn=attn)
     tokenizer = loaded.tokenizer
     capabilities = loaded.family.family.capabilities
-    if think is not None and not capabilities.thinking_toggle:
-        raise LollmError(f"--think/--no-think: the family {loaded.family.family.name!r} has no thinking toggle")
+    template_flags = thinking_flags(tokenizer, think, model)  # decided from the chat template itself
     if mtp and not capabilities.speculative_head:
         raise LollmError(f"--mtp: the family {loaded.family.family.name!r} has no speculative (MTP) head")
     if mtp and not getattr(loaded.model, "has_draft_head", False):
         raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
-    template_flags = {} if think is None else {"enable_thinking": think}
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
             err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
@@ -175,6 +176,7 @@ def tokenize(
     text: str = typer.Argument(..., help="The text to tokenize."),
     chat: bool = typer.Option(False, "--chat", help="Wrap TEXT as a user message with the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for --chat."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag, for --chat (templates that read it)."),
     as_json: bool = typer.Option(False, "--json", help="Print {ids, pieces} as JSON."),
 ) -> None:
     """Show the token ids and pieces of TEXT: how the model sees it."""
@@ -190,9 +192,14 @@ def tokenize(
         if not folder.exists() and _looks_like_repo_id(model):
             folder = download_repo(model)
         tokenizer = load_tokenizer(folder)
+    if think is not None and not chat:
+        raise LollmError("--think/--no-think applies to the chat template: add --chat")
     if chat:
-        rendered = tokenizer.apply_chat_template(_messages(text, system), add_generation_prompt=True)
-        ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True)
+        from lollm.conversation import thinking_flags
+
+        flags = thinking_flags(tokenizer, think, model)
+        rendered = tokenizer.apply_chat_template(_messages(text, system), add_generation_prompt=True, **flags)
+        ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True, **flags)
     else:
         rendered, ids = text, tokenizer.encode(text)
     pieces = tokenizer.pieces(ids)
@@ -322,6 +329,117 @@ def inspect(
         summary.add_row(kind, str(n), f"{b:,}")
     summary.add_row("all", str(len(inv.tensors)), f"{inv.total_bytes:,}")
     out.print(summary)
+
+
+def _model_spec(positional: Optional[str], option: Optional[str]) -> str:
+    """MODEL given as an argument or as -m/--model (one of them, not both)."""
+    if positional and option and positional != option:
+        raise LollmError(f"two models given: {positional!r} and --model {option!r}; give one")
+    spec = positional or option
+    if not spec:
+        raise LollmError("give the model: a checkpoint folder, .gguf file or repo id (as MODEL or -m MODEL)")
+    return spec
+
+
+def _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty) -> dict:
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+
+
+def _check_mtp(loaded, model: str, mtp: bool) -> None:
+    if mtp and not loaded.family.family.capabilities.speculative_head:
+        raise LollmError(f"--mtp: the family {loaded.family.family.name!r} has no speculative (MTP) head")
+    if mtp and not getattr(loaded.model, "has_draft_head", False):
+        raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
+
+
+MODEL_HELP = "Checkpoint folder, .gguf file, Hugging Face repo id, or org/name:QUANT for a GGUF repo."
+CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
+
+
+@app.command()
+def chat(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help=MODEL_HELP),
+    model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option (same as MODEL)."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message, kept across /reset."),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Most tokens per answer."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (templates that read it)."),
+    mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+) -> None:
+    """Chat with MODEL in the terminal: /stats, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
+    from lollm.conversation import ChatSession, repl, thinking_flags
+    from lollm.generate import stop_token_ids
+    from lollm.pipeline import open_model
+    from lollm.sampling import resolve_sampling
+
+    spec = _model_spec(model_arg, model_opt)
+    loaded = open_model(spec, device=device, dtype=dtype, progress=True)
+    _check_mtp(loaded, spec, mtp)
+    checkpoint = loaded.checkpoint
+    user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    session = ChatSession(
+        loaded,
+        sampling=resolve_sampling(user, checkpoint.generation_config, loaded.family.family.sampling_defaults, seed=seed),
+        stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
+        system=system, template_flags=thinking_flags(loaded.tokenizer, think, spec), max_new_tokens=max_new_tokens,
+        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size,
+    )
+    err.print(f"[dim]lollm chat: {escape(spec)} ({loaded.family.family.name} on {loaded.device} "
+              f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
+    repl(session, note=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
+
+
+@app.command()
+def serve(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help=MODEL_HELP),
+    model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option (same as MODEL)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id clients send (default: the checkpoint's folder or file name)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
+    temperature: Optional[float] = typer.Option(None, help="Default for requests that give none (then generation_config, then the family's)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Default top-k for requests."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Default top-p for requests."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Default min-p for requests."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Default repetition penalty."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Default enable_thinking (a request's chat_template_kwargs wins)."),
+    mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    from pathlib import Path
+
+    from lollm.conversation import DEFAULT_CONTEXT, thinking_flags
+    from lollm.pipeline import open_model
+    from lollm.server import ModelServer, require_serve_extra, serve as run_server
+
+    require_serve_extra()
+    spec = _model_spec(model_arg, model_opt)
+    loaded = open_model(spec, device=device, dtype=dtype, progress=True)
+    _check_mtp(loaded, spec, mtp)
+    name = model_name or (Path(spec).stem if Path(spec).suffix == ".gguf" else Path(spec.rstrip("/")).name)
+    server = ModelServer(
+        loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
+        sampling_flags=_sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty),
+        template_flags=thinking_flags(loaded.tokenizer, think, spec), draft_tokens=draft_tokens if mtp else 0,
+        api_key=api_key,
+    )
+    err.print(f"lollm serve: {escape(name)} ({loaded.family.family.name} on {loaded.device}, context "
+              f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
+              + (" (API key required)" if api_key else ""), soft_wrap=True)
+    run_server(server, host=host, port=port)
 
 
 def main() -> None:

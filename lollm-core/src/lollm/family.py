@@ -40,7 +40,9 @@ SAMPLING_KEYS = {
 class Capabilities:
     """Optional features a family supports; the CLI refuses flags the family lacks.
 
-    thinking_toggle:  the chat template reads ``enable_thinking`` (``--think`` / ``--no-think``).
+    thinking_toggle:  the family's chat templates read ``enable_thinking`` (informational: ``lollm families``
+                      lists it; ``--think`` / ``--no-think`` are decided from the checkpoint's own template,
+                      see :meth:`lollm.tokenizer.Tokenizer.chat_template_reads`).
     speculative_head: the checkpoint may carry a draft head for self-speculative decoding (``--mtp``).
     """
 

@@ -7,7 +7,9 @@
                ─► stop: an end-of-sequence id, a stop string, max_new_tokens, or the context is full
 
 A family provides only ``model.forward(ids, cache)`` and ``model.new_cache``
-(see :mod:`lollm.model`); it never writes its own loop.
+(see :mod:`lollm.model`); it never writes its own loop. With a
+:class:`~lollm.prompt_cache.PromptCache` the cache outlives the call, and the
+prefill runs only the part of the prompt the cache does not hold yet.
 """
 
 from __future__ import annotations
@@ -20,7 +22,23 @@ import torch
 
 from lollm.attention import use_backend
 from lollm.errors import GenerationError
+from lollm.prompt_cache import PromptCache
 from lollm.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    """The model's log-probabilities at one generated position (natural log, float).
+
+    token / logprob: the chosen id and its log-probability;
+    top: the ``n`` most likely ids with theirs, most likely first.
+    They come from the model's own distribution (``log_softmax`` of the logits),
+    before the repetition penalty, temperature and filters reshape it for sampling.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -30,9 +48,11 @@ class GenerationResult:
     prompt_ids / new_ids: token ids of the prompt and of the generated tokens
     (the end-of-sequence id, when it stopped the loop, is included in new_ids).
     text: the generated text (up to a stop string, not including it).
-    stop_reason: "eos", "stop_string", "max_new_tokens" or "context".
+    stop_reason: "eos", "stop_string", "max_new_tokens", "context" or "cancelled".
     prefill_seconds: the prompt's forward plus the first sample;
     decode_seconds: every later step.
+    reused_tokens: prompt positions a prompt cache already held (not prefilled again).
+    logprobs: with ``logprobs=N``, one :class:`TokenLogprobs` per id of new_ids.
     """
 
     prompt_ids: list[int]
@@ -43,6 +63,8 @@ class GenerationResult:
     decode_seconds: float = 0.0
     drafted: int = 0  # speculative decoding: draft tokens proposed
     accepted: int = 0  # and how many of them the main model confirmed
+    reused_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -50,7 +72,8 @@ class GenerationResult:
 
     @property
     def prefill_tokens_per_second(self) -> float:
-        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0
+        prefilled = len(self.prompt_ids) - self.reused_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -118,6 +141,10 @@ def generate(
     tokenizer: Any = None,
     on_text: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
+    prompt_cache: PromptCache | None = None,
+    logprobs: int | None = None,
+    on_token: Callable[[int, TokenLogprobs | None], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     attn: str | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
@@ -130,36 +157,53 @@ def generate(
 
     ``speculative_tokens > 0`` turns on self-speculative decoding with the
     model's draft head (see :func:`_speculative_steps`); the output is exactly
-    the same as without it. ``attn`` names the attention backend to run with
-    (:mod:`lollm.attention`; None: the current one). Raises GenerationError for an empty
-    prompt, a non-positive ``max_new_tokens`` or a prompt that does not fit the model's
-    context, AttentionBackendError for an unknown or unusable backend.
+    the same as without it.
+
+    ``prompt_cache`` keeps the cache between calls (see :mod:`lollm.prompt_cache`):
+    the context is then its ``max_tokens``. ``logprobs=N`` records the
+    log-probability of each new token and of the N most likely ones
+    (``result.logprobs``); ``on_token(id, logprobs or None)`` is called for each new
+    token; ``should_stop()`` is asked before each further step, and True ends the
+    generation with stop reason "cancelled" (a client that went away, Ctrl-C).
+    ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
+    the current one).
+    Raises GenerationError for an empty prompt, a non-positive
+    ``max_new_tokens`` or a prompt that does not fit the context,
+    AttentionBackendError for an unknown or unusable backend.
     """
     if attn is not None:
         with use_backend(attn):
             return generate(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                             stop_strings=stop_strings, tokenizer=tokenizer, on_text=on_text,
-                            speculative_tokens=speculative_tokens)
+                            speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
+                            on_token=on_token, should_stop=should_stop)
+    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
     if not prompt_ids:
         raise GenerationError("the prompt is empty: there is nothing to continue")
     if max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= model.max_context:
+    if len(prompt_ids) >= context:
         raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens, but the model's context is {model.max_context}"
+            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
+            f"context is {context}"
         )
     stop_strings = list(stop_strings)
     if stop_strings and tokenizer is None:
         raise GenerationError("stop strings need a tokenizer to decode the generated text")
-    max_new_tokens = min(max_new_tokens, model.max_context - len(prompt_ids))
+    max_new_tokens = min(max_new_tokens, context - len(prompt_ids))
     device = next(model.parameters()).device
     result = GenerationResult(prompt_ids=list(prompt_ids))
     sampler = Sampler(sampling)
     decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
     watcher = _StopStringWatcher(stop_strings)
     history = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
-    # room for the drafts a speculative step writes before it rolls back, never past the context
-    cache = model.new_cache(min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), model.max_context))
+
+    def pick(logits_row: torch.Tensor, seen: torch.Tensor) -> int:
+        """The sampler's choice, with the model's log-probabilities recorded when asked."""
+        token = sampler(logits_row, seen)
+        if logprobs is not None:
+            result.logprobs.append(token_logprobs(logits_row, token, logprobs))
+        return token
 
     def emit(piece: str) -> None:
         if piece:
@@ -168,9 +212,16 @@ def generate(
                 on_text(piece)
 
     # 1. Prefill: the whole prompt in one forward; only the last position's logits are needed.
+    #    A prompt cache runs only the part of the prompt it does not hold yet.
     start = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache, logits_to_keep=1)
-    next_id = sampler(logits[0, -1], history)
+    if prompt_cache is None:
+        # room for the drafts a speculative step writes before it rolls back, never past the context
+        cache = model.new_cache(min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
+        logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache, logits_to_keep=1)
+    else:
+        cache, logits = prompt_cache.prefill(prompt_ids, device)
+        result.reused_tokens = prompt_cache.last.reused
+    next_id = pick(logits[0, -1], history)
     result.prefill_seconds = time.perf_counter() - start
 
     # 2. Decode: feed back one token at a time until a stop condition.
@@ -179,13 +230,15 @@ def generate(
     if speculative_tokens > 0:
         if not getattr(model, "has_draft_head", False):
             raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
-        steps = _speculative_steps(model, cache, sampler, next_id, history, speculative_tokens, result, device)
+        steps = _speculative_steps(model, cache, pick, next_id, history, speculative_tokens, result, device)
     else:
         steps = None
     while True:
         if steps is not None:
             next_id = next(steps)
         result.new_ids.append(next_id)
+        if on_token is not None:
+            on_token(next_id, result.logprobs[-1] if logprobs is not None else None)
         history = torch.cat([history, torch.tensor([next_id])])
         if next_id in stop_ids:
             result.stop_reason = "eos"
@@ -197,11 +250,14 @@ def generate(
                 result.stop_reason = "stop_string"
                 break
         if len(result.new_ids) >= max_new_tokens:
-            result.stop_reason = "max_new_tokens" if cache.length + 1 < model.max_context else "context"
+            result.stop_reason = "max_new_tokens" if cache.length + 1 < context else "context"
+            break
+        if should_stop is not None and should_stop():
+            result.stop_reason = "cancelled"
             break
         if steps is None:
             logits = model(torch.tensor([[next_id]], dtype=torch.long, device=device), cache)
-            next_id = sampler(logits[0, -1], history)
+            next_id = pick(logits[0, -1], history)
     result.decode_seconds = time.perf_counter() - start
 
     if steps is not None:
@@ -209,7 +265,18 @@ def generate(
     # 3. Whatever text the stream decoder and the stop-string watcher still hold.
     if decoder is not None and result.stop_reason != "stop_string":
         emit(watcher.finish(decoder.flush()))
+    # 4. A prompt cache records what its cache now holds, for the next prompt.
+    if prompt_cache is not None:
+        prompt_cache.finish(result.prompt_ids + result.new_ids)
     return result
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """Log-probabilities of ``token`` and of the ``top`` most likely ids under ``logits`` ((V,), any float dtype)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, min(top, logp.numel())) if top > 0 else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprobs(token, float(logp[token]), pairs)
 
 
 def _speculative_steps(model, cache, sampler, first_id: int, history: torch.Tensor, k: int, result: GenerationResult, device):

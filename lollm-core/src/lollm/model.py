@@ -17,13 +17,40 @@ class Cache(Protocol):
 
     ``length`` is the number of positions already stored; the model's forward
     writes the new positions and advances it.
+
+    The prompt cache (:mod:`lollm.prompt_cache`) keeps one cache alive between
+    generations and reuses the part of it that the next prompt shares. What a
+    cache can offer for that is said by three optional methods; core decides
+    with them and never guesses:
+
+    * ``can_rollback(length)`` / ``rollback(length)``: forget the positions from
+      ``length`` on. A full KV cache can go back to any length; a sliding-window
+      ring only as far as it still holds the keys the next queries need; a
+      recurrent state (DeltaNet, Mamba) cannot go back at all, except inside the
+      short forward it recorded for speculative decoding. A cache without
+      ``can_rollback`` is treated as one that cannot roll back.
+    * ``snapshot()`` / ``restore(snapshot)``: copy the part of the state that a
+      rollback cannot recover (recurrent states, sliding-window rings) at the
+      current length, and bring it back later, setting ``length`` to the
+      snapshot's. Core takes snapshots only from caches that have the method,
+      and restores one only while every position before it is unchanged (the
+      positions below a snapshot are never rewritten while core keeps it).
     """
 
     length: int
     max_tokens: int
 
     def rollback(self, length: int) -> None:
-        """Forget every position from ``length`` on (speculative decoding only; optional otherwise)."""
+        """Forget every position from ``length`` on (speculative decoding, the prompt cache; optional otherwise)."""
+
+    def can_rollback(self, length: int) -> bool:
+        """Whether :meth:`rollback` to ``length`` would leave the cache exact (optional)."""
+
+    def snapshot(self) -> Any:
+        """A copy of what a rollback cannot recover, at the current ``length`` (optional)."""
+
+    def restore(self, snapshot: Any) -> None:
+        """Return to the state of ``snapshot``: its tensors and its length (optional)."""
 
 
 class CausalLM(Protocol):

@@ -27,6 +27,8 @@ What the inherited tests prove (each one is a method below, read them):
 5. the cache is preallocated: decoding never replaces its tensors;
 6. a missing and an unexpected tensor raise :class:`~lollm.errors.WeightsError` naming it;
 7. the shared generate loop drives the model, and greedy generation follows the logits;
+   with a prompt cache (:mod:`lollm.prompt_cache`), every turn of a conversation equals a
+   cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
    transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``)
    and cosine >= :attr:`FamilyConformance.parity_min_cosine` at fp32.
@@ -59,7 +61,7 @@ from lollm.hookspecs import ENTRY_POINT_GROUP
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, Registry, build_registry
 
-__all__ = ["FamilyConformance"]
+__all__ = ["FamilyConformance", "check_prompt_cache_turns"]
 
 #: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
 UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
@@ -112,6 +114,77 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
     return dst
+
+
+def check_prompt_cache_turns(
+    model: Any,
+    *,
+    vocab: int | None = None,
+    first: int = 40,
+    message: int = 12,
+    long_message: int = 30,
+    answer: int = 8,
+    speculative_tokens: int = 0,
+    max_snapshots: int = 4,
+    seed: int = 0,
+) -> list[Any]:
+    """Greedy turns of a conversation with a prompt cache each equal a cold run of the same prompt.
+
+    The conversation is made of random token ids (in ``[3, vocab)``: clear of the
+    usual special ids) with no stop ids, so every answer has ``answer`` tokens:
+
+    1. a first prompt of ``first`` ids                              (a cold start);
+    2. turn 1 + its answer + ``message`` new ids                    (the cache continues);
+    3. turn 2 + its answer + ``long_message`` new ids               (a longer suffix);
+    4. turn 3 again, but with answer 2 cut after 2 tokens and another message
+                                                                    (the prompts part inside answer 2);
+    5. turn 4 again, unchanged                                      (regenerate: the same prompt);
+    6. the first 5 ids of turn 1 and ``message`` others             (they part early).
+
+    Every turn's new ids must equal those of ``generate`` without a prompt cache
+    (``speculative_tokens`` as given for both). Returns each turn's
+    :class:`lollm.prompt_cache.CacheReuse`, for the caller to check how the
+    cache was reused (that depends on what the family's cache can do).
+    """
+    from lollm.generate import generate
+    from lollm.prompt_cache import PromptCache
+    from lollm.sampling import SamplingParams
+
+    vocab = int(vocab or model.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    greedy = SamplingParams(temperature=0.0)
+    # room for the longest turn (3) and its answer, with the drafts of a speculative step
+    room = first + message + long_message + 3 * answer + speculative_tokens + 1
+    cache = PromptCache(model, min(room, int(model.max_context)), max_snapshots=max_snapshots)
+    records = []
+
+    def turn(number: int, prompt: list[int]) -> list[int]:
+        warm = generate(model, prompt, max_new_tokens=answer, sampling=greedy, prompt_cache=cache,
+                        speculative_tokens=speculative_tokens)
+        cold = generate(model, prompt, max_new_tokens=answer, sampling=greedy, speculative_tokens=speculative_tokens)
+        assert warm.new_ids == cold.new_ids, (
+            f"turn {number} ({len(prompt)} prompt ids, {cache.last.reused} reused by '{cache.last.how}'): "
+            f"with the prompt cache {warm.new_ids}, cold {cold.new_ids}"
+        )
+        assert warm.reused_tokens == cache.last.reused
+        records.append(cache.last)
+        return warm.new_ids
+
+    p1 = words(first)
+    a1 = turn(1, p1)
+    p2 = p1 + a1 + words(message)
+    a2 = turn(2, p2)
+    p3 = p2 + a2 + words(long_message)
+    turn(3, p3)
+    p4 = p2 + a2[:2] + words(message)
+    turn(4, p4)
+    turn(5, p4)
+    turn(6, p1[:5] + words(message))
+    return records
 
 
 class FamilyConformance:
@@ -393,6 +466,14 @@ class FamilyConformance:
                 if float(top2[0] - top2[1]) > 1e-4:  # skip near-ties, where rounding may pick either
                     assert got == int(logits.argmax()), f"greedy step {step}: loop chose {got}, forward says {int(logits.argmax())}"
                 seq.append(got)
+
+    def test_prompt_cache_turns_equal_cold_runs(self, model):
+        """A conversation through lollm.prompt_cache: each turn equals a cold run of its prompt."""
+        if int(model.max_context) < 48:
+            pytest.skip("the test conversation needs a context of 48 positions")
+        records = check_prompt_cache_turns(model, first=20, message=6, long_message=10, answer=4)
+        # turn 2 continues turn 1 as it is: every family reuses that much
+        assert records[1].how == "extend" and records[1].reused > 0, records[1]
 
     # -- 8. parity against the reference ------------------------------------------------------
 

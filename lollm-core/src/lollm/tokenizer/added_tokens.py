@@ -21,7 +21,12 @@ How the scan works (following the Hugging Face tokenizers library)
   a word character on either side; ``lstrip`` / ``rstrip`` make the token
   swallow the whitespace on its left / right.
 * ``special`` marks control tokens: ``decode(..., skip_special_tokens=True)``
-  leaves them out. Special or not, they are always matched in the text.
+  leaves them out. Special or not, they are matched in the text, unless the
+  caller turns special tokens off (``split(..., special=False)``, the
+  ``split_special_tokens`` of transformers): text that came from someone else,
+  say a message sent to a server, must not be able to write ``<|im_end|>`` and
+  forge the end of its turn. Then special tokens are ordinary text; the other
+  added tokens are still matched.
 """
 
 from __future__ import annotations
@@ -69,8 +74,14 @@ class AddedVocabulary:
                 raise TokenizerError(f"added token id {token.id} has empty content")
             self.by_content[token.content] = token
             self.by_id[token.id] = token
-        self._raw_matcher = self._matcher([t for t in self.tokens if not t.normalized])
-        self._normalized_matcher = self._matcher([t for t in self.tokens if t.normalized])
+        # (raw, normalized) matchers: with the special tokens, and without them
+        self._matchers = {
+            with_special: (
+                self._matcher([t for t in self.tokens if not t.normalized and (with_special or not t.special)]),
+                self._matcher([t for t in self.tokens if t.normalized and (with_special or not t.special)]),
+            )
+            for with_special in (True, False)
+        }
 
     @staticmethod
     def _matcher(tokens: list[AddedToken]) -> regex.Pattern | None:
@@ -85,21 +96,36 @@ class AddedVocabulary:
         contents = sorted({t.content for t in tokens}, key=lambda c: (-len(c), c))
         return regex.compile("|".join(regex.escape(c) for c in contents))
 
-    def split(self, text: str, normalizer: Callable[[str], str] | None = None) -> list[Piece]:
+    def split(
+        self,
+        text: str,
+        normalizer: Callable[[str], str] | None = None,
+        *,
+        special: bool = True,
+        restore: Callable[[str], str] | None = None,
+    ) -> list[Piece]:
         """Cut ``text`` into ordinary text and added tokens; normalize the ordinary text on the way.
 
         Returns ``(text, None)`` for text that still has to be pre-tokenized
         and BPE-encoded, and ``(content, id)`` for each added token found.
+        ``special=False``: special tokens are not looked for (they stay text).
+        ``restore``: applied to each stretch of ordinary text found by the first
+        (raw) pass, before it is normalized; special tokens are not looked for in
+        what it returns (``Tokenizer.encode_chat`` puts back message text there).
         """
-        pieces: list[Piece] = self._find(text, self._raw_matcher)
+        raw_matcher = self._matchers[special][0]
+        normalized_matcher = self._matchers[special and restore is None][1]
+        pieces: list[Piece] = self._find(text, raw_matcher)
         out: list[Piece] = []
         for piece_text, token_id in pieces:
             if token_id is not None:
                 out.append((piece_text, token_id))
                 continue
+            if restore is not None:
+                piece_text = restore(piece_text)
             if normalizer is not None:
                 piece_text = normalizer(piece_text)
-            out.extend(self._find(piece_text, self._normalized_matcher))
+            out.extend(self._find(piece_text, normalized_matcher))
         return [(t, i) for t, i in out if i is not None or t]
 
     def _find(self, text: str, matcher: regex.Pattern | None) -> list[Piece]:

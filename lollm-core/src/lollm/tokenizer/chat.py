@@ -40,6 +40,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -82,6 +83,7 @@ class ChatTemplate:
         self.source = source
         self.origin = origin
         self._compiled: jinja2.Template | None = None
+        self._variables: frozenset[str] | None = None
 
     def _template(self) -> jinja2.Template:
         # Compiled on first use, so that a broken template only stops chat, not plain text completion.
@@ -101,11 +103,22 @@ class ChatTemplate:
             env.globals["strftime_now"] = _strftime_now
             try:
                 self._compiled = env.from_string(self.source)
+                self._variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.source)))
             except jinja2.TemplateSyntaxError as error:
                 raise TokenizerError(
                     f"chat template ({origin}) is not valid Jinja: {error.message} (template line {error.lineno})"
                 ) from None
         return self._compiled
+
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the variable ``name`` (e.g. ``enable_thinking``).
+
+        Decided from the template's syntax tree (the names it uses without
+        setting them), not from a family's declaration: a flag works exactly
+        where the template looks at it.
+        """
+        self._template()
+        return name in self._variables
 
     def render(
         self,

@@ -25,8 +25,11 @@ metadata); it never imports torch.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
+
+import regex
 
 from lollm.errors import TokenizerError
 from lollm.tokenizer.added_tokens import AddedVocabulary
@@ -117,31 +120,41 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- encode
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``.
 
         Added tokens written in the text (``"<|im_end|>"``) become their single
         id. With ``add_special_tokens=True`` the post-processor's ids (``bos``
         for Llama 3; nothing for Qwen) are added around the text.
+        ``parse_special=False`` treats the text of *special* tokens as ordinary
+        text (``"<|im_end|>"`` becomes ``<|``, ``im``, ...): for text from
+        someone who must not write control tokens (transformers'
+        ``split_special_tokens=True``).
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
         ids: list[int] = []
-        for piece, added_id in self._added.split(text, self._normalizer):
+        for piece, added_id in self._added.split(text, self._normalizer, special=parse_special):
             if added_id is not None:
                 ids.append(added_id)
-                continue
-            try:
-                words = self._pre_tokenizer.pre_tokenize(piece)
-            except UnicodeEncodeError:
-                raise TokenizerError(
-                    "the text contains a lone surrogate code point (U+D800..U+DFFF), which is not valid Unicode "
-                    "and has no UTF-8 bytes"
-                ) from None
-            for word in words:
-                ids.extend(self._model.encode_word(word))
+            else:
+                ids.extend(self._encode_plain(piece))
         if add_special_tokens:
             ids = self._prefix_ids + ids + self._suffix_ids
+        return ids
+
+    def _encode_plain(self, piece: str) -> list[int]:
+        """Pre-tokenize and BPE-encode ordinary (already normalized) text."""
+        try:
+            words = self._pre_tokenizer.pre_tokenize(piece)
+        except UnicodeEncodeError:
+            raise TokenizerError(
+                "the text contains a lone surrogate code point (U+D800..U+DFFF), which is not valid Unicode "
+                "and has no UTF-8 bytes"
+            ) from None
+        ids: list[int] = []
+        for word in words:
+            ids.extend(self._model.encode_word(word))
         return ids
 
     # ----------------------------------------------------------------- lookups
@@ -227,14 +240,57 @@ class Tokenizer:
             **template_kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = True, parse_special: bool = True, **template_kwargs: Any
+    ) -> list[int]:
         """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
 
         The template writes its own control tokens, so this equals transformers'
         ``apply_chat_template(messages, tokenize=True)``.
+
+        ``parse_special=False``: the text of special tokens inside the messages
+        is encoded as ordinary text, while the template's own control tokens keep
+        their ids (a server does this for its clients' messages). The messages are
+        rendered with each such text hidden behind a placeholder the template
+        cannot mistake for anything; the placeholders become the original text
+        again only after the control tokens were cut out. Without special-token
+        text in the messages the ids are the same as with ``parse_special=True``.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        render = dict(add_generation_prompt=add_generation_prompt, **template_kwargs)
+        specials = sorted({t.content for t in self._added.tokens if t.special}, key=lambda c: (-len(c), c))
+        found = [c for c in specials if any(c in text for text in _strings(messages))] if not parse_special else []
+        if not found:
+            return self.encode(self.apply_chat_template(messages, **render), add_special_tokens=False)
+        late = [t.content for t in self._added.tokens if t.special and t.normalized]
+        if late:
+            raise TokenizerError(
+                f"the messages contain special-token text ({found[0]!r}), and this tokenizer matches some special "
+                f"tokens only after normalization ({late[0]!r}), so their text cannot be kept apart from the messages'"
+            )
+        strings = list(_strings(messages))
+        while True:  # a placeholder no message contains: private-use characters around random digits
+            nonce = str(secrets.randbelow(10**12))
+            if not any(nonce in text for text in strings):
+                break
+        placeholder = {content: f"\ue000{nonce}.{i}\ue001" for i, content in enumerate(found)}
+        literal = {mark: content for content, mark in placeholder.items()}
+        hide = regex.compile("|".join(regex.escape(c) for c in found))
+        hidden = _map_strings(messages, lambda text: hide.sub(lambda m: placeholder[m.group()], text))
+        text = self.apply_chat_template(hidden, **render)
+        show = regex.compile("|".join(regex.escape(m) for m in literal))
+        ids: list[int] = []
+        restore = lambda piece: show.sub(lambda m: literal[m.group()], piece)  # noqa: E731
+        for piece, added_id in self._added.split(text, self._normalizer, restore=restore):
+            if added_id is not None:
+                ids.append(added_id)  # one of the template's own control tokens
+            else:
+                ids.extend(self._encode_plain(piece))
+        return ids
+
+    def chat_template_reads(self, name: str) -> bool:
+        """Whether the default chat template reads the variable ``name`` (False without a template)."""
+        template = self._chat_templates.get("default")
+        return template is not None and template.reads(name)
 
     def _select_chat_template(self, tools: Any) -> ChatTemplate:
         # Like transformers: a template named "tool_use" is preferred when tools are given.
@@ -249,3 +305,26 @@ class Tokenizer:
             "this tokenizer has no chat template (no chat_template.jinja and no 'chat_template' in "
             "tokenizer_config.json); use plain text completion instead"
         )
+
+
+def _strings(value: Any):
+    """Every string inside messages (contents, content parts, names ...), depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """A copy of ``value`` with ``change`` applied to every string inside it (keys stay)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, Mapping):
+        return {key: _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(item, change) for item in value]
+    return value

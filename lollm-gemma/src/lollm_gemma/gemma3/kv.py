@@ -26,6 +26,20 @@ preallocated tensors (no per-step allocation or concatenation):
   of the new keys (one copy per prefill, not per token); the mask
   (made by ``lollm.attention``) then applies causality and the window. Only
   then are the last R of the new keys written into the ring.
+
+Going back (the prompt cache, docs/serving.md)
+---------------------------------------------
+A global layer can return to any earlier length: each position keeps its row.
+A ring cannot always: once it has wrapped, the slots of old positions hold
+newer ones. A query at position n reads positions ``n-W+1 .. n``; after
+positions ``0 .. written-1`` went through a ring of R slots it holds
+``written-R .. written-1`` only. So ``rollback(n)`` is exact when nothing was
+overwritten (``written <= R``) or when ``n-(W-1) >= written-R``; a wrapped
+ring has R = W, so that is ``n >= written-1``: one step back at most (or back to 0, an empty cache).
+(``written`` is the highest length ever reached: a rollback does not
+un-write the ring.) Further back, core restores a ``snapshot()``: a copy of
+every ring at one length (W positions per sliding layer, e.g. 15 MiB for
+Gemma 3 270M in float32), taken at turn boundaries.
 """
 
 from __future__ import annotations
@@ -98,6 +112,15 @@ class SlidingWindowKV:
         self._write(start, k, v)
         return k_all, v_all
 
+    def holds_window_before(self, length: int, written: int) -> bool:
+        """Whether queries from position ``length`` on find their keys here, after ``written`` positions went in.
+
+        The ring holds positions ``written-R .. written-1``; the query at ``length``
+        needs ``length-(W-1) .. length-1`` of them (none before position 0).
+        """
+        oldest_kept = max(0, written - self.slots)
+        return oldest_kept == 0 or length - (self.window - 1) >= oldest_kept
+
     def _read(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions ``first .. end-1`` (all still in the ring), in position order."""
         slots = torch.arange(first, end, device=self.k.device) % self.slots
@@ -124,6 +147,8 @@ class Gemma3Cache:
       layers:     per decoder layer, its cache (the kind follows ``config.layer_types``).
       length:     positions processed so far; the next forward's tokens start there.
       max_tokens: capacity in positions (what the global layers hold).
+      written:    the highest ``length`` reached: the rings hold positions up to there
+                  (after a rollback, more than ``length``; see "Going back" above).
     """
 
     def __init__(self, config: Gemma3Config, max_tokens: int, *, device, dtype):
@@ -136,6 +161,7 @@ class Gemma3Cache:
         ]
         self.length = 0
         self.max_tokens = max_tokens
+        self.written = 0
 
     def check_room(self, T: int) -> None:
         """Raise GenerationError when T more positions do not fit."""
@@ -151,6 +177,45 @@ class Gemma3Cache:
     def advance(self, T: int) -> None:
         """Mark T more positions as processed (once per forward, after the last layer)."""
         self.length += T
+        self.written = max(self.written, self.length)
+
+    def _rings(self) -> list[SlidingWindowKV]:
+        return [layer for layer in self.layers if isinstance(layer, SlidingWindowKV)]
+
+    def can_rollback(self, length: int) -> bool:
+        """Whether :meth:`rollback` to ``length`` is exact: back to 0 (an empty cache), or every ring
+        still holds the window before ``length``."""
+        if length == 0:
+            return True
+        return 0 < length <= self.length and all(r.holds_window_before(length, self.written) for r in self._rings())
+
+    def rollback(self, length: int) -> None:
+        """Forget every position from ``length`` on; GenerationError where a ring no longer holds what that needs."""
+        if not self.can_rollback(length):
+            raise GenerationError(
+                f"cannot roll the cache back from {self.length} to {length} positions: the sliding-window rings "
+                f"(window {self._rings()[0].window if self._rings() else '-'}) have overwritten positions it needs"
+            )
+        self.length = length
+        if length == 0:
+            self.written = 0  # an empty cache: what the rings hold is never read again
+
+    def snapshot(self) -> tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A copy of every ring at the current length (the global layers need none: their rows stay)."""
+        return self.length, self.written, [(r.k.clone(), r.v.clone()) for r in self._rings()]
+
+    def restore(self, snapshot: tuple[int, int, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Put the rings of ``snapshot`` back and return to its length.
+
+        Exact as long as no position below the snapshot's length was rewritten
+        since it was taken (the prompt cache drops snapshots above any point it
+        goes back to, so that holds).
+        """
+        length, written, rings = snapshot
+        for ring, (k, v) in zip(self._rings(), rings):
+            ring.k.copy_(k)
+            ring.v.copy_(v)
+        self.length, self.written = length, written
 
     def nbytes(self) -> int:
         """Memory held by the cache's tensors, in bytes."""

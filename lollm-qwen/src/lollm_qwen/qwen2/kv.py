@@ -75,8 +75,13 @@ class Qwen2KVCache:
         """Mark T more positions as filled (once per forward, after the last layer)."""
         self.length += T
 
+    def can_rollback(self, length: int) -> bool:
+        """A full KV cache can return to any length it holds: every position keeps its own row."""
+        return 0 <= length <= self.length
+
     def rollback(self, length: int) -> None:
-        """Forget every position from ``length`` on (speculative decoding rejects drafts so).
+        """Forget every position from ``length`` on (speculative decoding rejects drafts so; the
+        prompt cache goes back to the prefix a new prompt shares with the conversation).
 
         Nothing is erased: attention only reads ``[:length]``, and the next
         forward overwrites the positions from ``length`` on.

@@ -42,10 +42,25 @@ A prefill (an empty cache) and a longer multi-token forward are not recorded
 (they use the chunked form and may not be rolled back into); a one-token
 decode step needs no snapshot either.
 
+Going back further (the prompt cache, docs/serving.md)
+-----------------------------------------------------
+A conversation's next prompt shares a prefix with what the cache holds, but a
+DeltaNet state cannot be cut back to that prefix: it is one matrix that every
+token has been folded into. So the prompt cache keeps copies of the small
+states at turn boundaries (``snapshot()``: conv and recurrent states and the
+length, 18 MiB for Qwen3.5-0.8B) and, to go back, ``restore()``s the newest
+one at or before the point where the prompts part; the attention layers' rows
+below it are still in place. ``can_rollback`` says where a plain rollback is
+enough: the current length, the recorded verify step, or 0 (a fresh start:
+states zeroed).
+
 The MTP draft head (see mtp.py) keeps its own small state here too: one K/V
-slot, how many of its positions hold confirmed values (``mtp_length``), and
-the final hidden states and token ids of the main model's last forward, which
-it reads when drafting.
+slot, how many of its positions hold confirmed values (``mtp_length``), and,
+for every position, the main model's final hidden state and token id
+(``hidden``, ``ids``), which it reads when it catches up before drafting.
+Keeping them for every position (C values each, e.g. 4 KiB per position for
+Qwen3.5-0.8B in float32) lets the head catch up from any point the cache went
+back to.
 """
 
 from __future__ import annotations
@@ -100,9 +115,9 @@ class Qwen3_5HybridCache:
         self.with_mtp = with_mtp
         self.mtp_slot = n_attention - 1 if with_mtp else None
         self.mtp_length = 0  # MTP positions 0 .. mtp_length-1 hold values from confirmed tokens
-        self.last_start = 0  # the main model's last forward: its first position,
-        self.last_ids: torch.Tensor | None = None  # its token ids (T,),
-        self.last_hidden: torch.Tensor | None = None  # and its final-normed hidden states (T, C)
+        # the main model's final-normed hidden state (max_tokens, C) and token id (max_tokens,) of every position
+        self.hidden = torch.zeros(max_tokens if with_mtp else 0, c.hidden_size, device=device, dtype=dtype)
+        self.ids = torch.zeros(max_tokens if with_mtp else 0, device=device, dtype=torch.long)
 
     # -- a forward ----------------------------------------------------------
     def begin(self, T: int) -> None:
@@ -156,32 +171,63 @@ class Qwen3_5HybridCache:
         """During a recorded forward, where DeltaNet layer ``slot`` writes its state after each token: (T, Hv, Dk, Dv)."""
         return self._states[slot, : self.record_tokens]
 
-    # -- speculative decoding -----------------------------------------------
+    # -- speculative decoding and the prompt cache ---------------------------
+    def can_rollback(self, length: int) -> bool:
+        """Whether :meth:`rollback` to ``length`` is possible: the current length, 0, or inside the recorded forward."""
+        first, last = self.record_start, self.record_start + self.record_tokens
+        return length in (self.length, 0) or (first < length < self.length and last == self.length)
+
     def rollback(self, length: int) -> None:
-        """Forget every position from ``length`` on; allowed inside the last recorded forward.
+        """Forget every position from ``length`` on; allowed inside the last recorded forward, or back to 0.
 
         Attention layers: ``length`` drops (stale rows get overwritten later).
         DeltaNet layers: the state after position ``length - 1`` is copied back
-        from the snapshots of the recorded forward.
+        from the snapshots of the recorded forward (or zeroed, for 0).
         """
         if length == self.length:
             return
         first, last = self.record_start, self.record_start + self.record_tokens
-        if not (first < length < self.length and last == self.length):
+        if not self.can_rollback(length):
             raise GenerationError(
                 f"cannot roll the cache back from {self.length} to {length} positions: the DeltaNet states can only "
                 f"return to a position inside the last multi-token forward of at most {MAX_ROLLBACK_TOKENS} tokens "
                 f"on a non-empty cache (positions {first + 1} .. {last})"
             )
-        j = length - first - 1  # index, within the recorded forward, of the last token kept
-        self.recurrent.copy_(self._states[:, j])
-        # conv state after token j = the W-1 window inputs ending at it: window rows j+1 .. j+W-1
-        self.conv.copy_(self._conv_windows[:, j + 1 : j + self._kernel])
+        if length == 0:
+            self.conv.zero_()
+            self.recurrent.zero_()
+        else:
+            j = length - first - 1  # index, within the recorded forward, of the last token kept
+            self.recurrent.copy_(self._states[:, j])
+            # conv state after token j = the W-1 window inputs ending at it: window rows j+1 .. j+W-1
+            self.conv.copy_(self._conv_windows[:, j + 1 : j + self._kernel])
+        self._went_back_to(length)
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A copy of the DeltaNet states at the current length (the attention rows below it stay in place)."""
+        return self.length, self.conv.clone(), self.recurrent.clone()
+
+    def restore(self, snapshot: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        """Return to the length and DeltaNet states of ``snapshot``.
+
+        Exact as long as no position below the snapshot's length was rewritten
+        since it was taken (the prompt cache drops snapshots above any point it
+        goes back to, so that holds).
+        """
+        length, conv, recurrent = snapshot
+        self.conv.copy_(conv)
+        self.recurrent.copy_(recurrent)
+        self._went_back_to(length)
+
+    def _went_back_to(self, length: int) -> None:
         self.length = length
-        self.record_tokens = 0  # snapshots are spent: no second rollback into the same forward
-        self.mtp_length = min(self.mtp_length, length)
+        self.record_tokens = 0  # the recorded states are spent: no second rollback into the same forward
+        # MTP row p pairs h_p with the token at p+1; the token at `length` is not known yet
+        # (a verify step knows it: rollback(start+1+accepted) keeps mtp_length = start).
+        self.mtp_length = min(self.mtp_length, max(length - 1, 0))
 
     # -- the MTP head ---------------------------------------------------------
     def remember_last_forward(self, start: int, ids: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Keep the main model's last forward (token ids (T,), final-normed hidden (T, C)) for the MTP head."""
-        self.last_start, self.last_ids, self.last_hidden = start, ids, hidden
+        """Keep the main model's token ids (T,) and final-normed hidden states (T, C) of positions ``start ..`` for the MTP head."""
+        self.ids[start : start + ids.shape[0]] = ids
+        self.hidden[start : start + hidden.shape[0]] = hidden

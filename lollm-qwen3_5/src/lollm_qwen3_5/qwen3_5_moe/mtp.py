@@ -114,7 +114,7 @@ class Qwen3_5MoeMTP(nn.Module):
         L = cache.length
         if num_tokens <= 0:
             return []
-        if cache.last_hidden is None or L == 0:
+        if L == 0:
             raise GenerationError("the MTP head drafts after a forward with the cache: run the prompt first")
         if num_tokens >= MAX_ROLLBACK_TOKENS:
             raise GenerationError(
@@ -124,16 +124,11 @@ class Qwen3_5MoeMTP(nn.Module):
         if L - 1 + num_tokens > cache.max_tokens:
             raise GenerationError(f"no room in the cache for {num_tokens} draft tokens after position {L - 1}")
         first = min(cache.mtp_length, L - 1)  # redo position L-1 at least: it pairs with `pending`
-        if first < cache.last_start:
-            raise GenerationError(
-                "the MTP head missed positions: draft() must be called after every forward that extends the cache"
-            )
-        device = cache.last_hidden.device
+        device = cache.hidden.device
 
         # 1. Catch up positions first .. L-1 with the main model's hidden states.
-        offset = first - cache.last_start
-        hidden = cache.last_hidden[offset : L - cache.last_start]  # (T1, C): h_first .. h_{L-1}
-        next_ids = torch.cat((cache.last_ids[offset + 1 : L - cache.last_start], torch.tensor([pending], device=device)))
+        hidden = cache.hidden[first:L]  # (T1, C): h_first .. h_{L-1}
+        next_ids = torch.cat((cache.ids[first + 1 : L], torch.tensor([pending], device=device)))
         positions = torch.arange(first, L, device=device)
         cos, sin = rotary_emb(positions, hidden.dtype)
         h = self(embed_tokens(next_ids)[None], hidden[None], cos, sin, cache, first)  # (1, T1, C)

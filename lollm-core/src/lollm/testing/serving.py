@@ -1,0 +1,282 @@
+"""Checks of a live ``lollm serve`` through the official ``openai`` client, for every family's tests.
+
+A test starts the server in a child process on a tiny checkpoint (with a
+tokenizer and a chat template) and runs these checks against it; each one
+compares what the server answers with what lollm itself computes in the test
+process on the same checkpoint (greedy, so the text is determined)::
+
+    with run_server(folder, "--model-name", "tiny") as url:
+        client = openai_client(url)
+        reference = Reference(folder)
+        check_chat(client, "tiny", reference)
+
+The ``openai`` package comes with ``lollm-core[test]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+GREEDY = {"temperature": 0.0}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """GET (or POST ``body``) ``url``; returns (status, parsed JSON body)."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@contextmanager
+def run_server(folder: str | Path, *args: str, timeout: float = 180) -> Iterator[str]:
+    """``lollm serve folder ARGS`` in a child process on a free port; yields its base URL (``.../v1``).
+
+    Waits until /health answers; stops the child (its own process id) on exit. On a
+    failure to start, the AssertionError shows the server's output.
+    """
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    # one thread: tiny models gain nothing from more, and on a busy machine OpenMP's barriers make them wait
+    env = {**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "lollm.cli", "serve", str(folder), "--port", str(port), *args],
+                             stdout=log, stderr=subprocess.STDOUT, env=env)
+    root = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if http(root + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if child.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise AssertionError(f"lollm serve did not start (exit {child.poll()}):\n{log.read()[-4000:]}")
+            time.sleep(0.2)
+        yield root + "/v1"
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        log.close()
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while inside (the reference runs of tiny models), as before afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def openai_client(base_url: str, api_key: str = "unused", **kwargs: Any):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120, **kwargs)
+
+
+class Reference:
+    """lollm in the test process, on the same checkpoint: what the server must answer (greedy)."""
+
+    def __init__(self, folder: str | Path):
+        from lollm.generate import stop_token_ids
+        from lollm.pipeline import open_model
+
+        self.loaded = open_model(str(folder), device="cpu", dtype="float32")
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        ckpt = self.loaded.checkpoint
+        self.stop_ids = stop_token_ids(ckpt.generation_config, ckpt.config, self.tokenizer)
+
+    def chat_ids(self, messages: list[dict[str, str]], **flags: Any) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
+
+    def generate(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = (), logprobs: int | None = None,
+                 **sampling_flags: Any):
+        """Greedy, with the other sampling settings resolved as the server does (a family's repetition penalty ...)."""
+        from lollm.generate import generate
+        from lollm.sampling import resolve_sampling
+
+        sampling = resolve_sampling({**GREEDY, **sampling_flags}, self.loaded.checkpoint.generation_config,
+                                    self.loaded.family.family.sampling_defaults)
+        return generate(self.model, ids, max_new_tokens=max_tokens, sampling=sampling, stop_ids=self.stop_ids,
+                        stop_strings=stop, tokenizer=self.tokenizer, logprobs=logprobs)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a tiny random model."},
+    {"role": "user", "content": "Tell me about the quick brown fox."},
+]
+
+
+def check_chat(client, model: str, reference: Reference, max_tokens: int = 24) -> None:
+    """Non-streaming and streaming chat give the reference's greedy text; usage counts tokens and cached ones."""
+    ids = reference.chat_ids(CONVERSATION)
+    expected = reference.generate(ids, max_tokens)
+    reply = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=max_tokens, **GREEDY)
+    assert reply.choices[0].message.content == expected.text, (reply.choices[0].message.content, expected.text)
+    assert reply.choices[0].finish_reason == ("stop" if expected.stop_reason == "eos" else "length")
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(expected.new_ids)
+    assert reply.model == model and reply.object == "chat.completion"
+
+    pieces, finish, usage = [], None, None
+    stream = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=max_tokens, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected.text and len([p for p in pieces if p]) > 1, pieces
+    assert finish == reply.choices[0].finish_reason
+    # the same prompt again: all of it but its last token comes from the prompt cache
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens == len(ids) - 1, usage
+
+    # the conversation goes on: the previous prompt is reused at least up to its last token (the
+    # answer's text, tokenized again, may part from the ids generated; a ring or a recurrent state
+    # then resumes from the snapshot taken before the prompt's last token)
+    follow = CONVERSATION + [{"role": "assistant", "content": expected.text}, {"role": "user", "content": "And then?"}]
+    again = client.chat.completions.create(model=model, messages=follow, max_tokens=4, **GREEDY)
+    follow_ids = reference.chat_ids(follow)
+    assert again.choices[0].message.content == reference.generate(follow_ids, 4).text
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 1, again.usage
+
+
+def check_completions(client, model: str, reference: Reference, max_tokens: int = 16) -> None:
+    """/v1/completions on plain text and on token ids, streaming and not."""
+    prompt = "Once upon a time there was"
+    ids = reference.tokenizer.encode(prompt)
+    expected = reference.generate(ids, max_tokens)
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **GREEDY)
+    assert reply.choices[0].text == expected.text and reply.object == "text_completion"
+    assert reply.usage.completion_tokens == len(expected.new_ids)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, **GREEDY)
+    assert by_ids.choices[0].text == expected.text
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+
+
+def check_logprobs(client, model: str, reference: Reference, max_tokens: int = 6) -> None:
+    """logprobs / top_logprobs equal log_softmax of a plain forward (no cache) at each generated position."""
+    import torch
+
+    ids = reference.chat_ids(CONVERSATION)
+    plain = {"repetition_penalty": 1.0}  # so that greedy picks the most likely token
+    expected = reference.generate(ids, max_tokens, **plain)
+    reply = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=max_tokens, logprobs=True,
+                                           top_logprobs=3, extra_body=plain, **GREEDY)
+    content = reply.choices[0].logprobs.content
+    tokens = expected.new_ids[:-1] if expected.stop_reason == "eos" else expected.new_ids
+    assert len(content) == len(tokens), (len(content), len(tokens))
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([ids + expected.new_ids]))[0, len(ids) - 1 :]
+    truth = torch.log_softmax(logits.float(), dim=-1)
+    for i, (entry, token) in enumerate(zip(content, tokens)):
+        assert bytes(entry.bytes) == reference.tokenizer.token_bytes(token)
+        assert abs(entry.logprob - float(truth[i, token])) < 1e-3, (i, entry.logprob, float(truth[i, token]))
+        top = [(t.logprob, bytes(t.bytes)) for t in entry.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, key=lambda x: -x[0])
+        best = torch.topk(truth[i], 3)
+        assert [reference.tokenizer.token_bytes(int(t)) for t in best.indices] == [b for _, b in top]
+        assert top[0][0] == entry.logprob  # greedy: the chosen one is the most likely
+    # the legacy completions form: parallel lists
+    legacy = client.completions.create(model=model, prompt="hello world", max_tokens=3, logprobs=2, **GREEDY)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) >= 1
+    assert "".join(lp.tokens).startswith(legacy.choices[0].text[: len(lp.tokens[0])])
+
+
+def check_stop_strings(client, model: str, reference: Reference, max_tokens: int = 40) -> None:
+    """A stop string from the middle of the greedy text ends the answer just before it."""
+    ids = reference.chat_ids(CONVERSATION)
+    full = reference.generate(ids, max_tokens).text
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if full[i : i + 2].strip() and full.find(full[i : i + 2]) == i)
+    reply = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=max_tokens, stop=[stop, "\x00never"],
+                                           **GREEDY)
+    assert reply.choices[0].message.content == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def health(base_url: str) -> dict[str, Any]:
+    return http(base_url.removesuffix("/v1") + "/health")[1]
+
+
+def check_disconnect_cancels(client, model: str, base_url: str) -> None:
+    """A client that closes its stream after a few chunks cancels the generation (counted by /health)."""
+    before = health(base_url)["requests"]
+    stream = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=100_000, stream=True,
+                                            temperature=0.0)
+    received = 0
+    for chunk in stream:
+        received += 1
+        if received == 4:
+            break
+    stream.close()
+    deadline = time.monotonic() + 120
+    while health(base_url)["requests"]["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the server did not cancel the generation of the client that went away"
+        time.sleep(0.2)
+    after = health(base_url)["requests"]
+    assert after["completed"] == before["completed"], "the abandoned generation ran to its end"
+    # and the server goes on serving
+    reply = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=2, temperature=0.0)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def check_concurrent_requests(client, model: str, reference: Reference, max_tokens: int = 12) -> None:
+    """Requests sent at once (streaming and not, different prompts) all finish, each with its own right answer."""
+    questions = ["What is a fox?", "Count to three.", "Say hello.", "Why is the sky blue?"]
+    jobs = [[{"role": "user", "content": q}] for q in questions]
+    expected = [reference.generate(reference.chat_ids(m), max_tokens).text for m in jobs]
+    answers: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            if i % 2:
+                stream = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, stream=True,
+                                                        **GREEDY)
+                answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            else:
+                reply = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, **GREEDY)
+                answers[i] = reply.choices[0].message.content
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [answers.get(i) for i in range(len(jobs))] == expected
