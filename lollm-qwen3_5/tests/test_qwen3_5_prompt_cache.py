@@ -99,7 +99,7 @@ def test_the_mtp_head_cache_is_right_after_the_prompt_cache_went_back(family, ti
         model(torch.tensor([truth[:L]]), hidden_states=hidden)
         fresh = model.new_cache(L)
         cos, sin = model.model.rotary_emb(torch.arange(L), torch.float32)
-        model.mtp(model.model.embed_tokens(torch.tensor([truth[1 : L + 1]])), hidden[-1], cos, sin, None, fresh, 0)
+        model.mtp(model.model.embed_tokens(torch.tensor([truth[1 : L + 1]])), hidden[-1], cos, sin, fresh, 0)
     slot = kv.mtp_slot
     torch.testing.assert_close(kv.k[slot, :, :, :L], fresh.k[slot, :, :, :L], rtol=1e-3, atol=2e-4)
     torch.testing.assert_close(kv.v[slot, :, :, :L], fresh.v[slot, :, :, :L], rtol=1e-3, atol=2e-4)
