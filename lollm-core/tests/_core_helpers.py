@@ -11,11 +11,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 
 PYPROJECT = """\
@@ -146,3 +149,47 @@ def write_tiny_tokenizer(folder: Path, *, vocab_size: int = 320, chat_template: 
         config["chat_template"] = CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+# -- hang and memory guards for in-process tests ------------------------------------
+
+
+class CpuTimeExceeded(Exception):
+    """Raised inside a test that used more CPU time than :func:`cpu_time_limit` allows."""
+
+
+@contextlib.contextmanager
+def cpu_time_limit(seconds: float):
+    """Fail (CpuTimeExceeded) instead of hanging once the process has used ``seconds`` of CPU time here.
+
+    A hang guard, not a speed test: SIGPROF fires after ``seconds`` of CPU time
+    (all threads of the process), which a loaded machine does not inflate the
+    way it inflates wall-clock time. Main thread, Linux and macOS.
+    """
+    def expired(signum, frame):
+        raise CpuTimeExceeded(f"more than {seconds} s of CPU time")
+
+    previous = signal.signal(signal.SIGPROF, expired)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
+@contextlib.contextmanager
+def peak_python_memory(limit_mb: float):
+    """Fail (AssertionError) when the Python allocations made here peak above ``limit_mb`` (tracemalloc)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        if started:
+            tracemalloc.stop()
+    assert (peak - base) / 2**20 < limit_mb, f"Python allocations peaked at {(peak - base) / 2**20:.0f} MB (limit {limit_mb} MB)"
