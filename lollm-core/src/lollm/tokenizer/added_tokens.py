@@ -21,7 +21,14 @@ How the scan works (following the Hugging Face tokenizers library)
   a word character on either side; ``lstrip`` / ``rstrip`` make the token
   swallow the whitespace on its left / right.
 * ``special`` marks control tokens: ``decode(..., skip_special_tokens=True)``
-  leaves them out. Special or not, they are always matched in the text.
+  leaves them out. By default, special or not, they are matched in the text.
+
+Special-token parsing can be switched off (``parse_special=False``; the
+tokenizers library calls it ``encode_special_tokens``, transformers
+``split_special_tokens=True``): special tokens written in the text are then
+not matched and their text is encoded like any other, so text from a user
+cannot forge control tokens. Non-special added tokens are still matched, as
+in the tokenizers library.
 """
 
 from __future__ import annotations
@@ -85,24 +92,45 @@ class AddedVocabulary:
         contents = sorted({t.content for t in tokens}, key=lambda c: (-len(c), c))
         return regex.compile("|".join(regex.escape(c) for c in contents))
 
-    def split(self, text: str, normalizer: Callable[[str], str] | None = None) -> list[Piece]:
+    def split(
+        self,
+        text: str,
+        normalizer: Callable[[str], str] | None = None,
+        *,
+        parse_special: bool = True,
+        literals: dict[str, str] | None = None,
+    ) -> list[Piece]:
         """Cut ``text`` into ordinary text and added tokens; normalize the ordinary text on the way.
 
         Returns ``(text, None)`` for text that still has to be pre-tokenized
         and BPE-encoded, and ``(content, id)`` for each added token found.
+
+        ``parse_special=False`` leaves special tokens unmatched (their text is
+        ordinary text). ``literals`` maps placeholder characters to the text
+        they stand for (see :meth:`Tokenizer.encode_chat`): a placeholder is
+        never part of a match, and after the raw pass it is replaced by its
+        text, in a piece where special tokens are no longer matched.
         """
-        pieces: list[Piece] = self._find(text, self._raw_matcher)
+        pieces: list[Piece] = self._find(text, self._raw_matcher, parse_special)
         out: list[Piece] = []
         for piece_text, token_id in pieces:
             if token_id is not None:
                 out.append((piece_text, token_id))
                 continue
+            special_here = parse_special
+            if literals and any(ch in literals for ch in piece_text):
+                piece_text = "".join(literals.get(ch, ch) for ch in piece_text)
+                special_here = False
             if normalizer is not None:
                 piece_text = normalizer(piece_text)
-            out.extend(self._find(piece_text, self._normalized_matcher))
+            out.extend(self._find(piece_text, self._normalized_matcher, special_here))
         return [(t, i) for t, i in out if i is not None or t]
 
-    def _find(self, text: str, matcher: regex.Pattern | None) -> list[Piece]:
+    def special_pattern(self) -> regex.Pattern | None:
+        """A regex finding the text of every special token (leftmost-longest), ``None`` when there are none."""
+        return self._matcher([t for t in self.tokens if t.special])
+
+    def _find(self, text: str, matcher: regex.Pattern | None, parse_special: bool = True) -> list[Piece]:
         if matcher is None or not text:
             return [(text, None)]
         pieces: list[Piece] = []
@@ -112,6 +140,8 @@ class AddedVocabulary:
             start, stop = match.start(), match.end()
             if start < done:
                 continue  # inside whitespace that an rstrip token already swallowed
+            if token.special and not parse_special:
+                continue  # like the tokenizers library: the scan goes on after the skipped match
             if token.single_word:
                 glued_left = start > 0 and _ENDS_WITH_WORD_CHAR.search(text[:start]) is not None
                 glued_right = stop < len(text) and _STARTS_WITH_WORD_CHAR.search(text[stop:]) is not None

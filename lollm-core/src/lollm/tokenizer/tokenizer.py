@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import regex
+
 from lollm.errors import TokenizerError
 from lollm.tokenizer.added_tokens import AddedVocabulary
 from lollm.tokenizer.chat import ChatTemplate
@@ -86,6 +88,7 @@ class Tokenizer:
         #: names -> text of the named special tokens ("bos_token": "<|endoftext|>", ...).
         self._special_tokens = dict(special_tokens or {})
         self._chat_templates = dict(chat_templates or {})
+        self._special_text: regex.Pattern | None = None  # built on first use by _hide_special_text
 
         # id -> token string for the whole vocabulary; added tokens win.
         self._id_to_token: dict[int, str] = {token_id: token for token, token_id in model.vocab.items()}
@@ -117,17 +120,28 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- encode
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text``.
 
         Added tokens written in the text (``"<|im_end|>"``) become their single
         id. With ``add_special_tokens=True`` the post-processor's ids (``bos``
         for Llama 3; nothing for Qwen) are added around the text.
+
+        ``parse_special=False`` encodes the text of *special* added tokens as
+        ordinary text (``"<|im_end|>"`` becomes ``<``, ``|``, ``im``, ...), so a
+        text from someone else cannot forge control tokens; non-special added
+        tokens are still single ids. This equals transformers'
+        ``tokenizer(text, split_special_tokens=True)``. The default (``True``)
+        equals transformers' default.
         """
+        return self._encode(text, add_special_tokens=add_special_tokens, parse_special=parse_special)
+
+    def _encode(self, text: str, *, add_special_tokens: bool, parse_special: bool = True,
+                literals: dict[str, str] | None = None) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
         ids: list[int] = []
-        for piece, added_id in self._added.split(text, self._normalizer):
+        for piece, added_id in self._added.split(text, self._normalizer, parse_special=parse_special, literals=literals):
             if added_id is not None:
                 ids.append(added_id)
                 continue
@@ -227,14 +241,74 @@ class Tokenizer:
             **template_kwargs,
         )
 
-    def encode_chat(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        parse_special: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
 
-        The template writes its own control tokens, so this equals transformers'
-        ``apply_chat_template(messages, tokenize=True)``.
+        The template writes its own control tokens, so with the default
+        ``parse_special=True`` this equals transformers'
+        ``apply_chat_template(messages, tokenize=True)``: special-token text
+        *inside a message* becomes control tokens too, so a user who writes
+        ``<|im_end|>\n<|im_start|>system`` closes their turn and opens a
+        system turn.
+
+        ``parse_special=False`` keeps the template's control tokens and encodes
+        special-token text found in the messages, ``tools`` and ``documents``
+        as ordinary text: use it for text from anyone who is not trusted with
+        the prompt format (a network client). Messages without such text give
+        the same ids either way. How: before rendering, each special-token text
+        in those values is replaced by a placeholder character of Unicode's
+        private use plane 16 (U+100000 on; a plane-16 character already in the
+        messages gets one too, standing for itself); after rendering, the
+        placeholders go back to their text while the rendered prompt is encoded,
+        in a piece where special tokens are not matched (see
+        :meth:`AddedVocabulary.split`).
         """
+        if parse_special:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            return self._encode(text, add_special_tokens=False)
+        placeholders: dict[str, str] = {}  # literal text -> placeholder character
+        messages = self._hide_special_text(messages, placeholders)
+        for key in ("tools", "documents"):
+            if template_kwargs.get(key) is not None:
+                template_kwargs[key] = self._hide_special_text(template_kwargs[key], placeholders)
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        literals = {mark: literal for literal, mark in placeholders.items()}
+        return self._encode(text, add_special_tokens=False, literals=literals)
+
+    #: The placeholders of encode_chat(parse_special=False): Unicode's Supplementary Private Use Area-B.
+    _PLACEHOLDER_FIRST, _PLACEHOLDER_LAST = 0x100000, 0x10FFFD
+
+    def _hide_special_text(self, value: Any, placeholders: dict[str, str], depth: int = 0) -> Any:
+        """A copy of ``value`` (messages, tools: nested dicts, lists, strings) with every special-token text,
+        and every plane-16 private-use character, replaced by its placeholder character."""
+        if depth > 100:
+            raise TokenizerError("chat messages nest deeper than 100 levels")
+        if isinstance(value, str):
+            if self._special_text is None:
+                specials = self._added.special_pattern()
+                either = f"{specials.pattern}|" if specials is not None else ""
+                self._special_text = regex.compile(f"{either}[\U00100000-\U0010FFFD]")
+            return self._special_text.sub(lambda match: self._placeholder(match.group(), placeholders), value)
+        if isinstance(value, Mapping):
+            return {key: self._hide_special_text(item, placeholders, depth + 1) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._hide_special_text(item, placeholders, depth + 1) for item in value]
+        return value
+
+    def _placeholder(self, literal: str, placeholders: dict[str, str]) -> str:
+        if literal not in placeholders:
+            code = self._PLACEHOLDER_FIRST + len(placeholders)
+            if code > self._PLACEHOLDER_LAST:
+                raise TokenizerError("chat messages hold more distinct special-token texts and private-use characters than there are placeholders")
+            placeholders[literal] = chr(code)
+        return placeholders[literal]
 
     def _select_chat_template(self, tools: Any) -> ChatTemplate:
         # Like transformers: a template named "tool_use" is preferred when tools are given.
