@@ -117,14 +117,16 @@ def generate(
     tokenizer: Any = None,
     on_text: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
+    on_token: Callable[[int], None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     ``tokenizer`` (with ``stream_decoder()``) is needed for text output and stop
     strings; without it only ids are produced. ``on_text`` receives each piece
     of text as soon as it is safe to print (whole UTF-8 characters, never the
-    beginning of a stop string). The model runs on its own device; ids are
-    moved there.
+    beginning of a stop string). ``on_token`` receives each generated id as it
+    is chosen (a caller interrupted by Ctrl-C still knows what was generated).
+    The model runs on its own device; ids are moved there.
 
     ``speculative_tokens > 0`` turns on self-speculative decoding with the
     model's draft head (see :func:`_speculative_steps`); the output is exactly
@@ -177,6 +179,8 @@ def generate(
         if steps is not None:
             next_id = next(steps)
         result.new_ids.append(next_id)
+        if on_token is not None:
+            on_token(next_id)
         history = torch.cat([history, torch.tensor([next_id])])
         if next_id in stop_ids:
             result.stop_reason = "eos"
