@@ -463,8 +463,9 @@ class ChatTemplate:
             raise TokenizerError(f"chat template ({self.origin}) stopped: it ran out of memory") from None
         except jinja2.TemplateError as error:
             raise TokenizerError(f"chat template ({self.origin}) failed: {type(error).__name__}: {error}") from error
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as error:
-            # Python errors raised by expressions inside the template (e.g. "a" + 1).
+        except Exception as error:
+            # Python errors raised by expressions inside the template ("a" + 1) or by the jinja2
+            # filters it calls with bad arguments (truncate(0) fails an assert): the template's failure.
             raise TokenizerError(f"chat template ({self.origin}) failed: {type(error).__name__}: {error}") from error
         finally:
             _BUDGET.reset(token)
