@@ -6,6 +6,7 @@
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
+    nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -77,7 +78,8 @@ def everything(session: nox.Session) -> None:
 
 
 def _real_checkpoint(session: nox.Session) -> str:
-    out = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, silent=True, env=OFFLINE)
+    # stdout (the path) is captured; stderr passes through, so the progress of the first fetch shows
+    out = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, silent=True, stderr=None, env=OFFLINE)
     return out.strip().splitlines()[-1]
 
 
@@ -114,3 +116,11 @@ def bench_qwen3_5(session: nox.Session) -> None:
     folder = os.path.join(os.path.expanduser(os.environ.get("LOLLM_CACHE", "~/.cache/lollm")), "bench", "qwen3_5-0.8b-random")
     session.run("python", "lollm-qwen3_5/benchmarks/make_bench_checkpoint.py", folder, env=OFFLINE)
     session.run("lollm", "bench", folder, *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def fuzz_runtime(session: nox.Session) -> None:
+    """The property tests of chat templates and plugin records with many random examples and the real bounds (minutes)."""
+    _install(session, "-e", f"{CORE}[parity,test]")
+    session.run("pytest", "lollm-core/tests/test_fuzz_runtime.py", "-q", "--hypothesis-show-statistics", *session.posargs,
+                env={**OFFLINE, "LOLLM_FUZZ_PROFILE": "long"})
