@@ -161,3 +161,12 @@ def test_templates_within_the_bounds_render_exactly_as_the_plain_sandbox():
     reference = plain_sandbox_render(BUSY_BUT_FINE, messages=messages, add_generation_prompt=False)
     assert ours == reference
     assert len(ours) > 5000
+
+
+def test_filters_are_not_folded_at_compile_time_where_no_budget_applies():
+    # jinja2 would compute a filter over constants while compiling (even in a branch never taken) and write
+    # the result into the compiled code; here that is five lists of 99999 lists, tens of MB, outside any budget.
+    folded = "{{ ('x' | center(99999)) | list | slice(99999) | list }}"
+    source = "{% if false %}" + folded * 5 + "{% endif %}ok"
+    with cpu_time_limit(15), peak_python_memory(8):
+        assert ChatTemplate(source, ORIGIN).render(USER, add_generation_prompt=True) == "ok"

@@ -327,7 +327,7 @@ def test_light_modules_do_not_import_torch():
     code = textwrap.dedent(
         """
         import sys
-        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.plugins, lollm.loader, lollm.cli
+        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.plugins, lollm.loader, lollm.cli, lollm.sampling_params
         heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
         print(",".join(heavy))
         """

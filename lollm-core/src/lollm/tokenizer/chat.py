@@ -246,6 +246,7 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     skip = 2 if _PassArg.from_obj(func) is not None else 1  # (context/environment,) value, arguments...
 
     def bounded(*args: Any, **kwargs: Any) -> Any:
+        _refuse_outside_a_render()
         value, extra = args[skip - 1] if len(args) >= skip else None, args[skip:]
         for argument in (*extra, *kwargs.values()):
             _check_width(argument, f"filter {name!r}")
@@ -263,6 +264,18 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     return update_wrapper(bounded, func)  # keeps jinja_pass_arg, so jinja2 passes the same arguments
 
 
+def _refuse_outside_a_render() -> None:
+    """Filters run only inside a render, under its budget.
+
+    jinja2 folds a filter over constants at compile time (``{{ 'ab'|slice(99999)|list }}``
+    would be computed, and written into the compiled code, before any budget
+    exists); an exception there tells jinja2 the value is not a constant, so the
+    filter runs at render time instead, bounded like everything else.
+    """
+    if _BUDGET.get() is None:
+        raise _LimitExceeded("filters are not evaluated at compile time")
+
+
 def _iterate(value: Any) -> Iterator[Any]:
     """The iterable of every ``{% for %}``, one budget step per item (an empty loop body costs time too)."""
     budget = _BUDGET.get()
@@ -274,6 +287,7 @@ def _iterate(value: Any) -> Iterator[Any]:
 
 def _concat(parts: list[Any]) -> str:
     """``a ~ b ~ c``: refused before it is built when the result would be too long."""
+    _refuse_outside_a_render()
     texts = [str(part) for part in parts]
     _check_size(sum(len(t) for t in texts), "'~'")
     return "".join(texts)
