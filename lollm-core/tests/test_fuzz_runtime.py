@@ -104,10 +104,12 @@ TEXT = st.sampled_from(["x", "\n", " ", "<|im_start|>", "{{ '{' }}", "é"])
 
 def _statements():
     def extend(inner):
-        body = st.lists(inner, min_size=1, max_size=3).map("".join)
+        body = st.lists(inner, min_size=0, max_size=3).map("".join)  # an empty body too: loops that only cost time
         return st.one_of(
             st.tuples(st.sampled_from(["v0", "v1"]), EXPRESSIONS, body).map(
                 lambda t: f"{{% for {t[0]} in {t[1]} %}}{t[2]}{{% endfor %}}"),
+            st.tuples(st.sampled_from(["v0", "v1"]), NUMBERS, body).map(
+                lambda t: f"{{% for {t[0]} in range({t[1]}) %}}{t[2]}{{% endfor %}}"),
             st.tuples(body).map(lambda t: f"{{% for m in messages %}}{t[0]}{{% endfor %}}"),
             st.tuples(body).map(lambda t: f"{{% for v0 in [[1], [2, [3]]] recursive %}}{t[0]}{{{{ loop(v0) if v0 is iterable }}}}{{% endfor %}}"),
             st.tuples(EXPRESSIONS, body, body).map(lambda t: f"{{% if {t[0]} %}}{t[1]}{{% else %}}{t[2]}{{% endif %}}"),
