@@ -182,6 +182,11 @@ def test_an_empty_or_missing_prompt_is_an_error_before_torch(toy_site, ckpt, arg
 def test_a_missing_folder_is_an_error_before_torch(toy_site, tmp_path):
     done = probe("run", str(tmp_path / "nothing"), "-p", "hi", site=toy_site)
     assert done.returncode == 2 and "no such file or folder" in done.stderr and "torch not imported" in done.stderr
+    # a local file with a :QUANT suffix is not sent to the hub
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "model.gguf").write_bytes(b"GGUF")
+    done = probe("run", str(tmp_path / "org" / "model.gguf") + ":Q8_0", "-p", "hi", site=toy_site)
+    assert done.returncode == 2 and "is a local file" in done.stderr and "torch not imported" in done.stderr
 
 
 def test_think_on_a_family_without_the_toggle_fails_before_the_weights_load(invoke, tmp_path):

@@ -237,6 +237,10 @@ def _check_model_exists(spec: str) -> None:
     if Path(spec).expanduser().exists():
         return
     repo, colon, quant = spec.partition(":")
+    if colon and Path(repo).expanduser().is_file():
+        from lollm.errors import CheckpointError
+
+        raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
     if _looks_like_repo_id(spec) or (colon and quant and _looks_like_repo_id(repo)):
         return
     from lollm.errors import CheckpointError
