@@ -98,7 +98,8 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        out.print(f"lollm {version('lollm-core')} (lollm-core; Python {sys.version.split()[0]})")
+        core = version("lollm-core")
+        out.print(f"lollm {core} (lollm-core {core}, Python {sys.version.split()[0]})")
         raise typer.Exit()
 
 
