@@ -7,6 +7,7 @@
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
     nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
+    nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -78,7 +79,8 @@ def everything(session: nox.Session) -> None:
 
 
 def _real_checkpoint(session: nox.Session) -> str:
-    out = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, silent=True, env=OFFLINE)
+    # stdout (the path) is captured; stderr passes through, so the progress of the first fetch shows
+    out = session.run("python", "-m", "lollm.testing.real_models", REAL_QWEN, silent=True, stderr=None, env=OFFLINE)
     return out.strip().splitlines()[-1]
 
 
@@ -122,3 +124,11 @@ def bench_chat(session: nox.Session) -> None:
     """A 10-turn chat on the real Qwen2.5 checkpoint: time per turn, cold beside the prompt cache's reuse."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_chat_turns.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def fuzz_runtime(session: nox.Session) -> None:
+    """The property tests of chat templates and plugin records with many random examples and the real bounds (minutes)."""
+    _install(session, "-e", f"{CORE}[parity,test]")
+    session.run("pytest", "lollm-core/tests/test_fuzz_runtime.py", "-q", "--hypothesis-show-statistics", *session.posargs,
+                env={**OFFLINE, "LOLLM_FUZZ_PROFILE": "long"})

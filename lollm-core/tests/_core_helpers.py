@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 
 PYPROJECT = """\
@@ -112,3 +114,72 @@ def run_lollm(*args: str, sites: tuple[Path, ...] = (), cwd: Path | None = None,
 
 # the tiny tokenizer lives in lollm.testing.tiny, for the family distributions' tests too
 from lollm.testing.tiny import CHAT_TEMPLATE, write_tiny_tokenizer  # noqa: E402,F401
+
+
+# -- hang and memory guards for in-process tests ------------------------------------
+
+
+class CpuTimeExceeded(Exception):
+    """Raised inside a test that used more CPU time than :func:`cpu_time_limit` allows."""
+
+
+@contextlib.contextmanager
+def cpu_time_limit(seconds: float):
+    """Fail (CpuTimeExceeded) instead of hanging once the process has used ``seconds`` of CPU time here.
+
+    A hang guard, not a speed test: SIGPROF fires after ``seconds`` of CPU time
+    (all threads of the process), which a loaded machine does not inflate the
+    way it inflates wall-clock time. Main thread, Linux and macOS.
+    """
+    def expired(signum, frame):
+        raise CpuTimeExceeded(f"more than {seconds} s of CPU time")
+
+    previous = signal.signal(signal.SIGPROF, expired)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
+@contextlib.contextmanager
+def peak_python_memory(limit_mb: float):
+    """Fail (AssertionError) when the Python allocations made here peak above ``limit_mb`` (tracemalloc)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        yield
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        if started:
+            tracemalloc.stop()
+    assert (peak - base) / 2**20 < limit_mb, f"Python allocations peaked at {(peak - base) / 2**20:.0f} MB (limit {limit_mb} MB)"
+
+
+def write_site(site: Path, dist: str, version: str, entry_points: dict[str, str], packages: dict[str, Path | dict[str, str]]) -> Path:
+    """A folder importlib.metadata reads as an installed distribution, without pip (fast).
+
+    ``entry_points`` maps entry-point names of the group ``lollm.families`` to
+    their targets; ``packages`` maps package names to a folder to copy or to
+    ``{file name: source}``. Put ``site`` on PYTHONPATH (see :func:`child_env`).
+    """
+    import shutil
+
+    site.mkdir(parents=True, exist_ok=True)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[lollm.families]"] + [f"{name} = {target}" for name, target in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for name, content in packages.items():
+        if isinstance(content, Path):
+            shutil.copytree(content, site / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (site / name).mkdir()
+            for file, source in content.items():
+                (site / name / file).write_text(textwrap.dedent(source))
+    return site

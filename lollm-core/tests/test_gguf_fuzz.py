@@ -13,7 +13,12 @@ Three families of cases, all deterministic (fixed seeds):
 The bulk run happens in a child process whose heap is capped (RLIMIT_DATA:
 its baseline plus 512 MB) so that an attempt to allocate gigabytes shows up
 as a MemoryError instead of swapping the machine; the child reports, per
-case, the outcome and the time taken, and its peak-RSS growth.
+case, the outcome and the CPU time taken, and its peak-RSS growth.
+
+The time bound is a hang detector, not a speed test: it counts the child's
+CPU time (time.process_time), which a busy machine does not inflate the way
+it inflates wall-clock time, and it sits far above what any case needs (the
+slowest clean cases, which dequantize a real file, take one or two seconds).
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from lollm.gguf import GGUFFile
 
 pytest_plugins = ["conftest_gguf"]
 
-MAX_SECONDS = 1.0
+#: CPU seconds one case may take before it counts as a hang (normal cases: well under 2 s).
+MAX_CPU_SECONDS = 30.0
 MAX_RSS_GROWTH_MB = 200
 
 
@@ -290,7 +296,7 @@ WORKER = textwrap.dedent(
     folder = sys.argv[1]
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         message = ""
         try:
             f = GGUFFile(path)
@@ -306,7 +312,7 @@ WORKER = textwrap.dedent(
             outcome, message = "GGUFError", str(exc)
         except BaseException as exc:
             outcome, message = type(exc).__name__, repr(exc)[:300]
-        print(json.dumps({"case": name, "outcome": outcome, "message": message[:300], "seconds": time.perf_counter() - t0}))
+        print(json.dumps({"case": name, "outcome": outcome, "message": message[:300], "cpu_seconds": time.process_time() - t0}))
     print(json.dumps({"rss_growth_mb": peak_rss_mb() - rss0, "heap_capped": base is not None}))
     """
 )
@@ -332,10 +338,10 @@ def test_fuzz_in_a_memory_capped_child(tmp_path, qwen25_gguf, gemma3_gguf):
             bad.append(r)
         else:
             outcomes[r["outcome"]] += 1
-        if r["seconds"] > MAX_SECONDS:
+        if r["cpu_seconds"] > MAX_CPU_SECONDS:
             slow.append(r)
     assert not bad, f"{len(bad)} cases ended otherwise than allowed, e.g. {bad[:5]}"
-    assert not slow, f"{len(slow)} cases took more than {MAX_SECONDS} s, e.g. {slow[:5]}"
+    assert not slow, f"{len(slow)} cases took more than {MAX_CPU_SECONDS} s of CPU time (a hang?), e.g. {slow[:5]}"
     assert outcomes["GGUFError"] > 2000 and outcomes["ok"] > 0  # the flips produce both kinds
     assert summary["rss_growth_mb"] < MAX_RSS_GROWTH_MB, summary
     if sys.platform == "linux":

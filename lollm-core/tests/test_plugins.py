@@ -271,9 +271,9 @@ def test_family_defaults_and_validation():
     f = fam("plain")
     assert f.capabilities == Capabilities() and not f.capabilities.thinking_toggle
     assert f.sampling_defaults == {} and f.parity_reference is None and f.gguf_architectures == ()
-    assert validate_family(f, plugin="p") is f
+    assert validate_family(f, plugin="p") == f
     gguf_only = Family(name="g", contract=CONTRACT_VERSION, model_types=(), load="m:f", gguf_architectures=("g",))
-    assert validate_family(gguf_only, plugin="p") is gguf_only
+    assert validate_family(gguf_only, plugin="p") == gguf_only
 
 
 def test_family_resolve_imports_the_target(tmp_path, monkeypatch):
@@ -327,7 +327,7 @@ def test_light_modules_do_not_import_torch():
     code = textwrap.dedent(
         """
         import sys
-        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.plugins, lollm.loader, lollm.cli
+        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.plugins, lollm.loader, lollm.cli, lollm.sampling_params
         heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
         print(",".join(heavy))
         """
@@ -335,3 +335,137 @@ def test_light_modules_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "torch" not in done.stdout.strip().split(","), f"imported: {done.stdout.strip()}"
+
+
+# -- isolation: whatever a plugin does, it stays the plugin's problem ------------------
+
+
+class Exits:
+    @hookimpl
+    def lollm_register_families(self, register):
+        raise SystemExit(0)
+
+
+class Interrupts:
+    @hookimpl
+    def lollm_register_families(self, register):
+        raise KeyboardInterrupt
+
+
+class Chatty:
+    @hookimpl
+    def lollm_register_families(self, register):
+        print("hello from a chatty plugin")
+        print("and its stderr", file=sys.stderr)
+        register(fam("chatty"))
+
+
+@pytest.mark.parametrize("bad, needle", [(Exits(), "called sys.exit(0)"), (Interrupts(), "raised KeyboardInterrupt")])
+def test_a_plugin_that_exits_or_interrupts_in_its_hook_is_broken_not_fatal(bad, needle):
+    reg = registry(("bad", bad), ("good", Plugin(fam("good"))))
+    assert [b.plugin for b in reg.broken] == ["bad"]
+    assert needle in reg.broken[0].error
+    assert reg.route("good").family.name == "good"
+
+
+def test_what_a_plugin_prints_while_registering_is_swallowed(capfd):
+    reg = registry(("chatty", Chatty()))
+    assert reg.route("chatty").family.name == "chatty"
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def write_module(folder: Path, name: str, source: str) -> md.EntryPoint:
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return md.EntryPoint(name, name, hookspecs.ENTRY_POINT_GROUP)
+
+
+def test_an_import_that_exits_interrupts_or_hangs_makes_that_plugin_broken(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("LOLLM_PLUGIN_IMPORT_TIMEOUT", "0.5")
+    eps = [
+        write_module(tmp_path, "lollm_test_ep_exits", "import sys\nsys.exit(3)\n"),
+        write_module(tmp_path, "lollm_test_ep_interrupts", "raise KeyboardInterrupt\n"),
+        # blocks forever without using the CPU; its daemon thread is left behind
+        write_module(tmp_path, "lollm_test_ep_hangs", "import threading\nthreading.Event().wait()\n"),
+        write_module(tmp_path, "lollm_test_ep_prints", "print('import-time noise')\n"),
+    ]
+    reg = registry(("good", Plugin(fam("good"))), entry_points=eps)
+    broken = {b.plugin: b.error for b in reg.broken}
+    assert set(broken) == {"lollm_test_ep_exits", "lollm_test_ep_interrupts", "lollm_test_ep_hangs"}
+    assert "sys.exit(3)" in broken["lollm_test_ep_exits"]
+    assert "KeyboardInterrupt" in broken["lollm_test_ep_interrupts"]
+    assert "did not finish within 0.5 s" in broken["lollm_test_ep_hangs"]
+    assert "LOLLM_PLUGIN_IMPORT_TIMEOUT" in broken["lollm_test_ep_hangs"]
+    assert reg.route("good").family.name == "good"
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1"])
+def test_a_bad_import_timeout_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("LOLLM_PLUGIN_IMPORT_TIMEOUT", value)
+    with pytest.raises(PluginError, match="LOLLM_PLUGIN_IMPORT_TIMEOUT"):
+        registry()
+
+
+def test_a_plugin_module_that_exits_when_its_family_loads_is_a_plugin_error(tmp_path, monkeypatch):
+    (tmp_path / "lollm_test_exits_on_load.py").write_text("import sys\nsys.exit(4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="SystemExit"):
+        fam("x", load="lollm_test_exits_on_load:load").resolve()
+
+
+# -- the Family record, field by field ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"name": None}, "name must be a non-empty string"),
+        ({"name": 3}, "name must be a non-empty string"),
+        ({"name": " "}, "name must be a non-empty string"),
+        ({"contract": "1"}, "contract must be an int"),
+        ({"contract": True}, "contract must be an int"),
+        ({"model_types": None}, "model_types must be a tuple of strings, got NoneType"),
+        ({"model_types": "qwen2"}, "got the string 'qwen2'"),
+        ({"model_types": ("a", 1)}, "must hold non-empty strings, got 1"),
+        ({"model_types": ("a", "")}, "must hold non-empty strings"),
+        ({"model_types": ("a", "a")}, "lists a name twice"),
+        ({"gguf_architectures": "llama"}, "gguf_architectures must be a tuple of strings"),
+        ({"gguf_architectures": None}, "gguf_architectures must be a tuple of strings"),
+        ({"load": None}, "load must be 'module:function'"),
+        ({"load": "a b:c"}, "load must be 'module:function'"),
+        ({"load": "pkg.mod:"}, "load must be 'module:function'"),
+        ({"parity_reference": 5}, "parity_reference must be 'module:function'"),
+        ({"capabilities": None}, "capabilities must be a lollm.family.Capabilities, got NoneType"),
+        ({"capabilities": {"thinking_toggle": True}}, "capabilities must be a lollm.family.Capabilities"),
+        ({"capabilities": Capabilities(thinking_toggle="yes")}, "capabilities.thinking_toggle must be True or False"),
+        ({"sampling_defaults": None}, "sampling_defaults must be a dict"),
+        ({"sampling_defaults": {"top_k": 2.5}}, "top_k must be a whole number"),
+        ({"sampling_defaults": {"temperature": True}}, "'temperature'"),
+        ({"sampling_defaults": {"top_p": float("nan")}}, "finite"),
+        ({"sampling_defaults": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"sampling_defaults": {"repetition_penalty": 0}}, "repetition_penalty must be > 0"),
+        ({"description": None}, "description must be a string"),
+    ],
+)
+def test_every_family_field_is_checked_by_type(changes, needle):
+    bad = Family(**{**dict(name="bad", contract=CONTRACT_VERSION, model_types=("bad",), load="m:f"), **changes})
+    with pytest.raises(PluginError, match="plugin 'p'") as info:
+        validate_family(bad, plugin="p")
+    assert needle in str(info.value)
+    # and through a registration: only that plugin is broken, and `families` can list everything else
+    reg = registry(("p", Plugin(bad)), ("good", Plugin(fam("good"))))
+    assert [b.plugin for b in reg.broken] == ["p"] and reg.route("good").family.name == "good"
+
+
+def test_a_valid_registration_is_copied_into_plain_values():
+    class Sneaky(Family):
+        pass
+
+    defaults = {"top_k": 20.0, "temperature": 1}
+    f = validate_family(Sneaky(name="s", contract=CONTRACT_VERSION, model_types=["s"], load="m:f",
+                               sampling_defaults=defaults), plugin="p")
+    assert type(f) is Family and f.model_types == ("s",)
+    assert f.sampling_defaults == {"top_k": 20, "temperature": 1.0} and isinstance(f.sampling_defaults["top_k"], int)
+    defaults["top_k"] = 999  # the plugin's own dict changes later: the registration does not
+    assert f.sampling_defaults["top_k"] == 20

@@ -261,3 +261,76 @@ def test_non_numeric_values_raise_generation_error_naming_the_key():
         resolve_sampling({}, {"temperature": "hot"}, {})
     with pytest.raises(GenerationError, match="top_k"):
         resolve_sampling({}, {"top_k": [1]}, {})
+
+
+# -- types, seeds and where each value came from -----------------------------------
+
+
+def test_top_k_must_be_a_whole_number_and_the_error_names_the_file():
+    with pytest.raises(GenerationError, match=r"/ckpt/generation_config.json: top_k must be a whole number, got 2.5"):
+        resolve_sampling({}, {"top_k": 2.5}, {}, generation_config_name="/ckpt/generation_config.json")
+    assert resolve_sampling({}, {"top_k": 40.0}, {}).top_k == 40  # a whole float is taken as it is
+    with pytest.raises(GenerationError, match=r"--top-k: top_k must be >= 0"):
+        resolve_sampling({"top_k": -3}, {}, {})
+    with pytest.raises(GenerationError, match="family default: top_p"):
+        resolve_sampling({}, {}, {"top_p": 7})
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 10**30, 1.5, True])
+def test_seed_outside_the_generator_range_is_an_error(seed):
+    with pytest.raises(GenerationError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1])
+def test_seed_at_both_ends_of_the_range_works(seed):
+    draws = [Sampler(SamplingParams(seed=seed))(torch.zeros(50), torch.tensor([], dtype=torch.long)) for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+def test_resolve_records_where_each_value_came_from():
+    p = resolve_sampling({"top_p": 0.5}, {"temperature": 0.6}, FAMILY)
+    assert p.sources == {
+        "temperature": "generation_config.json", "top_k": "family default", "top_p": "flag",
+        "min_p": "neutral", "repetition_penalty": "family default",
+    }
+    greedy = resolve_sampling({}, {"do_sample": False}, FAMILY)
+    assert greedy.sources["temperature"] == "generation_config.json (do_sample: false)"
+    assert p == SamplingParams(temperature=0.6, top_k=20, top_p=0.5, repetition_penalty=1.05)  # sources do not count
+
+
+def test_describe_names_the_settings_that_apply_and_their_sources():
+    from lollm.sampling import describe_sampling
+
+    greedy = resolve_sampling({"temperature": 0.0}, {}, FAMILY)
+    line = describe_sampling(greedy)
+    assert line == "sampling: greedy (temperature 0, flag) · repetition_penalty 1.05 (family default)"
+    full = describe_sampling(greedy, everything=True)
+    assert "top_k 20 (family default)" in full and "min_p 0 (neutral)" in full
+    assert describe_sampling(resolve_sampling({}, {}, {}, seed=4)) == "sampling: temperature 1 (neutral) · seed 4"
+
+
+# -- non-finite logits ------------------------------------------------------------------
+
+
+NOTHING = torch.tensor([], dtype=torch.long)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_from_the_model_are_a_clear_error(bad, temperature):
+    logits = torch.tensor([0.5, bad, 1.0])
+    with pytest.raises(GenerationError, match="the model produced non-finite logits") as info:
+        Sampler(SamplingParams(temperature=temperature, seed=0))(logits, NOTHING)
+    assert "rms_norm" in str(info.value) or "epsilon" in str(info.value)
+
+
+def test_a_repetition_penalty_that_overflows_is_named():
+    logits = torch.tensor([5.0, 1.0, -2.0])
+    with pytest.raises(GenerationError, match="repetition_penalty 1e-300"):
+        Sampler(SamplingParams(temperature=0.0, repetition_penalty=1e-300))(logits, torch.tensor([0]))
+
+
+def test_a_temperature_that_overflows_is_named():
+    with pytest.raises(GenerationError, match="temperature 1e-45"):
+        Sampler(SamplingParams(temperature=1e-45, seed=0))(torch.tensor([5.0, 1.0]), NOTHING)

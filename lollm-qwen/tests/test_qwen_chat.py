@@ -98,7 +98,6 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_conversation(chat_checkpoint):
 @pytest.mark.parametrize("args, needle", [
     (["--think"], "does not read enable_thinking"),
     (["--mtp"], "no speculative (MTP) head"),
-    (["-m", "elsewhere"], "two models given"),
 ])
 def test_chat_refuses_flags_the_model_cannot_honour(chat_checkpoint, args, needle):
     from typer.testing import CliRunner
@@ -109,3 +108,14 @@ def test_chat_refuses_flags_the_model_cannot_honour(chat_checkpoint, args, needl
     result = CliRunner().invoke(app, ["chat", str(chat_checkpoint), *args], input="")
     # the console script prints a LollmError as one `error:` line, exit status 2
     assert isinstance(result.exception, LollmError) and needle in str(result.exception), result.output
+
+
+def test_chat_takes_the_model_once(chat_checkpoint):
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+
+    result = CliRunner().invoke(app, ["chat", str(chat_checkpoint), "-m", "elsewhere"], input="",
+                                env={"COLUMNS": "400", "NO_COLOR": "1"})
+    # a usage error (exit 2), as for every command that names the model twice
+    assert result.exit_code == 2 and "one argument too many" in result.output, result.output

@@ -11,15 +11,26 @@ Commands::
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
     lollm inspect   MODEL                    metadata and tensor table of a GGUF file or safetensors folder
 
+Every command that takes a model accepts it either way: ``lollm CMD MODEL``
+or ``lollm CMD -m MODEL`` (see :func:`which_model`).
+
 Any :class:`lollm.errors.LollmError` is printed as one ``error:`` line on
-stderr with exit status 2; ``parity`` exits 1 when the gate fails.
+stderr with exit status 2; ``parity`` exits 1 when the gate fails; Ctrl-C
+exits 130 (``run`` first ends its output and prints the statistics of what
+it generated). Flags are checked before torch is imported or a checkpoint
+is read, so a typo costs nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import sys
-from typing import List, Optional
+import time
+from pathlib import Path
+from typing import Any, List, Optional
 
 import typer
 from rich.console import Console
@@ -40,6 +51,69 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 
 
 ATTN_HELP = "Attention backend: sdpa (the default and reference), eager (scores written out), triton (lollm-core[triton]). Default: $LOLLM_ATTN, else sdpa."
+CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
+
+
+# -- naming the model: one mechanism for every command ------------------------------
+#
+# A command that takes a model declares both parameters and calls which_model:
+#
+#     def cmd(model: Optional[str] = model_argument(), ..., model_opt: Optional[str] = model_option()):
+#         model, _ = which_model(model_opt, model)
+
+
+def model_argument(help: str = "Checkpoint folder, .gguf file, Hugging Face repo id, or org/name:QUANT for a GGUF repo.") -> Any:
+    """The positional ``MODEL`` parameter (optional, since ``-m/--model`` may name the model instead)."""
+    return typer.Argument(None, metavar="MODEL", show_default=False, help=help)
+
+
+def model_option() -> Any:
+    """The ``-m/--model`` parameter: the same as the positional ``MODEL``."""
+    return typer.Option(None, "--model", "-m", metavar="MODEL", show_default=False,
+                        help="The model, given as an option instead of the MODEL argument.")
+
+
+def which_model(option: Optional[str], *positionals: Optional[str], extra: int = 0) -> tuple[str, list[str]]:
+    """The model a command was given (``-m/--model``, else its first positional argument) and the other positionals.
+
+    ``positionals`` are the command's positional parameters in order (MODEL
+    first); with ``-m``, click has bound the first positional text to MODEL,
+    so every positional given is shifted into the ``extra`` ones that follow
+    MODEL. Raises a usage error (typer.BadParameter: exit 2, with the usage)
+    when the model is missing or empty, or more positionals are given than the
+    command takes.
+    """
+    hint = "MODEL (or -m/--model)"
+    given = [p for p in positionals if p is not None]
+    if option is None:
+        if not given:
+            raise typer.BadParameter("missing; give the model as the first argument or with -m/--model", param_hint=hint)
+        spec, rest = given[0], given[1:]
+    else:
+        spec, rest = option, given
+    if not spec.strip():
+        raise typer.BadParameter("empty", param_hint=hint)
+    if len(rest) > extra:
+        raise typer.BadParameter(
+            f"the model is {spec!r}, and {rest[extra]!r} is one argument too many (name the model once)", param_hint=hint
+        )
+    return spec, rest
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        core = version("lollm-core")
+        out.print(f"lollm {core} (lollm-core {core}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version of lollm and exit."),
+) -> None:
+    """lollm: a study-first LLM inference engine."""
 
 
 def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
@@ -52,7 +126,8 @@ def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
 
 @app.command()
 def run(
-    model: str = typer.Option(..., "--model", "-m", help="Checkpoint folder, .gguf file, Hugging Face repo id, or org/name:QUANT for a GGUF repo."),
+    model_arg: Optional[str] = model_argument(),
+    model: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
@@ -61,64 +136,278 @@ def run(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (0 .. 2**64-1)."),
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle). Default: the template's own default."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (templates that read it). Default: the template's own default."),
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted."),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", help="Generate for every prompt of this file, one per line (a .jsonl file: one JSON string per line; '-': stdin); the model loads once."),
+    parse_special: bool = typer.Option(True, "--parse-special/--no-parse-special", help="Whether special-token text written in the prompt or system message (e.g. <|im_end|>) becomes control tokens (the default, as in transformers) or stays plain text."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt (text, ids, timings, stop reason, sampling) instead of streaming the text."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every sampling setting and where it came from, not only those that change something."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
-    from lollm.conversation import thinking_flags
-    from lollm.generate import generate, stop_token_ids
-    from lollm.pipeline import open_model
-    from lollm.sampling import resolve_sampling
+    model, _ = which_model(model, model_arg)
+    # 1. What can be checked without torch and without reading the checkpoint.
+    user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
+                     draft_tokens=draft_tokens, sampling=user)
+    if system is not None and no_chat:
+        raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
+    _check_attn(attn)
+    _check_model_exists(model)
+    prompts = _read_prompts(prompt, prompts_file)
 
-    if prompt is None:
-        if sys.stdin.isatty():
-            raise LollmError("give --prompt, or pipe the prompt on stdin")
-        prompt = sys.stdin.read().rstrip("\n")  # the newline that ends a piped line is not part of the prompt
-    loaded = open_model(model, device=device, dtype=dtype, progress=True, attn=attn)
-    tokenizer = loaded.tokenizer
-    capabilities = loaded.family.family.capabilities
-    template_flags = thinking_flags(tokenizer, think, model)  # decided from the chat template itself
-    if mtp and not capabilities.speculative_head:
-        raise LollmError(f"--mtp: the family {loaded.family.family.name!r} has no speculative (MTP) head")
-    if mtp and not getattr(loaded.model, "has_draft_head", False):
-        raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
+    # 2. The checkpoint (configs, tokenizer, tensor table) and its family: checks that need them, before the weights load.
+    from lollm.generate import stop_token_ids
+    from lollm.pipeline import open_model
+    from lollm.sampling import describe_sampling, resolve_sampling
+
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=attn, threads=threads, think=think,
+                                                          mtp=mtp)
+    tokenizer = checkpoint.tokenizer
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
             err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
         if system:
             raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
-        ids = tokenizer.encode(prompt)
+        all_ids = [tokenizer.encode(p, parse_special=parse_special) for p in prompts]
     else:
-        ids = tokenizer.encode_chat(_messages(prompt, system), add_generation_prompt=True, **template_flags)
-    user = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
-    sampling = resolve_sampling(user, loaded.checkpoint.generation_config, loaded.family.family.sampling_defaults, seed=seed)
-    stops = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, tokenizer)
+        all_ids = [tokenizer.encode_chat(_messages(p, system), add_generation_prompt=True, parse_special=parse_special,
+                                         **template_flags) for p in prompts]
+    sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
+                                generation_config_name=str(checkpoint.path / "generation_config.json"))
+
+    # 3. The weights, then one generation per prompt.
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn)
+    _check_draft_head(loaded, model, mtp)
+    stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, tokenizer)
+    if not as_json:
+        err.print("[dim]" + escape(describe_sampling(sampling, everything=verbose)) + "[/dim]", soft_wrap=True)
+    for number, (text, ids) in enumerate(zip(prompts, all_ids), start=1):
+        if len(prompts) > 1 and not as_json:
+            err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
+        _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop, max_new_tokens=max_new_tokens,
+                      draft_tokens=draft_tokens if mtp else 0, as_json=as_json)
+
+
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty) -> dict[str, Any]:
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
+
+
+def _check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], device: str, threads: Optional[int], mtp: bool,
+                     draft_tokens: int, sampling: dict[str, Any]) -> None:
+    """The flags of ``run``, ``chat`` and ``serve``, checked before torch is imported; each error names its flag."""
+    from lollm.errors import GenerationError
+    from lollm.sampling_params import check_sampling_value, check_seed
+
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise LollmError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    for key, value in sampling.items():
+        if value is not None:
+            try:
+                check_sampling_value(key, value)
+            except GenerationError as exc:
+                raise LollmError(f"--{key.replace('_', '-')}: {exc}") from None
+    if seed is not None:
+        try:
+            check_seed(seed)
+        except GenerationError as exc:
+            raise LollmError(f"--seed: {exc}") from None
+    if not _DEVICE.match(device):
+        raise LollmError(f"unknown device {device!r} (use auto, cpu, cuda, cuda:N or mps)")
+    if threads is not None and threads < 1:
+        raise LollmError(f"--threads must be >= 1, got {threads}")
+    if mtp and draft_tokens < 1:
+        raise LollmError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+
+
+def _check_attn(attn: Optional[str]) -> None:
+    """The backend named by --attn, checked before the model is looked for (lollm.attention imports torch:
+    only when one is named; $LOLLM_ATTN is checked by :func:`_open_checkpoint`)."""
+    if attn is not None:
+        from lollm.attention import resolve_backend
+
+        resolve_backend(attn)
+
+
+def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: Optional[int], think: Optional[bool],
+                     mtp: bool) -> tuple[Any, Any, dict[str, bool]]:
+    """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
+    with every check that needs them, before the weights load.
+
+    Sets torch's thread count, checks the attention backend on the device, and
+    decides ``--think`` from the chat template itself. Returns ``(checkpoint,
+    family, template_flags)``; raises LollmError naming the flag.
+    """
+    import torch
+
+    from lollm.attention import resolve_backend
+    from lollm.conversation import thinking_flags
+    from lollm.loader import load_checkpoint
+    from lollm.pipeline import pick_device, route
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    resolve_backend(attn, pick_device(device))
+    checkpoint = load_checkpoint(model)
+    family = route(checkpoint).family
+    if mtp and not family.capabilities.speculative_head:
+        raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
+    template_flags = thinking_flags(checkpoint.tokenizer, think, model)  # decided from the chat template itself
+    return checkpoint, family, template_flags
+
+
+def _check_draft_head(loaded: Any, model: str, mtp: bool) -> None:
+    if mtp and not getattr(loaded.model, "has_draft_head", False):
+        raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
+
+
+def _check_model_exists(spec: str) -> None:
+    """A local path that does not exist is an error now, before torch is imported (hub ids are checked when fetched)."""
+    from lollm.loader import _looks_like_repo_id
+
+    if Path(spec).expanduser().exists():
+        return
+    repo, colon, quant = spec.partition(":")
+    if colon and Path(repo).expanduser().is_file():
+        from lollm.errors import CheckpointError
+
+        raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
+    if _looks_like_repo_id(spec) or (colon and quant and _looks_like_repo_id(repo)):
+        return
+    from lollm.errors import CheckpointError
+
+    raise CheckpointError(
+        f"{spec}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
+    )
+
+
+def _read_stdin(what: str) -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise LollmError(f"give {what}, or pipe it on stdin")
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise LollmError(f"stdin is not UTF-8 text: {exc}") from None
+
+
+def _read_text_file(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise LollmError(f"{what} {path}: not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise LollmError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+
+
+def _read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> list[str]:
+    """The prompts of one ``run``: --prompt, the lines of --prompts-file, or stdin. Empty prompts are errors."""
+    if prompt is not None and prompts_file is not None:
+        raise LollmError("give --prompt or --prompts-file, not both")
+    if prompts_file is not None:
+        text = _read_stdin("--prompts-file -") if prompts_file == "-" else _read_text_file(prompts_file, "--prompts-file")
+        prompts = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue  # blank lines separate nothing
+            if prompts_file.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise LollmError(f"{prompts_file} line {number}: not valid JSON: {exc.msg}") from None
+                if not isinstance(line, str) or not line:
+                    raise LollmError(f"{prompts_file} line {number}: expected a non-empty JSON string, got {line!r}")
+            prompts.append(line)
+        if not prompts:
+            raise LollmError(f"--prompts-file {prompts_file}: holds no prompt")
+        return prompts
+    if prompt is None:
+        prompt = _read_stdin("--prompt").rstrip("\n")  # the newline that ends a piped line is not part of the prompt
+        if not prompt:
+            raise LollmError("the prompt read from stdin is empty: there is nothing to continue")
+    if not prompt:
+        raise LollmError("--prompt is empty: there is nothing to continue")
+    return [prompt]
+
+
+def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, stops: set[int], stop_strings: list[str],
+                  max_new_tokens: int, draft_tokens: int, as_json: bool) -> None:
+    """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
+    from lollm.generate import GenerationResult, generate
+
+    new_ids: list[int] = []
+    pieces: list[str] = []
+    started = time.perf_counter()
+    first_token_at: list[float] = []
+
+    def on_token(token_id: int, logprobs: Any) -> None:
+        if not new_ids:
+            first_token_at.append(time.perf_counter())
+        new_ids.append(token_id)
 
     def show(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        pieces.append(piece)
+        if not as_json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
-    result = generate(
-        loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
-        stop_strings=stop, tokenizer=tokenizer, on_text=show, speculative_tokens=draft_tokens if mtp else 0,
-        attn=loaded.attn,
-    )
+    try:
+        result = generate(
+            loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
+            stop_strings=stop_strings, tokenizer=loaded.tokenizer, on_text=show, on_token=on_token,
+            speculative_tokens=draft_tokens, attn=loaded.attn,
+        )
+    except KeyboardInterrupt:
+        # Ctrl-C: what was generated so far, with the timings the loop would have reported.
+        now = time.perf_counter()
+        first = first_token_at[0] if first_token_at else now
+        result = GenerationResult(prompt_ids=list(ids), new_ids=list(new_ids), text="".join(pieces), stop_reason="interrupted",
+                                  prefill_seconds=first - started, decode_seconds=now - first)
+        _report(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+        raise typer.Exit(130)
+    _report(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+
+
+def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, speculative: bool) -> None:
+    """The end of one generation: a JSON object on stdout, or a newline and the statistics line on stderr."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if as_json:
+        data = {
+            "prompt": prompt, "text": result.text, "ids": result.new_ids, "prompt_ids": result.prompt_ids,
+            "stop_reason": result.stop_reason,
+            "timings": {
+                "load_seconds": loaded.load_seconds, "prefill_seconds": result.prefill_seconds,
+                "decode_seconds": result.decode_seconds, "prefill_tokens_per_second": result.prefill_tokens_per_second,
+                "decode_tokens_per_second": result.decode_tokens_per_second,
+            },
+            "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                         "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed,
+                         "sources": dict(sampling.sources)},
+            "family": loaded.family.family.name, "device": str(loaded.device), "dtype": dtype,
+        }
+        if speculative:
+            data["mtp"] = {"drafted": result.drafted, "accepted": result.accepted}
+        print(json.dumps(data, ensure_ascii=False))
+        sys.stdout.flush()
+        return
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(
-        "[dim]" + escape(f"[{len(result.new_ids)} tokens · prompt {len(ids)} tokens at {result.prefill_tokens_per_second:.1f} tok/s · "
-        f"decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
-        f"{loaded.family.family.name} on {loaded.device} {str(loaded.dtype).removeprefix('torch.')}]") + "[/dim]",
+        "[dim]" + escape(f"[{len(result.new_ids)} tokens · load {loaded.load_seconds:.2f} s · prompt {len(result.prompt_ids)} tokens at "
+        f"{result.prefill_tokens_per_second:.1f} tok/s · decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
+        f"{loaded.family.family.name} on {loaded.device} {dtype}]") + "[/dim]",
         soft_wrap=True,
     )
-    if mtp:
+    if speculative:
         err.print(
             f"[dim]MTP: {result.accepted} of {result.drafted} drafted tokens accepted "
             f"(acceptance rate {result.acceptance_rate:.1%})[/dim]",
@@ -172,15 +461,19 @@ def families(
 
 @app.command()
 def tokenize(
-    model: str = typer.Argument(..., help="Checkpoint folder, .gguf file or repo id (only the tokenizer is read)."),
-    text: str = typer.Argument(..., help="The text to tokenize."),
+    model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id (only the tokenizer is read)."),
+    text: Optional[str] = typer.Argument(None, metavar="TEXT", show_default=False, help="The text to tokenize; '-' (or nothing, when piped) reads stdin."),
     chat: bool = typer.Option(False, "--chat", help="Wrap TEXT as a user message with the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for --chat."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag, for --chat (templates that read it)."),
     as_json: bool = typer.Option(False, "--json", help="Print {ids, pieces} as JSON."),
+    file: Optional[str] = typer.Option(None, "--file", "-f", help="Read the text from this file (UTF-8, exactly as it is: a final newline counts)."),
+    parse_special: bool = typer.Option(True, "--parse-special/--no-parse-special", help="Whether special-token text in TEXT (e.g. <|im_end|>) becomes control tokens (the default, as in transformers) or stays plain text."),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Show the token ids and pieces of TEXT: how the model sees it."""
-    from pathlib import Path
+    model, rest = which_model(model_opt, model, text, extra=1)
+    text = _read_tokenize_text(rest[0] if rest else None, file)
 
     from lollm.loader import download_repo, _looks_like_repo_id
     from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
@@ -199,9 +492,10 @@ def tokenize(
 
         flags = thinking_flags(tokenizer, think, model)
         rendered = tokenizer.apply_chat_template(_messages(text, system), add_generation_prompt=True, **flags)
-        ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True, **flags)
+        ids = tokenizer.encode_chat(_messages(text, system), add_generation_prompt=True, parse_special=parse_special,
+                                    **flags)
     else:
-        rendered, ids = text, tokenizer.encode(text)
+        rendered, ids = text, tokenizer.encode(text, parse_special=parse_special)
     pieces = tokenizer.pieces(ids)
     if as_json:
         print(json.dumps({"text": rendered, "ids": ids, "pieces": pieces}, ensure_ascii=False))
@@ -216,9 +510,20 @@ def tokenize(
     out.print(table)
 
 
+def _read_tokenize_text(text: Optional[str], file: Optional[str]) -> str:
+    """The text of ``tokenize``: the argument, --file, or stdin ('-' or no argument), read exactly as it is."""
+    if file is not None:
+        if text is not None:
+            raise LollmError("give TEXT or --file, not both")
+        return _read_text_file(file, "--file")
+    if text == "-" or text is None:
+        return _read_stdin("TEXT, --file FILE")
+    return text
+
+
 @app.command()
 def parity(
-    model: str = typer.Argument(..., help="Checkpoint folder or repo id."),
+    model: Optional[str] = model_argument("Checkpoint folder or repo id."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a paragraph of about 60 tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
@@ -226,8 +531,10 @@ def parity(
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
+    model, _ = which_model(model_opt, model)
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
@@ -257,7 +564,7 @@ def parity(
 
 @app.command()
 def bench(
-    model: str = typer.Argument(..., help="Checkpoint folder or repo id."),
+    model: Optional[str] = model_argument("Checkpoint folder or repo id."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     prompt_tokens: int = typer.Option(512, help="Prefill length."),
     new_tokens: int = typer.Option(64, help="Decode steps."),
@@ -265,8 +572,10 @@ def bench(
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory, ours beside transformers in one run."""
+    model, _ = which_model(model_opt, model)
     from lollm.attention import resolve_backend
     from lollm.bench import run_bench
 
@@ -291,11 +600,13 @@ def bench(
 
 @app.command()
 def inspect(
-    model: str = typer.Argument(..., help="A .gguf file or a safetensors checkpoint folder."),
+    model: Optional[str] = model_argument("A .gguf file or a safetensors checkpoint folder."),
     tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Print the tensor table."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON (arrays summarized)."),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Show what is inside a checkpoint: metadata, tensors (name, shape, type, bytes), totals per type."""
+    model, _ = which_model(model_opt, model)
     from lollm.inventory import inspect_checkpoint, summarize
 
     inv = inspect_checkpoint(model)
@@ -331,35 +642,9 @@ def inspect(
     out.print(summary)
 
 
-def _model_spec(positional: Optional[str], option: Optional[str]) -> str:
-    """MODEL given as an argument or as -m/--model (one of them, not both)."""
-    if positional and option and positional != option:
-        raise LollmError(f"two models given: {positional!r} and --model {option!r}; give one")
-    spec = positional or option
-    if not spec:
-        raise LollmError("give the model: a checkpoint folder, .gguf file or repo id (as MODEL or -m MODEL)")
-    return spec
-
-
-def _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty) -> dict:
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
-
-
-def _check_mtp(loaded, model: str, mtp: bool) -> None:
-    if mtp and not loaded.family.family.capabilities.speculative_head:
-        raise LollmError(f"--mtp: the family {loaded.family.family.name!r} has no speculative (MTP) head")
-    if mtp and not getattr(loaded.model, "has_draft_head", False):
-        raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")
-
-
-MODEL_HELP = "Checkpoint folder, .gguf file, Hugging Face repo id, or org/name:QUANT for a GGUF repo."
-CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
-
-
 @app.command()
 def chat(
-    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help=MODEL_HELP),
-    model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option (same as MODEL)."),
+    model_arg: Optional[str] = model_argument(),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message, kept across /reset."),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Most tokens per answer."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
@@ -367,41 +652,47 @@ def chat(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
     repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (0 .. 2**64-1)."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (templates that read it)."),
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Chat with MODEL in the terminal: /stats, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
-    from lollm.conversation import ChatSession, repl, thinking_flags
+    model, _ = which_model(model_opt, model_arg)
+    user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
+                     draft_tokens=draft_tokens, sampling=user)
+    _check_model_exists(model)
+
+    from lollm.conversation import ChatSession, repl
     from lollm.generate import stop_token_ids
     from lollm.pipeline import open_model
     from lollm.sampling import resolve_sampling
 
-    spec = _model_spec(model_arg, model_opt)
-    loaded = open_model(spec, device=device, dtype=dtype, progress=True)
-    _check_mtp(loaded, spec, mtp)
-    checkpoint = loaded.checkpoint
-    user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
+                                                          mtp=mtp)
+    sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
+                                generation_config_name=str(checkpoint.path / "generation_config.json"))
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True)
+    _check_draft_head(loaded, model, mtp)
     session = ChatSession(
-        loaded,
-        sampling=resolve_sampling(user, checkpoint.generation_config, loaded.family.family.sampling_defaults, seed=seed),
-        stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
-        system=system, template_flags=thinking_flags(loaded.tokenizer, think, spec), max_new_tokens=max_new_tokens,
+        loaded, sampling=sampling, stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
+        system=system, template_flags=template_flags, max_new_tokens=max_new_tokens,
         speculative_tokens=draft_tokens if mtp else 0, context=ctx_size,
     )
-    err.print(f"[dim]lollm chat: {escape(spec)} ({loaded.family.family.name} on {loaded.device} "
+    err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
     repl(session, note=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
 
 
 @app.command()
 def serve(
-    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help=MODEL_HELP),
-    model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option (same as MODEL)."),
+    model_arg: Optional[str] = model_argument(),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
@@ -417,42 +708,87 @@ def serve(
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    model_opt: Optional[str] = model_option(),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
-    from pathlib import Path
+    model, _ = which_model(model_opt, model_arg)
+    user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    _check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
+                     sampling=user)
 
-    from lollm.conversation import DEFAULT_CONTEXT, thinking_flags
+    from lollm.conversation import DEFAULT_CONTEXT
     from lollm.pipeline import open_model
     from lollm.server import ModelServer, require_serve_extra, serve as run_server
 
     require_serve_extra()
-    spec = _model_spec(model_arg, model_opt)
-    loaded = open_model(spec, device=device, dtype=dtype, progress=True)
-    _check_mtp(loaded, spec, mtp)
-    name = model_name or (Path(spec).stem if Path(spec).suffix == ".gguf" else Path(spec.rstrip("/")).name)
+    _check_model_exists(model)
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
+                                                          mtp=mtp)
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True)
+    _check_draft_head(loaded, model, mtp)
+    name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
     server = ModelServer(
         loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
-        sampling_flags=_sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty),
-        template_flags=thinking_flags(loaded.tokenizer, think, spec), draft_tokens=draft_tokens if mtp else 0,
-        api_key=api_key,
+        sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
     )
-    err.print(f"lollm serve: {escape(name)} ({loaded.family.family.name} on {loaded.device}, context "
+    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}, context "
               f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""), soft_wrap=True)
     run_server(server, host=host, port=port)
+
+
+class _WatchedStdout:
+    """sys.stdout, remembering a failed write: main() then knows the OSError came from the output."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.error: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def main() -> None:
     """Console-script entry point: run the Typer app, turning LollmError into one clean line."""
     # Standalone mode: click itself prints usage errors (status 2), --help, and
     # turns typer.Exit(code) into that exit status; our own errors pass through it.
+    stdout = sys.stdout = _WatchedStdout(sys.stdout)
     try:
-        app()
+        try:
+            app()
+        finally:
+            sys.stdout.flush()  # inside the try: a failing last write is reported like any other
     except LollmError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except OSError as exc:
+        if exc is not stdout.error:
+            raise
+        # stdout cannot take the output (a full disk, /dev/full, a closed pipe): point it at
+        # /dev/null so the interpreter's own last flush cannot fail again, and say so once.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+        if exc.errno == errno.EPIPE:
+            sys.exit(1)  # the reader went away (| head): nothing to report, as click does
+        err.print(f"[red]error:[/red] cannot write the output to stdout: {escape(exc.strerror or str(exc))}",
+                  highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ This module must stay importable without torch.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+import re
+from collections.abc import Mapping as MappingABC
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from lollm.errors import PluginError
+from lollm.errors import GenerationError, PluginError
+from lollm.sampling_params import check_sampling_value
 
 #: The version of the plugin contract this lollm-core speaks. A family records
 #: the version it was written for in ``Family.contract``; core refuses a family
@@ -109,7 +112,7 @@ def import_target(target: str, *, what: str) -> Callable[..., Any]:
         raise PluginError(f"{what}: {target!r} is not of the form 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # a plugin's import error of any kind
+    except (Exception, SystemExit) as exc:  # a plugin's import error of any kind, sys.exit() included
         raise PluginError(f"{what}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
     try:
         return getattr(module, attr)
@@ -117,26 +120,100 @@ def import_target(target: str, *, what: str) -> Callable[..., Any]:
         raise PluginError(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
 
 
+#: ``"package.module:function"``: dotted Python identifiers, one colon, an identifier.
+_TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
 def validate_family(family: Any, *, plugin: str) -> Family:
-    """Check one registration and return it; raise PluginError naming the plugin otherwise."""
+    """Check one registration field by field and return a clean copy; raise PluginError naming the plugin otherwise.
+
+    A plugin is third-party code, so every field is checked for its type, not
+    only its presence: ``model_types="qwen2"`` (a string would claim the
+    one-letter types q, w, e, n, 2), ``None`` where a tuple or a record is
+    expected, sampling defaults that are not numbers of the right kind and
+    range. The copy holds plain tuples, a plain dict and a plain
+    :class:`Capabilities`, so nothing the plugin keeps a reference to can
+    change it later.
+    """
     if not isinstance(family, Family):
         raise PluginError(f"plugin {plugin!r} registered {type(family).__name__}, not a lollm.family.Family")
+    name = family.name
+    if not isinstance(name, str) or not name.strip():
+        raise PluginError(f"plugin {plugin!r}: a family's name must be a non-empty string, got {name!r}")
+    where = f"plugin {plugin!r}: family {name!r}"
+    if isinstance(family.contract, bool) or not isinstance(family.contract, int):
+        raise PluginError(f"{where}: contract must be an int (lollm.family.CONTRACT_VERSION), got {family.contract!r}")
     if family.contract != CONTRACT_VERSION:
         raise PluginError(
-            f"plugin {plugin!r}: family {family.name!r} was written for lollm plugin contract "
+            f"plugin {plugin!r}: family {name!r} was written for lollm plugin contract "
             f"{family.contract}, but this lollm-core speaks contract {CONTRACT_VERSION}; "
             f"install versions of lollm-core and {plugin!r} that match"
         )
-    if not family.name or not family.model_types and not family.gguf_architectures:
-        raise PluginError(f"plugin {plugin!r}: family {family.name!r} declares no name or no model types")
-    if ":" not in family.load:
-        raise PluginError(f"plugin {plugin!r}: family {family.name!r}: load must be 'module:function', got {family.load!r}")
-    for key, value in family.sampling_defaults.items():
+    model_types = _names(family.model_types, "model_types", where)
+    gguf_architectures = _names(family.gguf_architectures, "gguf_architectures", where)
+    if not model_types and not gguf_architectures:
+        raise PluginError(f"{where} declares no model types and no GGUF architectures")
+    load = _target(family.load, "load", where)
+    parity_reference = None if family.parity_reference is None else _target(family.parity_reference, "parity_reference", where)
+    if not isinstance(family.description, str):
+        raise PluginError(f"{where}: description must be a string, got {type(family.description).__name__}")
+    return Family(
+        name=name,
+        contract=family.contract,
+        model_types=model_types,
+        load=load,
+        gguf_architectures=gguf_architectures,
+        sampling_defaults=_sampling_defaults(family.sampling_defaults, where),
+        capabilities=_capabilities(family.capabilities, where),
+        parity_reference=parity_reference,
+        description=family.description,
+    )
+
+
+def _names(value: Any, key: str, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise PluginError(
+            f"{where}: {key} must be a tuple of strings, got the string {value!r} "
+            f"(write ({value!r},) with the comma; a bare string would claim each of its letters)"
+        )
+    if not isinstance(value, (tuple, list)):
+        raise PluginError(f"{where}: {key} must be a tuple of strings, got {type(value).__name__}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise PluginError(f"{where}: {key} must hold non-empty strings, got {item!r}")
+    if len(set(value)) != len(value):
+        raise PluginError(f"{where}: {key} lists a name twice: {list(value)}")
+    return tuple(value)
+
+
+def _target(value: Any, key: str, where: str) -> str:
+    if not isinstance(value, str) or not _TARGET.match(value):
+        raise PluginError(f"{where}: {key} must be 'module:function', got {value!r}")
+    return value
+
+
+def _sampling_defaults(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, MappingABC):
+        raise PluginError(f"{where}: sampling_defaults must be a dict, got {type(value).__name__}")
+    checked: dict[str, Any] = {}
+    for key, number in value.items():
         if key not in SAMPLING_KEYS:
-            raise PluginError(
-                f"plugin {plugin!r}: family {family.name!r}: unknown sampling default {key!r} "
-                f"(known: {', '.join(SAMPLING_KEYS)})"
-            )
-        if not isinstance(value, (int, float)):
-            raise PluginError(f"plugin {plugin!r}: family {family.name!r}: sampling default {key!r} must be a number")
-    return family
+            raise PluginError(f"{where}: unknown sampling default {key!r} (known: {', '.join(SAMPLING_KEYS)})")
+        try:
+            check_sampling_value(key, number)
+        except GenerationError as exc:
+            raise PluginError(f"{where}: sampling default {key!r}: {exc}") from None
+        checked[key] = SAMPLING_KEYS[key](number)
+    return checked
+
+
+def _capabilities(value: Any, where: str) -> Capabilities:
+    if not isinstance(value, Capabilities):
+        raise PluginError(f"{where}: capabilities must be a lollm.family.Capabilities, got {type(value).__name__}")
+    flags = {}
+    for f in fields(Capabilities):
+        flag = getattr(value, f.name)
+        if not isinstance(flag, bool):
+            raise PluginError(f"{where}: capabilities.{f.name} must be True or False, got {flag!r}")
+        flags[f.name] = flag
+    return Capabilities(**flags)

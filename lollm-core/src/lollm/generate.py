@@ -163,7 +163,8 @@ def generate(
     the context is then its ``max_tokens``. ``logprobs=N`` records the
     log-probability of each new token and of the N most likely ones
     (``result.logprobs``); ``on_token(id, logprobs or None)`` is called for each new
-    token; ``should_stop()`` is asked before each further step, and True ends the
+    token as it is chosen (a caller interrupted by Ctrl-C still knows what was
+    generated); ``should_stop()`` is asked before each further step, and True ends the
     generation with stop reason "cancelled" (a client that went away, Ctrl-C).
     ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
     the current one).

@@ -37,6 +37,8 @@ def pick_device(name: str = "auto") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise LollmError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+    if device.type not in ("cpu", "cuda", "mps"):  # torch knows more (meta, xpu, ...); lollm runs on these three
+        raise LollmError(f"device {name!r} is not supported by lollm (use auto, cpu, cuda, cuda:N or mps)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise LollmError(f"device {name!r}: this torch build has no usable CUDA device (torch {torch.__version__})")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -86,10 +88,12 @@ def route(checkpoint: Checkpoint) -> InstalledFamily:
     return get_registry().route(checkpoint.model_type)
 
 
-def open_model(spec: str, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
+def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
                attn: str | None = None) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
+    ``spec`` may also be a :class:`Checkpoint` already opened (the CLI opens it
+    first to check flags against the family and the tokenizer before the weights load).
     ``attn`` names the attention backend (``sdpa``, ``eager``, ``triton``; None: ``LOLLM_ATTN``,
     else ``sdpa``). It is checked before anything loads and kept in ``LoadedModel.attn``; the
     commands run the model inside ``lollm.attention.use_backend(loaded.attn)`` (so does
@@ -98,7 +102,7 @@ def open_model(spec: str, *, device: str = "auto", dtype: str = "auto", progress
     """
     dev = pick_device(device)
     backend = resolve_backend(attn, dev)
-    checkpoint = load_checkpoint(spec)
+    checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
     installed = route(checkpoint)
     dt = pick_dtype(dtype, dev, checkpoint.config)
     load = installed.family.resolve("load")

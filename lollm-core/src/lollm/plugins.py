@@ -6,19 +6,36 @@ Flow::
                                                                      │
                                               Registry: model_type ─► InstalledFamily
 
-Each entry point is loaded in its own try/except: a plugin that fails to
-import is reported (``Registry.broken``) and the others keep working. The
-router only routes: an unknown type, or a type two plugins claim, is an error
-naming what is installed, never a silent pick.
+Each plugin is imported and registered inside its own guard
+(:func:`_guarded`): any exception, ``SystemExit`` and a ``KeyboardInterrupt``
+raised by the plugin's own code included, makes that one plugin broken
+(``Registry.broken``, listed by ``lollm families``) and the others keep
+working. The import runs in a daemon thread with a time limit
+(:data:`IMPORT_TIMEOUT_SECONDS`, or ``$LOLLM_PLUGIN_IMPORT_TIMEOUT``): a
+plugin whose import hangs is reported as broken after that time and left
+behind (a daemon thread does not keep the process alive). What a plugin
+prints while it is imported or registered is swallowed, so a bad plugin
+changes neither the output nor the exit status of a command that does not
+use it. The router only routes: an unknown type, or a type two plugins claim,
+is an error naming what is installed, never a silent pick.
+
+Ctrl-C: Python delivers signals to the main thread only, so a
+``KeyboardInterrupt`` inside the guard's thread can only come from the
+plugin's own code (a plugin failure); the user's Ctrl-C arrives in the main
+thread, which is waiting for the guard, and stops the command as usual.
 
 This module imports no torch and no model code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
+import io
+import os
+import threading
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -145,54 +162,101 @@ def _entry_points() -> Iterable[md.EntryPoint]:
     return md.entry_points(group=hookspecs.ENTRY_POINT_GROUP)
 
 
+#: Seconds one plugin may take to import, and again to register its families,
+#: before it is reported as broken. ``$LOLLM_PLUGIN_IMPORT_TIMEOUT`` overrides it
+#: (a plugin that imports torch at module level needs a few seconds on a cold disk).
+IMPORT_TIMEOUT_SECONDS = 30.0
+
+
+def _timeout() -> float:
+    text = os.environ.get("LOLLM_PLUGIN_IMPORT_TIMEOUT", "").strip()
+    if not text:
+        return IMPORT_TIMEOUT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        raise PluginError(f"LOLLM_PLUGIN_IMPORT_TIMEOUT must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise PluginError(f"LOLLM_PLUGIN_IMPORT_TIMEOUT must be > 0, got {text!r}")
+    return value
+
+
+class _Failed(Exception):
+    """What :func:`_guarded` reports: the plugin raised, exited, or ran out of time."""
+
+
+def _guarded(work: Callable[[], Any], what: str, timeout: float) -> Any:
+    """Run a plugin's ``work`` in a daemon thread; return its result or raise _Failed saying why.
+
+    Everything the plugin code raises is caught, BaseException included: an
+    ``ImportError``, a ``sys.exit()`` (``SystemExit``), a ``KeyboardInterrupt``
+    it raises itself. stdout and stderr are swallowed while it runs.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # a plugin's failure of any kind, sys.exit() included
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"lollm plugin: {what}", daemon=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        thread.start()
+        thread.join(timeout)
+    if thread.is_alive():
+        raise _Failed(
+            f"{what} did not finish within {timeout:g} s (it may hang; a slow import can be given more "
+            f"time with LOLLM_PLUGIN_IMPORT_TIMEOUT)"
+        )
+    if "error" in outcome:
+        exc = outcome["error"]
+        if isinstance(exc, PluginError):
+            raise _Failed(str(exc))
+        if isinstance(exc, SystemExit):
+            raise _Failed(f"{what} called sys.exit({exc.code!r})")
+        raise _Failed(f"{what} raised {type(exc).__name__}: {exc}")
+    return outcome.get("value")
+
+
+def _distribution_of(ep: md.EntryPoint) -> tuple[str, str]:
+    try:
+        if ep.dist is not None:
+            return str(ep.dist.metadata["Name"]), str(ep.dist.version)
+    except Exception:  # unreadable metadata of a broken installation
+        pass
+    return "?", "?"
+
+
 def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_plugins: Iterable[tuple[str, object]] = ()) -> Registry:
     """Load every plugin and collect its families.
 
     ``entry_points`` defaults to the installed ones; ``extra_plugins`` are
     ``(name, module_or_object)`` pairs registered directly (used by tests and
-    the conformance kit). A plugin that fails to import or registers a bad
-    family is recorded in ``Registry.broken`` and skipped; the others load.
+    the conformance kit). A plugin that fails to import (or takes longer than
+    the time limit), does not match the hookspecs, raises or exits in its hook,
+    or registers a bad family is recorded in ``Registry.broken`` and skipped;
+    the others load.
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+    timeout = _timeout()
     registry = Registry()
     sources: list[tuple[str, str, str, object]] = []
     for ep in _entry_points() if entry_points is None else entry_points:
-        dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
-        version = ep.dist.version if ep.dist is not None else "?"
+        dist, version = _distribution_of(ep)
         try:
-            obj = ep.load()
-        except Exception as exc:  # any failure of third-party code
-            registry.broken.append(BrokenPlugin(ep.name, dist, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}"))
+            obj = _guarded(ep.load, f"import of {ep.value!r}", timeout)
+        except _Failed as exc:
+            registry.broken.append(BrokenPlugin(ep.name, dist, str(exc)))
             continue
         sources.append((ep.name, dist, version, obj))
     for name, obj in extra_plugins:
         sources.append((name, name, "(local)", obj))
 
     for name, dist, version, obj in sources:
-        collected: list[Family] = []
-
-        def register(family, _plugin=name, _out=collected):
-            _out.append(validate_family(family, plugin=_plugin))
-
         try:
-            pm.register(obj, name=name)
-            # a hook the contract does not have (a typo, or a newer contract) is an error, not a silent no-op
-            pm.check_pending()
-        except Exception as exc:  # pluggy's validation errors, a name registered twice
-            if pm.is_registered(obj):
-                pm.unregister(obj)
-            registry.broken.append(BrokenPlugin(name, dist, f"does not match the lollm plugin contract: {exc}"))
-            continue
-        try:
-            pm.subset_hook_caller("lollm_register_families", remove_plugins=[p for p in pm.get_plugins() if p is not obj])(register=register)
-        except PluginError as exc:
-            pm.unregister(obj)
+            collected = _guarded(lambda: _register(name, obj), f"plugin {name!r}", timeout)
+        except _Failed as exc:
             registry.broken.append(BrokenPlugin(name, dist, str(exc)))
-            continue
-        except Exception as exc:
-            pm.unregister(obj)
-            registry.broken.append(BrokenPlugin(name, dist, f"lollm_register_families raised {type(exc).__name__}: {exc}"))
             continue
         for family in collected:
             try:
@@ -200,6 +264,34 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_pl
             except PluginError as exc:
                 registry.broken.append(BrokenPlugin(name, dist, str(exc)))
     return registry
+
+
+def _register(name: str, obj: object) -> list[Family]:
+    """Register one plugin object with a plugin manager of its own and call its hook; return its families.
+
+    Each plugin gets its own pluggy PluginManager, so a plugin left running
+    after its time limit can never touch another plugin's registration.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    try:
+        pm.register(obj, name=name)
+        # a hook the contract does not have (a typo, or a newer contract) is an error, not a silent no-op
+        pm.check_pending()
+    except Exception as exc:  # pluggy's validation errors
+        raise PluginError(f"does not match the lollm plugin contract: {exc}") from None
+    collected: list[Family] = []
+
+    def register(family: Any) -> None:
+        collected.append(validate_family(family, plugin=name))
+
+    try:
+        pm.hook.lollm_register_families(register=register)
+    except PluginError:
+        raise
+    except Exception as exc:
+        raise PluginError(f"lollm_register_families raised {type(exc).__name__}: {exc}") from None
+    return collected
 
 
 _REGISTRY: Registry | None = None

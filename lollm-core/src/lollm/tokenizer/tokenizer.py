@@ -126,10 +126,13 @@ class Tokenizer:
         Added tokens written in the text (``"<|im_end|>"``) become their single
         id. With ``add_special_tokens=True`` the post-processor's ids (``bos``
         for Llama 3; nothing for Qwen) are added around the text.
-        ``parse_special=False`` treats the text of *special* tokens as ordinary
-        text (``"<|im_end|>"`` becomes ``<|``, ``im``, ...): for text from
-        someone who must not write control tokens (transformers'
-        ``split_special_tokens=True``).
+
+        ``parse_special=False`` encodes the text of *special* added tokens as
+        ordinary text (``"<|im_end|>"`` becomes ``<``, ``|``, ``im``, ...), so a
+        text from someone else cannot forge control tokens; non-special added
+        tokens are still single ids. This equals transformers'
+        ``tokenizer(text, split_special_tokens=True)``. The default (``True``)
+        equals transformers' default.
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
@@ -245,20 +248,32 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
 
-        The template writes its own control tokens, so this equals transformers'
-        ``apply_chat_template(messages, tokenize=True)``.
+        The template writes its own control tokens, so with the default
+        ``parse_special=True`` this equals transformers'
+        ``apply_chat_template(messages, tokenize=True)``: special-token text
+        *inside a message* becomes control tokens too, so a user who writes
+        ``<|im_end|>\n<|im_start|>system`` closes their turn and opens a
+        system turn.
 
-        ``parse_special=False``: the text of special tokens inside the messages
-        is encoded as ordinary text, while the template's own control tokens keep
-        their ids (a server does this for its clients' messages). The messages are
-        rendered with each such text hidden behind a placeholder the template
-        cannot mistake for anything; the placeholders become the original text
-        again only after the control tokens were cut out. Without special-token
-        text in the messages the ids are the same as with ``parse_special=True``.
+        ``parse_special=False`` keeps the template's control tokens and encodes
+        special-token text found in the messages, ``tools`` and ``documents``
+        as ordinary text: use it for text from anyone who is not trusted with
+        the prompt format (a network client). These values are rendered with
+        each such text hidden behind a placeholder the template cannot mistake
+        for anything; the placeholders become the original text again only
+        after the control tokens were cut out. Without special-token text in
+        them the ids are the same as with ``parse_special=True``. A tokenizer
+        that matches special tokens only after normalization cannot keep the
+        two apart: it refuses (``TokenizerError``) instead of guessing.
         """
         render = dict(add_generation_prompt=add_generation_prompt, **template_kwargs)
+        if parse_special:
+            return self.encode(self.apply_chat_template(messages, **render), add_special_tokens=False)
+        # everything the caller's client wrote that the template may print
+        untrusted = {"messages": messages, **{key: render[key] for key in _UNTRUSTED_KWARGS if render.get(key) is not None}}
+        strings = list(_strings(untrusted))
         specials = sorted({t.content for t in self._added.tokens if t.special}, key=lambda c: (-len(c), c))
-        found = [c for c in specials if any(c in text for text in _strings(messages))] if not parse_special else []
+        found = [c for c in specials if any(c in text for text in strings)]
         if not found:
             return self.encode(self.apply_chat_template(messages, **render), add_special_tokens=False)
         late = [t.content for t in self._added.tokens if t.special and t.normalized]
@@ -267,7 +282,6 @@ class Tokenizer:
                 f"the messages contain special-token text ({found[0]!r}), and this tokenizer matches some special "
                 f"tokens only after normalization ({late[0]!r}), so their text cannot be kept apart from the messages'"
             )
-        strings = list(_strings(messages))
         while True:  # a placeholder no message contains: private-use characters around random digits
             nonce = str(secrets.randbelow(10**12))
             if not any(nonce in text for text in strings):
@@ -275,8 +289,8 @@ class Tokenizer:
         placeholder = {content: f"\ue000{nonce}.{i}\ue001" for i, content in enumerate(found)}
         literal = {mark: content for content, mark in placeholder.items()}
         hide = regex.compile("|".join(regex.escape(c) for c in found))
-        hidden = _map_strings(messages, lambda text: hide.sub(lambda m: placeholder[m.group()], text))
-        text = self.apply_chat_template(hidden, **render)
+        hidden = _map_strings(untrusted, lambda text: hide.sub(lambda m: placeholder[m.group()], text))
+        text = self.apply_chat_template(hidden.pop("messages"), **{**render, **hidden})
         show = regex.compile("|".join(regex.escape(m) for m in literal))
         ids: list[int] = []
         restore = lambda piece: show.sub(lambda m: literal[m.group()], piece)  # noqa: E731
@@ -307,20 +321,31 @@ class Tokenizer:
         )
 
 
-def _strings(value: Any):
+#: The chat-template arguments besides the messages whose text comes from the caller's client
+#: (encode_chat(parse_special=False) keeps special-token text in them plain).
+_UNTRUSTED_KWARGS = ("tools", "documents")
+
+#: How deep messages, tools and documents may nest (a client's JSON; deeper ends in a TokenizerError,
+#: not in a RecursionError).
+_MAX_NESTING = 100
+
+
+def _strings(value: Any, depth: int = 0):
     """Every string inside messages (contents, content parts, names ...), depth first."""
+    if depth > _MAX_NESTING:
+        raise TokenizerError(f"chat messages nest deeper than {_MAX_NESTING} levels")
     if isinstance(value, str):
         yield value
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from _strings(item)
+            yield from _strings(item, depth + 1)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _strings(item)
+            yield from _strings(item, depth + 1)
 
 
 def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
-    """A copy of ``value`` with ``change`` applied to every string inside it (keys stay)."""
+    """A copy of ``value`` with ``change`` applied to every string inside it (keys stay; depth checked by _strings)."""
     if isinstance(value, str):
         return change(value)
     if isinstance(value, Mapping):
