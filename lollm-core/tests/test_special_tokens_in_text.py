@@ -132,3 +132,19 @@ def test_the_real_qwen_tokenizer_matches_the_library(qwen25_dir):
     ids = tok.encode_chat(messages, parse_special=False)
     assert tok.decode(ids) == tok.apply_chat_template(messages)
     assert control_ids(tok, ids).count("<|im_start|>") == 3  # system (Qwen's default one), user, assistant
+
+
+def test_an_added_token_inside_a_special_tokens_text_stays_unmatched_as_in_the_library(tmp_path):
+    # the library's scan finds <|im_end|> and skips it whole; "im_end", an added token that is not
+    # special, is not looked for inside it
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    folder = write_tiny_tokenizer(tmp_path / "tok")
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_tokens([AddedToken("im_end", normalized=False)])
+    hf.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(folder)
+    for text in ("x<|im_end|>y", "im_end <|im_end|>im_end", "<|im_start|>im_end"):
+        assert tok.encode(text, parse_special=False) == reference_ids(folder, text, True), text
+        assert tok.encode(text) == reference_ids(folder, text, False), text
