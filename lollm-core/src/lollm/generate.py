@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lollm.errors import GenerationError
+from lollm.memory import check_cache_fits
 from lollm.sampling import Sampler, SamplingParams
 
 
@@ -63,6 +64,20 @@ def _as_ids(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """GenerationError unless every id is a row of the model's embedding (``0 .. vocab_size - 1``).
+
+    A tokenizer that does not belong to the model (or a tokenizer file that names ids past
+    the embedding) would otherwise fail deep inside the embedding lookup.
+    """
+    bad = next((i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise GenerationError(
+            f"the prompt holds the token id {bad!r}, but the model's vocabulary has ids 0 .. {vocab_size - 1}; "
+            f"does the tokenizer belong to this model?"
+        )
 
 
 def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
@@ -129,7 +144,9 @@ def generate(
     ``speculative_tokens > 0`` turns on self-speculative decoding with the
     model's draft head (see :func:`_speculative_steps`); the output is exactly
     the same as without it. Raises GenerationError for an empty prompt, a non-positive
-    ``max_new_tokens`` or a prompt that does not fit the model's context.
+    ``max_new_tokens``, a prompt that does not fit the model's context, a prompt id outside
+    the model's vocabulary, or a cache larger than the device's free memory
+    (:func:`lollm.memory.check_cache_fits`).
     """
     if not prompt_ids:
         raise GenerationError("the prompt is empty: there is nothing to continue")
@@ -142,6 +159,8 @@ def generate(
     stop_strings = list(stop_strings)
     if stop_strings and tokenizer is None:
         raise GenerationError("stop strings need a tokenizer to decode the generated text")
+    check_prompt_ids(prompt_ids, model.vocab_size)
+    check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), model.max_context))
     max_new_tokens = min(max_new_tokens, model.max_context - len(prompt_ids))
     device = next(model.parameters()).device
     result = GenerationResult(prompt_ids=list(prompt_ids))
