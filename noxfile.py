@@ -6,6 +6,8 @@
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
+    nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
+                       (-- N sets how many per property; CI runs a small fixed budget of the same tests)
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -114,3 +116,31 @@ def bench_qwen3_5(session: nox.Session) -> None:
     folder = os.path.join(os.path.expanduser(os.environ.get("LOLLM_CACHE", "~/.cache/lollm")), "bench", "qwen3_5-0.8b-random")
     session.run("python", "lollm-qwen3_5/benchmarks/make_bench_checkpoint.py", folder, env=OFFLINE)
     session.run("lollm", "bench", folder, *session.posargs, env=OFFLINE)
+
+
+#: The property-based tests of untrusted configs and metadata, one file per distribution
+#: (each run in its own pytest process: the distributions' test folders share module names).
+FUZZ_TESTS = [
+    "lollm-core/tests/test_untrusted_fuzz.py",
+    "lollm-qwen/tests/test_untrusted_qwen.py",
+    "lollm-gemma/tests/test_untrusted_gemma.py",
+    "lollm-qwen3_5/tests/test_untrusted_qwen3_5.py",
+]
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Many random examples (default 1000 per property; ``nox -s fuzz -- N``) of the untrusted-checkpoint properties.
+
+    Each example must end in a model or a clean LollmError within 5 s of CPU time and 4 GiB
+    of memory (lollm.testing.fuzz); a failing example is kept in hypothesis' database
+    (.hypothesis/) and replayed first on the next run.
+    """
+    args = ["-e", f"{CORE}[parity,test]"]
+    for family in FAMILIES:
+        args += ["-e", family]
+    _install(session, *args)
+    examples = session.posargs[0] if session.posargs else "1000"
+    for tests in FUZZ_TESTS:
+        session.run("pytest", tests, "-q", "-k", "mutated or gives", "--hypothesis-show-statistics",
+                    env={**OFFLINE, "LOLLM_FUZZ_EXAMPLES": examples})
