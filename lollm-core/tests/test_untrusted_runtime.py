@@ -118,3 +118,13 @@ def test_a_cache_larger_than_the_free_memory_is_refused_before_allocation(monkey
 def test_free_memory_is_known_on_the_cpu():
     free = memory.free_memory(torch.device("cpu"))
     assert free is not None and free > 0
+
+
+@pytest.mark.parametrize("value", [[2, None], "abc", [2, "3"], {"id": 2}, True])
+def test_bad_eos_ids_in_generation_config_are_named(value):
+    from lollm.errors import ConfigError
+    from lollm.generate import stop_token_ids
+
+    with pytest.raises(ConfigError, match=r"^generation_config.json 'eos_token_id' is"):
+        stop_token_ids({"eos_token_id": value}, {})
+    assert stop_token_ids({"eos_token_id": [2, 3]}, {"eos_token_id": 5}) == {2, 3, 5}

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from lollm.checks import ConfigReader
 from lollm.errors import GenerationError
 from lollm.memory import check_cache_fits
 from lollm.sampling import Sampler, SamplingParams
@@ -58,14 +59,6 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
     """GenerationError unless every id is a row of the model's embedding (``0 .. vocab_size - 1``).
 
@@ -81,9 +74,12 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 
 def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
-    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together."""
-    ids = set(_as_ids(generation_config.get("eos_token_id")))
-    ids |= set(_as_ids(config.get("eos_token_id")))
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
+
+    Each file's ``eos_token_id`` is one id or a list of ids (ConfigError naming the file otherwise).
+    """
+    ids = set(ConfigReader(generation_config, "generation_config.json").token_ids("eos_token_id"))
+    ids |= set(ConfigReader(config, "config.json").token_ids("eos_token_id"))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
