@@ -49,8 +49,8 @@ CPU_SECONDS = 5.0
 #: Address space one example may add to the process (a run that asks for more fails).
 MEMORY_BYTES = 4 * 2**30
 
-_ATOMS = st.one_of(
-    st.none(),
+#: Single junk values a GGUF file can hold too (no null)...
+_VALUES = st.one_of(
     st.booleans(),
     st.sampled_from([0, -1, 1, 2, 3, 7, 2**31, 2**63, 10**9, 10**12, 10**30]),
     st.integers(min_value=-(2**70), max_value=2**70),
@@ -59,6 +59,8 @@ _ATOMS = st.one_of(
     st.sampled_from(["", "abc", "true", "false", "2", "1e6", "null", "silu", "default", "full_attention"]),
     st.text(max_size=6),
 )
+#: ... and those of JSON (null too).
+_ATOMS = st.none() | _VALUES
 
 _JUNK = st.recursive(
     _ATOMS,
@@ -68,7 +70,7 @@ _JUNK = st.recursive(
 
 #: GGUF values have no null and no objects: numbers, booleans, strings and (nested) arrays.
 _GGUF_JUNK = st.recursive(
-    _ATOMS.filter(lambda v: v is not None),
+    _VALUES,
     lambda inner: st.lists(inner, max_size=4),
     max_leaves=8,
 )
