@@ -7,7 +7,6 @@ import json
 import os
 import resource
 import sys
-from pathlib import Path
 
 import pytest
 
