@@ -65,7 +65,7 @@ REQUIRED: Any = object()
 def show(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (a bad value may be a megabyte of junk)."""
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + " ...)"
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def _is_int(value: Any) -> bool:
