@@ -8,6 +8,8 @@
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
     nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
+    nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
+                       (-- N sets how many per property; CI runs a small fixed budget of the same tests)
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -132,3 +134,31 @@ def fuzz_runtime(session: nox.Session) -> None:
     _install(session, "-e", f"{CORE}[parity,test]")
     session.run("pytest", "lollm-core/tests/test_fuzz_runtime.py", "-q", "--hypothesis-show-statistics", *session.posargs,
                 env={**OFFLINE, "LOLLM_FUZZ_PROFILE": "long"})
+
+
+#: The property-based tests of untrusted configs and metadata, one file per distribution
+#: (each run in its own pytest process: the distributions' test folders share module names).
+FUZZ_TESTS = [
+    "lollm-core/tests/test_untrusted_fuzz.py",
+    "lollm-qwen/tests/test_untrusted_qwen.py",
+    "lollm-gemma/tests/test_untrusted_gemma.py",
+    "lollm-qwen3_5/tests/test_untrusted_qwen3_5.py",
+]
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Many random examples (default 1000 per property; ``nox -s fuzz -- N``) of the untrusted-checkpoint properties.
+
+    Each example must end in a model or a clean LollmError within 5 s of CPU time and 4 GiB
+    of memory (lollm.testing.fuzz); a failing example is kept in hypothesis' database
+    (.hypothesis/) and replayed first on the next run.
+    """
+    args = ["-e", f"{CORE}[parity,test]"]
+    for family in FAMILIES:
+        args += ["-e", family]
+    _install(session, *args)
+    examples = session.posargs[0] if session.posargs else "1000"
+    for tests in FUZZ_TESTS:
+        session.run("pytest", tests, "-q", "-k", "mutated or gives", "--hypothesis-show-statistics",
+                    env={**OFFLINE, "LOLLM_FUZZ_EXAMPLES": examples})

@@ -21,7 +21,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lollm.attention import use_backend
+from lollm.checks import ConfigReader
 from lollm.errors import GenerationError
+from lollm.memory import check_cache_fits
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import Sampler, SamplingParams
 
@@ -81,18 +83,27 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """GenerationError unless every id is a row of the model's embedding (``0 .. vocab_size - 1``).
+
+    A tokenizer that does not belong to the model (or a tokenizer file that names ids past
+    the embedding) would otherwise fail deep inside the embedding lookup.
+    """
+    bad = next((i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise GenerationError(
+            f"the prompt holds the token id {bad!r}, but the model's vocabulary has ids 0 .. {vocab_size - 1}; "
+            f"does the tokenizer belong to this model?"
+        )
 
 
 def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
-    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together."""
-    ids = set(_as_ids(generation_config.get("eos_token_id")))
-    ids |= set(_as_ids(config.get("eos_token_id")))
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
+
+    Each file's ``eos_token_id`` is one id or a list of ids (ConfigError naming the file otherwise).
+    """
+    ids = set(ConfigReader(generation_config, "generation_config.json").token_ids("eos_token_id"))
+    ids |= set(ConfigReader(config, "config.json").token_ids("eos_token_id"))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -169,8 +180,10 @@ def generate(
     ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
     the current one).
     Raises GenerationError for an empty prompt, a non-positive
-    ``max_new_tokens`` or a prompt that does not fit the context,
-    AttentionBackendError for an unknown or unusable backend.
+    ``max_new_tokens``, a prompt that does not fit the context, a prompt id outside
+    the model's vocabulary, or a cache larger than the device's free memory
+    (:func:`lollm.memory.check_cache_fits`); AttentionBackendError for an unknown or
+    unusable backend.
     """
     if attn is not None:
         with use_backend(attn):
@@ -191,6 +204,9 @@ def generate(
     stop_strings = list(stop_strings)
     if stop_strings and tokenizer is None:
         raise GenerationError("stop strings need a tokenizer to decode the generated text")
+    check_prompt_ids(prompt_ids, model.vocab_size)
+    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
+        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
     max_new_tokens = min(max_new_tokens, context - len(prompt_ids))
     device = next(model.parameters()).device
     result = GenerationResult(prompt_ids=list(prompt_ids))

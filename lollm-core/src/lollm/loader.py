@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,44 +176,135 @@ class Checkpoint:
         return self._tokenizer
 
 
-def read_json(path: Path, *, what: str, error: type[LollmError] = CheckpointError) -> dict[str, Any]:
-    """Read a JSON object from ``path``; ``error`` (CheckpointError by default) naming the file when it
-    is missing, unreadable, not UTF-8, not valid JSON, or not an object at the top level."""
+#: The largest JSON file lollm reads from a checkpoint: config.json, generation_config.json,
+#: the shard index, tokenizer_config.json ... (the largest real ones are well under 1 MiB).
+MAX_JSON_BYTES = 16 * 2**20
+#: tokenizer.json and vocab.json hold the whole vocabulary (about 35 MB for 262k tokens).
+MAX_TOKENIZER_JSON_BYTES = 256 * 2**20
+#: How deeply objects and arrays may nest in a JSON file (real ones: under 10 levels).
+MAX_JSON_DEPTH = 64
+
+
+def is_present(path: Path, *, error: type[LollmError] = CheckpointError) -> bool:
+    """Whether a checkpoint file is there: True for a regular file (links are followed: the
+    Hugging Face cache is made of links), False when nothing is there; ``error`` naming the path
+    when something else is (a folder, a FIFO, a device such as /dev/zero, a broken link)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise error(f"{path} is a broken link") from None
+        return False
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise error(f"{path} is {_kind(mode)}, not a regular file; lollm reads checkpoint files only from regular files")
+    return True
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_file(path: Path, *, max_bytes: int, what: str = "file", error: type[LollmError] = CheckpointError) -> bytes:
+    """The bytes of ``path``: a regular file (links followed) of at most ``max_bytes`` bytes.
+
+    The file is opened without blocking and checked on the open descriptor, so a FIFO or a
+    device put in the place of a checkpoint file is refused, never waited on or read forever.
+    Raises ``error`` naming the path when it is missing, not a regular file, or too big.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise error(f"{what}: {path} does not exist") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        mode, size = os.fstat(f.fileno()).st_mode, os.fstat(f.fileno()).st_size
+        if not stat.S_ISREG(mode):
+            raise error(f"{path} is {_kind(mode)}, not a regular file; lollm reads checkpoint files only from regular files")
+        if size > max_bytes:
+            raise error(f"{path} is {size:,} bytes; lollm reads at most {max_bytes:,} bytes from such a file")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:  # it grew while we read it
+        raise error(f"{path} is more than {max_bytes:,} bytes; lollm reads at most that much from such a file")
+    return data
+
+
+def _json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def read_json(
+    path: Path, *, what: str, error: type[LollmError] = CheckpointError, max_bytes: int = MAX_JSON_BYTES
+) -> dict[str, Any]:
+    """Read a JSON object from ``path``; ``error`` (CheckpointError by default) naming the file when it
+    is missing, not a regular file, larger than ``max_bytes``, not UTF-8, not valid JSON, nested
+    deeper than :data:`MAX_JSON_DEPTH`, or not an object at the top level."""
+    data = read_file(path, max_bytes=max_bytes, what=what, error=error)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise error(f"{path}: cannot read: {exc}") from None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise error(f"{path}: its JSON nests too deeply to read (more than {MAX_JSON_DEPTH} levels are refused)") from None
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object at the top level, found {type(value).__name__}")
+    if _json_depth(value) > MAX_JSON_DEPTH:
+        raise error(f"{path}: its JSON nests more than {MAX_JSON_DEPTH} levels deep; a {what} never does")
     return value
+
+
+def _shard_path(folder: Path, index: Path, shard: Any) -> Path:
+    """The path of a shard the index names: a plain file name (or relative path) inside ``folder``."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: 'weight_map' names the shard {shard!r}; expected a file name")
+    parts = Path(shard).parts
+    if Path(shard).is_absolute() or ".." in parts or "\\" in shard or shard.startswith("~"):
+        raise CheckpointError(
+            f"{index}: the shard {shard!r} is not inside the checkpoint folder; lollm loads only files "
+            f"named relative to {folder} (no absolute paths, no '..')"
+        )
+    return folder / shard
 
 
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
-    if index.exists():
+    if is_present(index):
         data = read_json(index, what="shard index")
         weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: has no 'weight_map'")
-        files = []
-        for shard in dict.fromkeys(weight_map.values()):
-            p = folder / shard
-            if not p.exists():
+        files: list[Path] = []
+        for shard in weight_map.values():
+            p = _shard_path(folder, index, shard)
+            if p in files:
+                continue
+            if not is_present(p):
                 raise CheckpointError(f"{index} lists shard {shard!r}, which is missing from {folder}")
             files.append(p)
         return files
     single = folder / "model.safetensors"
-    if single.exists():
+    if is_present(single):
         return [single]
-    others = sorted(folder.glob("*.safetensors"))
+    others = sorted(p for p in folder.glob("*.safetensors") if is_present(p))
     if others:
         return others
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -235,7 +327,7 @@ def load_folder(folder: Path, spec: str | None = None) -> Checkpoint:
     if not isinstance(config["model_type"], str) or not config["model_type"]:
         raise ConfigError(f"{folder / 'config.json'}: 'model_type' must be a non-empty string, got {config['model_type']!r}")
     gen_path = folder / "generation_config.json"
-    generation_config = read_json(gen_path, what="generation config") if gen_path.exists() else {}
+    generation_config = read_json(gen_path, what="generation config") if is_present(gen_path) else {}
     weights = TensorSource(_weight_files(folder))
     return Checkpoint(spec or str(folder), folder, "safetensors", config, generation_config, weights)
 
@@ -337,6 +429,11 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
             raise CheckpointError(f"{path} is a file; give the folder holding config.json and the weights")
         return load_folder(path, text)
     repo, colon, quant = text.partition(":")
+    if colon and repo and (repo.endswith(".gguf") or Path(repo).expanduser().exists()):
+        raise CheckpointError(
+            f"{text}: {repo} is a local path, and ':{quant}' picks a quant only among the files of a hub repo "
+            f"('org/name:QUANT'); give the local .gguf file's path alone"
+        )
     if colon and quant and _looks_like_repo_id(repo):
         return load_gguf(_hub_gguf_file(repo, quant), text)
     if _looks_like_repo_id(text):

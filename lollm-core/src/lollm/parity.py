@@ -28,6 +28,7 @@ import torch
 
 from lollm.errors import LollmError
 from lollm.attention import use_backend
+from lollm.generate import check_prompt_ids
 from lollm.pipeline import open_model
 
 DEFAULT_PROMPT = (
@@ -160,6 +161,7 @@ def run_parity(
     if ids is None:  # the tokenizer is read only when the ids are not given
         tokenizer = loaded.tokenizer
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    check_prompt_ids(ids, loaded.model.vocab_size)  # a clear error, not an IndexError inside the embedding
     input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     hidden: list[torch.Tensor] = []
     with torch.inference_mode(), use_backend(loaded.attn):

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lollm.errors import GenerationError
+from lollm.memory import check_cache_fits
 
 
 @dataclass
@@ -175,6 +176,7 @@ class PromptCache:
             cache.rollback(0)
         else:
             self.cache = None  # give the old memory back before allocating the new
+            check_cache_fits(self.model, self.max_tokens)
             self.cache = self.model.new_cache(self.max_tokens)
         self.snapshots = []
         return 0, "cold"

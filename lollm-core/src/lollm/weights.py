@@ -9,7 +9,8 @@ the meta tensor. The source tensor is dropped before the next one is read, so
 the peak stays near one copy of the model (plus the largest single tensor).
 
 It is strict: a tensor the model has no place for, a shape that does not
-match, and a parameter or buffer left without a value all raise
+match, an integer (or boolean) tensor for a floating-point parameter, and a
+parameter or buffer left without a value all raise
 :class:`lollm.errors.WeightsError` naming the tensor.
 """
 
@@ -22,6 +23,10 @@ import torch
 from torch import nn
 
 from lollm.errors import WeightsError
+
+#: Stored types that hold integers or booleans (safetensors' and ggml's names): never the
+#: values of a floating-point parameter, whatever a converter wrote.
+INTEGER_TYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -61,7 +66,7 @@ def load_weights(
                  knowingly ignores (e.g. a vision tower). The family raises for
                  names it does not know; unknown *model* names raise here.
       device, dtype: where and in which floating dtype the weights live; integer
-                 and bool tensors keep their dtype.
+                 and bool tensors keep their dtype (and fill only integer slots).
       progress:  show a progress bar (only when stderr is a terminal).
       tied:      ``{target: source}`` model names to share when the checkpoint has
                  no tensor for ``target`` (``lm_head.weight`` -> ``model.embed_tokens.weight``).
@@ -69,7 +74,8 @@ def load_weights(
                  before the shape check (a converter quirk the family undoes).
 
     Raises WeightsError naming the tensor for an unexpected name, a shape
-    mismatch, a name given twice, or a slot left empty (meta) at the end.
+    mismatch, an integer or boolean tensor for a floating-point slot, a name
+    given twice, or a slot left empty (meta) at the end.
     """
     slots: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     slots.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -87,7 +93,15 @@ def load_weights(
                 )
             if target in filled:
                 raise WeightsError(f"tensor {file_name!r} fills {target!r}, which another tensor already filled")
+            # the dtype each slot needs: a float parameter takes only a floating-point tensor
+            # (GGUF's quantized types are floats; its I8..I64 types, like safetensors' I32, are not)
+            needs_float = slots[target].is_floating_point()
+            stored = source.dtype(file_name) if hasattr(source, "dtype") else None
+            if needs_float and stored in INTEGER_TYPES:
+                raise WeightsError(f"tensor {file_name!r} is stored as {stored}, an integer type, but {target!r} is a floating-point parameter")
             tensor = source.read(file_name)
+            if needs_float and not tensor.is_floating_point():
+                raise WeightsError(f"tensor {file_name!r} holds {tensor.dtype}, an integer type, but {target!r} is a floating-point parameter")
             if transform is not None:
                 tensor = transform(target, tensor)
             expected = tuple(slots[target].shape)

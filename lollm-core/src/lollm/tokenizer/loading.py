@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.loader import read_json
+from lollm.loader import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
 from lollm.tokenizer import sentencepiece
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
@@ -90,19 +90,19 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a folder")
 
     config_path = folder / TOKENIZER_CONFIG_JSON
-    config = _read_json_object(config_path) if config_path.is_file() else {}
+    config = _read_json_object(config_path) if _present(config_path) else {}
 
     tokenizer_json = folder / TOKENIZER_JSON
     vocab_json, merges_txt = folder / VOCAB_JSON, folder / MERGES_TXT
-    if tokenizer_json.is_file():
+    if _present(tokenizer_json):
         pipeline = _read_tokenizer_json(tokenizer_json)
         class_defaults: dict[str, str] = {}
-    elif (folder / TOKENIZER_MODEL).is_file():
+    elif _present(folder / TOKENIZER_MODEL):
         pipeline, class_defaults = _read_sentencepiece_model(folder / TOKENIZER_MODEL, config, config_path)
-    elif vocab_json.is_file() and merges_txt.is_file():
+    elif _present(vocab_json) and _present(merges_txt):
         pipeline, class_defaults = _read_vocab_and_merges(vocab_json, merges_txt, config, config_path)
-    elif vocab_json.is_file() or merges_txt.is_file():
-        missing = MERGES_TXT if vocab_json.is_file() else VOCAB_JSON
+    elif _present(vocab_json) or _present(merges_txt):
+        missing = MERGES_TXT if _present(vocab_json) else VOCAB_JSON
         raise TokenizerError(f"{folder} has no {TOKENIZER_JSON}, and its GPT-2 style tokenizer lacks {missing}")
     else:
         raise TokenizerError(
@@ -129,18 +129,32 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 # --------------------------------------------------------------------- files
 
 
+#: The files that hold a whole vocabulary may be large (lollm.loader.MAX_TOKENIZER_JSON_BYTES);
+#: every other tokenizer file is held to lollm.loader.MAX_JSON_BYTES.
+_LARGE_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _max_bytes(path: Path) -> int:
+    return MAX_TOKENIZER_JSON_BYTES if path.name in _LARGE_FILES else MAX_JSON_BYTES
+
+
+def _present(path: Path) -> bool:
+    """A tokenizer file is there (a regular file, links followed); absent: False; a folder, FIFO,
+    device or broken link in its place: TokenizerError naming it (never silently skipped)."""
+    return is_present(path, error=TokenizerError)
+
+
 def _read_json_object(path: Path) -> dict:
     """Parse a JSON file whose top level must be an object; every failure is a TokenizerError naming the file."""
-    return read_json(path, what="tokenizer file", error=TokenizerError)
+    return read_json(path, what="tokenizer file", error=TokenizerError, max_bytes=_max_bytes(path))
 
 
 def _read_text(path: Path) -> str:
+    data = read_file(path, max_bytes=_max_bytes(path), what="tokenizer file", error=TokenizerError)
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
         raise TokenizerError(f"{path} is not UTF-8 text") from None
-    except OSError as error:
-        raise TokenizerError(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def _require(mapping: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -350,7 +364,7 @@ def _read_sentencepiece_model(path: Path, config: dict, config_path: Path) -> tu
     normalized text, exactly as SentencePiece does.
     """
     where = str(path)
-    sp = sentencepiece.read_model_file(path)
+    sp = sentencepiece.parse_model_proto(read_file(path, max_bytes=_max_bytes(path), error=TokenizerError), where)
     if sp.model_type != sentencepiece.BPE_MODEL:
         name = sentencepiece.MODEL_TYPE_NAMES.get(sp.model_type, str(sp.model_type))
         raise TokenizerError(f"{where}: SentencePiece model type {name} is not implemented by lollm (only BPE)")
@@ -555,9 +569,11 @@ def _read_chat_templates(folder: Path, config: dict, config_path: Path) -> dict[
         raise TokenizerError(f"{config_path}: 'chat_template' must be a string or a list, got {type(value).__name__}")
 
     jinja_path = folder / CHAT_TEMPLATE_JINJA
-    if jinja_path.is_file():
+    if _present(jinja_path):
         templates["default"] = ChatTemplate(_read_text(jinja_path), str(jinja_path))
     extra_dir = folder / ADDITIONAL_CHAT_TEMPLATES_DIR
+    if (extra_dir.exists() or extra_dir.is_symlink()) and not extra_dir.is_dir():
+        raise TokenizerError(f"{extra_dir} is not a folder; it should hold one <name>.jinja chat template per file")
     if extra_dir.is_dir():
         for path in sorted(extra_dir.glob("*.jinja")):
             templates[path.stem] = ChatTemplate(_read_text(path), str(path))

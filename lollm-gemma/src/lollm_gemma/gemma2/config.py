@@ -23,15 +23,25 @@ implement, bidirectional attention, attention biases or another activation
 raise :class:`lollm.errors.ConfigError` naming the key. Keys that do not change
 the math (``initializer_range``, ``cache_implementation`` …) are ignored.
 
+Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+its type and range are checked where it is read (a count is a positive integer
+under a stated bound, a RoPE base a finite number above 1, a flag a real
+boolean), and an error names the file, the key and the value.
+:meth:`Gemma2Config.check_weights` then compares the sizes with the
+checkpoint's tensor table, so nothing is built that the weights do not back.
+
 No torch here: a config is plain numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from lollm.errors import ConfigError
+from lollm.checks import (
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
+)
+from lollm.errors import ConfigError, WeightsError
 
 from . import MODEL_TYPES
 
@@ -125,40 +135,61 @@ class Gemma2Config:
         Raises ConfigError naming the key for a missing required key or a
         setting this family does not implement.
         """
-        model_type = raw.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"gemma2: config.json has model_type {model_type!r}, expected one of {MODEL_TYPES}")
-        cfg = {**DEFAULTS, **raw}
-        _refuse_unimplemented(cfg)
+        read = ConfigReader(raw, "gemma2: config.json", defaults=DEFAULTS)
+        read.string("model_type", choices=MODEL_TYPES)
+        _refuse_unimplemented(read)
 
-        heads = _required(cfg, "num_attention_heads", int)
-        kv_heads = _required(cfg, "num_key_value_heads", int)
-        if heads % kv_heads:
-            raise ConfigError(f"gemma2: 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
-        num_layers = _required(cfg, "num_hidden_layers", int)
-        window = _required(cfg, "sliding_window", int)
-        if window < 1:
-            raise ConfigError(f"gemma2: config.json 'sliding_window' is {window}; it must be >= 1")
-        eos = raw.get("eos_token_id")
+        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
+        kv_heads = read.positive_int("num_key_value_heads", at_most=heads)
+        read.check(heads % kv_heads == 0, f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+        head_dim = read.positive_int("head_dim", at_most=MAX_WIDTH)
+        read.check(head_dim % 2 == 0, f"'head_dim' is {head_dim}; RoPE needs an even head width")
+        num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
         return cls(
-            vocab_size=_required(cfg, "vocab_size", int),
-            hidden_size=_required(cfg, "hidden_size", int),
-            intermediate_size=_required(cfg, "intermediate_size", int),
+            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
+            hidden_size=read.positive_int("hidden_size", at_most=MAX_WIDTH),
+            intermediate_size=read.positive_int("intermediate_size", at_most=MAX_WIDTH),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_required(cfg, "head_dim", int),
-            max_position_embeddings=_required(cfg, "max_position_embeddings", int),
-            rms_norm_eps=float(_required(cfg, "rms_norm_eps", (int, float))),
-            query_pre_attn_scalar=float(_required(cfg, "query_pre_attn_scalar", (int, float))),
-            sliding_window=window,
-            layer_types=_read_layer_types(cfg, num_layers),
-            rope=_read_rope(cfg),
-            attn_logit_softcapping=_optional_cap(cfg, "attn_logit_softcapping"),
-            final_logit_softcapping=_optional_cap(cfg, "final_logit_softcapping"),
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
-            eos_token_ids=() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            head_dim=head_dim,
+            max_position_embeddings=read.positive_int("max_position_embeddings", at_most=MAX_CONTEXT),
+            rms_norm_eps=read.number("rms_norm_eps", above=0.0, at_most=1.0),
+            query_pre_attn_scalar=read.number("query_pre_attn_scalar", above=0.0),
+            sliding_window=read.positive_int("sliding_window", at_most=MAX_CONTEXT),
+            layer_types=_read_layer_types(read, num_layers),
+            rope=_read_rope(read),
+            attn_logit_softcapping=read.number("attn_logit_softcapping", default=None, above=0.0),  # null: no cap
+            final_logit_softcapping=read.number("final_logit_softcapping", default=None, above=0.0),
+            tie_word_embeddings=read.boolean("tie_word_embeddings"),
+            eos_token_ids=read.token_ids("eos_token_id"),
         )
+
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
+        """Check the sizes against the checkpoint's tensor table, before any module is built.
+
+        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
+        key as that file spells it. Raises ConfigError naming the key, its value and what the
+        weights hold; WeightsError naming a tensor the check needs that is absent (an untied
+        model without ``lm_head.weight`` included).
+        """
+        gguf = fmt == "gguf"
+        table = WeightTable(shapes, f"gemma2: {'GGUF metadata' if gguf else 'config.json'}", GGUF_FIELD_KEYS if gguf else None)
+        table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
+        table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
+        table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
+        table.size("intermediate_size", self.intermediate_size, "model.layers.0.mlp.up_proj.weight", 0)
+        table.size(("num_attention_heads", "head_dim"), self.num_attention_heads * self.head_dim,
+                   "model.layers.0.self_attn.q_proj.weight", 0)
+        table.size(("num_key_value_heads", "head_dim"), self.num_key_value_heads * self.head_dim,
+                   "model.layers.0.self_attn.k_proj.weight", 0)
+        if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
+            raise WeightsError(
+                "gemma2: config.json says the output head is not tied to the embedding "
+                "('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
+            )
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], *, vocab_size: int, tie_word_embeddings: bool = True) -> "Gemma2Config":
@@ -188,90 +219,54 @@ class Gemma2Config:
         return _from_gguf(cls, metadata, vocab_size, tie_word_embeddings)
 
 
-def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
+def _refuse_unimplemented(read: ConfigReader) -> None:
     """ConfigError for every setting that would change the math and that this family does not implement."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"gemma2: config.json 'hidden_activation' is {act!r}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("gemma2: config.json sets 'use_bidirectional_attention'; only causal attention is implemented")
-    if cfg.get("attention_bias"):
-        raise ConfigError("gemma2: config.json sets 'attention_bias': true; attention biases are not implemented")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"gemma2: config.json has 'quantization_config' ({method}); quantized safetensors are not supported")
+    act = read.string("hidden_activation", default=read.string("hidden_act", default=None))
+    read.check(act in ("gelu_pytorch_tanh", "gelu_tanh"),
+               f"'hidden_activation' is {show(act)}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
+    read.check(not read.boolean("use_bidirectional_attention", default=False),
+               "sets 'use_bidirectional_attention'; only causal attention is implemented")
+    read.check(not read.boolean("attention_bias", default=False),
+               "sets 'attention_bias': true; attention biases are not implemented")
+    quantization = read.mapping("quantization_config") or {}
+    read.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
 
-def _required(cfg: dict[str, Any], key: str, kind) -> Any:
-    """``cfg[key]``; ConfigError naming the key when it is missing, null or of the wrong type."""
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"gemma2: config.json has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"gemma2: config.json {key!r} is {value!r}, not a number of the expected kind")
-    return value
-
-
-def _optional_cap(cfg: dict[str, Any], key: str) -> float | None:
-    """A soft-cap value: a positive number, or null for "no cap"."""
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"gemma2: config.json {key!r} is {value!r}; expected a positive number or null")
-    return float(value)
-
-
-def _read_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+def _read_layer_types(read: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """Which layers are sliding-window and which global.
 
     transformers 5: an explicit ``layer_types`` list. hub: none, and the layers
     alternate, sliding first (transformers' rule: layer i is sliding when i is even).
     """
-    types = cfg.get("layer_types")
-    if types is None:
-        return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ConfigError(f"gemma2: config.json 'layer_types' must be a list of {num_layers} entries (one per layer)")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"gemma2: config.json 'layer_types' holds {unknown[0]!r}; implemented: {', '.join(LAYER_TYPES)}")
-    return tuple(types)
+    alternating = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
+    return read.strings("layer_types", default=alternating, length=num_layers, choices=LAYER_TYPES)
 
 
-def _read_rope(cfg: dict[str, Any]) -> RopeConfig:
+def _read_rope(read: ConfigReader) -> RopeConfig:
     """Read RoPE settings from either schema into one RopeConfig.
 
     transformers 5: everything in ``rope_parameters`` (``rope_theta`` inside it).
     hub:            ``rope_theta`` at the top level, scaling in ``rope_scaling``
                     (``null`` or absent for plain RoPE).
     """
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    if params is not None and scaling is not None and params != scaling:
-        raise ConfigError("gemma2: config.json has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
+    params = read.mapping("rope_parameters")
+    scaling = read.mapping("rope_scaling")
+    read.check(params is None or scaling is None or params == scaling,
+               "has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
     where = "rope_parameters" if params is not None else "rope_scaling"
-    params = dict(params if params is not None else scaling or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"gemma2: config.json {where!r} is nested per layer type; gemma2 has one RoPE for every layer")
-    params.setdefault("rope_theta", cfg["rope_theta"])
+    rope = ConfigReader(params if params is not None else scaling or {}, f"gemma2: config.json {where!r}")
+    rope.check(not any(isinstance(v, dict) for v in rope.raw.values()),
+               "is nested per layer type; gemma2 has one RoPE for every layer")
 
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"gemma2: config.json {where!r} has RoPE type {rope_type!r}, which is not implemented "
-            f"(implemented: {', '.join(ROPE_TYPES)})"
-        )
-    unknown = sorted(set(params) - ROPE_TYPES[rope_type])
-    if unknown:
-        raise ConfigError(f"gemma2: config.json {where!r} has {unknown[0]!r}, which RoPE type {rope_type!r} does not implement")
-    factor = params.get("factor")
-    if rope_type == "linear" and not isinstance(factor, (int, float)):
-        raise ConfigError(f"gemma2: config.json {where!r}: RoPE type 'linear' needs a numeric 'factor'")
-    theta = params["rope_theta"]
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise ConfigError(f"gemma2: config.json 'rope_theta' is {theta!r}, not a number")
-    return RopeConfig(rope_type=rope_type, theta=float(theta), factor=None if factor is None else float(factor))
+    hub_type = rope.string("type", default="default", choices=tuple(ROPE_TYPES))  # the hub's spelling of rope_type
+    rope_type = rope.string("rope_type", default=hub_type, choices=tuple(ROPE_TYPES))
+    rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
+    theta = rope.number("rope_theta", default=None, above=1.0)  # the dict's theta first, then the top level's
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=read.number("rope_theta", above=1.0) if theta is None else theta,
+        factor=rope.number("factor", above=0.0) if rope_type == "linear" else None,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -291,60 +286,61 @@ GGUF_SWA_PATTERN = 2
 GGUF_27B_BLOCK_COUNT = 46
 
 
+#: Config fields -> the GGUF keys they come from, for error messages.
+GGUF_FIELD_KEYS = {
+    "num_hidden_layers": "gemma2.block_count",
+    "hidden_size": "gemma2.embedding_length",
+    "intermediate_size": "gemma2.feed_forward_length",
+    "num_attention_heads": "gemma2.attention.head_count",
+    "num_key_value_heads": "gemma2.attention.head_count_kv",
+    "head_dim": "gemma2.attention.key_length",
+    "vocab_size": "gemma2.vocab_size",
+}
+
+
 def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddings: bool) -> "Gemma2Config":
+    read = ConfigReader(metadata, "gemma2: GGUF metadata")
     arch = metadata.get("general.architecture")
     if arch != "gemma2":
-        raise ConfigError(f"gemma2: GGUF general.architecture is {arch!r}, expected 'gemma2'")
+        raise ConfigError(f"gemma2: GGUF general.architecture is {show(arch)}, expected 'gemma2'")
     for key in sorted(k for k in metadata if k.startswith("gemma2.")):
         if key[len("gemma2."):] not in GGUF_REQUIRED + GGUF_OPTIONAL:
-            raise ConfigError(f"gemma2: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+            raise ConfigError(f"gemma2: unverified GGUF key {key!r} (= {show(metadata[key])}); this family does not know what it changes")
 
-    def get(key, kind=int, required=True):
-        full = f"{arch}.{key}"
-        value = metadata.get(full)
-        if value is None:
-            if required:
-                raise ConfigError(f"gemma2: GGUF metadata has no {full!r}, which the model needs")
-            return None
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ConfigError(f"gemma2: GGUF metadata {full!r} is {value!r}, not of the expected kind")
-        return value
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
 
-    hidden = get("embedding_length")
-    heads = get("attention.head_count")
-    kv_heads = get("attention.head_count_kv")
-    if heads % kv_heads:
-        raise ConfigError(f"gemma2: GGUF 'gemma2.attention.head_count' ({heads}) is not a multiple of 'gemma2.attention.head_count_kv' ({kv_heads})")
-    head_dim = get("attention.key_length")
-    for key in ("attention.value_length", "rope.dimension_count"):
-        value = get(key, required=False)
-        if value is not None and value != head_dim:
-            raise ConfigError(f"gemma2: GGUF 'gemma2.{key}' ({value}) differs from the head width ({head_dim}); not implemented")
-    file_vocab = get("vocab_size", required=False)
-    if file_vocab is not None and file_vocab != vocab_size:
-        raise ConfigError(f"gemma2: GGUF 'gemma2.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
-    num_layers = get("block_count")
-    window = get("attention.sliding_window")
-    if window < 1:
-        raise ConfigError(f"gemma2: GGUF 'gemma2.attention.sliding_window' is {window}; it must be >= 1")
-    base = get("rope.freq_base", (int, float), required=False)
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    hidden = read.positive_int(key("embedding_length"), at_most=MAX_WIDTH)
+    heads = read.positive_int(key("attention.head_count"), at_most=MAX_HEADS)
+    kv_heads = read.positive_int(key("attention.head_count_kv"), at_most=heads)
+    read.check(heads % kv_heads == 0, f"{key('attention.head_count')!r} ({heads}) is not a multiple of {key('attention.head_count_kv')!r} ({kv_heads})")
+    head_dim = read.positive_int(key("attention.key_length"), at_most=MAX_WIDTH)
+    read.check(head_dim % 2 == 0, f"{key('attention.key_length')!r} is {head_dim}; RoPE needs an even head width")
+    for other in ("attention.value_length", "rope.dimension_count"):
+        value = read.positive_int(key(other), default=head_dim, at_most=MAX_WIDTH)
+        read.check(value == head_dim, f"{key(other)!r} ({value}) differs from the head width ({head_dim}); not implemented")
+    file_vocab = read.positive_int(key("vocab_size"), default=vocab_size, at_most=MAX_VOCAB)
+    read.check(file_vocab == vocab_size, f"{key('vocab_size')!r} ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
+    num_layers = read.positive_int(key("block_count"), at_most=MAX_LAYERS)
+    scalar = hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim
+    read.check(scalar >= 1, f"{key('embedding_length')!r} ({hidden}) is smaller than {key('attention.head_count')!r} ({heads})")
+    eos = [read.token_ids(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return cls(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
+        intermediate_size=read.positive_int(key("feed_forward_length"), at_most=MAX_WIDTH),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=get("context_length"),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
-        query_pre_attn_scalar=float(hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim),
-        sliding_window=window,
+        max_position_embeddings=read.positive_int(key("context_length"), at_most=MAX_CONTEXT),
+        rms_norm_eps=read.number(key("attention.layer_norm_rms_epsilon"), above=0.0, at_most=1.0),
+        query_pre_attn_scalar=float(scalar),
+        sliding_window=read.positive_int(key("attention.sliding_window"), at_most=MAX_CONTEXT),
         layer_types=tuple(SLIDING if i % GGUF_SWA_PATTERN < GGUF_SWA_PATTERN - 1 else FULL for i in range(num_layers)),
-        rope=RopeConfig("default", float(GGUF_ROPE_BASE if base is None else base)),
-        attn_logit_softcapping=float(get("attn_logit_softcapping", (int, float))),
-        final_logit_softcapping=float(get("final_logit_softcapping", (int, float))),
+        rope=RopeConfig("default", read.number(key("rope.freq_base"), default=GGUF_ROPE_BASE, above=1.0)),
+        attn_logit_softcapping=read.number(key("attn_logit_softcapping"), above=0.0),
+        final_logit_softcapping=read.number(key("final_logit_softcapping"), above=0.0),
         tie_word_embeddings=tie_word_embeddings,
-        eos_token_ids=tuple(dict.fromkeys(eos)),
+        eos_token_ids=tuple(dict.fromkeys(i for ids in eos for i in ids)),
     )

@@ -35,15 +35,25 @@ so we refuse to pick a meaning), bidirectional attention, attention biases or
 another activation raise :class:`lollm.errors.ConfigError` naming the key.
 Keys that do not change the math (``initializer_range``, ``use_cache`` …) are ignored.
 
+Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+its type and range are checked where it is read (a count is a positive integer
+under a stated bound, a RoPE base a finite number above 1, a flag a real
+boolean), and an error names the file, the key and the value.
+:meth:`Gemma3Config.check_weights` then compares the sizes with the
+checkpoint's tensor table, so nothing is built that the weights do not back.
+
 No torch here: a config is plain numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from lollm.errors import ConfigError
+from lollm.checks import (
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
+)
+from lollm.errors import ConfigError, WeightsError
 
 from . import MODEL_TYPES
 
@@ -146,60 +156,76 @@ class Gemma3Config:
         Raises ConfigError naming the key for a missing required key or a
         setting this family does not implement.
         """
-        model_type = raw.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"gemma3: config.json has model_type {model_type!r}, expected one of {MODEL_TYPES}")
-        multimodal = model_type == "gemma3"
+        top = ConfigReader(raw, "gemma3: config.json")
+        multimodal = top.string("model_type", choices=MODEL_TYPES) == "gemma3"
         if multimodal:
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError("gemma3: config.json of model_type 'gemma3' has no 'text_config' object")
-            where = "text_config"
+            top.check(isinstance(raw.get("text_config"), dict), "of model_type 'gemma3' has no 'text_config' object")
+            text = raw["text_config"]
+            read = ConfigReader(text, "gemma3: config.json 'text_config'", defaults=TEXT_DEFAULTS)
         else:
             text = raw
-            where = "config.json"
-        cfg = {**TEXT_DEFAULTS, **text}
+            read = ConfigReader(raw, "gemma3: config.json", defaults=TEXT_DEFAULTS)
+        _refuse_unimplemented(top, read)
 
-        _refuse_unimplemented(raw, cfg, where)
-
-        hidden = _required(cfg, "hidden_size", int, where)
-        heads = _required(cfg, "num_attention_heads", int, where)
-        kv_heads = _required(cfg, "num_key_value_heads", int, where)
-        if heads % kv_heads:
-            raise ConfigError(f"gemma3: {where} 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
-        num_layers = _required(cfg, "num_hidden_layers", int, where)
-        window = _required(cfg, "sliding_window", int, where)
-        if window < 1:
-            raise ConfigError(f"gemma3: {where} 'sliding_window' is {window}; it must be >= 1")
-        rope_local, rope_global = _read_rope(cfg, where)
+        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
+        kv_heads = read.positive_int("num_key_value_heads", at_most=heads)
+        read.check(heads % kv_heads == 0, f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+        head_dim = read.positive_int("head_dim", at_most=MAX_WIDTH)
+        read.check(head_dim % 2 == 0, f"'head_dim' is {head_dim}; RoPE needs an even head width")
+        num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
+        rope_local, rope_global = _read_rope(read)
 
         # end-of-sequence ids: the decoder's own, plus the multimodal wrapper's
-        eos: list[int] = []
-        for source in (text, raw) if multimodal else (raw,):
-            value = source.get("eos_token_id")
-            for i in [] if value is None else [value] if isinstance(value, int) else value:
-                if i not in eos:
-                    eos.append(i)
-        tie = raw.get("tie_word_embeddings", cfg["tie_word_embeddings"]) if multimodal else cfg["tie_word_embeddings"]
+        eos = read.token_ids("eos_token_id") if multimodal else ()
+        eos = tuple(dict.fromkeys(eos + top.token_ids("eos_token_id")))
+        tie = read.boolean("tie_word_embeddings")
         return cls(
-            vocab_size=_required(cfg, "vocab_size", int, where),
-            hidden_size=hidden,
-            intermediate_size=_required(cfg, "intermediate_size", int, where),
+            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
+            hidden_size=read.positive_int("hidden_size", at_most=MAX_WIDTH),
+            intermediate_size=read.positive_int("intermediate_size", at_most=MAX_WIDTH),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_required(cfg, "head_dim", int, where),
-            max_position_embeddings=_required(cfg, "max_position_embeddings", int, where),
-            rms_norm_eps=float(_required(cfg, "rms_norm_eps", (int, float), where)),
-            query_pre_attn_scalar=float(_required(cfg, "query_pre_attn_scalar", (int, float), where)),
-            sliding_window=window,
-            layer_types=_read_layer_types(text, num_layers, where),
+            head_dim=head_dim,
+            max_position_embeddings=read.positive_int("max_position_embeddings", at_most=MAX_CONTEXT),
+            rms_norm_eps=read.number("rms_norm_eps", above=0.0, at_most=1.0),
+            query_pre_attn_scalar=read.number("query_pre_attn_scalar", above=0.0),
+            sliding_window=read.positive_int("sliding_window", at_most=MAX_CONTEXT),
+            layer_types=_read_layer_types(ConfigReader(text, read.where), num_layers),
             rope_local=rope_local,
             rope_global=rope_global,
-            tie_word_embeddings=bool(tie),
-            eos_token_ids=tuple(eos),
+            # the multimodal wrapper owns lm_head: its flag wins over text_config's
+            tie_word_embeddings=top.boolean("tie_word_embeddings", default=tie) if multimodal else tie,
+            eos_token_ids=eos,
             multimodal=multimodal,
         )
+
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
+        """Check the sizes against the checkpoint's tensor table, before any module is built.
+
+        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
+        key as that file spells it. Raises ConfigError naming the key, its value and what the
+        weights hold; WeightsError naming a tensor the check needs that is absent (an untied
+        model without ``lm_head.weight`` included).
+        """
+        gguf = fmt == "gguf"
+        where = "GGUF metadata" if gguf else "config.json 'text_config'" if self.multimodal else "config.json"
+        table = WeightTable(shapes, f"gemma3: {where}", GGUF_FIELD_KEYS if gguf else None)
+        table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
+        table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
+        table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
+        table.size("intermediate_size", self.intermediate_size, "model.layers.0.mlp.up_proj.weight", 0)
+        table.size(("num_attention_heads", "head_dim"), self.num_attention_heads * self.head_dim,
+                   "model.layers.0.self_attn.q_proj.weight", 0)
+        table.size(("num_key_value_heads", "head_dim"), self.num_key_value_heads * self.head_dim,
+                   "model.layers.0.self_attn.k_proj.weight", 0)
+        if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
+            raise WeightsError(
+                "gemma3: config.json says the output head is not tied to the embedding "
+                "('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
+            )
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], *, vocab_size: int, tie_word_embeddings: bool = True) -> "Gemma3Config":
@@ -238,38 +264,27 @@ class Gemma3Config:
         return _from_gguf(cls, metadata, vocab_size, tie_word_embeddings)
 
 
-def _refuse_unimplemented(raw: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
-    """ConfigError for every setting that would change the math and that this family does not implement."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"gemma3: {where} 'hidden_activation' is {act!r}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
+def _refuse_unimplemented(top: ConfigReader, read: ConfigReader) -> None:
+    """ConfigError for every setting that would change the math and that this family does not implement.
+
+    top: the whole config.json; read: the decoder's keys (``text_config`` in the multimodal layout).
+    """
+    act = read.string("hidden_activation", default=read.string("hidden_act", default=None))
+    read.check(act in ("gelu_pytorch_tanh", "gelu_tanh"),
+               f"'hidden_activation' is {show(act)}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ConfigError(
-                f"gemma3: {where} sets {key!r} = {cfg[key]!r}; Gemma 3 has no soft-caps (that is Gemma 2) "
-                f"and this family does not implement them"
-            )
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError(f"gemma3: {where} sets 'use_bidirectional_attention'; only causal attention is implemented")
-    if cfg.get("attention_bias"):
-        raise ConfigError(f"gemma3: {where} sets 'attention_bias': true; attention biases are not implemented")
-    for source in (raw, cfg):
-        if source.get("quantization_config"):
-            method = source["quantization_config"].get("quant_method", "?")
-            raise ConfigError(f"gemma3: config.json has 'quantization_config' ({method}); quantized safetensors are not supported")
+        read.check(not read.has(key), f"sets {key!r} = {show(read.raw.get(key))}; Gemma 3 has no soft-caps "
+                                      f"(that is Gemma 2) and this family does not implement them")
+    read.check(not read.boolean("use_bidirectional_attention", default=False),
+               "sets 'use_bidirectional_attention'; only causal attention is implemented")
+    read.check(not read.boolean("attention_bias", default=False),
+               "sets 'attention_bias': true; attention biases are not implemented")
+    for source in (top, read):
+        quantization = source.mapping("quantization_config") or {}
+        source.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
 
-def _required(cfg: dict[str, Any], key: str, kind, where: str) -> Any:
-    """``cfg[key]``; ConfigError naming the key when it is missing, null or of the wrong type."""
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"gemma3: {where} has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"gemma3: {where} {key!r} is {value!r}, not a number of the expected kind")
-    return value
-
-
-def _read_layer_types(text: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
+def _read_layer_types(text: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """Which layers are sliding-window and which global, from either schema.
 
     transformers 5: an explicit ``layer_types`` list. hub: ``sliding_window_pattern`` N
@@ -277,78 +292,57 @@ def _read_layer_types(text: dict[str, Any], num_layers: int, where: str) -> tupl
     otherwise; absent, N is 6 (transformers' default). Some files carry both (the
     pattern then as ``_sliding_window_pattern``); they must agree.
     """
-    patterns = {k: text[k] for k in ("sliding_window_pattern", "_sliding_window_pattern") if text.get(k) is not None}
-    for key, value in patterns.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"gemma3: {where} {key!r} is {value!r}, not a positive integer")
+    patterns = {k: text.positive_int(k, at_most=MAX_LAYERS)
+                for k in ("sliding_window_pattern", "_sliding_window_pattern") if text.has(k)}
 
     def from_pattern(n: int) -> tuple[str, ...]:
         return tuple(SLIDING if (i + 1) % n else FULL for i in range(num_layers))
 
-    types = text.get("layer_types")
-    if types is None:
-        if "sliding_window_pattern" not in patterns and patterns.get("_sliding_window_pattern", 6) != 6:
-            # transformers ignores the private spelling and would use 6: refuse to pick one
-            raise ConfigError(f"gemma3: {where} has '_sliding_window_pattern' but neither 'sliding_window_pattern' nor 'layer_types'")
+    if not text.has("layer_types"):
+        # transformers ignores the private spelling and would use 6: refuse to pick one
+        text.check("sliding_window_pattern" in patterns or patterns.get("_sliding_window_pattern", 6) == 6,
+                   "has '_sliding_window_pattern' but neither 'sliding_window_pattern' nor 'layer_types'")
         return from_pattern(patterns.get("sliding_window_pattern", TEXT_DEFAULTS["sliding_window_pattern"]))
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ConfigError(f"gemma3: {where} 'layer_types' must be a list of {num_layers} entries (one per layer)")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"gemma3: {where} 'layer_types' holds {unknown[0]!r}; implemented: {', '.join(LAYER_TYPES)}")
+    types = text.strings("layer_types", length=num_layers, choices=LAYER_TYPES)
     for key, value in patterns.items():
-        if tuple(types) != from_pattern(value):
-            raise ConfigError(f"gemma3: {where} 'layer_types' and {key!r} ({value}) disagree")
-    return tuple(types)
+        text.check(types == from_pattern(value), f"'layer_types' and {key!r} ({value}) disagree")
+    return types
 
 
-def _read_rope(cfg: dict[str, Any], where: str) -> tuple[RopeConfig, RopeConfig]:
+def _read_rope(read: ConfigReader) -> tuple[RopeConfig, RopeConfig]:
     """The RoPE of the sliding-window layers and of the global layers, from either schema.
 
     transformers 5: ``rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}``.
     hub: ``rope_local_base_freq`` (sliding), ``rope_theta`` (global) and ``rope_scaling``,
     which applies to the global layers only.
     """
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
+    params = read.section("rope_parameters")
+    scaling = read.mapping("rope_scaling")
     if params is not None:
-        per_type = isinstance(params, dict) and set(params) <= set(LAYER_TYPES)
-        if not per_type or not all(v is None or isinstance(v, dict) for v in params.values()):
-            raise ConfigError(
-                f"gemma3: {where} 'rope_parameters' must map each layer type ({', '.join(LAYER_TYPES)}) "
-                f"to its RoPE settings; found keys {sorted(params) if isinstance(params, dict) else params!r}"
-            )
-        local = dict(params.get(SLIDING) or {})
-        glob = dict(params.get(FULL) or {})
-        if scaling is not None and any(glob.get(k) != v for k, v in scaling.items()):
-            raise ConfigError(f"gemma3: {where} has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
+        params.refuse_unknown(LAYER_TYPES, "this family (one RoPE per layer type)")
+        local = params.mapping(SLIDING, default={})
+        glob = params.mapping(FULL, default={})
+        read.check(scaling is None or all(glob.get(k) == v for k, v in scaling.items()),
+                   "has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
         name_local, name_global = f"rope_parameters.{SLIDING}", f"rope_parameters.{FULL}"
     else:
-        local = {}
-        glob = dict(scaling or {})
+        local, glob = {}, scaling or {}
         name_local, name_global = "rope_local_base_freq", "rope_scaling"
-    local.setdefault("rope_theta", cfg["rope_local_base_freq"])
-    glob.setdefault("rope_theta", cfg["rope_theta"])
-    return _rope(local, f"{where} {name_local!r}"), _rope(glob, f"{where} {name_global!r}")
+    local_base = read.number("rope_local_base_freq", above=1.0)
+    global_base = read.number("rope_theta", above=1.0)
+    return (_rope(ConfigReader(local, f"{read.where} {name_local!r}"), local_base),
+            _rope(ConfigReader(glob, f"{read.where} {name_global!r}"), global_base))
 
 
-def _rope(params: dict[str, Any], where: str) -> RopeConfig:
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"gemma3: {where} has RoPE type {rope_type!r}, which is not implemented "
-            f"(implemented: {', '.join(ROPE_TYPES)})"
-        )
-    unknown = sorted(set(params) - ROPE_TYPES[rope_type])
-    if unknown:
-        raise ConfigError(f"gemma3: {where} has {unknown[0]!r}, which RoPE type {rope_type!r} does not implement")
-    factor = params.get("factor")
-    if rope_type == "linear" and not isinstance(factor, (int, float)):
-        raise ConfigError(f"gemma3: {where}: RoPE type 'linear' needs a numeric 'factor'")
-    theta = params["rope_theta"]
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-        raise ConfigError(f"gemma3: {where} 'rope_theta' is {theta!r}, not a number")
-    return RopeConfig(rope_type=rope_type, theta=float(theta), factor=None if factor is None else float(factor))
+def _rope(rope: ConfigReader, default_theta: float) -> RopeConfig:
+    hub_type = rope.string("type", default="default", choices=tuple(ROPE_TYPES))  # the hub's spelling of rope_type
+    rope_type = rope.string("rope_type", default=hub_type, choices=tuple(ROPE_TYPES))
+    rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=rope.number("rope_theta", default=default_theta, above=1.0),
+        factor=rope.number("factor", above=0.0) if rope_type == "linear" else None,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -391,96 +385,86 @@ GGUF_ROPE_BASE_SWA = 10_000.0
 GGUF_27B_BLOCK_COUNT = 62
 
 
-def gguf_key(metadata: dict[str, Any], arch: str, key: str, kind, *, required: bool = True) -> Any:
-    """``metadata[f"{arch}.{key}"]``, checked; ConfigError naming the key when required and missing."""
-    full = f"{arch}.{key}"
-    value = metadata.get(full)
-    if value is None:
-        if required:
-            raise ConfigError(f"gemma3: GGUF metadata has no {full!r}, which the model needs")
-        return None
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"gemma3: GGUF metadata {full!r} is {value!r}, not of the expected kind")
-    return value
+#: Config fields -> the GGUF keys they come from, for error messages.
+GGUF_FIELD_KEYS = {
+    "num_hidden_layers": "gemma3.block_count",
+    "hidden_size": "gemma3.embedding_length",
+    "intermediate_size": "gemma3.feed_forward_length",
+    "num_attention_heads": "gemma3.attention.head_count",
+    "num_key_value_heads": "gemma3.attention.head_count_kv",
+    "head_dim": "gemma3.attention.key_length",
+    "vocab_size": "gemma3.vocab_size",
+}
 
 
 def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddings: bool) -> "Gemma3Config":
+    read = ConfigReader(metadata, "gemma3: GGUF metadata")
     arch = metadata.get("general.architecture")
     if arch != "gemma3":
-        raise ConfigError(f"gemma3: GGUF general.architecture is {arch!r}, expected 'gemma3'")
+        raise ConfigError(f"gemma3: GGUF general.architecture is {show(arch)}, expected 'gemma3'")
     prefix = f"{arch}."
     for key in sorted(k for k in metadata if k.startswith(prefix)):
         short = key[len(prefix):]
         if short in GGUF_REFUSED:
-            raise ConfigError(f"gemma3: GGUF metadata sets {key!r} = {metadata[key]!r}; Gemma 3 has no soft-caps and this family does not implement them")
+            raise ConfigError(f"gemma3: GGUF metadata sets {key!r} = {show(metadata[key])}; Gemma 3 has no soft-caps and this family does not implement them")
         if short not in GGUF_KEYS:
-            raise ConfigError(f"gemma3: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+            raise ConfigError(f"gemma3: unverified GGUF key {key!r} (= {show(metadata[key])}); this family does not know what it changes")
 
-    def get(key, kind=int, required=True):
-        return gguf_key(metadata, arch, key, kind, required=required)
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
 
-    hidden = get("embedding_length")
-    heads = get("attention.head_count")
-    kv_heads = get("attention.head_count_kv")
-    if heads % kv_heads:
-        raise ConfigError(f"gemma3: GGUF '{arch}.attention.head_count' ({heads}) is not a multiple of '{arch}.attention.head_count_kv' ({kv_heads})")
-    head_dim = get("attention.key_length")
-    value_dim = get("attention.value_length", required=False)
-    if value_dim is not None and value_dim != head_dim:
-        raise ConfigError(f"gemma3: GGUF '{arch}.attention.value_length' ({value_dim}) differs from '{arch}.attention.key_length' ({head_dim}); not implemented")
-    rope_dims = get("rope.dimension_count", required=False)
-    if rope_dims is not None and rope_dims != head_dim:
-        raise ConfigError(f"gemma3: GGUF '{arch}.rope.dimension_count' ({rope_dims}) is not the head width ({head_dim}); partial RoPE is not implemented")
-    num_layers = get("block_count")
-    window = get("attention.sliding_window")
-    if window < 1:
-        raise ConfigError(f"gemma3: GGUF '{arch}.attention.sliding_window' is {window}; it must be >= 1")
-    file_vocab = get("vocab_size", required=False)
-    if file_vocab is not None and file_vocab != vocab_size:
-        raise ConfigError(f"gemma3: GGUF '{arch}.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
+    hidden = read.positive_int(key("embedding_length"), at_most=MAX_WIDTH)
+    heads = read.positive_int(key("attention.head_count"), at_most=MAX_HEADS)
+    kv_heads = read.positive_int(key("attention.head_count_kv"), at_most=heads)
+    read.check(heads % kv_heads == 0, f"{key('attention.head_count')!r} ({heads}) is not a multiple of {key('attention.head_count_kv')!r} ({kv_heads})")
+    head_dim = read.positive_int(key("attention.key_length"), at_most=MAX_WIDTH)
+    read.check(head_dim % 2 == 0, f"{key('attention.key_length')!r} is {head_dim}; RoPE needs an even head width")
+    value_dim = read.positive_int(key("attention.value_length"), default=head_dim, at_most=MAX_WIDTH)
+    read.check(value_dim == head_dim, f"{key('attention.value_length')!r} ({value_dim}) differs from {key('attention.key_length')!r} ({head_dim}); not implemented")
+    rope_dims = read.positive_int(key("rope.dimension_count"), default=head_dim, at_most=MAX_WIDTH)
+    read.check(rope_dims == head_dim, f"{key('rope.dimension_count')!r} ({rope_dims}) is not the head width ({head_dim}); partial RoPE is not implemented")
+    num_layers = read.positive_int(key("block_count"), at_most=MAX_LAYERS)
+    file_vocab = read.positive_int(key("vocab_size"), default=vocab_size, at_most=MAX_VOCAB)
+    read.check(file_vocab == vocab_size, f"{key('vocab_size')!r} ({file_vocab}) differs from token_embd.weight's {vocab_size} rows")
+    scalar = hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim
+    read.check(scalar >= 1, f"{key('embedding_length')!r} ({hidden}) is smaller than {key('attention.head_count')!r} ({heads})")
 
     # which layers slide: llama.cpp's set_swa_pattern(n) makes layer i sliding when i % n < n - 1
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", GGUF_SWA_PATTERN)
-    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
-        layer_types = tuple(SLIDING if i % pattern < pattern - 1 else FULL for i in range(num_layers))
-    elif isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern):
-        layer_types = tuple(SLIDING if b else FULL for b in pattern)  # one bool per layer: true = sliding
+    pattern = read.value(key("attention.sliding_window_pattern"), GGUF_SWA_PATTERN)
+    if isinstance(pattern, list):  # one bool per layer: true = sliding
+        read.check(len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern),
+                   f"{key('attention.sliding_window_pattern')!r} is {show(pattern)}: neither a positive integer nor {num_layers} booleans")
+        layer_types = tuple(SLIDING if b else FULL for b in pattern)
     else:
-        raise ConfigError(f"gemma3: GGUF '{arch}.attention.sliding_window_pattern' is {pattern!r}: neither a positive integer nor {num_layers} booleans")
+        pattern = read.positive_int(key("attention.sliding_window_pattern"), default=GGUF_SWA_PATTERN, at_most=MAX_LAYERS)
+        layer_types = tuple(SLIDING if i % pattern < pattern - 1 else FULL for i in range(num_layers))
 
     # RoPE: the global layers read rope.freq_base and any linear scaling; the sliding ones use 10000
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = get("rope.scaling.factor", (int, float), required=False)
-    if scaling == "linear":
-        if factor is None:
-            raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.type' is 'linear' but '{arch}.rope.scaling.factor' is missing")
-        rope_global = RopeConfig("linear", float(get("rope.freq_base", (int, float))), float(factor))
-    elif scaling == "none":
-        if factor is not None and factor != 1.0:
-            raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.factor' is {factor} but '{arch}.rope.scaling.type' is not 'linear'")
-        rope_global = RopeConfig("default", float(get("rope.freq_base", (int, float))))
-    else:
-        raise ConfigError(f"gemma3: GGUF '{arch}.rope.scaling.type' is {scaling!r}; implemented: 'none', 'linear'")
-    base_swa = get("rope.freq_base_swa", (int, float), required=False)
-    rope_local = RopeConfig("default", float(GGUF_ROPE_BASE_SWA if base_swa is None else base_swa))
+    scaling = read.string(key("rope.scaling.type"), default="none", choices=("none", "linear"))
+    factor = read.number(key("rope.scaling.factor"), default=None, above=0.0)
+    read.check(scaling == "none" or factor is not None, f"{key('rope.scaling.type')!r} is 'linear' but {key('rope.scaling.factor')!r} is missing")
+    read.check(scaling == "linear" or factor in (None, 1.0), f"{key('rope.scaling.factor')!r} is {factor} but {key('rope.scaling.type')!r} is not 'linear'")
+    base = read.number(key("rope.freq_base"), above=1.0)
+    rope_global = RopeConfig("linear", base, factor) if scaling == "linear" else RopeConfig("default", base)
+    rope_local = RopeConfig("default", read.number(key("rope.freq_base_swa"), default=GGUF_ROPE_BASE_SWA, above=1.0))
 
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    eos = [read.token_ids(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return cls(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
+        intermediate_size=read.positive_int(key("feed_forward_length"), at_most=MAX_WIDTH),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=get("context_length"),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
-        query_pre_attn_scalar=float(hidden // heads if num_layers == GGUF_27B_BLOCK_COUNT else head_dim),
-        sliding_window=window,
+        max_position_embeddings=read.positive_int(key("context_length"), at_most=MAX_CONTEXT),
+        rms_norm_eps=read.number(key("attention.layer_norm_rms_epsilon"), above=0.0, at_most=1.0),
+        query_pre_attn_scalar=float(scalar),
+        sliding_window=read.positive_int(key("attention.sliding_window"), at_most=MAX_CONTEXT),
         layer_types=layer_types,
         rope_local=rope_local,
         rope_global=rope_global,
         tie_word_embeddings=tie_word_embeddings,
-        eos_token_ids=tuple(dict.fromkeys(eos)),
+        eos_token_ids=tuple(dict.fromkeys(i for ids in eos for i in ids)),
         multimodal=False,
     )

@@ -48,15 +48,25 @@ layer that is not global (transformers would silently force it), an unknown
 RoPE type or key, attention biases or another activation raise
 :class:`lollm.errors.ConfigError` naming the key.
 
+Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+its type and range are checked where it is read (a count is a positive integer
+under a stated bound, a RoPE base a finite number above 1, a flag a real
+boolean), and an error names the file, the key and the value.
+:meth:`Gemma4Config.check_weights` then compares the sizes with the
+checkpoint's tensor table, so nothing is built that the weights do not back.
+
 No torch here: a config is plain numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from lollm.errors import ConfigError
+from lollm.checks import (
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
+)
+from lollm.errors import ConfigError, WeightsError
 
 from . import MODEL_TYPES
 
@@ -212,73 +222,90 @@ class Gemma4Config:
         Raises ConfigError naming the key for a missing required key or a
         setting this family does not implement.
         """
-        model_type = raw.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"gemma4: config.json has model_type {model_type!r}, expected one of {MODEL_TYPES}")
-        multimodal = model_type == "gemma4"
+        top = ConfigReader(raw, "gemma4: config.json")
+        multimodal = top.string("model_type", choices=MODEL_TYPES) == "gemma4"
         if multimodal:
-            text = raw.get("text_config")
-            if not isinstance(text, dict):
-                raise ConfigError("gemma4: config.json of model_type 'gemma4' has no 'text_config' object")
-            where = "text_config"
+            top.check(isinstance(raw.get("text_config"), dict), "of model_type 'gemma4' has no 'text_config' object")
+            read = ConfigReader(raw["text_config"], "gemma4: config.json 'text_config'", defaults=TEXT_DEFAULTS)
         else:
-            text, where = raw, "config.json"
-        cfg = {**TEXT_DEFAULTS, **text}
-        _refuse_unimplemented(raw, cfg, where)
+            read = ConfigReader(raw, "gemma4: config.json", defaults=TEXT_DEFAULTS)
+        _refuse_unimplemented(top, read)
 
-        heads = _required(cfg, "num_attention_heads", int, where)
-        num_layers = _required(cfg, "num_hidden_layers", int, where)
-        layer_types = _read_layer_types(cfg, num_layers, where)
-        shapes = _read_layer_shapes(cfg, layer_types, where)
-        for layer_type, (_, kv_heads) in shapes.items():
-            if heads % kv_heads:
-                raise ConfigError(
-                    f"gemma4: {where} 'num_attention_heads' ({heads}) is not a multiple of the "
-                    f"{kv_heads} key/value heads of the {layer_type} layers"
-                )
-        shared = _required(cfg, "num_kv_shared_layers", int, where)
-        _check_kv_sharing(layer_types, shared, where)
-        window = _required(cfg, "sliding_window", int, where)
-        if window < 1:
-            raise ConfigError(f"gemma4: {where} 'sliding_window' is {window}; it must be >= 1")
-        rope_local, rope_global = _read_rope(cfg, where)
-        cap = cfg.get("final_logit_softcapping")
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
-            raise ConfigError(f"gemma4: {where} 'final_logit_softcapping' is {cap!r}; expected a positive number or null")
+        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
+        num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
+        layer_types = _read_layer_types(read, num_layers)
+        shapes = _read_layer_shapes(read, layer_types)
+        for layer_type, (head_dim, kv_heads) in shapes.items():
+            read.check(heads % kv_heads == 0 and kv_heads <= heads,
+                       f"'num_attention_heads' ({heads}) is not a multiple of the {kv_heads} key/value heads of the {layer_type} layers")
+            read.check(head_dim % 2 == 0, f"gives the {layer_type} layers a head width of {head_dim}; RoPE needs an even width")
+        shared = read.integer("num_kv_shared_layers", at_most=MAX_LAYERS)
+        _check_kv_sharing(read, layer_types, shared)
+        rope_local, rope_global = _read_rope(read)
 
-        eos: list[int] = []
-        for source in (text, raw) if multimodal else (raw,):
-            value = source.get("eos_token_id")
-            for i in [] if value is None else [value] if isinstance(value, int) else value:
-                if i not in eos:
-                    eos.append(i)
-        tie = raw.get("tie_word_embeddings", cfg["tie_word_embeddings"]) if multimodal else cfg["tie_word_embeddings"]
+        # end-of-sequence ids: the decoder's own, plus the multimodal wrapper's
+        eos = read.token_ids("eos_token_id") if multimodal else ()
+        tie = read.boolean("tie_word_embeddings")
+        ple = read.integer("hidden_size_per_layer_input", at_most=MAX_WIDTH)  # 0: no per-layer embeddings
         return cls(
-            vocab_size=_required(cfg, "vocab_size", int, where),
-            hidden_size=_required(cfg, "hidden_size", int, where),
-            intermediate_size=_required(cfg, "intermediate_size", int, where),
+            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
+            hidden_size=read.positive_int("hidden_size", at_most=MAX_WIDTH),
+            intermediate_size=read.positive_int("intermediate_size", at_most=MAX_WIDTH),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=shapes[SLIDING][1],
             global_num_key_value_heads=shapes[FULL][1],
             head_dim=shapes[SLIDING][0],
             global_head_dim=shapes[FULL][0],
-            attention_k_eq_v=bool(cfg["attention_k_eq_v"]),
-            max_position_embeddings=_required(cfg, "max_position_embeddings", int, where),
-            rms_norm_eps=float(_required(cfg, "rms_norm_eps", (int, float), where)),
-            sliding_window=window,
+            attention_k_eq_v=read.boolean("attention_k_eq_v"),
+            max_position_embeddings=read.positive_int("max_position_embeddings", at_most=MAX_CONTEXT),
+            rms_norm_eps=read.number("rms_norm_eps", above=0.0, at_most=1.0),
+            sliding_window=read.positive_int("sliding_window", at_most=MAX_CONTEXT),
             layer_types=layer_types,
             rope_local=rope_local,
             rope_global=rope_global,
-            final_logit_softcapping=None if cap is None else float(cap),
-            hidden_size_per_layer_input=_required(cfg, "hidden_size_per_layer_input", int, where),
-            vocab_size_per_layer_input=_required(cfg, "vocab_size_per_layer_input", int, where),
+            final_logit_softcapping=read.number("final_logit_softcapping", default=None, above=0.0),  # null: no cap
+            hidden_size_per_layer_input=ple,
+            vocab_size_per_layer_input=read.integer("vocab_size_per_layer_input", at_most=MAX_VOCAB),
             num_kv_shared_layers=shared,
-            use_double_wide_mlp=bool(cfg["use_double_wide_mlp"]),
-            tie_word_embeddings=bool(tie),
-            eos_token_ids=tuple(eos),
+            use_double_wide_mlp=read.boolean("use_double_wide_mlp"),
+            # the multimodal wrapper owns lm_head: its flag wins over text_config's
+            tie_word_embeddings=top.boolean("tie_word_embeddings", default=tie) if multimodal else tie,
+            eos_token_ids=tuple(dict.fromkeys(eos + top.token_ids("eos_token_id"))),
             multimodal=multimodal,
         )
+
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
+        """Check the sizes against the checkpoint's tensor table, before any module is built.
+
+        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
+        key as that file spells it. Raises ConfigError naming the key, its value and what the
+        weights hold; WeightsError naming a tensor the check needs that is absent (an untied
+        model without ``lm_head.weight`` included).
+        """
+        gguf = fmt == "gguf"
+        where = "GGUF metadata" if gguf else "config.json 'text_config'" if self.multimodal else "config.json"
+        table = WeightTable(shapes, f"gemma4: {where}", GGUF_FIELD_KEYS if gguf else None)
+        table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
+        table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
+        table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
+        table.size("intermediate_size", self.intermediate_size, "model.layers.0.mlp.up_proj.weight", 0)
+        first = self.layer_types[0]  # layer 0 always computes its own keys and values
+        table.size(("num_attention_heads", "head_dim"), self.num_attention_heads * self.head_dim_for(first),
+                   "model.layers.0.self_attn.q_proj.weight", 0)
+        table.size(("num_key_value_heads", "head_dim"), self.kv_heads_for(first) * self.head_dim_for(first),
+                   "model.layers.0.self_attn.k_proj.weight", 0)
+        if self.hidden_size_per_layer_input:
+            table.size("vocab_size_per_layer_input", self.vocab_size_per_layer_input, "model.embed_tokens_per_layer.weight", 0)
+            table.size(("num_hidden_layers", "hidden_size_per_layer_input"), self.num_hidden_layers * self.hidden_size_per_layer_input,
+                       "model.embed_tokens_per_layer.weight", 1)
+        if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
+            raise WeightsError(
+                "gemma4: config.json says the output head is not tied to the embedding "
+                "('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
+            )
 
     @classmethod
     def from_gguf(
@@ -333,64 +360,43 @@ class Gemma4Config:
         return _from_gguf(cls, metadata, tensor_shapes, rope_freqs)
 
 
-def _refuse_unimplemented(raw: dict[str, Any], cfg: dict[str, Any], where: str) -> None:
-    """ConfigError for every setting that would change the math and that this family does not implement."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act")
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ConfigError(f"gemma4: {where} 'hidden_activation' is {act!r}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
-    if cfg.get("enable_moe_block"):
-        raise ConfigError(f"gemma4: {where} sets 'enable_moe_block': true; the mixture-of-experts block (26B-A4B) is not implemented")
-    if cfg.get("use_bidirectional_attention") not in (None, False, "vision"):
-        raise ConfigError(
-            f"gemma4: {where} 'use_bidirectional_attention' is {cfg['use_bidirectional_attention']!r}; "
-            f"only causal text attention is implemented ('vision' only concerns image tokens)"
-        )
-    if cfg.get("attention_bias"):
-        raise ConfigError(f"gemma4: {where} sets 'attention_bias': true; attention biases are not implemented")
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ConfigError(f"gemma4: {where} sets 'attn_logit_softcapping'; Gemma 4 has no attention soft-cap and this family does not implement one")
-    if "rope_parameters" not in cfg:
-        old = [k for k in ("rope_theta", "rope_local_base_freq", "rope_scaling") if cfg.get(k) is not None]
-        if old:
-            raise ConfigError(
-                f"gemma4: {where} has {old[0]!r} but no 'rope_parameters'; Gemma 4 reads RoPE from "
-                f"'rope_parameters' only (transformers ignores {old[0]!r}), so its meaning is unclear"
-            )
-    for source in (raw, cfg):
-        if source.get("quantization_config"):
-            method = source["quantization_config"].get("quant_method", "?")
-            raise ConfigError(f"gemma4: config.json has 'quantization_config' ({method}); quantized safetensors are not supported")
+def _refuse_unimplemented(top: ConfigReader, read: ConfigReader) -> None:
+    """ConfigError for every setting that would change the math and that this family does not implement.
+
+    top: the whole config.json; read: the decoder's keys (``text_config`` in the multimodal layout).
+    """
+    act = read.string("hidden_activation", default=read.string("hidden_act", default=None))
+    read.check(act in ("gelu_pytorch_tanh", "gelu_tanh"),
+               f"'hidden_activation' is {show(act)}; only 'gelu_pytorch_tanh' (tanh GELU) is implemented")
+    read.check(not read.boolean("enable_moe_block"),
+               "sets 'enable_moe_block': true; the mixture-of-experts block (26B-A4B) is not implemented")
+    bidirectional = read.value("use_bidirectional_attention", False)
+    read.check(bidirectional in (False, "vision"),
+               f"'use_bidirectional_attention' is {show(bidirectional)}; only causal text attention is implemented "
+               f"('vision' only concerns image tokens)")
+    read.check(not read.boolean("attention_bias", default=False),
+               "sets 'attention_bias': true; attention biases are not implemented")
+    read.check(not read.has("attn_logit_softcapping"),
+               "sets 'attn_logit_softcapping'; Gemma 4 has no attention soft-cap and this family does not implement one")
+    old = [k for k in ("rope_theta", "rope_local_base_freq", "rope_scaling") if read.has(k)]
+    if old and not read.has("rope_parameters"):
+        raise read.fail(f"has {old[0]!r} but no 'rope_parameters'; Gemma 4 reads RoPE from 'rope_parameters' only "
+                        f"(transformers ignores {old[0]!r}), so its meaning is unclear")
+    for source in (top, read):
+        quantization = source.mapping("quantization_config") or {}
+        source.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
 
-def _required(cfg: dict[str, Any], key: str, kind, where: str) -> Any:
-    """``cfg[key]``; ConfigError naming the key when it is missing, null or of the wrong type."""
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"gemma4: {where} has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"gemma4: {where} {key!r} is {value!r}, not a number of the expected kind")
-    return value
-
-
-def _read_layer_types(cfg: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
+def _read_layer_types(read: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """``layer_types``, or transformers' default pattern (every 6th layer global) when absent."""
-    types = cfg.get("layer_types")
-    if types is None:
-        types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ConfigError(f"gemma4: {where} 'layer_types' must be a list of {num_layers} entries (one per layer)")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"gemma4: {where} 'layer_types' holds {unknown[0]!r}; implemented: {', '.join(LAYER_TYPES)}")
-    if types[-1] != FULL:
-        raise ConfigError(
-            f"gemma4: {where} 'layer_types' ends with {types[-1]!r}; Gemma 4's last layer must be "
-            f"'full_attention' (transformers would silently change it)"
-        )
-    return tuple(types)
+    every_sixth = tuple(SLIDING if (i + 1) % 6 else FULL for i in range(num_layers))
+    types = read.strings("layer_types", default=every_sixth, length=num_layers, choices=LAYER_TYPES)
+    read.check(types[-1] == FULL, f"'layer_types' ends with {types[-1]!r}; Gemma 4's last layer must be "
+                                  f"'full_attention' (transformers would silently change it)")
+    return types
 
 
-def _read_layer_shapes(cfg: dict[str, Any], layer_types: tuple[str, ...], where: str) -> dict[str, tuple[int, int]]:
+def _read_layer_shapes(read: ConfigReader, layer_types: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """(head dim, KV heads) per layer type, from either spelling.
 
     hub / transformers 5.5: ``head_dim`` and ``num_key_value_heads`` for every layer, except
@@ -399,92 +405,59 @@ def _read_layer_shapes(cfg: dict[str, Any], layer_types: tuple[str, ...], where:
     transformers 5.24: the same base values, overridden per layer by ``per_layer_config``
     (``{"<layer index>": {"head_dim": ..., "num_key_value_heads": ...}}``).
     """
-    base_dim = _required(cfg, "head_dim", int, where)
-    base_kv = _required(cfg, "num_key_value_heads", int, where)
-    per_layer = cfg.get("per_layer_config")
+    base_dim = read.positive_int("head_dim", at_most=MAX_WIDTH)
+    base_kv = read.positive_int("num_key_value_heads", at_most=MAX_HEADS)
+    per_layer = read.section("per_layer_config")
     if per_layer is None:
-        global_kv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
-        global_dim = cfg.get("global_head_dim", DEFAULT_GLOBAL_HEAD_DIM)
-        if isinstance(global_dim, bool) or not isinstance(global_dim, int):
-            raise ConfigError(f"gemma4: {where} 'global_head_dim' is {global_dim!r}, not an integer")
-        return {SLIDING: (base_dim, base_kv), FULL: (global_dim, global_kv or base_kv)}
+        global_kv = read.positive_int("num_global_key_value_heads", default=base_kv, at_most=MAX_HEADS)
+        global_dim = read.positive_int("global_head_dim", default=DEFAULT_GLOBAL_HEAD_DIM, at_most=MAX_WIDTH)
+        return {SLIDING: (base_dim, base_kv), FULL: (global_dim, global_kv if read.boolean("attention_k_eq_v") else base_kv)}
 
-    if not isinstance(per_layer, dict):
-        raise ConfigError(f"gemma4: {where} 'per_layer_config' must map layer indices to overrides")
     shapes: dict[str, set[tuple[int, int]]] = {SLIDING: set(), FULL: set()}
     overrides = {}
-    for key, value in per_layer.items():
-        if not str(key).isdigit() or int(key) >= len(layer_types) or not isinstance(value, dict):
-            raise ConfigError(f"gemma4: {where} 'per_layer_config' has an entry {key!r}; expected layer indices 0..{len(layer_types) - 1}")
-        unknown = sorted(set(value) - {"head_dim", "num_key_value_heads"})
-        if unknown:
-            raise ConfigError(f"gemma4: {where} 'per_layer_config.{key}' overrides {unknown[0]!r}, which this family does not implement per layer")
-        overrides[int(key)] = value
+    for key in per_layer.raw:
+        per_layer.check(key.isdigit() and int(key) < len(layer_types),
+                        f"has an entry {show(key)}; expected layer indices 0..{len(layer_types) - 1}")
+        value = per_layer.section(key, default={})
+        value.refuse_unknown(("head_dim", "num_key_value_heads"), "this family (per layer)")
+        overrides[int(key)] = (value.positive_int("head_dim", default=base_dim, at_most=MAX_WIDTH),
+                               value.positive_int("num_key_value_heads", default=base_kv, at_most=MAX_HEADS))
     for i, layer_type in enumerate(layer_types):
-        value = overrides.get(i, {})
-        shapes[layer_type].add((value.get("head_dim", base_dim), value.get("num_key_value_heads", base_kv)))
+        shapes[layer_type].add(overrides.get(i, (base_dim, base_kv)))
     for layer_type, found in shapes.items():
-        if len(found) > 1:
-            raise ConfigError(f"gemma4: {where} 'per_layer_config' gives the {layer_type} layers different shapes {sorted(found)}; not implemented")
+        per_layer.check(len(found) <= 1, f"gives the {layer_type} layers different shapes {sorted(found)}; not implemented")
     out = {t: next(iter(found)) if found else (base_dim, base_kv) for t, found in shapes.items()}
-    if cfg.get("global_head_dim") is not None and cfg["global_head_dim"] != out[FULL][0]:
-        raise ConfigError(f"gemma4: {where} 'global_head_dim' and 'per_layer_config' disagree")
+    global_dim = read.positive_int("global_head_dim", default=out[FULL][0], at_most=MAX_WIDTH)
+    read.check(global_dim == out[FULL][0], "'global_head_dim' and 'per_layer_config' disagree")
     return out
 
 
-def _check_kv_sharing(layer_types: tuple[str, ...], shared: int, where: str) -> None:
+def _check_kv_sharing(read: ConfigReader, layer_types: tuple[str, ...], shared: int, key: str = "num_kv_shared_layers") -> None:
     """Every layer type used by a KV-sharing layer must appear among the layers before them."""
-    if not 0 <= shared < len(layer_types):
-        raise ConfigError(f"gemma4: {where} 'num_kv_shared_layers' is {shared}; expected 0 .. {len(layer_types) - 1}")
+    read.check(shared < len(layer_types), f"{key!r} is {shared}; expected 0 .. {len(layer_types) - 1}")
     producers = set(layer_types[: len(layer_types) - shared])
     missing = sorted(set(layer_types[len(layer_types) - shared :]) - producers)
     if missing:
-        raise ConfigError(
-            f"gemma4: {where} 'num_kv_shared_layers' = {shared} leaves no earlier {missing[0]!r} layer "
-            f"whose keys/values the shared layers could reuse"
-        )
+        raise read.fail(f"{key!r} = {shared} leaves no earlier {missing[0]!r} layer whose keys/values the shared layers could reuse")
 
 
-def _read_rope(cfg: dict[str, Any], where: str) -> tuple[RopeConfig, RopeConfig]:
+def _read_rope(read: ConfigReader) -> tuple[RopeConfig, RopeConfig]:
     """The RoPE of the sliding layers and of the global layers, from ``rope_parameters``."""
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = DEFAULT_ROPE
-    if not isinstance(params, dict) or not set(params) <= set(LAYER_TYPES) or \
-            not all(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(
-            f"gemma4: {where} 'rope_parameters' must map each layer type ({', '.join(LAYER_TYPES)}) "
-            f"to its RoPE settings; found {params!r}"
-        )
-    out = []
-    for layer_type in (SLIDING, FULL):
-        entry = params.get(layer_type)
-        if entry is None:
-            entry = DEFAULT_ROPE[layer_type]
-        out.append(_rope(entry, f"{where} 'rope_parameters.{layer_type}'"))
-    return out[0], out[1]
+    params = read.section("rope_parameters", default=DEFAULT_ROPE)
+    params.refuse_unknown(LAYER_TYPES, "this family (one RoPE per layer type)")
+    return tuple(_rope(ConfigReader(params.mapping(t, default=DEFAULT_ROPE[t]), f"{params.where} {t!r}"))
+                 for t in (SLIDING, FULL))
 
 
-def _rope(params: dict[str, Any], where: str) -> RopeConfig:
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"gemma4: {where} has RoPE type {rope_type!r}, which is not implemented "
-            f"(implemented: {', '.join(ROPE_TYPES)})"
-        )
-    unknown = sorted(set(params) - ROPE_TYPES[rope_type])
-    if unknown:
-        raise ConfigError(f"gemma4: {where} has {unknown[0]!r}, which RoPE type {rope_type!r} does not implement")
-    theta = params.get("rope_theta")
-    if theta is None or isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise ConfigError(f"gemma4: {where} 'rope_theta' is {theta!r}, not a number")
-    factor = params.get("factor", 1.0)
-    if rope_type == "linear" and "factor" not in params:
-        raise ConfigError(f"gemma4: {where}: RoPE type 'linear' needs 'factor'")
-    fraction = params.get("partial_rotary_factor", 1.0)
-    if not 0.0 <= float(fraction) <= 1.0:
-        raise ConfigError(f"gemma4: {where} 'partial_rotary_factor' is {fraction!r}; expected 0 .. 1")
-    return RopeConfig(rope_type=rope_type, theta=float(theta), factor=float(factor), rotary_fraction=float(fraction))
+def _rope(rope: ConfigReader) -> RopeConfig:
+    rope_type = rope.string("rope_type", default="default", choices=tuple(ROPE_TYPES))
+    rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=rope.number("rope_theta", above=1.0),
+        factor=rope.number("factor", default=REQUIRED if rope_type == "linear" else 1.0, above=0.0),
+        rotary_fraction=rope.number("partial_rotary_factor", default=1.0, at_least=0.0, at_most=1.0),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -522,113 +495,102 @@ GGUF_MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_lengt
 GGUF_UNROTATED_FREQ_FACTOR = 1e30
 
 
-def _gguf_get(metadata: dict[str, Any], key: str, kind, *, required: bool = True) -> Any:
-    """``metadata["gemma4." + key]``, checked; ConfigError naming the key when required and missing."""
-    full = f"{GGUF_ARCH}.{key}"
-    value = metadata.get(full)
-    if value is None:
-        if required:
-            raise ConfigError(f"gemma4: GGUF metadata has no {full!r}, which the model needs")
-        return None
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"gemma4: GGUF metadata {full!r} is {value!r}, not of the expected kind")
-    return value
-
-
-def _gguf_per_layer(metadata: dict[str, Any], key: str, num_layers: int) -> list[int]:
+def _gguf_per_layer(read: ConfigReader, key: str, num_layers: int) -> list[int]:
     """A key written either as one number or as one number per layer, as a per-layer list."""
-    full = f"{GGUF_ARCH}.{key}"
-    value = metadata.get(full)
-    if value is None:
-        raise ConfigError(f"gemma4: GGUF metadata has no {full!r}, which the model needs")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value] * num_layers
-    if isinstance(value, (list, tuple)) and len(value) == num_layers and \
-            all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    value = read.value(key)
+    if isinstance(value, list):
+        read.check(len(value) == num_layers and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WIDTH for v in value),
+                   f"{key!r} is {show(value)}: neither a number nor {num_layers} numbers (one per layer)")
         return list(value)
-    raise ConfigError(f"gemma4: GGUF metadata {full!r} is {value!r}: neither a number nor {num_layers} numbers (one per layer)")
+    return [read.positive_int(key, at_most=MAX_WIDTH)] * num_layers
 
 
-def _one_per_type(values: list[int], layer_types: tuple[str, ...], layers: range, key: str) -> dict[str, int]:
-    """The single value each layer type has in ``values`` (over ``layers``); ConfigError if a type has two."""
+def _one_per_type(read: ConfigReader, values: list[int], layer_types: tuple[str, ...], key: str) -> dict[str, int]:
+    """The single value each layer type has in ``values``; ConfigError if a type has two."""
     out: dict[str, set[int]] = {SLIDING: set(), FULL: set()}
-    for i in layers:
-        out[layer_types[i]].add(values[i])
+    for value, layer_type in zip(values, layer_types):
+        out[layer_type].add(value)
     for layer_type, found in out.items():
-        if len(found) > 1:
-            raise ConfigError(f"gemma4: GGUF '{GGUF_ARCH}.{key}' gives the {layer_type} layers different values {sorted(found)}; not implemented")
+        read.check(len(found) <= 1, f"{key!r} gives the {layer_type} layers different values {sorted(found)}; not implemented")
     return {t: next(iter(v)) for t, v in out.items() if v}
+
+
+#: Config fields -> the GGUF keys they come from, for error messages.
+GGUF_FIELD_KEYS = {
+    "num_hidden_layers": "gemma4.block_count",
+    "hidden_size": "gemma4.embedding_length",
+    "intermediate_size": "gemma4.feed_forward_length",
+    "num_attention_heads": "gemma4.attention.head_count",
+    "num_key_value_heads": "gemma4.attention.head_count_kv",
+    "head_dim": "gemma4.attention.key_length(_swa)",
+    "vocab_size": "gemma4.vocab_size",
+    "hidden_size_per_layer_input": "gemma4.embedding_length_per_layer_input",
+    "vocab_size_per_layer_input": "per_layer_token_embd.weight rows",
+}
 
 
 def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
                rope_freqs: Sequence[float] | None) -> Gemma4Config:
+    read = ConfigReader(metadata, "gemma4: GGUF metadata")
     arch = metadata.get("general.architecture")
     if arch != GGUF_ARCH:
-        raise ConfigError(f"gemma4: GGUF general.architecture is {arch!r}, expected {GGUF_ARCH!r}")
+        raise ConfigError(f"gemma4: GGUF general.architecture is {show(arch)}, expected {GGUF_ARCH!r}")
     prefix = f"{arch}."
     for key in sorted(k for k in metadata if k.startswith(prefix)):
         short = key[len(prefix):]
         if short in GGUF_MOE_KEYS:
-            raise ConfigError(f"gemma4: GGUF metadata sets {key!r} = {metadata[key]!r}; the mixture-of-experts block (26B-A4B) is not implemented")
+            raise ConfigError(f"gemma4: GGUF metadata sets {key!r} = {show(metadata[key])}; the mixture-of-experts block (26B-A4B) is not implemented")
         if short not in GGUF_KEYS:
-            raise ConfigError(f"gemma4: unverified GGUF key {key!r} (= {metadata[key]!r}); this family does not know what it changes")
+            raise ConfigError(f"gemma4: unverified GGUF key {key!r} (= {show(metadata[key])}); this family does not know what it changes")
 
-    def get(key, kind=int, required=True):
-        return _gguf_get(metadata, key, kind, required=required)
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
 
-    where = "GGUF metadata"
-    num_layers = get("block_count")
-    heads = get("attention.head_count")
+    num_layers = read.positive_int(key("block_count"), at_most=MAX_LAYERS)
+    heads = read.positive_int(key("attention.head_count"), at_most=MAX_HEADS)
 
     # which layers slide: the converter always writes one bool per layer
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
-    if pattern is None:
-        raise ConfigError(f"gemma4: GGUF metadata has no '{arch}.attention.sliding_window_pattern', which the model needs")
-    if not (isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern)):
-        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window_pattern' is {pattern!r}, not {num_layers} booleans (one per layer)")
+    pattern = read.value(key("attention.sliding_window_pattern"))
+    read.check(isinstance(pattern, list) and len(pattern) == num_layers and all(isinstance(b, bool) for b in pattern),
+               f"{key('attention.sliding_window_pattern')!r} is {show(pattern)}, not {num_layers} booleans (one per layer)")
     layer_types = tuple(SLIDING if b else FULL for b in pattern)
-    if layer_types[-1] != FULL:
-        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window_pattern' makes the last layer sliding; Gemma 4's last layer must be global")
-    shared = get("attention.shared_kv_layers")
-    _check_kv_sharing(layer_types, shared, f"{where} ('{arch}.attention.shared_kv_layers')")
+    read.check(layer_types[-1] == FULL, f"{key('attention.sliding_window_pattern')!r} makes the last layer sliding; Gemma 4's last layer must be global")
+    shared = read.integer(key("attention.shared_kv_layers"), at_most=MAX_LAYERS)
+    _check_kv_sharing(read, layer_types, shared, key("attention.shared_kv_layers"))
     first_shared = num_layers - shared
 
     # head widths: key_length (global) and key_length_swa (sliding); values equally wide
-    global_dim, swa_dim = get("attention.key_length"), get("attention.key_length_swa")
-    for key, expected in (("attention.value_length", global_dim), ("attention.value_length_swa", swa_dim)):
-        value = get(key, required=False)
-        if value is not None and value != expected:
-            raise ConfigError(f"gemma4: GGUF '{arch}.{key}' ({value}) differs from the key width ({expected}); not implemented")
-    kv = _one_per_type(_gguf_per_layer(metadata, "attention.head_count_kv", num_layers), layer_types, range(num_layers), "attention.head_count_kv")
+    global_dim = read.positive_int(key("attention.key_length"), at_most=MAX_WIDTH)
+    swa_dim = read.positive_int(key("attention.key_length_swa"), at_most=MAX_WIDTH)
+    for name, expected in (("attention.value_length", global_dim), ("attention.value_length_swa", swa_dim)):
+        value = read.positive_int(key(name), default=expected, at_most=MAX_WIDTH)
+        read.check(value == expected, f"{key(name)!r} ({value}) differs from the key width ({expected}); not implemented")
+    read.check(global_dim % 2 == 0 and swa_dim % 2 == 0, f"head widths {global_dim} and {swa_dim}: RoPE needs even widths")
+    kv = _one_per_type(read, _gguf_per_layer(read, key("attention.head_count_kv"), num_layers), layer_types, key("attention.head_count_kv"))
     for layer_type, kv_heads in kv.items():
-        if heads % kv_heads:
-            raise ConfigError(f"gemma4: GGUF '{arch}.attention.head_count' ({heads}) is not a multiple of the {kv_heads} KV heads of the {layer_type} layers")
+        read.check(heads % kv_heads == 0, f"{key('attention.head_count')!r} ({heads}) is not a multiple of the {kv_heads} KV heads of the {layer_type} layers")
 
     # MLP width: one number, or per layer with the KV-sharing layers doubled (use_double_wide_mlp)
-    widths = _gguf_per_layer(metadata, "feed_forward_length", num_layers)
+    widths = _gguf_per_layer(read, key("feed_forward_length"), num_layers)
     base = widths[0]
-    if widths == [base] * num_layers:
-        double_wide = False
-    elif shared and widths == [base] * first_shared + [2 * base] * shared:
-        double_wide = True
-    else:
-        raise ConfigError(f"gemma4: GGUF '{arch}.feed_forward_length' is {widths}; only one width, or one doubled on the KV-sharing layers, is implemented")
+    double_wide = widths != [base] * num_layers
+    read.check(not double_wide or (shared > 0 and widths == [base] * first_shared + [2 * base] * shared),
+               f"{key('feed_forward_length')!r} is {show(widths)}; only one width, or one doubled on the KV-sharing layers, is implemented")
 
     # RoPE: dimension counts must be the whole heads (the global layers' partial RoPE is rope_freqs)
-    for key, expected in (("rope.dimension_count", global_dim), ("rope.dimension_count_swa", swa_dim)):
-        value = get(key, required=False)
-        if value is not None and value != expected:
-            raise ConfigError(f"gemma4: GGUF '{arch}.{key}' ({value}) is not the head width ({expected}); partial RoPE there is not implemented")
-    rope_local = RopeConfig("default", float(get("rope.freq_base_swa", (int, float))))
-    rope_global = RopeConfig("proportional", float(get("rope.freq_base", (int, float))),
+    for name, expected in (("rope.dimension_count", global_dim), ("rope.dimension_count_swa", swa_dim)):
+        value = read.positive_int(key(name), default=expected, at_most=MAX_WIDTH)
+        read.check(value == expected, f"{key(name)!r} ({value}) is not the head width ({expected}); partial RoPE there is not implemented")
+    rope_local = RopeConfig("default", read.number(key("rope.freq_base_swa"), above=1.0))
+    rope_global = RopeConfig("proportional", read.number(key("rope.freq_base"), above=1.0),
                              rotary_fraction=_rotary_fraction(rope_freqs, global_dim))
 
     # per-layer embeddings
-    ple = get("embedding_length_per_layer_input")
+    ple = read.integer(key("embedding_length_per_layer_input"), at_most=MAX_WIDTH)
     ple_vocab = 0
     if ple:
-        if "per_layer_token_embd.weight" not in tensor_shapes:
-            raise ConfigError(f"gemma4: GGUF '{arch}.embedding_length_per_layer_input' is {ple} but the file has no 'per_layer_token_embd.weight'")
+        read.check("per_layer_token_embd.weight" in tensor_shapes,
+                   f"{key('embedding_length_per_layer_input')!r} is {ple} but the file has no 'per_layer_token_embd.weight'")
         ple_vocab = tensor_shapes["per_layer_token_embd.weight"][0]
 
     # values are keys on the global layers when those layers have no attn_v (the larger Gemma 4s)
@@ -642,20 +604,13 @@ def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int
     if "token_embd.weight" not in tensor_shapes:
         raise ConfigError("gemma4: the GGUF file has no 'token_embd.weight'")
     vocab = tensor_shapes["token_embd.weight"][0]
-    file_vocab = get("vocab_size", required=False)
-    if file_vocab is not None and file_vocab != vocab:
-        raise ConfigError(f"gemma4: GGUF '{arch}.vocab_size' ({file_vocab}) differs from token_embd.weight's {vocab} rows")
-    window = get("attention.sliding_window")
-    if window < 1:
-        raise ConfigError(f"gemma4: GGUF '{arch}.attention.sliding_window' is {window}; it must be >= 1")
-    cap = get("final_logit_softcapping", (int, float), required=False)
-    if cap is not None and cap <= 0:
-        raise ConfigError(f"gemma4: GGUF '{arch}.final_logit_softcapping' is {cap}; expected a positive number")
+    file_vocab = read.positive_int(key("vocab_size"), default=vocab, at_most=MAX_VOCAB)
+    read.check(file_vocab == vocab, f"{key('vocab_size')!r} ({file_vocab}) differs from token_embd.weight's {vocab} rows")
 
-    eos = [metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if isinstance(metadata.get(k), int)]
+    eos = [read.token_ids(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return cls(
         vocab_size=vocab,
-        hidden_size=get("embedding_length"),
+        hidden_size=read.positive_int(key("embedding_length"), at_most=MAX_WIDTH),
         intermediate_size=base,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
@@ -664,19 +619,19 @@ def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int
         global_head_dim=global_dim,
         global_num_key_value_heads=kv[FULL],
         attention_k_eq_v=k_eq_v,
-        max_position_embeddings=get("context_length"),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", (int, float))),
-        sliding_window=window,
+        max_position_embeddings=read.positive_int(key("context_length"), at_most=MAX_CONTEXT),
+        rms_norm_eps=read.number(key("attention.layer_norm_rms_epsilon"), above=0.0, at_most=1.0),
+        sliding_window=read.positive_int(key("attention.sliding_window"), at_most=MAX_CONTEXT),
         layer_types=layer_types,
         rope_local=rope_local,
         rope_global=rope_global,
-        final_logit_softcapping=None if cap is None else float(cap),
+        final_logit_softcapping=read.number(key("final_logit_softcapping"), default=None, above=0.0),
         hidden_size_per_layer_input=ple,
         vocab_size_per_layer_input=ple_vocab,
         num_kv_shared_layers=shared,
         use_double_wide_mlp=double_wide,
         tie_word_embeddings="output.weight" not in tensor_shapes,
-        eos_token_ids=tuple(dict.fromkeys(eos)),
+        eos_token_ids=tuple(dict.fromkeys(i for ids in eos for i in ids)),
         multimodal=False,
     )
 

@@ -47,6 +47,7 @@ from typing import Callable
 
 import torch
 
+from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
 from lollm.weights import load_weights
 
@@ -201,16 +202,20 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     else:
         config = Gemma4Config.from_hf(raw_config)
 
-    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    # 2. Check those numbers against the tensor table (names and shapes from the file headers,
+    #    no data read): nothing is built that the weight files do not back.
+    config.check_weights(tensor_table(weights, name_map_for(fmt, config)), fmt)
+
+    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
         model = Gemma4ForCausalLM(config)
 
-    # 3. What is not in the checkpoint: RoPE frequencies and the embedding scales.
+    # 4. What is not in the checkpoint: RoPE frequencies and the embedding scales.
     model.materialize(device, dtype)
 
-    # 4. Stream the tensors in, one at a time, through the name map (checks every shape;
+    # 5. Stream the tensors in, one at a time, through the name map (checks every shape;
     #    the layer_scalar buffers are filled like the weights).
-    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress, tied=TIED)
+    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress, tied=TIED if config.tie_word_embeddings else None)
 
-    # 5. Inference only: eval mode (no dropout anywhere; set for good measure).
+    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

@@ -21,6 +21,13 @@ A GGUF file carries the same numbers as llama.cpp metadata keys
 (``qwen2.block_count`` …): :meth:`Qwen2Config.from_gguf` reads them, under the
 same rule (see the table in its docstring and docs/qwen2.md, "From GGUF").
 
+Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+its type and range are checked where it is read (a count is a positive integer
+under a stated bound, a RoPE base a finite number above 1, a flag a real
+boolean), and an error names the file, the key and the value.
+:meth:`Qwen2Config.check_weights` then compares the sizes with the
+checkpoint's tensor table, so nothing is built that the weights do not back.
+
 No torch here: a config is plain numbers.
 """
 
@@ -29,7 +36,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lollm.errors import ConfigError
+from lollm.checks import (
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
+)
+from lollm.errors import ConfigError, WeightsError
 
 from . import GGUF_ARCHITECTURES, MODEL_TYPES
 
@@ -107,51 +117,70 @@ class Qwen2Config:
         Raises ConfigError naming the key for a missing required key or a
         setting this family does not implement.
         """
-        model_type = raw.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(f"qwen2: config.json has model_type {model_type!r}, expected one of {MODEL_TYPES}")
+        read = ConfigReader(raw, "qwen2: config.json")
+        read.string("model_type", choices=MODEL_TYPES)
 
         # Settings that would change the math and that we do not implement.
-        if raw.get("use_sliding_window"):
-            raise ConfigError("qwen2: config.json sets 'use_sliding_window': true; sliding-window attention is not implemented")
-        other_layers = sorted({t for t in raw.get("layer_types") or () if t != "full_attention"})
-        if other_layers:
-            raise ConfigError(f"qwen2: config.json 'layer_types' holds {other_layers}; only 'full_attention' is implemented")
-        act = raw.get("hidden_act", "silu")  # transformers' default for qwen2
-        if act != "silu":
-            raise ConfigError(f"qwen2: config.json 'hidden_act' is {act!r}; only 'silu' is implemented")
-        if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
-            raise ConfigError("qwen2: config.json 'partial_rotary_factor' is set; partial RoPE is not implemented")
-        if raw.get("quantization_config"):
-            method = raw["quantization_config"].get("quant_method", "?")
-            raise ConfigError(f"qwen2: config.json has 'quantization_config' ({method}); quantized safetensors are not supported")
+        read.check(not read.boolean("use_sliding_window", default=False),
+                   "sets 'use_sliding_window': true; sliding-window attention is not implemented")
+        read.string("hidden_act", default="silu", choices=("silu",))  # transformers' default for qwen2
+        read.check(read.number("partial_rotary_factor", default=1.0) == 1.0,
+                   "'partial_rotary_factor' is set; partial RoPE is not implemented")
+        quantization = read.mapping("quantization_config") or {}
+        read.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
-        hidden = _required(raw, "hidden_size", int)
-        heads = _required(raw, "num_attention_heads", int)
+        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
+        read.strings("layer_types", default=None, length=num_layers, choices=("full_attention",))
+        hidden = read.positive_int("hidden_size", at_most=MAX_WIDTH)
+        heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
         # transformers' Qwen2 reads an explicit head_dim when config.json has one.
-        head_dim = raw.get("head_dim") or hidden // heads
+        head_dim = read.positive_int("head_dim", default=hidden // heads, at_most=MAX_WIDTH)
+        read.check(head_dim >= 1 and head_dim % 2 == 0, f"gives a head width of {head_dim}; RoPE needs an even width of at least 2")
         # Absent num_key_value_heads means plain multi-head attention (transformers' rule).
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ConfigError(f"qwen2: 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
-        max_pos = _required(raw, "max_position_embeddings", int)
+        kv_heads = read.positive_int("num_key_value_heads", default=heads, at_most=heads)
+        read.check(heads % kv_heads == 0, f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+        max_pos = read.positive_int("max_position_embeddings", at_most=MAX_CONTEXT)
 
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         return cls(
-            vocab_size=_required(raw, "vocab_size", int),
+            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
             hidden_size=hidden,
-            intermediate_size=_required(raw, "intermediate_size", int),
-            num_hidden_layers=_required(raw, "num_hidden_layers", int),
+            intermediate_size=read.positive_int("intermediate_size", at_most=MAX_WIDTH),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=max_pos,
-            rms_norm_eps=float(_required(raw, "rms_norm_eps", (int, float))),
-            rope=_read_rope(raw, max_pos),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),  # transformers' default for qwen2
-            eos_token_ids=eos_ids,
+            rms_norm_eps=read.number("rms_norm_eps", above=0.0, at_most=1.0),
+            rope=_read_rope(read, max_pos),
+            tie_word_embeddings=read.boolean("tie_word_embeddings", default=False),  # transformers' default for qwen2
+            eos_token_ids=read.token_ids("eos_token_id"),
         )
+
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
+        """Check the sizes against the checkpoint's tensor table, before any module is built.
+
+        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
+        key as that file spells it. Raises ConfigError naming the key, its value and what the
+        weights hold; WeightsError naming a tensor the check needs that is absent (an untied
+        model without ``lm_head.weight`` included).
+        """
+        gguf = fmt == "gguf"
+        table = WeightTable(shapes, f"qwen2: {'GGUF metadata' if gguf else 'config.json'}", GGUF_FIELD_KEYS if gguf else None)
+        table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
+        table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
+        table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
+        table.size("intermediate_size", self.intermediate_size, "model.layers.0.mlp.up_proj.weight", 0)
+        table.size(("num_attention_heads", "head_dim"), self.num_attention_heads * self.head_dim,
+                   "model.layers.0.self_attn.q_proj.weight", 0)
+        table.size(("num_key_value_heads", "head_dim"), self.num_key_value_heads * self.head_dim,
+                   "model.layers.0.self_attn.k_proj.weight", 0)
+        if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
+            raise WeightsError(
+                f"qwen2: {'the GGUF file' if gguf else 'config.json'} says the output head is not tied to the "
+                f"embedding ('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
+            )
 
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> "Qwen2Config":
@@ -199,69 +228,45 @@ class Qwen2Config:
         return config_from_gguf(metadata, tensor_shapes)
 
 
-def _required(raw: dict[str, Any], key: str, kind) -> Any:
-    """``raw[key]``; ConfigError naming the key when it is missing, null or of the wrong type."""
-    value = raw.get(key)
-    if value is None:
-        raise ConfigError(f"qwen2: config.json has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"qwen2: config.json {key!r} is {value!r}, not a number of the expected kind")
-    return value
-
-
-def _read_rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+def _read_rope(read: ConfigReader, max_position_embeddings: int) -> RopeConfig:
     """Read RoPE settings from either schema into one RopeConfig.
 
     transformers 5: everything in ``rope_parameters`` (``rope_theta`` inside it).
     hub:            ``rope_theta`` at the top level, scaling in ``rope_scaling``
                     (``null`` or absent for plain RoPE), its type under ``type`` or ``rope_type``.
     """
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    if params is not None and scaling is not None and params != scaling:
-        raise ConfigError("qwen2: config.json has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
-    if params is not None:
-        where, params = "rope_parameters", dict(params)
-    else:
-        where, params = "rope_scaling", dict(scaling or {})
+    params = read.mapping("rope_parameters")
+    scaling = read.mapping("rope_scaling")
+    read.check(params is None or scaling is None or params == scaling,
+               "has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
+    where = "rope_parameters" if params is not None else "rope_scaling"
+    rope = ConfigReader(params if params is not None else scaling or {}, f"qwen2: config.json {where!r}")
 
     # transformers looks for theta in the RoPE dict first, then at the top level.
-    theta = params.get("rope_theta", raw.get("rope_theta"))
+    theta = rope.number("rope_theta", default=None, above=1.0)
     if theta is None:
-        raise ConfigError(f"qwen2: config.json has no 'rope_theta' (neither at the top level nor in {where!r})")
+        theta = read.number("rope_theta", above=1.0)
+    hub_type = rope.string("type", default="default", choices=tuple(ROPE_TYPES))  # the hub's spelling of rope_type
+    rope_type = rope.string("rope_type", default=hub_type, choices=tuple(ROPE_TYPES))
+    rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
 
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"qwen2: config.json {where!r} has RoPE type {rope_type!r}, which is not implemented "
-            f"(implemented: {', '.join(ROPE_TYPES)})"
-        )
-    unknown = sorted(set(params) - ROPE_TYPES[rope_type])
-    if unknown:
-        raise ConfigError(f"qwen2: config.json {where!r} has {unknown[0]!r}, which RoPE type {rope_type!r} does not implement")
-
-    factor = params.get("factor")
-    if rope_type != "default" and factor is None:
-        raise ConfigError(f"qwen2: config.json {where!r}: RoPE type {rope_type!r} needs 'factor'")
+    factor = rope.number("factor", default=REQUIRED if rope_type != "default" else None, above=0.0)
     original = None
     if rope_type == "yarn":
         # transformers' rule: a top-level key wins, else the dict's, else max_position_embeddings.
-        original = (
-            raw.get("original_max_position_embeddings")
-            or params.get("original_max_position_embeddings")
-            or max_position_embeddings
-        )
+        original = read.positive_int("original_max_position_embeddings", default=None, at_most=MAX_CONTEXT) or \
+            rope.positive_int("original_max_position_embeddings", default=max_position_embeddings, at_most=MAX_CONTEXT)
     return RopeConfig(
         rope_type=rope_type,
-        theta=float(theta),
-        factor=None if factor is None else float(factor),
+        theta=theta,
+        factor=factor,
         original_max_position_embeddings=original,
-        attention_factor=params.get("attention_factor"),
-        beta_fast=params.get("beta_fast"),
-        beta_slow=params.get("beta_slow"),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
+        attention_factor=rope.number("attention_factor", default=None, above=0.0),
+        beta_fast=rope.number("beta_fast", default=None, above=0.0),
+        beta_slow=rope.number("beta_slow", default=None, above=0.0),
+        mscale=rope.number("mscale", default=None, above=0.0),
+        mscale_all_dim=rope.number("mscale_all_dim", default=None, above=0.0),
+        truncate=rope.boolean("truncate", default=True),
     )
 
 
@@ -294,26 +299,24 @@ GGUF_ARCH_KEYS_READ = (
 GGUF_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 
-def gguf_required(metadata: dict[str, Any], key: str, kind=int) -> Any:
-    """``metadata[key]``; ConfigError naming the key when it is missing or of the wrong kind."""
-    value = metadata.get(key)
-    if value is None:
-        raise ConfigError(f"qwen2: the GGUF metadata has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"qwen2: GGUF metadata {key!r} is {value!r}, not a single number of the expected kind")
-    return value
-
-
-def gguf_optional(metadata: dict[str, Any], key: str, kind=int) -> Any:
-    """``metadata[key]`` or None; ConfigError naming the key when it is of the wrong kind."""
-    return None if metadata.get(key) is None else gguf_required(metadata, key, kind)
+#: Config fields -> the GGUF keys they come from (``{arch}`` = "qwen2"), for error messages.
+GGUF_FIELD_KEYS = {
+    "num_hidden_layers": "qwen2.block_count",
+    "vocab_size": "token_embd.weight rows",
+    "hidden_size": "qwen2.embedding_length",
+    "intermediate_size": "qwen2.feed_forward_length",
+    "num_attention_heads": "qwen2.attention.head_count",
+    "num_key_value_heads": "qwen2.attention.head_count_kv",
+    "head_dim": "qwen2.attention.key_length",
+}
 
 
 def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> Qwen2Config:
     """Build a :class:`Qwen2Config` from a GGUF file's metadata (see :meth:`Qwen2Config.from_gguf`)."""
+    read = ConfigReader(metadata, "qwen2: GGUF metadata")
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"qwen2: GGUF general.architecture is {arch!r}, expected one of {GGUF_ARCHITECTURES}")
+        raise ConfigError(f"qwen2: GGUF general.architecture is {show(arch)}, expected one of {GGUF_ARCHITECTURES}")
 
     # Hard-fail: every {arch}.* key must be one we read. Anything else (sliding
     # window, YaRN tuning knobs, pooling, experts ...) could change the math.
@@ -328,74 +331,66 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    hidden = gguf_required(metadata, key("embedding_length"))
-    heads = gguf_required(metadata, key("attention.head_count"))
+    hidden = read.positive_int(key("embedding_length"), at_most=MAX_WIDTH)
+    heads = read.positive_int(key("attention.head_count"), at_most=MAX_HEADS)
     # llama.cpp's rule: no head_count_kv means plain multi-head attention.
-    kv_heads = gguf_optional(metadata, key("attention.head_count_kv")) or heads
-    if heads % kv_heads:
-        raise ConfigError(f"qwen2: GGUF {key('attention.head_count')} ({heads}) is not a multiple of {key('attention.head_count_kv')} ({kv_heads})")
+    kv_heads = read.positive_int(key("attention.head_count_kv"), default=heads, at_most=heads)
+    read.check(heads % kv_heads == 0, f"{key('attention.head_count')!r} ({heads}) is not a multiple of {key('attention.head_count_kv')!r} ({kv_heads})")
     # llama.cpp's rule (and transformers'): head_dim = embedding_length // head_count unless key_length says otherwise.
-    head_dim = gguf_optional(metadata, key("attention.key_length")) or hidden // heads
+    head_dim = read.positive_int(key("attention.key_length"), default=hidden // heads, at_most=MAX_WIDTH)
+    read.check(head_dim >= 1 and head_dim % 2 == 0, f"gives a head width of {head_dim}; RoPE needs an even width of at least 2")
     for other in ("attention.value_length", "rope.dimension_count"):
-        value = gguf_optional(metadata, key(other))
-        if value is not None and value != head_dim:
-            raise ConfigError(f"qwen2: GGUF {key(other)} is {value}, but the head width is {head_dim}; only equal widths (full RoPE) are implemented")
-    max_pos = gguf_required(metadata, key("context_length"))
+        value = read.positive_int(key(other), default=head_dim, at_most=MAX_WIDTH)
+        read.check(value == head_dim, f"{key(other)!r} is {value}, but the head width is {head_dim}; only equal widths (full RoPE) are implemented")
+    max_pos = read.positive_int(key("context_length"), at_most=MAX_CONTEXT)
 
     # RoPE: plain unless rope.scaling.type says otherwise.
-    scaling = metadata.get(key("rope.scaling.type"), "none")
-    if scaling not in GGUF_ROPE_TYPES:
-        raise ConfigError(
-            f"qwen2: GGUF {key('rope.scaling.type')} is {scaling!r}, which is not implemented "
-            f"(implemented: {', '.join(GGUF_ROPE_TYPES)})"
-        )
+    scaling = read.string(key("rope.scaling.type"), default="none", choices=tuple(GGUF_ROPE_TYPES))
     rope_type = GGUF_ROPE_TYPES[scaling]
-    factor = gguf_optional(metadata, key("rope.scaling.factor"), (int, float))
-    original = gguf_optional(metadata, key("rope.scaling.original_context_length"))
-    if rope_type == "default" and (factor not in (None, 1, 1.0) or original is not None):
-        raise ConfigError(f"qwen2: GGUF has rope.scaling factor/original_context_length but {key('rope.scaling.type')} is {scaling!r}")
-    if rope_type != "default" and factor is None:
-        raise ConfigError(f"qwen2: GGUF RoPE scaling {scaling!r} needs {key('rope.scaling.factor')!r}")
+    factor = read.number(key("rope.scaling.factor"), default=None, above=0.0)
+    original = read.positive_int(key("rope.scaling.original_context_length"), default=None, at_most=MAX_CONTEXT)
+    read.check(rope_type != "default" or (factor in (None, 1.0) and original is None),
+               f"has rope.scaling factor/original_context_length but {key('rope.scaling.type')!r} is {scaling!r}")
+    read.check(rope_type == "default" or factor is not None, f"RoPE scaling {scaling!r} needs {key('rope.scaling.factor')!r}")
     if rope_type == "yarn" and original is None:
         original = max_pos  # llama.cpp and transformers: the training context
     rope = RopeConfig(
         rope_type=rope_type,
-        theta=float(gguf_required(metadata, key("rope.freq_base"), (int, float))),
-        factor=None if rope_type == "default" else float(factor),
+        theta=read.number(key("rope.freq_base"), above=1.0),
+        factor=None if rope_type == "default" else factor,
         original_max_position_embeddings=original if rope_type == "yarn" else None,
     )
 
     # Vocabulary: the embedding's rows are the truth (a converter may pad or trim them).
     shapes = tensor_shapes or {}
-    declared = gguf_optional(metadata, key("vocab_size"))
+    declared = read.positive_int(key("vocab_size"), default=None, at_most=MAX_VOCAB)
     tokens = metadata.get("tokenizer.ggml.tokens")
     if "token_embd.weight" in shapes:
         vocab = shapes["token_embd.weight"][0]
     elif declared is not None:
         vocab = declared
-    elif tokens is not None:
+    elif isinstance(tokens, list):
         vocab = len(tokens)
     else:
         raise ConfigError("qwen2: cannot tell the vocabulary size: no token_embd.weight, no "
                           f"{key('vocab_size')!r} and no 'tokenizer.ggml.tokens' in the GGUF")
     if declared is not None and declared != vocab:
         raise ConfigError(f"qwen2: GGUF {key('vocab_size')} is {declared}, but token_embd.weight has {vocab} rows")
-    if tokens is not None and len(tokens) > vocab:
+    if isinstance(tokens, list) and len(tokens) > vocab:
         raise ConfigError(f"qwen2: the GGUF tokenizer has {len(tokens)} tokens, more than the {vocab} embedding rows")
 
-    eos = gguf_optional(metadata, "tokenizer.ggml.eos_token_id")
     return Qwen2Config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=gguf_required(metadata, key("feed_forward_length")),
-        num_hidden_layers=gguf_required(metadata, key("block_count")),
+        intermediate_size=read.positive_int(key("feed_forward_length"), at_most=MAX_WIDTH),
+        num_hidden_layers=read.positive_int(key("block_count"), at_most=MAX_LAYERS),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_pos,
-        rms_norm_eps=float(gguf_required(metadata, key("attention.layer_norm_rms_epsilon"), (int, float))),
+        rms_norm_eps=read.number(key("attention.layer_norm_rms_epsilon"), above=0.0, at_most=1.0),
         rope=rope,
         # llama.cpp's converter writes no output.weight when lm_head is tied to the embedding
         tie_word_embeddings=bool(shapes) and "output.weight" not in shapes,
-        eos_token_ids=() if eos is None else (eos,),
+        eos_token_ids=read.token_ids("tokenizer.ggml.eos_token_id"),
     )

@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
 from lollm.weights import load_weights
 
@@ -152,15 +153,21 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     else:
         config = Qwen3Config.from_hf(raw_config)
 
-    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    # 2. Check those numbers against the tensor table (names and shapes from the file headers,
+    #    no data read): nothing is built that the weight files do not back.
+    config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
+
+    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
 
-    # 3. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
+    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
     model.model.rotary_emb.materialize(device)
 
-    # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED)
+    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
+    #    lm_head shares the embedding only when the config says the two are tied.
+    tied = TIED if config.tie_word_embeddings else None
+    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied)
 
-    # 5. Inference only: eval mode (no dropout anywhere; set for good measure).
+    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

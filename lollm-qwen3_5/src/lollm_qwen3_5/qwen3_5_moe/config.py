@@ -40,15 +40,25 @@ changes the math in a way this family does not implement raises
 :class:`lollm.errors.ConfigError` naming the key. Keys that do not change the
 math (``initializer_range``, ``use_cache``, ``dtype`` ...) are ignored.
 
+Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+its type and range are checked where it is read (a count is a positive integer
+under a stated bound, a RoPE base a finite number above 1, a flag a real
+boolean), and an error names the file, the key and the value.
+:meth:`Qwen3_5MoeConfig.check_weights` then compares the sizes with the
+checkpoint's tensor table, so nothing is built that the weights do not back.
+
 No torch here: a config is plain numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from lollm.errors import ConfigError
+from lollm.checks import (
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
+)
+from lollm.errors import WeightsError
 
 from . import MODEL_TYPES
 
@@ -137,187 +147,165 @@ class Qwen3_5MoeConfig:
         Raises ConfigError naming the key for a missing required key or a
         setting this family does not implement.
         """
-        text, tie = _decoder_keys(raw)
+        read, tie = _decoder_keys(raw)
 
         # Settings that would change the math and that we do not implement.
-        act = text.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"qwen3_5_moe: config.json 'hidden_act' is {act!r}; only 'silu' is implemented")
-        if text.get("attn_output_gate", True) is not True:
-            raise ConfigError("qwen3_5_moe: config.json sets 'attn_output_gate' to false; only gated attention is implemented")
-        if not text.get("num_experts"):
-            raise ConfigError("qwen3_5_moe: config.json has no 'num_experts' (a dense model); it belongs to the family qwen3_5")
-        if text.get("mlp_only_layers"):
-            raise ConfigError(
-                f"qwen3_5_moe: config.json 'mlp_only_layers' is {text['mlp_only_layers']}; dense layers inside the MoE model are not implemented"
-            )
-        if text.get("decoder_sparse_step", 1) != 1:
-            raise ConfigError(
-                f"qwen3_5_moe: config.json 'decoder_sparse_step' is {text['decoder_sparse_step']}; a MoE block in every layer (1) is implemented"
-            )
-        if text.get("use_sliding_window") or raw.get("use_sliding_window"):
-            raise ConfigError("qwen3_5_moe: config.json sets 'use_sliding_window'; sliding-window attention is not implemented")
-        ssm_dtype = text.get("mamba_ssm_dtype", "float32")
-        if ssm_dtype != "float32":
-            raise ConfigError(
-                f"qwen3_5_moe: config.json 'mamba_ssm_dtype' is {ssm_dtype!r}; the DeltaNet state is kept in float32 only"
-            )
-        if text.get("mtp_use_dedicated_embeddings"):
-            raise ConfigError(
-                "qwen3_5_moe: config.json sets 'mtp_use_dedicated_embeddings'; an MTP head with its own embeddings is not implemented"
-            )
-        for where in (raw, text):
-            if where.get("quantization_config"):
-                method = where["quantization_config"].get("quant_method", "?")
-                raise ConfigError(f"qwen3_5_moe: config.json has 'quantization_config' ({method}); quantized safetensors are not supported")
+        read.string("hidden_act", default="silu", choices=("silu",))
+        read.check(read.boolean("attn_output_gate", default=True), "sets 'attn_output_gate' to false; only gated attention is implemented")
+        read.check(read.positive_int("num_experts", default=0, at_most=MAX_HEADS) > 0,
+                   "has no 'num_experts' (a dense model); it belongs to the family qwen3_5")
+        mlp_only = read.value("mlp_only_layers", [])
+        read.check(mlp_only == [], f"'mlp_only_layers' is {show(mlp_only)}; dense layers inside the MoE model are not implemented")
+        read.check(read.integer("decoder_sparse_step", default=1, at_most=MAX_LAYERS) == 1,
+                   "'decoder_sparse_step' is not 1; a MoE block in every layer (1) is implemented")
+        for source in (read, ConfigReader(raw, "qwen3_5_moe: config.json")):
+            source.check(not source.boolean("use_sliding_window", default=False),
+                         "sets 'use_sliding_window'; sliding-window attention is not implemented")
+            quantization = source.mapping("quantization_config") or {}
+            source.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
+        read.string("mamba_ssm_dtype", default="float32", choices=("float32",))  # the DeltaNet state is kept in float32 only
+        read.check(not read.boolean("mtp_use_dedicated_embeddings", default=False),
+                   "sets 'mtp_use_dedicated_embeddings'; an MTP head with its own embeddings is not implemented")
 
-        num_layers = _required(text, "num_hidden_layers", int)
-        hidden = _required(text, "hidden_size", int)
-        heads = _required(text, "num_attention_heads", int)
-        kv_heads = text.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ConfigError(f"qwen3_5_moe: 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
-        head_dim = text.get("head_dim") or hidden // heads
-        k_heads = _required(text, "linear_num_key_heads", int)
-        v_heads = _required(text, "linear_num_value_heads", int)
-        if v_heads % k_heads:
-            raise ConfigError(
-                f"qwen3_5_moe: 'linear_num_value_heads' ({v_heads}) is not a multiple of 'linear_num_key_heads' ({k_heads})"
-            )
-        theta, factor = _read_rope(text)
+        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
+        hidden = read.positive_int("hidden_size", at_most=MAX_WIDTH)
+        heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
+        kv_heads = read.positive_int("num_key_value_heads", default=heads, at_most=heads)
+        read.check(heads % kv_heads == 0, f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+        head_dim = read.positive_int("head_dim", default=hidden // heads, at_most=MAX_WIDTH)
+        read.check(head_dim >= 1, f"'hidden_size' ({hidden}) is smaller than 'num_attention_heads' ({heads}) and there is no 'head_dim'")
+        k_heads = read.positive_int("linear_num_key_heads", at_most=MAX_HEADS)
+        v_heads = read.positive_int("linear_num_value_heads", at_most=MAX_HEADS)
+        read.check(v_heads % k_heads == 0, f"'linear_num_value_heads' ({v_heads}) is not a multiple of 'linear_num_key_heads' ({k_heads})")
+        theta, factor = _read_rope(read)
         rotary_dim = int(head_dim * factor)
-        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-            raise ConfigError(f"qwen3_5_moe: partial_rotary_factor {factor} gives {rotary_dim} rotary channels of {head_dim}; need an even number")
-
-        experts = _required(text, "num_experts", int)
-        top_k = _required(text, "num_experts_per_tok", int)
-        if not 0 < top_k <= experts:
-            raise ConfigError(f"qwen3_5_moe: 'num_experts_per_tok' ({top_k}) must be in 1 .. 'num_experts' ({experts})")
-        mtp_layers = text.get("mtp_num_hidden_layers", 1)
-        eos = text.get("eos_token_id", raw.get("eos_token_id"))
-        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        read.check(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
+                   f"'partial_rotary_factor' {factor} gives {rotary_dim} rotary channels of {head_dim}; need an even number")
+        experts = read.positive_int("num_experts", at_most=MAX_HEADS)
+        top_k = read.positive_int("num_experts_per_tok", at_most=experts)
+        eos = read.token_ids("eos_token_id") or ConfigReader(raw, "qwen3_5_moe: config.json").token_ids("eos_token_id")
         return cls(
-            vocab_size=_required(text, "vocab_size", int),
+            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
             hidden_size=hidden,
             num_experts=experts,
             num_experts_per_tok=top_k,
-            moe_intermediate_size=_required(text, "moe_intermediate_size", int),
-            shared_expert_intermediate_size=_required(text, "shared_expert_intermediate_size", int),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),  # transformers' Qwen3.5 MoE always normalises
+            moe_intermediate_size=read.positive_int("moe_intermediate_size", at_most=MAX_WIDTH),
+            shared_expert_intermediate_size=read.positive_int("shared_expert_intermediate_size", at_most=MAX_WIDTH),
+            norm_topk_prob=read.boolean("norm_topk_prob", default=True),  # transformers' Qwen3.5 MoE always normalises
             num_hidden_layers=num_layers,
-            layer_types=_read_layer_types(text, num_layers),
+            layer_types=_read_layer_types(read, num_layers),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            attention_bias=bool(text.get("attention_bias", False)),
+            attention_bias=read.boolean("attention_bias", default=False),
             rotary_dim=rotary_dim,
             rope_theta=theta,
             linear_num_key_heads=k_heads,
             linear_num_value_heads=v_heads,
-            linear_key_head_dim=_required(text, "linear_key_head_dim", int),
-            linear_value_head_dim=_required(text, "linear_value_head_dim", int),
-            linear_conv_kernel_dim=_required(text, "linear_conv_kernel_dim", int),
-            max_position_embeddings=_required(text, "max_position_embeddings", int),
-            rms_norm_eps=float(_required(text, "rms_norm_eps", (int, float))),
+            linear_key_head_dim=read.positive_int("linear_key_head_dim", at_most=MAX_WIDTH),
+            linear_value_head_dim=read.positive_int("linear_value_head_dim", at_most=MAX_WIDTH),
+            linear_conv_kernel_dim=read.positive_int("linear_conv_kernel_dim", at_most=MAX_WIDTH),
+            max_position_embeddings=read.positive_int("max_position_embeddings", at_most=MAX_CONTEXT),
+            rms_norm_eps=read.number("rms_norm_eps", above=0.0, at_most=1.0),
             tie_word_embeddings=tie,
-            eos_token_ids=eos_ids,
-            mtp_num_hidden_layers=int(mtp_layers or 0),
+            eos_token_ids=eos,
+            mtp_num_hidden_layers=read.integer("mtp_num_hidden_layers", default=1, at_most=MAX_LAYERS),
         )
 
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-def _decoder_keys(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The dict holding the decoder's keys, and whether the output head is tied.
+        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        come from the file headers, no data is read). Raises ConfigError naming the key, its
+        value and what the weights hold; WeightsError naming a tensor the check needs that is
+        absent (an untied model without ``lm_head.weight`` included).
+        """
+        table = WeightTable(shapes, "qwen3_5_moe: config.json")
+        table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
+        table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
+        table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
+        table.size("num_experts", self.num_experts, "model.layers.0.mlp.gate.weight", 0)
+        table.size("moe_intermediate_size", self.moe_intermediate_size, "model.layers.0.mlp.experts.down_proj", 2)
+        table.size("shared_expert_intermediate_size", self.shared_expert_intermediate_size,
+                   "model.layers.0.mlp.shared_expert.up_proj.weight", 0)
+        full, linear = self.full_attention_layers[:1], self.linear_attention_layers[:1]
+        for i in full:  # queries and their output gates: 2 x heads x head_dim rows
+            table.size(("num_attention_heads", "head_dim"), 2 * self.num_attention_heads * self.head_dim,
+                       f"model.layers.{i}.self_attn.q_proj.weight", 0)
+            table.size(("num_key_value_heads", "head_dim"), self.num_key_value_heads * self.head_dim,
+                       f"model.layers.{i}.self_attn.k_proj.weight", 0)
+        for i in linear:
+            table.size(("linear_num_value_heads", "linear_value_head_dim"), self.linear_num_value_heads * self.linear_value_head_dim,
+                       f"model.layers.{i}.linear_attn.in_proj_z.weight", 0)
+            table.size("linear_conv_kernel_dim", self.linear_conv_kernel_dim, f"model.layers.{i}.linear_attn.conv1d.weight", 2)
+        if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
+            raise WeightsError(
+                "qwen3_5_moe: config.json says the output head is not tied to the embedding "
+                "('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
+            )
+
+
+def _decoder_keys(raw: dict[str, Any]) -> tuple[ConfigReader, bool]:
+    """A reader of the decoder's keys, and whether the output head is tied.
 
     Multimodal: ``raw["text_config"]``; the tie flag is the top-level one (the
     wrapper owns ``lm_head``), or text_config's when the top level has none.
     Text-only: ``raw`` itself.
     """
-    model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"qwen3_5_moe: config.json has model_type {model_type!r}, expected one of {MODEL_TYPES}")
+    top = ConfigReader(raw, "qwen3_5_moe: config.json")
+    model_type = top.string("model_type", choices=MODEL_TYPES)
     if model_type == "qwen3_5_moe_text":
-        return raw, bool(raw.get("tie_word_embeddings", False))  # transformers' default
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError("qwen3_5_moe: config.json has model_type 'qwen3_5_moe' but no 'text_config' object holding the decoder")
-    if text.get("model_type", "qwen3_5_moe_text") != "qwen3_5_moe_text":
-        raise ConfigError(f"qwen3_5_moe: config.json 'text_config' has model_type {text['model_type']!r}, expected 'qwen3_5_moe_text'")
-    top, inner = raw.get("tie_word_embeddings"), text.get("tie_word_embeddings")
-    if top is not None and inner is not None and bool(top) != bool(inner):
-        raise ConfigError(
-            f"qwen3_5_moe: config.json 'tie_word_embeddings' is {top} at the top level but {inner} in 'text_config'; "
-            f"cannot tell whether the output head is tied"
-        )
-    return text, bool(top if top is not None else inner if inner is not None else False)
+        return top, top.boolean("tie_word_embeddings", default=False)  # transformers' default
+    top.check(isinstance(raw.get("text_config"), dict),
+              "has model_type 'qwen3_5_moe' but no 'text_config' object holding the decoder")
+    text = ConfigReader(raw["text_config"], "qwen3_5_moe: config.json 'text_config'")
+    text.string("model_type", default="qwen3_5_moe_text", choices=("qwen3_5_moe_text",))
+    outer, inner = top.boolean("tie_word_embeddings", default=None), text.boolean("tie_word_embeddings", default=None)
+    top.check(outer is None or inner is None or outer == inner,
+              f"'tie_word_embeddings' is {outer} at the top level but {inner} in 'text_config'; "
+              f"cannot tell whether the output head is tied")
+    return text, bool(outer if outer is not None else inner if inner is not None else False)
 
 
-def _read_layer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+def _read_layer_types(read: ConfigReader, num_layers: int) -> tuple[str, ...]:
     """``layer_types`` as a tuple, or the pattern ``full_attention_interval`` describes.
 
     With interval n, layer i is full attention when (i + 1) is a multiple of n
     (layers 3, 7, 11, ... for n = 4), as in transformers.
     """
-    interval = text.get("full_attention_interval")
-    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
-        raise ConfigError(f"qwen3_5_moe: config.json 'full_attention_interval' is {interval!r}, not a positive integer")
-    from_interval = [
+    interval = read.positive_int("full_attention_interval", default=None, at_most=MAX_LAYERS)
+    from_interval = tuple(
         "full_attention" if (i + 1) % (interval or 4) == 0 else "linear_attention" for i in range(num_layers)
-    ]
-    types = text.get("layer_types")
-    if types is None:
-        return tuple(from_interval)
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise ConfigError(f"qwen3_5_moe: config.json 'layer_types' must list one type per layer ({num_layers})")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES})
-    if unknown:
-        raise ConfigError(f"qwen3_5_moe: config.json 'layer_types' holds {unknown}; implemented: {', '.join(LAYER_TYPES)}")
-    if interval is not None and list(types) != from_interval:
-        raise ConfigError(
-            f"qwen3_5_moe: config.json 'layer_types' does not match 'full_attention_interval' ({interval}); "
-            f"cannot tell which one holds"
-        )
-    return tuple(types)
+    )
+    types = read.strings("layer_types", default=from_interval, length=num_layers, choices=LAYER_TYPES)
+    read.check(interval is None or types == from_interval,
+               f"'layer_types' does not match 'full_attention_interval' ({interval}); cannot tell which one holds")
+    return types
 
 
-def _read_rope(text: dict[str, Any]) -> tuple[float, float]:
+def _read_rope(read: ConfigReader) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) from ``rope_parameters`` (or the hub's ``rope_scaling`` + ``rope_theta``).
 
     transformers' rules: theta and the factor are looked up in the RoPE dict
     first, then at the top level; the factor defaults to 0.25 for this family.
     """
-    params = text.get("rope_parameters")
-    scaling = text.get("rope_scaling")
-    if params is not None and scaling is not None and params != scaling:
-        raise ConfigError("qwen3_5_moe: config.json has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
+    params = read.mapping("rope_parameters")
+    scaling = read.mapping("rope_scaling")
+    read.check(params is None or scaling is None or params == scaling,
+               "has both 'rope_parameters' and 'rope_scaling' and they differ; cannot tell which one holds")
     where = "rope_parameters" if params is not None else "rope_scaling"
-    params = dict(params if params is not None else scaling or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ConfigError(f"qwen3_5_moe: config.json {where!r} is nested per layer type; one RoPE for all layers is implemented")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"qwen3_5_moe: config.json {where!r} has RoPE type {rope_type!r}, which is not implemented (implemented: default)")
-    unknown = sorted(set(params) - ROPE_KEYS)
-    if unknown:
-        raise ConfigError(f"qwen3_5_moe: config.json {where!r} has {unknown[0]!r}, which this family does not implement")
+    rope = ConfigReader(params if params is not None else scaling or {}, f"{read.where} {where!r}")
+    rope.check(not any(isinstance(v, dict) for v in rope.raw.values()),
+               "is nested per layer type; one RoPE for all layers is implemented")
+    hub_type = rope.string("type", default="default", choices=("default",))  # the hub's spelling of rope_type
+    rope.string("rope_type", default=hub_type, choices=("default",))
+    rope.refuse_unknown(ROPE_KEYS, "this family")
 
-    theta = params.get("rope_theta", text.get("rope_theta"))
-    if theta is None:
-        raise ConfigError(f"qwen3_5_moe: config.json has no 'rope_theta' (neither at the top level nor in {where!r})")
-    inner, outer = params.get("partial_rotary_factor"), text.get("partial_rotary_factor")
-    if inner is not None and outer is not None and inner != outer:
-        raise ConfigError(
-            f"qwen3_5_moe: config.json 'partial_rotary_factor' is {outer} at the top level but {inner} in {where!r}; "
-            f"cannot tell which one holds"
-        )
+    theta = rope.number("rope_theta", default=None, above=1.0)
+    inner = rope.number("partial_rotary_factor", default=None, above=0.0, at_most=1.0)
+    outer = read.number("partial_rotary_factor", default=None, above=0.0, at_most=1.0)
+    read.check(inner is None or outer is None or inner == outer,
+               f"'partial_rotary_factor' is {outer} at the top level but {inner} in {where!r}; cannot tell which one holds")
     factor = inner if inner is not None else outer if outer is not None else 0.25
-    return float(theta), float(factor)
-
-
-def _required(raw: dict[str, Any], key: str, kind) -> Any:
-    """``raw[key]``; ConfigError naming the key when it is missing, null or of the wrong type."""
-    value = raw.get(key)
-    if value is None:
-        raise ConfigError(f"qwen3_5_moe: config.json has no {key!r}, which the model needs")
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise ConfigError(f"qwen3_5_moe: config.json {key!r} is {value!r}, not a number of the expected kind")
-    return value
+    return (read.number("rope_theta", above=1.0) if theta is None else theta), factor

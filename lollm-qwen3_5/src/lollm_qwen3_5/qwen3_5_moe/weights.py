@@ -44,6 +44,7 @@ import re
 
 import torch
 
+from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
 from lollm.weights import load_weights
 
@@ -183,6 +184,18 @@ class FusedExpertsSource:
     def __len__(self) -> int:
         return len(self._names)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file headers; fused: (E, 2I, C) or (E, C, I), every expert alike."""
+        prefix = self._groups.get(name)
+        if prefix is None:
+            return tuple(self._source.shape(name))
+        projections = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        shapes = {tuple(self._source.shape(f"{prefix}.{e}.{p}.weight")) for e in range(self._num_experts) for p in projections}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise WeightsError(f"qwen3_5_moe: the experts' tensors under {prefix!r} have unequal or non-2-D shapes {sorted(shapes)}")
+        rows, cols = next(iter(shapes))
+        return (self._num_experts, rows * len(projections), cols)
+
     def read(self, name: str) -> torch.Tensor:
         prefix = self._groups.get(name)
         if prefix is None:
@@ -243,14 +256,18 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
             f"qwen3_5_moe: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented"
         )
 
-    # 2. Build the module tree on the meta device: shapes and dtypes, no memory.
+    # 2. Check those numbers against the tensor table (names and shapes from the file headers,
+    #    no data read): nothing is built that the weight files do not back.
+    config.check_weights(tensor_table(weights, name_map))
+
+    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(config, with_mtp=with_mtp)
 
-    # 3. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
+    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
     model.model.rotary_emb.materialize(device)
 
-    # 4. Stream the tensors in, one at a time, through the name map (checks every shape).
+    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     tied = TIED if config.tie_word_embeddings else None
     load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
     return model.eval()

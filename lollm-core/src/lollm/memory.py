@@ -1,0 +1,121 @@
+"""Whether a cache fits: its size, measured without allocating it, against the device's free memory.
+
+The generate loop preallocates the family's cache for every position it may
+need: ``min(prompt + max_new_tokens, max_context)``. A checkpoint may declare
+a huge context and a user may ask for many tokens, so before allocating the
+loop asks :func:`check_cache_fits`. The rule:
+
+1. Build the cache the family would build, but out of *fake* tensors
+   (PyTorch's ``FakeTensorMode``: every tensor has its shape and dtype and no
+   storage), and add up the bytes of the tensors it holds. This is exact for
+   any family (sliding-window layers that keep fewer positions included) and
+   costs no memory.
+2. Compare with the memory free on the model's device: CUDA's
+   ``mem_get_info``; on the CPU (and Apple's unified memory) Linux's
+   ``MemAvailable``, lowered to a cgroup v2 limit when the process runs under
+   one, else the physical memory.
+3. More than that is a :class:`lollm.errors.GenerationError` that says how
+   much was asked and how much is free, before anything is allocated.
+
+When either number cannot be told (a cache that cannot be built from fake
+tensors, a device whose free memory is unknown), the check is skipped and the
+allocation itself decides.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lollm.errors import GenerationError
+
+
+def tensor_bytes(obj: Any, depth: int = 4) -> int:
+    """Bytes of the tensors ``obj`` holds: in its attributes, lists, tuples and dicts, ``depth`` levels down."""
+    import torch
+
+    seen: set[int] = set()
+
+    def walk(item: Any, level: int) -> int:
+        if isinstance(item, torch.Tensor):
+            if id(item) in seen:
+                return 0
+            seen.add(id(item))
+            return item.numel() * item.element_size()
+        if level == 0 or isinstance(item, (str, bytes, int, float, bool, type(None))):
+            return 0
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            children = list(item)
+        elif hasattr(item, "__dict__"):
+            children = list(vars(item).values())
+        else:
+            return 0
+        return sum(walk(child, level - 1) for child in children)
+
+    return walk(obj, depth)
+
+
+def cache_bytes(model: Any, positions: int) -> int | None:
+    """Bytes ``model.new_cache(positions)`` would allocate, measured on fake tensors (None: cannot tell)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return tensor_bytes(model.new_cache(positions))
+    except Exception:  # a cache that cannot be built from fake tensors: let the allocation decide
+        return None
+
+
+def free_memory(device: Any) -> int | None:
+    """Bytes free for new tensors on ``device`` (a torch.device); None when it cannot be told."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type not in ("cpu", "mps"):
+        return None
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError):
+        pass
+    try:  # a container's cgroup v2 limit
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                left = int(limit) - int(g.read())
+                free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            return None
+    return free
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_cache_fits(model: Any, positions: int) -> None:
+    """GenerationError when a cache for ``positions`` needs more memory than the model's device has free."""
+    need = cache_bytes(model, positions)
+    if need is None:
+        return
+    device = next(model.parameters()).device
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise GenerationError(
+            f"a cache for {positions:,} positions (the prompt plus the new tokens, at most the model's context of "
+            f"{model.max_context:,}) needs {_size(need)}, but only {_size(free)} are free on "
+            f"{device}; ask for fewer new tokens (--max-new-tokens) or give a shorter prompt"
+        )
