@@ -160,3 +160,42 @@ def to_hub_schema(raw: dict[str, Any]) -> dict[str, Any]:
     if params.get("rope_type", params.get("type", "default")) != "default" or len(params) > 1:
         out["rope_scaling"] = params
     return out
+
+
+#: A ChatML template for :func:`write_tiny_tokenizer` (the form Qwen checkpoints use).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_template: bool = True) -> Path:
+    """Write a byte-level BPE tokenizer.json (and tokenizer_config.json) into ``folder``, beside a tiny checkpoint.
+
+    Trained with the ``tokenizers`` library on :data:`lollm.testing.tiny_gguf.CORPUS`;
+    special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2); every
+    one of the 256 bytes is a token, so any text encodes, and every id is below
+    ``vocab_size`` (keep it at most the model's vocabulary). With ``chat_template``
+    the config carries :data:`CHATML_TEMPLATE`. Returns ``folder``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lollm.testing.tiny_gguf import CORPUS
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"the trainer made {tok.get_vocab_size()} tokens, more than {vocab_size}")
+    tok.save(str(folder / "tokenizer.json"))
+    config: dict[str, Any] = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
+    if chat_template:
+        config["chat_template"] = CHATML_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
