@@ -105,7 +105,7 @@
     const rows = L.rows.map((label, r) => {
       const cells = L.top_ids[r][i].map((id, k) => {
         const p = L.top_probs[r][i][k];
-        const td = el("td", { class: "cand" + (id === real ? " real" : ""), title: `id ${id}: ${pct(p)}` },
+        const td = el("td", { class: "cand" + (id === real ? " real" : ""), "data-id": String(id), title: `id ${id}: ${pct(p)}` },
           visible(pieceOf(id)), el("small", { text: pct(p) }));
         td.style.background = blue(Math.sqrt(p) * 0.8);
         if (p > 0.45) td.style.color = "white";
