@@ -169,14 +169,14 @@ CHATML_TEMPLATE = (
 )
 
 
-def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_template: bool = True) -> Path:
+def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_template: bool | str = True) -> Path:
     """Write a byte-level BPE tokenizer.json (and tokenizer_config.json) into ``folder``, beside a tiny checkpoint.
 
     Trained with the ``tokenizers`` library on :data:`lollm.testing.tiny_gguf.CORPUS`;
     special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2); every
     one of the 256 bytes is a token, so any text encodes, and every id is below
-    ``vocab_size`` (keep it at most the model's vocabulary). With ``chat_template``
-    the config carries :data:`CHATML_TEMPLATE`. Returns ``folder``.
+    ``vocab_size`` (keep it at most the model's vocabulary). ``chat_template``: True for
+    :data:`CHATML_TEMPLATE`, a string for that template, False for none. Returns ``folder``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -196,6 +196,6 @@ def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_temp
     tok.save(str(folder / "tokenizer.json"))
     config: dict[str, Any] = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
     if chat_template:
-        config["chat_template"] = CHATML_TEMPLATE
+        config["chat_template"] = CHATML_TEMPLATE if chat_template is True else chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return folder
