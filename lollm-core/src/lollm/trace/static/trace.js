@@ -27,6 +27,8 @@
   function visible(piece) {
     return piece.replace(/ /g, "·").replace(/\n/g, "↵").replace(/\t/g, "⇥").replace(/\r/g, "␍") || "∅";
   }
+  // long pieces (runs of spaces or dashes in code vocabularies) are cut for the tables; their title keeps them whole
+  const short = (text, n = 14) => (text.length > n ? text.slice(0, n - 1) + "…" : text);
   const pieceOf = (id) => (D.vocab[String(id)] !== undefined ? D.vocab[String(id)] : "#" + id);
   const tokenLabel = (i) => i + " " + visible(D.tokens[i].piece);
   const pct = (p) => (p === null || p === undefined ? "–" : (100 * p).toFixed(p >= 0.1 ? 1 : 2) + "%");
@@ -106,7 +108,8 @@
       const cells = L.top_ids[r][i].map((id, k) => {
         const p = L.top_probs[r][i][k];
         const td = el("td", { class: "cand" + (id === real ? " real" : ""), "data-id": String(id), title: `id ${id}: ${pct(p)}` },
-          visible(pieceOf(id)), el("small", { text: pct(p) }));
+          short(visible(pieceOf(id))), el("small", { text: pct(p) }));
+        td.title = `id ${id} ${JSON.stringify(pieceOf(id))}: ${pct(p)}`;
         td.style.background = blue(Math.sqrt(p) * 0.8);
         if (p > 0.45) td.style.color = "white";
         return td;
@@ -322,7 +325,7 @@
     const i = state.pos;
     const cap = r.labels[0];
     const t = $(r.dom + "-text");
-    const rows = r.ids[i].map((id, k) => el("tr", {}, el("td", { class: "cand", text: visible(pieceOf(id)) }),
+    const rows = r.ids[i].map((id, k) => el("tr", {}, el("td", { class: "cand", text: short(visible(pieceOf(id)), 24) }),
       el("td", { class: "num", text: r.before[i][k].toFixed(2) }), el("td", { class: "num", text: r.after[i][k].toFixed(2) })));
     t.replaceChildren(el("p", { text: `Token ${i} ${JSON.stringify(D.tokens[i].piece)}: its ${r.ids[i].length} largest logits, ` +
       `before and after cap · tanh(x / cap) with cap = ${cap}.` }),
@@ -375,7 +378,8 @@
         { label: "max |Δ|", data: V.max_abs.map((m) => Math.max(m, tiny)), borderColor: "#9333ea", backgroundColor: "#9333ea" },
         { label: `1 − ${V.required} (the gate)`, data: V.rows.map(() => 1 - V.required), borderColor: "#dc2626", borderDash: [5, 5], pointRadius: 0 },
       ] },
-      options: { maintainAspectRatio: false, scales: { y: { type: "logarithmic", title: { display: true, text: "log scale" } } } },
+      options: { maintainAspectRatio: false, scales: { y: { type: "logarithmic", title: { display: true, text: "log scale" },
+        ticks: { callback: (v) => { const e = Math.log10(v); return Math.abs(e - Math.round(e)) < 1e-9 ? "1e" + Math.round(e) : ""; } } } } },
     });
   }
 
