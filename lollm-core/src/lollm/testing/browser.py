@@ -121,9 +121,10 @@ class Browser:
 
         if width is not None:
             self.driver.set_window_size(width, self.driver.get_window_size()["height"])
+        # a window as tall as the page, so that no element is cut at the bottom of the screen
+        height = self.js("return document.documentElement.scrollHeight")
+        self.driver.set_window_size(self.driver.get_window_size()["width"], height + 100)
         if selector is None:
-            height = self.js("return document.documentElement.scrollHeight")
-            self.driver.set_window_size(self.driver.get_window_size()["width"], height)
             self.driver.save_screenshot(str(path))
         else:
             element = self.driver.find_element(By.CSS_SELECTOR, selector)

@@ -111,7 +111,7 @@
           short(visible(pieceOf(id))), el("small", { text: pct(p) }));
         td.title = `id ${id} ${JSON.stringify(pieceOf(id))}: ${pct(p)}`;
         td.style.background = blue(Math.sqrt(p) * 0.8);
-        if (p > 0.45) td.style.color = "white";
+        if (p > 0.45) td.classList.add("dark");
         return td;
       });
       const nextCell = real === null ? el("td", { class: "num", text: "(last token)" })
