@@ -104,3 +104,19 @@ def test_cli_errors_are_one_line(tiny, tmp_path, monkeypatch, capsys):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert done.value.code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in err, err
     assert not list(tmp_path.iterdir())  # no half-written page anywhere
+
+
+REAL_PROMPT = ("Complete the function so that it returns the n-th Fibonacci number: def fib(n): if n < 2: return n; "
+               "else: return fib(n - 1) + fib(n - 2). Then explain in one sentence why this version is slow. "
+               "What does fib(10) return? Answer with the number only, please. Thanks!")
+
+
+def test_real_qwen25_page_stays_small(qwen25_dir, browser, tmp_path):
+    """The real Qwen2.5-Coder-0.5B-Instruct (24 layers x 14 heads) after a 100-token chat prompt: under 3 MB, and it works."""
+    result = run_trace(str(qwen25_dir), prompt=REAL_PROMPT, output=tmp_path / "real.html")
+    T = len(result.trace.ids)
+    print(f"\nreal Qwen2.5 trace: {T} tokens, {result.size / 1e6:.2f} MB")
+    assert 100 <= T <= 110, T
+    assert result.size < 3_000_000, f"{result.size / 1e6:.2f} MB for {T} tokens"
+    assert result.trace.pieces[:3] == ["<|im_start|>", "system", "\n"]
+    trace_checks.check_page(browser, result.path, result.trace)

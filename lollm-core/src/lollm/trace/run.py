@@ -97,7 +97,7 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
         loaded.model = None  # one model in memory at a time, as in the parity gate
         gc.collect()
         reference = reference_for(loaded)
-        compare(trace, lambda x: reference(x), required=required)
+        compare(trace, reference, required=required)
         del reference
         gc.collect()
         trace.meta["compared"] = f"transformers, {str(model_dtype).removeprefix('torch.')}"
