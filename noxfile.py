@@ -46,35 +46,35 @@ def _install(session: nox.Session, *packages: str) -> None:
 @nox.session(tags=["tests"])
 def core_only(session: nox.Session) -> None:
     """lollm-core alone (no family installed): its unit tests, the plugin tests, the real-tokenizer tests."""
-    _install(session, "-e", f"{CORE}[parity,test]")
+    _install(session, "-e", f"{CORE}[parity,test,browser]")
     session.run("pytest", "lollm-core/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN)
     session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", GEMMA)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", GEMMA)
     session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN3_5)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN3_5)
     session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def everything(session: nox.Session) -> None:
     """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass."""
-    args = ["-e", f"{CORE}[parity,test]"]
+    args = ["-e", f"{CORE}[parity,test,browser]"]
     for family in FAMILIES:
         args += ["-e", family]
     _install(session, *args)

@@ -10,6 +10,7 @@ picked. The checks live in lollm.testing.trace_checks (shared by every family).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def folder(tiny_checkpoint, tmp_path_factory):
     def get(family: str) -> Path:
         if family not in made:
             made[family] = shutil.copytree(tiny_checkpoint(family, "text"), tmp_path_factory.mktemp("trace") / family)
-            write_tiny_tokenizer(made[family], chat_template=template)
+            write_tiny_tokenizer(made[family])
+            config_path = made[family] / "tokenizer_config.json"  # the real Qwen3.5 template, which reads enable_thinking
+            config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": template}))
         return made[family]
 
     return get

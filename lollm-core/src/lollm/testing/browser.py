@@ -1,7 +1,7 @@
 """A real headless browser for the tests of ``lollm trace`` pages (and for the screenshots in docs/).
 
 Debian's Chromium and its ChromeDriver (``apt-get install chromium chromium-driver``;
-``.ci/run`` installs them), driven by selenium (``lollm-core[test]``). No browser is
+``.ci/run`` installs them), driven by selenium (``lollm-core[browser]``). No browser is
 downloaded: a missing one is an error that says what to install, never a skip.
 
 ::

@@ -162,40 +162,62 @@ def to_hub_schema(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: A ChatML template for :func:`write_tiny_tokenizer` (the form Qwen checkpoints use).
-CHATML_TEMPLATE = (
+#: ChatML, as Qwen writes it; CHAT_TEMPLATE_THINKING also reads ``enable_thinking`` (Qwen3's way).
+CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+CHAT_TEMPLATE_THINKING = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)
+CORPUS = [
+    "hello world, hello lollm. The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a tiny model that could only say a few words.",
+    "numbers 0123456789 and punctuation: !?.,;'\"()[]{}",
+]
 
 
-def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_template: bool | str = True) -> Path:
-    """Write a byte-level BPE tokenizer.json (and tokenizer_config.json) into ``folder``, beside a tiny checkpoint.
+def _syllable_words() -> list[str]:
+    """Made-up words (ka, kato, katomi ...): enough distinct pairs for a BPE of a few hundred merges."""
+    syllables = [c + v for c in "bdgklmnprstvz" for v in "aeiou"]
+    return [" ".join(syllables[i] + syllables[(i * 7 + j) % len(syllables)] for j in range(12)) for i in range(len(syllables))]
 
-    Trained with the ``tokenizers`` library on :data:`lollm.testing.tiny_gguf.CORPUS`;
-    special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (ids 0, 1, 2); every
-    one of the 256 bytes is a token, so any text encodes, and every id is below
-    ``vocab_size`` (keep it at most the model's vocabulary). ``chat_template``: True for
-    :data:`CHATML_TEMPLATE`, a string for that template, False for none. Returns ``folder``.
+
+def write_tiny_tokenizer(folder: str | Path, *, vocab_size: int = 320, chat_template: bool = True,
+                         thinking: bool = False) -> Path:
+    """tokenizer.json (byte-level BPE, special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``,
+    then ``<think>`` and ``</think>`` as plain added tokens) and tokenizer_config.json, in ``folder``.
+
+    Every one of the 256 bytes is in the vocabulary, so any text encodes; the
+    vocabulary has exactly ``vocab_size`` ids (ValueError when the training text
+    cannot fill it), so a tiny model of that vocabulary size can emit no id the
+    tokenizer does not know. ``chat_template``: ChatML (:data:`CHAT_TEMPLATE`, or
+    :data:`CHAT_TEMPLATE_THINKING` with ``thinking``). Needs the ``tokenizers``
+    library (``lollm-core[test]``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from lollm.testing.tiny_gguf import CORPUS
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    if tok.get_vocab_size() > vocab_size:
-        raise ValueError(f"the trainer made {tok.get_vocab_size()} tokens, more than {vocab_size}")
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 2,  # room for the two plain added tokens
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 10 + _syllable_words() * 3, trainer)
+    tok.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"the tiny tokenizer has {tok.get_vocab_size()} ids, not the {vocab_size} asked for")
     tok.save(str(folder / "tokenizer.json"))
-    config: dict[str, Any] = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
+    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
     if chat_template:
-        config["chat_template"] = CHATML_TEMPLATE if chat_template is True else chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        config["chat_template"] = CHAT_TEMPLATE_THINKING if thinking else CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
