@@ -19,6 +19,7 @@ requirement pulls a multi-gigabyte CUDA build.
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -34,6 +35,11 @@ FAMILIES = [QWEN, GEMMA, QWEN3_5]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
 # the hub is unreachable on the project's machines: fail fast instead of retrying
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+# the `lollm trace` page tests drive Debian's chromium and chromedriver (.ci/run installs them);
+# tell them where these are (lollm.testing.browser); without them those tests fail, never skip
+BROWSER = {key: path for key, path in (("LOLLM_CHROMIUM", shutil.which("chromium")),
+                                       ("LOLLM_CHROMEDRIVER", shutil.which("chromedriver"))) if path}
+TESTS_ENV = {**OFFLINE, **BROWSER}
 
 
 def _install(session: nox.Session, *packages: str) -> None:
@@ -44,40 +50,40 @@ def _install(session: nox.Session, *packages: str) -> None:
 @nox.session(tags=["tests"])
 def core_only(session: nox.Session) -> None:
     """lollm-core alone (no family installed): its unit tests, the plugin tests, the real-tokenizer tests."""
-    _install(session, "-e", f"{CORE}[parity,test]")
-    session.run("pytest", "lollm-core/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+    _install(session, "-e", f"{CORE}[parity,test,browser]")
+    session.run("pytest", "lollm-core/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
-    session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN)
+    session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", GEMMA)
-    session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", GEMMA)
+    session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN3_5)
-    session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=OFFLINE)
+    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN3_5)
+    session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def everything(session: nox.Session) -> None:
     """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass."""
-    args = ["-e", f"{CORE}[parity,test]"]
+    args = ["-e", f"{CORE}[parity,test,browser]"]
     for family in FAMILIES:
         args += ["-e", family]
     _install(session, *args)
     session.run("lollm", "families", "--strict", env=OFFLINE)
-    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not core_only and not real", *session.posargs, env=OFFLINE)
+    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not core_only and not real", *session.posargs, env=TESTS_ENV)
 
 
 def _real_checkpoint(session: nox.Session) -> str:

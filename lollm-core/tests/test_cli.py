@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from _core_helpers import run_lollm, write_tiny_tokenizer
 
-SUBCOMMANDS = ["run", "families", "tokenize", "parity", "bench"]
+SUBCOMMANDS = ["run", "families", "tokenize", "parity", "bench", "trace"]
 
 
 def test_the_console_script_is_installed():
@@ -28,6 +28,7 @@ def test_help_lists_every_subcommand():
 
 @pytest.mark.parametrize("name, needle", [
     ("run", "--model"), ("families", "--json"), ("tokenize", "--chat"), ("parity", "--min-cosine"), ("bench", "--no-reference"),
+    ("trace", "--compare"),
 ])
 def test_each_subcommand_has_help(name, needle):
     done = run_lollm(name, "--help")

@@ -8,6 +8,7 @@ Commands::
     lollm families                           the installed family plugins
     lollm tokenize  MODEL TEXT [--chat]      how text becomes token ids
     lollm parity    MODEL                    our logits against transformers'
+    lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
     lollm inspect   MODEL                    metadata and tensor table of a GGUF file or safetensors folder
 
@@ -560,6 +561,48 @@ def parity(
             where = "the embeddings" if i == 0 else f"the output of layer {i - 1}"
             out.print(f"first divergence: hidden state {i} ({where}), cosine {report.layer_cosines[i]:.6f}")
     raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
+def trace(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="Checkpoint folder, .gguf file or repo id (or give it with -m)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option instead of the MODEL argument."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
+    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
+    no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle)."),
+    compare: bool = typer.Option(False, "--compare", help="Also run transformers on the same ids and plot each hidden state's divergence (lollm-core[parity])."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("float32", help="float32 (the default: the numbers of the parity gate), bfloat16, float16."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head)."),
+) -> None:
+    """Run PROMPT through the model once and write a self-contained HTML page of what happens inside.
+
+    Tokens, the logit lens, attention per layer and head, what the family records of its
+    own (DeltaNet gates, MoE routing, soft-caps, per-layer embeddings) and, with --compare,
+    the divergence from transformers. See docs/trace.md.
+    """
+    from lollm.trace.run import run_trace
+
+    if (model_arg is None) == (model is None):
+        raise LollmError("lollm trace: give the model once, as MODEL or as --model/-m")
+    spec = model_arg if model_arg is not None else model
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise LollmError("give --prompt, or pipe the prompt on stdin")
+        prompt = sys.stdin.read().rstrip("\n")
+    result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
+                       compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True)
+    t = result.trace
+    if not no_chat and not result.templated:
+        err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
+    line = f"wrote {result.path} ({result.size / 1e6:.2f} MB): {len(t.ids)} tokens, {t.num_layers} layers, " \
+           f"{len(t.attention)} attention layers, {len(t.internals)} family records"
+    if t.divergence is not None:
+        d = t.divergence
+        line += "; divergence: " + ("none above the gate" if d.first is None else f"first at hidden state {d.first}")
+    out.print(escape(line), soft_wrap=True)
 
 
 @app.command()

@@ -98,6 +98,30 @@ class CausalLM(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
 
+class LensModel(CausalLM, Protocol):
+    """A model that ``lollm trace`` can read layer by layer (optional: a family without it gets no logit lens).
+
+    What a trace takes from a model (see docs/trace.md):
+
+    * the hidden states, through ``forward(..., hidden_states=[])`` (the contract above);
+    * the attention probabilities: nothing to add, a family whose attention calls
+      :func:`lollm.attention.attend` is recorded by :func:`lollm.attention.recording`;
+    * its own internals, if it wants: ``lollm.trace.record_series / record_choice /
+      record_softcap`` called from its forward (no-ops outside a trace);
+    * the logit lens, through this method.
+    """
+
+    def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
+        """What the output would be if the decoder stopped at ``hidden``: (1, T, C) -> (1, T, vocab) float logits.
+
+        ``hidden`` is one entry of ``hidden_states`` (a residual stream). The final norm is
+        applied unless ``normed`` (the last entry of ``hidden_states`` is already normed),
+        then the output head and every transform forward applies after it (a final-logit
+        soft-cap), so that the lens of the last entry equals forward's own logits (the
+        trace tests hold the two against each other).
+        """
+
+
 class DraftModel(CausalLM, Protocol):
     """A model with a draft head for self-speculative decoding (e.g. Qwen3.5's MTP head).
 

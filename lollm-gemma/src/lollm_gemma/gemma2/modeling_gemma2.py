@@ -33,9 +33,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lollm.trace import record_softcap
+
 from .blocks import Gemma2Attention, Gemma2MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma2Config
 from .kv import Gemma2Cache
+
+
+#: What ``lollm trace`` says under its soft-cap chart.
+SOFTCAP_NOTE = ("Every final logit x becomes cap * tanh(x / cap), inside (-cap, cap): small logits pass almost "
+                "unchanged, large ones flatten against the cap, so no token can run away with all the probability. "
+                "The points are the selected token's largest logits, before (x) and after (y) the cap.")
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -163,5 +171,16 @@ class Gemma2ForCausalLM(nn.Module):
         # 7. Final-logit soft-cap: cap * tanh(logits / cap) keeps every logit in (-cap, cap).
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            before, logits = logits, torch.tanh(logits / cap) * cap
+            record_softcap(self, "final-logit soft-cap", before, logits, cap=cap, note=SOFTCAP_NOTE)  # lollm trace only
         return logits
+
+    def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
+        """The logit lens (``lollm trace``): a residual stream read the way steps 5-7 of forward read the last one.
+
+        hidden (1, T, C), an entry of ``hidden_states`` -> (1, T, vocab), soft-capped like the real
+        logits. ``normed``: ``hidden`` already went through the final norm (the last entry did).
+        """
+        logits = self.lm_head(hidden if normed else self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -163,3 +163,11 @@ class Gemma3ForCausalLM(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
+
+    def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
+        """The logit lens (``lollm trace``): a residual stream read the way steps 5-6 of forward read the last one.
+
+        hidden (1, T, C), an entry of ``hidden_states`` -> (1, T, vocab). ``normed``: ``hidden``
+        already went through the final norm (the last entry of ``hidden_states`` did).
+        """
+        return self.lm_head(hidden if normed else self.model.norm(hidden))

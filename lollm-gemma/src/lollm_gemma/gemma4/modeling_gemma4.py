@@ -42,9 +42,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.trace import record_series, record_softcap, tracing
+
 from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma4Config
 from .kv import Gemma4Cache
+
+
+#: What ``lollm trace`` says under its charts.
+SOFTCAP_NOTE = ("Every final logit x becomes cap * tanh(x / cap), inside (-cap, cap): small logits pass almost "
+                "unchanged, large ones flatten against the cap. The points are the selected token's largest "
+                "logits, before (x) and after (y) the cap.")
+PLE_NOTE = ("Gemma 4 gives each layer its own small embedding of every token (P numbers: a row of a per-layer "
+            "table averaged with a projection of the main embedding). The layer gates it with its residual "
+            "stream, projects it to C and adds it. Lines: the size of that per-layer input, of what is added, "
+            "and of the stream it joins.")
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -81,7 +93,12 @@ class Gemma4DecoderLayer(nn.Module):
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_per_layer_input:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")  # (1, T, P)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))
+            added = self.post_per_layer_input_norm(self.per_layer_projection(gate * per_layer_input))  # (1, T, C)
+            if tracing():  # only inside `lollm trace`: how much the per-layer embedding adds, beside the stream
+                record_series(self, "per-layer embedding", torch.stack(
+                    (per_layer_input.norm(dim=-1), added.norm(dim=-1), x.norm(dim=-1)), dim=-1), note=PLE_NOTE,
+                    channels=("||per-layer input||", "||added to the stream||", "||stream||"))
+            x = x + added
         return x * self.layer_scalar
 
 
@@ -223,8 +240,20 @@ class Gemma4ForCausalLM(nn.Module):
 
         # 8. Final-logit soft-cap: cap * tanh(logits / cap) keeps every logit in (-cap, cap).
         if c.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+            before, logits = logits, torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+            record_softcap(self, "final-logit soft-cap", before, logits, cap=c.final_logit_softcapping,
+                           note=SOFTCAP_NOTE)  # lollm trace only
         return logits
+
+    def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
+        """The logit lens (``lollm trace``): a residual stream read the way steps 6-8 of forward read the last one.
+
+        hidden (1, T, C), an entry of ``hidden_states`` -> (1, T, vocab), soft-capped like the real
+        logits. ``normed``: ``hidden`` already went through the final norm (the last entry did).
+        """
+        logits = self.lm_head(hidden if normed else self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @staticmethod
     def _keep_last(n, x, ple, rope):

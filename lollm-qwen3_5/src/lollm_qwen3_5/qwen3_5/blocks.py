@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lollm.attention import attend
+from lollm.trace import record_series, tracing
 
 from .config import Qwen3_5Config
 
@@ -427,6 +428,8 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         # 4. Write strength and decay, per token and value head.
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv), <= 0
+        if tracing():  # only inside `lollm trace`: the gates and the memory's size per token
+            self.record_gates(q, k, v, g, beta, cache)
         # 5. The delta rule over the recurrent state.
         if cache is None:
             state = q.new_zeros(Hv, Dk, Dv)
@@ -442,6 +445,29 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         # 6. Gated norm per head, heads side by side, output projection.
         o = self.norm(o.to(x.dtype), z)  # (T, Hv, Dv)
         return self.out_proj(o.reshape(1, T, Hv * Dv))
+
+    def record_gates(self, q, k, v, g, beta, cache) -> None:
+        """For ``lollm trace``: decay exp(g), write strength beta and the state's size ||S|| after each token, (T, Hv) each.
+
+        Arguments as in step 5 of forward. The norms come from a second, token-by-token run
+        of the recurrence on a copy of the starting state (the chunked form keeps no
+        per-token state); forward's own state is not touched.
+        """
+        Hv, Dk, Dv = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        state = q.new_zeros(Hv, Dk, Dv) if cache is None else cache.recurrent_state(self.slot).clone()
+        norms = []
+        for t in range(q.shape[0]):
+            delta_rule_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+            norms.append(state.norm(dim=(-2, -1)))  # (Hv,): Frobenius norm of each head's memory
+        record_series(self, "decay exp(g)", g.exp(), note=(
+            "How much of its memory each head keeps at this token: the state S is multiplied by exp(g), "
+            "in (0, 1], before the token is written. Near 1 the head remembers far back; near 0 it forgets."))
+        record_series(self, "write strength beta", beta, note=(
+            "How hard each head writes this token: the delta rule moves what the memory returns for the "
+            "token's key a fraction beta (0..1) of the way toward the token's value."))
+        record_series(self, "state norm ||S||", torch.stack(norms), note=(
+            "The size (Frobenius norm) of each head's memory matrix after the token: it grows as tokens "
+            "are written and shrinks where the decay fades it. Its shape never changes: a fixed-size memory."))
 
 
 # ---------------------------------------------------------------------------

@@ -214,6 +214,10 @@ class ToyForCausalLM(nn.Module):
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
 
+    def logit_lens(self, hidden, *, normed=False):
+        """``lollm trace``'s logit lens: a hidden state (1, T, hidden) read as steps 3-4 read the last -> (1, T, vocab)."""
+        return self.lm_head(hidden if normed else self.model.norm(hidden))
+
 
 # -- the loader lollm-core calls ------------------------------------------------------------
 

@@ -1,0 +1,105 @@
+"""``lollm trace`` end to end: open the model, tokenize the prompt, capture, compare, write the page.
+
+::
+
+    from lollm.trace.run import run_trace
+    result = run_trace("path/to/folder", prompt="The capital of France is", output="trace.html")
+    result.trace.lens.top_ids[-1, -1]      # the model's own top 5 after the last token
+    result.size                            # bytes written
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import lollm
+from lollm.errors import LollmError
+from lollm.pipeline import LoadedModel, open_model
+from lollm.trace.capture import Trace, capture, compare
+from lollm.trace.page import write_page
+
+#: The longest prompt a trace takes unless told otherwise: attention grows with T² per head.
+MAX_TOKENS = 256
+
+
+@dataclass
+class TraceResult:
+    trace: Trace
+    path: Path
+    size: int  # bytes of the page
+    templated: bool  # True when the chat template wrapped the prompt
+
+
+def prompt_ids(loaded: LoadedModel, prompt: str, *, system: str | None = None, chat: bool = True,
+               think: bool | None = None) -> tuple[list[int], bool]:
+    """The ids of ``prompt`` as ``lollm run`` builds them: through the chat template when the checkpoint has one.
+
+    Returns (ids, templated). Raises LollmError for ``think`` on a family without the
+    toggle, or ``system`` without a template.
+    """
+    tokenizer = loaded.tokenizer
+    family = loaded.family.family
+    if think is not None and not family.capabilities.thinking_toggle:
+        raise LollmError(f"--think/--no-think: the family {family.name!r} has no thinking toggle")
+    if not chat or tokenizer.chat_template is None:
+        if system:
+            raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
+        return tokenizer.encode(prompt), False
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    flags = {} if think is None else {"enable_thinking": think}
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, **flags), True
+
+
+def reference_for(loaded: LoadedModel):
+    """The parity gate's reference for this checkpoint (the family's own builder, else transformers)."""
+    from lollm.parity import default_reference
+
+    family = loaded.family.family
+    build = family.resolve("parity_reference") if family.parity_reference else default_reference
+    try:
+        return build(loaded.checkpoint, loaded.dtype)
+    except ImportError as exc:
+        raise LollmError(f"--compare needs transformers: pip install 'lollm-core[parity]' ({exc})") from None
+
+
+def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
+              think: bool | None = None, compare_reference: bool = False, device: str = "auto", dtype: str = "float32",
+              max_tokens: int = MAX_TOKENS, progress: bool = False) -> TraceResult:
+    """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
+
+    compare_reference: also run the parity gate's reference (transformers) and store the
+                       divergence of every hidden state (our model is freed first).
+    max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
+    Raises LollmError subclasses (bad checkpoint, prompt too long, no transformers for a comparison).
+    """
+    output = Path(output)
+    if not output.parent.exists():
+        raise LollmError(f"lollm trace: the folder {output.parent} of --output does not exist")
+    loaded = open_model(spec, device=device, dtype=dtype, progress=progress)
+    ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
+    if len(ids) > max_tokens:
+        raise LollmError(f"lollm trace: the prompt is {len(ids)} tokens, more than --max-tokens {max_tokens} "
+                         f"(the page stores every attention weight, T² per head): shorten it or raise --max-tokens")
+    trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
+    trace.meta = {
+        "model": str(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
+        "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
+        "lollm_version": lollm.__version__,
+        "prompt_note": "prompt wrapped in the chat template" if templated else "prompt used as raw text",
+    }
+    if compare_reference:
+        required = 0.99999 if loaded.dtype == torch.float32 else 0.99
+        model_dtype = loaded.dtype
+        loaded.model = None  # one model in memory at a time, as in the parity gate
+        gc.collect()
+        reference = reference_for(loaded)
+        compare(trace, reference, required=required)
+        del reference
+        gc.collect()
+        trace.meta["compared"] = f"transformers, {str(model_dtype).removeprefix('torch.')}"
+    size = write_page(trace, output)
+    return TraceResult(trace, output, size, templated)
