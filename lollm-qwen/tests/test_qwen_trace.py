@@ -92,10 +92,9 @@ def test_cli_errors_are_one_line(tiny, tmp_path, monkeypatch, capsys):
     folder = str(tiny("qwen2"))
     capsys.readouterr()
     for args, needle in [
-        ((folder, "-m", folder, "-p", "x"), "give the model once"),
         ((folder, "-p", "x", "-o", str(tmp_path / "no" / "t.html")), "does not exist"),
         ((folder, "-p", PROMPT, "--max-tokens", "3"), "more than --max-tokens 3"),
-        ((folder, "-p", "x", "--think"), "no thinking toggle"),
+        ((folder, "-p", "x", "--think"), "does not read enable_thinking"),
     ]:
         monkeypatch.setattr("sys.argv", ["lollm", "trace", *args])
         with pytest.raises(SystemExit) as done:
@@ -103,6 +102,12 @@ def test_cli_errors_are_one_line(tiny, tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err  # (loading progress bars may come first)
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert done.value.code == 2 and len(errors) == 1 and needle in errors[0] and "Traceback" not in err, err
+    # naming the model twice is a usage error, as on every command that takes MODEL
+    monkeypatch.setattr("sys.argv", ["lollm", "trace", folder, "-m", folder, "-p", "x"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "one argument too many" in err and "Traceback" not in err, err
     assert not list(tmp_path.iterdir())  # no half-written page anywhere
 
 

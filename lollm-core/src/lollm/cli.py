@@ -565,8 +565,8 @@ def parity(
 
 @app.command()
 def trace(
-    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="Checkpoint folder, .gguf file or repo id (or give it with -m)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as an option instead of the MODEL argument."),
+    model_arg: Optional[str] = model_argument(),
+    model_opt: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
@@ -585,9 +585,7 @@ def trace(
     """
     from lollm.trace.run import run_trace
 
-    if (model_arg is None) == (model is None):
-        raise LollmError("lollm trace: give the model once, as MODEL or as --model/-m")
-    spec = model_arg if model_arg is not None else model
+    spec, _ = which_model(model_opt, model_arg)
     if prompt is None:
         if sys.stdin.isatty():
             raise LollmError("give --prompt, or pipe the prompt on stdin")

@@ -38,19 +38,19 @@ def prompt_ids(loaded: LoadedModel, prompt: str, *, system: str | None = None, c
                think: bool | None = None) -> tuple[list[int], bool]:
     """The ids of ``prompt`` as ``lollm run`` builds them: through the chat template when the checkpoint has one.
 
-    Returns (ids, templated). Raises LollmError for ``think`` on a family without the
-    toggle, or ``system`` without a template.
+    Returns (ids, templated). Raises LollmError for ``think`` when the chat template does
+    not read ``enable_thinking`` (see :func:`lollm.conversation.thinking_flags`), or for
+    ``system`` without a template.
     """
+    from lollm.conversation import thinking_flags
+
     tokenizer = loaded.tokenizer
-    family = loaded.family.family
-    if think is not None and not family.capabilities.thinking_toggle:
-        raise LollmError(f"--think/--no-think: the family {family.name!r} has no thinking toggle")
     if not chat or tokenizer.chat_template is None:
         if system:
             raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
         return tokenizer.encode(prompt), False
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    flags = {} if think is None else {"enable_thinking": think}
+    flags = thinking_flags(tokenizer, think, loaded.checkpoint.spec)
     return tokenizer.encode_chat(messages, add_generation_prompt=True, **flags), True
 
 
