@@ -14,9 +14,12 @@ on bfloat16 wrongly, so bfloat16 is checked on a GPU only).
 Bounds, max |Δ| against the seam's ``sdpa`` in float64 on the same (rounded) inputs,
 with q, k, v ~ N(0, 1):
 
-* float32: 2e-5 (measured: about 1e-6);
-* float16: 4e-3 (the output's own rounding, half a unit in the last place at |out| < 4,
-  is 1e-3; the probabilities are rounded to float16 before p @ v as in FlashAttention);
+* float32: 5e-5 (measured in the interpreter: 1.5e-5 at D = 512 with scale 1, where scores
+  reach about 80 and float32 rounds them to 1e-5; about 1e-6 elsewhere. The seam's own sdpa
+  in float32 is 9e-6 from float64 on the same grid);
+* float16: 4e-3 (measured: 1.8e-3, sdpa in float16: 2.2e-3. The output's own rounding,
+  half a unit in the last place at |out| < 4, is 1e-3; the probabilities are rounded to
+  float16 before p @ v, as in FlashAttention);
 * bfloat16 (GPU only): 3e-2 (eight bits of mantissa: the seam's sdpa and eager agree to the same).
 
 Needs ``lollm-core[triton]`` (marker ``triton``: the nox sessions without the extra
@@ -38,7 +41,7 @@ pytestmark = pytest.mark.triton
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
-BOUND = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+BOUND = {torch.float32: 5e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module")
