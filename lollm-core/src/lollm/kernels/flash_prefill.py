@@ -135,8 +135,8 @@ def _flash_prefill_kernel(
 # smaller tiles so that the query tile, the fp32 accumulator and a key and a value
 # tile fit in one SM's registers and shared memory: at D = 512 a 16 x 512 fp32
 # accumulator alone is 32 KB. Checked without a GPU by compiling for sm_80 and sm_90
-# (benchmarks/compile_attention_kernels.py: bf16 needs no register spills and at most
-# 96 KB of shared memory in every row); not tuned on a GPU (docs/flash-attention.md).
+# (benchmarks/compile_attention_kernels.py: in bf16 no spilled registers on sm_90 and at
+# most 48 KB of shared memory; fp32 at most 112 KB); not tuned on a GPU (docs/flash-attention.md).
 PREFILL_TILES = {
     64: (64, 64, 4, 2),
     128: (64, 64, 4, 2),
