@@ -33,6 +33,9 @@ GEMMA = "./lollm-gemma"
 QWEN3_5 = "./lollm-qwen3_5"
 FAMILIES = [QWEN, GEMMA, QWEN3_5]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
+# The optional extra lollm-core[triton] (--attn triton): the family sessions and `everything` install
+# it and run the kernels in Triton's CPU interpreter; core_only does not, and proves the clean error.
+CORE_TRITON = f"{CORE}[parity,test,browser,triton]"
 # the hub is unreachable on the project's machines: fail fast instead of retrying
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 # the `lollm trace` page tests drive Debian's chromium and chromedriver (.ci/run installs them);
@@ -49,36 +52,37 @@ def _install(session: nox.Session, *packages: str) -> None:
 
 @nox.session(tags=["tests"])
 def core_only(session: nox.Session) -> None:
-    """lollm-core alone (no family installed): its unit tests, the plugin tests, the real-tokenizer tests."""
+    """lollm-core alone (no family, no triton extra): its unit tests, the plugin tests, the real-tokenizer tests."""
     _install(session, "-e", f"{CORE}[parity,test,browser]")
-    session.run("pytest", "lollm-core/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not triton", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
-    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN)
+    _install(session, "-e", CORE_TRITON, "-e", QWEN)
     session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
-    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", GEMMA)
+    _install(session, "-e", CORE_TRITON, "-e", GEMMA)
     session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
-    _install(session, "-e", f"{CORE}[parity,test,browser]", "-e", QWEN3_5)
+    _install(session, "-e", CORE_TRITON, "-e", QWEN3_5)
     session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
 def everything(session: nox.Session) -> None:
-    """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass."""
-    args = ["-e", f"{CORE}[parity,test,browser]"]
+    """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass,
+    the Triton kernels' tests among them (test_flash_kernels.py, in Triton's CPU interpreter)."""
+    args = ["-e", CORE_TRITON]
     for family in FAMILIES:
         args += ["-e", family]
     _install(session, *args)

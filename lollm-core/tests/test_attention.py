@@ -10,6 +10,9 @@ keys as a family's cache hands them over, ring order included.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -295,12 +298,62 @@ def test_unknown_names_are_one_clear_error(monkeypatch):
     assert issubclass(AttentionBackendError, LollmError)
 
 
-def test_triton_slot_says_what_it_needs():
-    with pytest.raises(AttentionBackendError, match=r"lollm-core\[triton\].*not built yet"):
-        attention.resolve_backend("triton")
-    q, k, v, *_ = make(2, 1, 8, 0, 3, None, "full")
-    with pytest.raises(AttentionBackendError, match=r"lollm-core\[triton\]"):
-        attention.triton_attention(q, k, v, start=0)
+def _site_without_triton(tmp_path):
+    """A folder that, first on PYTHONPATH, makes ``import triton`` fail as if the extra were not installed."""
+    site = tmp_path / "no-triton-site"
+    (site / "triton").mkdir(parents=True)
+    (site / "triton" / "__init__.py").write_text("raise ImportError(\"No module named 'triton'\")\n")
+    return site
+
+
+def test_triton_without_the_extra_is_one_clear_error(monkeypatch, tmp_path):
+    """Without Triton (hidden here; really absent in the nox core_only session, test_core_only.py)."""
+    from _core_helpers import run_lollm
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    for call in (lambda: attention.resolve_backend("triton"), lambda: attention.set_backend("triton"),
+                 lambda: attention.triton_check(torch.device("cpu"))):
+        with pytest.raises(AttentionBackendError, match=r"needs Triton: pip install 'lollm-core\[triton\]'"):
+            call()
+    missing = str(tmp_path / "no-such-model")  # the backend is refused before anything loads
+    _one_error_line(run_lollm("bench", missing, "--attn", "triton", sites=(_site_without_triton(tmp_path),)),
+                    "lollm-core[triton]")
+
+
+@pytest.mark.triton
+def test_triton_without_a_gpu_or_the_interpreter_is_one_clear_error(monkeypatch, tmp_path):
+    """Triton installed, TRITON_INTERPRET unset: a CPU device is refused before Triton looks for a GPU driver."""
+    from _core_helpers import run_lollm
+
+    import triton  # noqa: F401  (lollm-core[triton])
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(AttentionBackendError, match=r"runs on a CUDA GPU.*TRITON_INTERPRET=1"):
+        attention.triton_check(torch.device("cpu"))
+    if not torch.cuda.is_available():  # this machine has no GPU at all: say so even without a device
+        with pytest.raises(AttentionBackendError, match=r"sees none.*TRITON_INTERPRET=1"):
+            attention.resolve_backend("triton")
+    missing = str(tmp_path / "no-such-model")
+    line = _one_error_line(run_lollm("run", "-m", missing, "-p", "hi", "--device", "cpu", "--attn", "triton"),
+                           "CUDA GPU", "TRITON_INTERPRET=1")
+    assert "driver" not in line
+    # picked through LOLLM_ATTN alone, never checked before the first call: the call checks
+    code = """
+        import torch
+        from lollm.attention import attend
+        from lollm.errors import AttentionBackendError
+        q = torch.zeros(1, 2, 3, 16); k = torch.zeros(1, 1, 3, 16)
+        try:
+            attend(q, k, k, start=0)
+        except AttentionBackendError as e:
+            print("refused:", e)
+    """
+    from _core_helpers import child_env
+
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=child_env(LOLLM_ATTN="triton"), timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.startswith("refused: the 'triton' attention backend runs on a CUDA GPU"), done.stdout
 
 
 def test_shapes_that_break_the_contract_are_refused():
@@ -331,7 +384,6 @@ def test_cli_refuses_unknown_backends_before_loading_anything(tmp_path, monkeypa
     missing = str(tmp_path / "no-such-model")
     _one_error_line(run_lollm("run", "-m", missing, "-p", "hi", "--attn", "flash"),
                     "--attn: unknown attention backend 'flash'", "sdpa, eager, triton")
-    _one_error_line(run_lollm("bench", missing, "--attn", "triton"), "lollm-core[triton]")
     monkeypatch.setenv("LOLLM_ATTN", "fast")
     _one_error_line(run_lollm("parity", missing), "LOLLM_ATTN: unknown attention backend 'fast'")
 

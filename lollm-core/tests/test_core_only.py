@@ -1,4 +1,5 @@
-"""lollm-core alone: no family is installed, and the user is told which distribution to install.
+"""lollm-core alone: no family is installed, and the user is told which distribution to install;
+nor is the optional extra lollm-core[triton], and ``--attn triton`` says so.
 
 These tests mean something only in a virtual environment where lollm-core is
 the only lollm distribution (the nox session ``core_only``); anywhere else
@@ -64,3 +65,19 @@ def test_run_on_a_qwen2_checkpoint_names_the_type_and_the_distribution(tmp_path:
     assert "'qwen2'" in done.stderr
     assert "lollm-qwen" in done.stderr and "pip install lollm-qwen" in done.stderr
     assert "No family plugin is installed" in done.stderr
+
+
+def test_attn_triton_without_the_extra_names_it(tmp_path: Path, monkeypatch):
+    """Triton really absent here (the nox core_only session installs lollm-core[parity,test] only)."""
+    import importlib.util
+
+    require_core_only()
+    assert importlib.util.find_spec("triton") is None, "triton is installed: run this test in the core_only nox session"
+    for args, env in ((["--attn", "triton"], None), ([], "triton")):
+        if env:
+            monkeypatch.setenv("LOLLM_ATTN", env)
+        done = run_lollm("run", "-m", str(tmp_path / "missing"), "-p", "hi", *args)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("error: ") and "pip install 'lollm-core[triton]'" in line, line

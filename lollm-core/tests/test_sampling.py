@@ -63,6 +63,28 @@ def test_repetition_penalty_neutral_cases_return_the_logits():
 # -- temperature -------------------------------------------------------------
 
 
+def test_repetition_penalty_reads_the_ids_on_the_logits_device():
+    """On a GPU the logits live on the device and the generate loop's ids on the CPU; gather and
+    scatter must see one device (CUDA refuses a mix). Without a GPU here, a dispatch mode records
+    the devices each of those ops receives, with the logits on the "meta" device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen = []
+
+    class Devices(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("gather", "scatter")):
+                tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+                seen.append({t.device.type for t in tensors})
+            return func(*args, **(kwargs or {}))
+
+    with Devices():
+        out = apply_repetition_penalty(torch.randn(10, device="meta"), torch.tensor([1, 2, 2]), 1.3)
+    assert out.device.type == "meta"
+    assert len(seen) == 2 and all(devices == {"meta"} for devices in seen), seen
+
+
 def test_temperature_divides_the_logits():
     logits = torch.tensor([1.0, 2.0, -4.0])
     assert apply_temperature(logits, 0.5).tolist() == [2.0, 4.0, -8.0]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 from _gemma_testing import TINY
+
+# --attn triton in these tests runs Triton's kernels in its CPU interpreter. Triton reads the
+# variable when a kernel is defined (when lollm.kernels is imported), so it is set here, first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

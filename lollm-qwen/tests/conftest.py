@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# --attn triton in these tests runs Triton's kernels in its CPU interpreter. Triton reads the
+# variable when a kernel is defined (when lollm.kernels is imported), so it is set here, first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

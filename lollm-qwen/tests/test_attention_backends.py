@@ -57,3 +57,79 @@ def test_cached_decoding_with_eager_attention_equals_sdpa(tiny_checkpoint, famil
     first = ids[0, :9].tolist()
     ours = generate(model, first, max_new_tokens=8, sampling=greedy, attn="eager").new_ids
     assert ours == generate(model, first, max_new_tokens=8, sampling=greedy, attn="sdpa").new_ids
+
+
+# -- the triton backend (lollm-core[triton]; Triton's CPU interpreter here, conftest.py) ------------
+# The nox qwen session installs the extra: a missing Triton fails these tests, it does not skip them.
+# Bound: logits within 1e-4 of the sdpa path at float32, prefill and cached decode alike.
+
+TRITON_MAX_DIFF = 1e-4
+
+
+@pytest.fixture
+def triton_calls(monkeypatch) -> list[int]:
+    """Counts the triton backend's calls (the number of queries of each); fails where Triton is missing."""
+    import triton  # noqa: F401  (lollm-core[triton])
+
+    calls: list[int] = []
+    real = attention.BACKENDS["triton"]
+
+    def counting(q, k, v, **kw):
+        calls.append(q.shape[2])
+        return real.attend(q, k, v, **kw)
+
+    monkeypatch.setitem(attention.BACKENDS, "triton", attention.Backend("triton", real.summary, counting, real.check))
+    return calls
+
+
+def _cached_steps(model, ids, backend: str) -> torch.Tensor:
+    """A prefill of 20 (the prefill kernel), a chunk of 3 (split-K, causal inside), then single tokens."""
+    cache = model.new_cache(ids.shape[1])
+    with torch.inference_mode(), attention.use_backend(backend):
+        steps = [model(ids[:, :20], cache)[0], model(ids[:, 20:23], cache)[0]]
+        steps += [model(ids[:, i : i + 1], cache)[0] for i in range(23, ids.shape[1])]
+    return torch.cat(steps)
+
+
+def test_triton_attention_matches_sdpa_prefill_and_cached_decode(tiny_checkpoint, family, triton_calls):
+    model = load_ours(tiny_checkpoint(family, "hub"), family)
+    ids = prompt(512, length=30, seed=7)
+    with torch.inference_mode():
+        one_shot = {"sdpa": model(ids)[0]}
+        with attention.use_backend("triton"):
+            one_shot["triton"] = model(ids)[0]
+    assert triton_calls == [30] * model.num_layers
+    diff = (one_shot["triton"] - one_shot["sdpa"]).abs().max().item()
+    assert diff <= TRITON_MAX_DIFF, f"prefill: max |Δ| {diff:.2e}"
+
+    a, b = _cached_steps(model, ids, "triton"), _cached_steps(model, ids, "sdpa")
+    assert {20, 3, 1} <= set(triton_calls)
+    diff = (a - b).abs().max().item()
+    assert diff <= TRITON_MAX_DIFF, f"cached decode: max |Δ| {diff:.2e}"
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+    greedy = SamplingParams(temperature=0.0)
+    first = ids[0, :9].tolist()
+    ours = generate(model, first, max_new_tokens=8, sampling=greedy, attn="triton").new_ids
+    assert ours == generate(model, first, max_new_tokens=8, sampling=greedy, attn="sdpa").new_ids
+
+
+def test_parity_cli_with_triton_attention_in_the_interpreter(tiny_checkpoint, tmp_path):
+    """``LOLLM_ATTN=triton TRITON_INTERPRET=1 lollm parity <folder>`` on a tiny qwen3 with the real Qwen tokenizer."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from lollm.testing.real_models import derive_safetensors
+
+    import triton  # noqa: F401  (lollm-core[triton])
+
+    real = derive_safetensors("qwen2.5-coder-0.5b-instruct")
+    folder = tiny_checkpoint("qwen3", "hub", vocab_size=151936)  # the real tokenizer's ids must fit
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real / name, folder / name)
+    env = {**os.environ, "LOLLM_ATTN": "triton", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "lollm.cli", "parity", str(folder)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "attn triton" in done.stdout and "PASS" in done.stdout

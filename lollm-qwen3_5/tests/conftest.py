@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qwen3_5_tiny as tiny  # noqa: E402
+
+# --attn triton in these tests runs Triton's kernels in its CPU interpreter. Triton reads the
+# variable when a kernel is defined (when lollm.kernels is imported), so it is set here, first.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tiny models are far too small to gain from threads, and on a busy machine
 # OpenMP's thread barriers make each tiny op wait for a descheduled thread.

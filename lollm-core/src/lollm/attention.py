@@ -28,8 +28,9 @@ name (:data:`BACKENDS`):
   soft-capped call (gemma2) takes the ``eager`` arithmetic.
 * ``eager``: the scores and the softmax written out as matrix products; the
   readable reference, and the path that can hand out the probabilities.
-* ``triton``: FlashAttention-style kernels (``lollm-core[triton]``); a slot
-  for now, it raises a clear error until the kernels land.
+* ``triton``: FlashAttention-2 (prefill) and split-K (decode) kernels written
+  in Triton, :mod:`lollm.kernels` (``lollm-core[triton]``; a CUDA GPU, or
+  Triton's CPU interpreter with ``TRITON_INTERPRET=1``); docs/flash-attention.md.
 
 Pick one with ``--attn NAME`` on the command line, the environment variable
 ``LOLLM_ATTN``, or in Python with :func:`use_backend` (a context manager) or
@@ -217,17 +218,61 @@ def eager_attention(q, k, v, **kwargs) -> torch.Tensor:
     return eager_probs(q, k, v, **kwargs)[0]
 
 
-def _triton_unavailable(device: torch.device | None = None) -> None:
-    raise AttentionBackendError(
-        "the 'triton' attention backend needs lollm-core[triton] (pip install 'lollm-core[triton]'), "
-        "and its kernels are not built yet: use --attn sdpa (the default) or eager"
-    )
+TRITON_EXTRA = "lollm-core[triton]"
 
 
-def triton_attention(q, k, v, **kwargs) -> torch.Tensor:
-    """The ``triton`` backend: a slot until the kernels of ``lollm/kernels/`` land; raises AttentionBackendError."""
-    _triton_unavailable(q.device)
-    raise AssertionError("unreachable")
+def triton_check(device: torch.device | None = None) -> None:
+    """The ``triton`` backend's check: can its kernels run on ``device`` (None: on this machine)?
+
+    They need the Triton package (the optional extra ``lollm-core[triton]``), and
+    either a CUDA device or Triton's CPU interpreter (``TRITON_INTERPRET=1``: every
+    kernel runs in numpy, slowly; the tests use it). Raises AttentionBackendError
+    saying which is missing, before Triton would fail looking for a GPU driver.
+    """
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise AttentionBackendError(
+            f"the 'triton' attention backend needs Triton: pip install '{TRITON_EXTRA}' "
+            "(or use --attn sdpa, the default)"
+        ) from None
+    if os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on", "y"):  # as Triton reads it
+        return
+    if not torch.cuda.is_available():
+        raise AttentionBackendError(
+            f"the 'triton' attention backend runs on a CUDA GPU, and this torch {torch.__version__} sees none: "
+            "use --attn sdpa, or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter (slow)"
+        )
+    if device is not None and device.type != "cuda":
+        raise AttentionBackendError(
+            f"the 'triton' attention backend runs on a CUDA GPU, not on {device}: pass --device cuda "
+            "(or set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter, slow)"
+        )
+
+
+_triton_ready = False
+
+
+def triton_attention(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
+                     softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
+    """The ``triton`` backend: the FlashAttention kernels of :mod:`lollm.kernels`.
+
+    q (1, H, T, D), k, v (1, K, S, D) -> (1, H, T, D), in q's dtype; fp32, fp16 or
+    bf16; D up to 512. A prefill or chunk runs the FlashAttention-2 kernel
+    (:mod:`lollm.kernels.flash_prefill`), a decode or verify step of up to 16
+    queries the split-K kernel (:mod:`lollm.kernels.flash_decode`). Scores,
+    softmax and accumulation are fp32 inside the kernels. The first call checks
+    :func:`triton_check` (a process that picked the backend through
+    ``LOLLM_ATTN`` alone has not been checked yet); AttentionBackendError when
+    the kernels cannot run here or do not cover the call.
+    """
+    global _triton_ready
+    if not _triton_ready:
+        triton_check(q.device)
+        _triton_ready = True
+    from lollm.kernels import flash_attention
+
+    return flash_attention(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
 
 
 @dataclass(frozen=True)
@@ -250,8 +295,8 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", "PyTorch's scaled_dot_product_attention (the default and the reference)", sdpa_attention),
     "eager": Backend("eager", "scores and softmax written out (readable; the path that records probabilities)", eager_attention),
-    "triton": Backend("triton", "FlashAttention-style Triton kernels (lollm-core[triton]; not built yet)",
-                      triton_attention, _triton_unavailable),
+    "triton": Backend("triton", "FlashAttention-2 and split-K decode kernels in Triton (lollm-core[triton]; a CUDA GPU)",
+                      triton_attention, triton_check),
 }
 
 

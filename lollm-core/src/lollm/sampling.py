@@ -37,9 +37,14 @@ from lollm.sampling_params import (  # noqa: F401 (re-exported)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Penalize every token id already present in ``previous_ids`` ((N,) int64), once each."""
+    """Penalize every token id already present in ``previous_ids`` ((N,) int64), once each.
+
+    The ids may sit on the CPU (the generate loop keeps them there) while the logits
+    are on the model's device: they are moved to the logits' device first.
+    """
     if penalty == 1.0 or previous_ids.numel() == 0:
         return logits
+    previous_ids = previous_ids.to(logits.device)
     logits = logits.clone()
     seen = logits.gather(0, previous_ids)
     seen = torch.where(seen < 0, seen * penalty, seen / penalty)
