@@ -10,6 +10,8 @@
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
                        (-- N sets how many per property; CI runs a small fixed budget of the same tests)
+    nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
+                           llama.cpp side by side (accuracy, memory, alternating speed rounds)
 
 Each session builds its own virtual environment. torch is installed first,
 pinned to the CPU build this project is tested with, so that no later
@@ -172,3 +174,14 @@ def fuzz(session: nox.Session) -> None:
     for tests in FUZZ_TESTS:
         session.run("pytest", tests, "-q", "-k", "mutated or gives", "--hypothesis-show-statistics",
                     env={**OFFLINE, "LOLLM_FUZZ_EXAMPLES": examples})
+
+
+@nox.session
+def bench_quant(session: nox.Session) -> None:
+    """lollm quantized, lollm float32 and llama.cpp on the real Qwen2.5 and Gemma 3 GGUFs (docs/quantized-execution.md).
+
+    llama.cpp comes through llama-cpp-python (the "bench" extra), which compiles llama.cpp from
+    source on first install: 10-20 minutes on two idle cores. Never part of the tests.
+    """
+    _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
+    session.run("python", "lollm-core/benchmarks/bench_quant.py", *session.posargs, env=OFFLINE)

@@ -9,7 +9,6 @@ keys as a family's cache hands them over, ring order included.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -407,7 +406,7 @@ def test_cli_hands_the_backend_to_parity_and_bench(monkeypatch, capsys, command)
 
     def fake_bench(spec, **kwargs):
         seen.update(kwargs)
-        return bench.BenchResult([])
+        return bench.BenchResult([], prompt_tokens=1, new_tokens=1, threads=1)
 
     monkeypatch.setattr(parity, "run_parity", fake_parity)
     monkeypatch.setattr(bench, "run_bench", fake_bench)
@@ -418,20 +417,29 @@ def test_cli_hands_the_backend_to_parity_and_bench(monkeypatch, capsys, command)
     assert seen["attn"] == "eager"
 
 
-def test_bench_hands_the_backend_to_its_worker_process(monkeypatch):
-    import subprocess
+def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
+    """bench measures in-process: our engine's every generation runs with the load's backend."""
+    import types
 
     import lollm.bench as bench
+    import lollm.generate as generate_module
+    import lollm.pipeline as pipeline
 
-    envs = []
+    loads, runs = [], []
 
-    def fake_run(cmd, **kwargs):
-        envs.append(kwargs["env"])
-        row = {"engine": "lollm"}
-        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(row) + "\n", stderr="")
+    def fake_open_model(spec, **kwargs):
+        loads.append(kwargs.get("attn"))
+        return types.SimpleNamespace(model=torch.nn.Linear(2, 2), attn=kwargs.get("attn") or "sdpa")
 
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    monkeypatch.delenv("LOLLM_ATTN", raising=False)
-    bench.run_bench("some/model", reference=False, attn="eager")
-    bench.run_bench("some/model", reference=False)
-    assert [env["LOLLM_ATTN"] for env in envs] == ["eager", "sdpa"]
+    def fake_generate(model, ids, **kwargs):
+        runs.append(kwargs.get("attn"))
+        return generate_module.GenerationResult(prompt_ids=list(ids), new_ids=[1, 1], text="", stop_reason="max_new_tokens",
+                                                prefill_seconds=0.1, decode_seconds=0.1)
+
+    monkeypatch.setattr(pipeline, "open_model", fake_open_model)
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    engine = bench.LollmEngine("some/model", attn="eager")
+    engine.load()
+    engine.prefill([1, 2, 3])
+    engine.decode([1, 2, 3], 1)
+    assert loads == ["eager"] and runs == ["eager", "eager"]

@@ -119,3 +119,32 @@ def test_chat_takes_the_model_once(chat_checkpoint):
                                 env={"COLUMNS": "400", "NO_COLOR": "1"})
     # a usage error (exit 2), as for every command that names the model twice
     assert result.exit_code == 2 and "one argument too many" in result.output, result.output
+
+
+def test_chat_loads_the_weights_it_is_asked_for(chat_checkpoint, monkeypatch):
+    """--quantize/--group-size reach the load as in `lollm run`; a bad combination is refused before it."""
+    from typer.testing import CliRunner
+
+    import lollm.conversation as conversation
+    from lollm.cli import app
+    from lollm.errors import LollmError
+    from lollm.quantized import Int4Linear
+
+    sessions = []
+
+    def one_turn(session, **kwargs):  # instead of the terminal loop: one answer through the prompt cache
+        sessions.append(session)
+        session.reply("hello there")
+
+    monkeypatch.setattr(conversation, "repl", one_turn)
+    result = CliRunner().invoke(app, ["chat", str(chat_checkpoint), "--temperature", "0", "-n", "4", "--threads", "1",
+                                      "--quantize", "int4", "--group-size", "32"], input="")
+    assert result.exit_code == 0, result.output
+    (session,) = sessions
+    model = session.loaded.model
+    assert model.weights_summary.packed > 0 and isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
+    assert len(session.last.new_ids) == 4
+
+    refused = CliRunner().invoke(app, ["chat", str(chat_checkpoint), "--weights", "quantized"], input="")
+    assert isinstance(refused.exception, LollmError) and "needs --quantize int8 or int4" in str(refused.exception)
+    assert len(sessions) == 1  # refused before the session (and the weights) were made

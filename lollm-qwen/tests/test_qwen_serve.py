@@ -145,3 +145,27 @@ def test_the_readme_openai_snippet_runs(folder):
         exec(compile(code.replace(url, real_url), "README.md", "exec"), namespace)  # the snippet prints the reply
     assert "reply" in namespace and namespace["reply"].choices[0].message.content is not None
     assert json.loads(namespace["reply"].model_dump_json())["model"] == model
+
+
+# -- the weights flags, as on `lollm run` ------------------------------------------------------
+
+
+def test_serve_loads_the_weights_it_is_asked_for(folder, monkeypatch):
+    from typer.testing import CliRunner
+
+    import lollm.server as server_module
+    from lollm.cli import app
+    from lollm.errors import LollmError
+    from lollm.quantized import Int8Linear
+
+    servers = []
+    monkeypatch.setattr(server_module, "serve", lambda server, **kwargs: servers.append(server))  # do not listen
+    result = CliRunner().invoke(app, ["serve", str(folder), "--threads", "1", "--quantize", "int8"])
+    assert result.exit_code == 0, result.output
+    (server,) = servers
+    assert server.model.weights_summary.packed > 0
+    assert isinstance(server.model.model.layers[0].mlp.down_proj, Int8Linear)
+
+    refused = CliRunner().invoke(app, ["serve", str(folder), "--weights", "float", "--quantize", "int8"])
+    assert isinstance(refused.exception, LollmError) and "give one of them" in str(refused.exception)
+    assert len(servers) == 1

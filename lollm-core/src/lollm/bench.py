@@ -1,35 +1,36 @@
-"""The benchmark: our engine and transformers on the same checkpoint, in the same run.
+"""The benchmark: our engine beside a reference on the same checkpoint, in alternating rounds.
 
-Each engine runs in its own child process, one after the other, so that the
-two never share memory and each one's peak memory is its own. Every worker
-measures, on the same token ids:
+Both engines are loaded in one process, then measured in rounds that
+alternate A B A B: each round runs, for each engine, the same prefill of a
+``prompt_tokens``-long prompt and ``new_tokens`` greedy decode steps. On a
+shared machine the load changes from minute to minute; alternating gives both
+engines the same share of it, and the ratio taken *within* each round cancels
+most of it. The report gives, per engine, the median over rounds, and for the
+comparison the median of the per-round ratios (ours / reference).
 
-* load time (seconds) and the load's peak memory above the process's memory
-  before loading (from ``ru_maxrss``), beside the size of the model's weights;
-* prefill: one forward over a ``prompt_tokens``-long prompt, in tokens/s;
-* decode: ``new_tokens`` greedy steps after that prompt, in tokens/s.
+Memory: each load's peak resident memory above the process's memory just
+before it (Linux: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``),
+beside the bytes of the weights the model holds.
 
-A caveat on memory: when the file already stores the target dtype, both
-engines keep the tensors backed by the file's memory map, so their pages are
-counted when first touched (in prefill), not during the load; the load peak is
-then far below the weights' size. Converting (bf16 file, fp32 model) or
-dequantizing (GGUF) loads show the real peak.
+The reference is transformers reading exactly the file(s) lollm read
+(:func:`lollm.parity.reference_weights`); without transformers installed the
+benchmark prints our figures and says what the reference needs.
 
-The parent prints both rows and the ratios ours / transformers. Figures are
-noisy on a shared machine; compare the ratios of one run, never absolute
-numbers across runs.
+:class:`Engine` is the small interface a benchmarked engine follows;
+``lollm-core/benchmarks/bench_quant.py`` adds llama.cpp with it.
 """
 
 from __future__ import annotations
 
-import json
+import gc
+import importlib.util
 import os
 import resource
-import subprocess
+import statistics
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 BENCH_TEXT = (
     "In the beginning of computing, programs were written as sequences of numbers that a machine would read "
@@ -37,52 +38,110 @@ BENCH_TEXT = (
     "languages and libraries, so that a single line could stand for thousands of instructions. "
 )
 
+#: Said instead of the reference's figures when transformers is not installed.
+NO_REFERENCE = "reference: transformers is not installed, so only lollm's figures are shown (pip install 'lollm-core[parity]')"
 
-def _rss_kib() -> int:
-    """Current resident set size of this process, in KiB (Linux /proc; falls back to ru_maxrss)."""
+
+def _status_kib(field_name: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field_name + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return None
 
 
-def _peak_kib() -> int:
-    """Peak resident set size of this process, in KiB.
+def rss_bytes() -> int:
+    """Current resident memory of this process in bytes (Linux /proc; elsewhere the peak, ru_maxrss)."""
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    return kib * 1024
 
-    Linux /proc's VmHWM first: ``ru_maxrss`` carries a parent's peak over fork + exec,
-    so a worker started from a big process (a notebook holding a model) would report
-    the parent's memory as its own.
-    """
+
+def reset_peak() -> bool:
+    """Reset this process's peak-RSS counter (Linux ``clear_refs`` 5); False where that is not possible."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
     except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak // 1024 if sys.platform == "darwin" else peak
+        return False
 
 
-def _weights_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in list(model.parameters()) + list(model.buffers()):
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
+def peak_bytes() -> int:
+    """Peak resident memory of this process in bytes since the last :func:`reset_peak` (VmHWM)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        return rss_bytes()
+    return kib * 1024
 
 
-def _prompt_ids(tokenizer, n: int) -> list[int]:
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of :data:`BENCH_TEXT` repeated: the same prompt for every engine."""
     ids: list[int] = []
     while len(ids) < n:
         ids += tokenizer.encode(BENCH_TEXT, add_special_tokens=False)
     return ids[:n]
+
+
+class Engine(Protocol):
+    """A benchmarked engine: ``load`` once, then ``prefill`` and ``decode`` in every round.
+
+    name:          the row's label.
+    weights_bytes: bytes of the weights the loaded model holds (0 when unknown).
+    prefill(ids) -> seconds of one forward over ``ids`` from an empty cache.
+    decode(ids, n) -> (steps, seconds): ``n`` greedy steps after the prompt ``ids``,
+                   timed from the first generated token to the last.
+    """
+
+    name: str
+    weights_bytes: int
+
+    def load(self) -> None: ...
+
+    def prefill(self, ids: list[int]) -> float: ...
+
+    def decode(self, ids: list[int], n: int) -> tuple[int, float]: ...
+
+
+class LollmEngine:
+    """lollm through :func:`lollm.pipeline.open_model`; ``options`` go to it (weights, quantize, attn ...).
+
+    Every generation runs with the attention backend the load chose (``LoadedModel.attn``).
+    """
+
+    def __init__(self, spec: str, dtype: str = "float32", name: str = "lollm", **options: Any):
+        self.spec, self.dtype, self.name, self.options = spec, dtype, name, options
+        self.weights_bytes = 0
+
+    def load(self) -> None:
+        from lollm.pipeline import open_model
+        from lollm.quantized import model_bytes
+
+        self.loaded = open_model(self.spec, device="cpu", dtype=self.dtype, **self.options)
+        self.model = self.loaded.model
+        self.weights_bytes = model_bytes(self.model)
+
+    def _generate(self, ids: list[int], n: int):
+        import torch
+
+        from lollm.generate import generate
+        from lollm.sampling import SamplingParams
+
+        with torch.inference_mode():
+            return generate(self.model, ids, max_new_tokens=n, sampling=SamplingParams(temperature=0.0),
+                            attn=self.loaded.attn)
+
+    def prefill(self, ids: list[int]) -> float:
+        return self._generate(ids, 1).prefill_seconds
+
+    def decode(self, ids: list[int], n: int) -> tuple[int, float]:
+        result = self._generate(ids, n + 1)  # the first token comes out of the prefill
+        return len(result.new_ids) - 1, result.decode_seconds
 
 
 class _Stamps:
@@ -98,106 +157,161 @@ class _Stamps:
         pass
 
 
-def worker(engine: str, spec: str, dtype_name: str, prompt_tokens: int, new_tokens: int, threads: int | None) -> dict[str, Any]:
-    import torch
+class TransformersEngine:
+    """transformers' ``AutoModelForCausalLM`` on exactly the weights lollm read (:func:`lollm.parity.load_reference_model`)."""
 
-    if threads:
-        torch.set_num_threads(threads)
-    from lollm.loader import load_checkpoint
-    from lollm.pipeline import pick_dtype
+    name = "transformers"
 
-    checkpoint = load_checkpoint(spec)
-    dtype = pick_dtype(dtype_name, torch.device("cpu"), checkpoint.config)
-    ids = _prompt_ids(checkpoint.tokenizer, prompt_tokens)
-    baseline = _rss_kib()
-    start = time.perf_counter()
-    if engine == "lollm":
-        from lollm.pipeline import open_model
+    def __init__(self, checkpoint, dtype):
+        self.checkpoint, self.dtype = checkpoint, dtype
+        self.weights_bytes = 0
 
-        model = open_model(spec, device="cpu", dtype=dtype_name).model
-    else:
-        from transformers import AutoModelForCausalLM
+    def load(self) -> None:
+        from lollm.parity import load_reference_model
+        from lollm.quantized import model_bytes
 
-        if checkpoint.fmt == "gguf":  # transformers dequantizes the same GGUF file itself
-            gguf_path = checkpoint.weights.gguf.path
-            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
-        model.eval()
-    load_seconds = time.perf_counter() - start
-    load_peak = _peak_kib() - baseline
-    prompt = torch.tensor([ids])
+        self.model = load_reference_model(self.checkpoint, self.dtype)
+        self.weights_bytes = model_bytes(self.model)
 
-    with torch.inference_mode():
-        if engine == "lollm":
-            from lollm.generate import generate
-            from lollm.sampling import SamplingParams
+    def prefill(self, ids: list[int]) -> float:
+        import torch
 
-            greedy = SamplingParams(temperature=0.0)
-            generate(model, ids[:16], max_new_tokens=4, sampling=greedy)  # warm-up
-            result = generate(model, ids, max_new_tokens=new_tokens + 1, sampling=greedy)  # 1 prefill + new_tokens decode steps
-            prefill = result.prefill_seconds
-            decode_steps = len(result.new_ids) - 1
-            decode = result.decode_seconds
-        else:
-            kwargs = dict(do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-            model.generate(prompt[:, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        with torch.inference_mode():
             start = time.perf_counter()
-            model(prompt, logits_to_keep=1)
-            prefill = time.perf_counter() - start
-            # decode: one generate call; a streamer stamps the time each token comes out, so the
-            # decode rate is measured between the first and the last generated token, as for ours
-            stamps = _Stamps()
-            model.generate(prompt, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, streamer=stamps, **kwargs)
-            decode = stamps.times[-1] - stamps.times[1]  # times[0] is the prompt itself
-            decode_steps = len(stamps.times) - 2
-    return {
-        "engine": engine,
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "load_seconds": load_seconds,
-        "weights_bytes": _weights_bytes(model),
-        "load_peak_bytes": load_peak * 1024,
-        "prompt_tokens": len(ids),
-        "prefill_tok_s": len(ids) / prefill,
-        "decode_tokens": decode_steps,
-        "decode_tok_s": decode_steps / decode if decode > 0 else 0.0,
-    }
+            self.model(torch.tensor([ids]), logits_to_keep=1)
+            return time.perf_counter() - start
+
+    def decode(self, ids: list[int], n: int) -> tuple[int, float]:
+        import torch
+
+        kwargs = dict(do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        stamps = _Stamps()  # stamps the time each token comes out, so decode is timed as for ours
+        with torch.inference_mode():
+            self.model.generate(torch.tensor([ids]), max_new_tokens=n + 1, min_new_tokens=n + 1, streamer=stamps, **kwargs)
+        return len(stamps.times) - 2, stamps.times[-1] - stamps.times[1]  # times[0] is the prompt itself
+
+
+@dataclass
+class EngineFigures:
+    """One engine's measurements: the load, then per round prefill and decode tokens/s."""
+
+    name: str
+    load_seconds: float = 0.0
+    load_peak_bytes: int = 0
+    weights_bytes: int = 0
+    prefill_tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        values = getattr(self, key)
+        return statistics.median(values) if values else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": self.name, "load_seconds": self.load_seconds, "load_peak_bytes": self.load_peak_bytes,
+            "weights_bytes": self.weights_bytes, "prefill_tok_s": self.median("prefill_tok_s"),
+            "decode_tok_s": self.median("decode_tok_s"), "rounds": {"prefill_tok_s": self.prefill_tok_s,
+                                                                    "decode_tok_s": self.decode_tok_s},
+        }
 
 
 @dataclass
 class BenchResult:
-    rows: list[dict[str, Any]]
+    """Figures of every engine, in the order they ran in each round."""
 
-    def ratio(self, key: str) -> float | None:
-        by = {r["engine"]: r for r in self.rows}
-        if "lollm" in by and "transformers" in by and by["transformers"][key]:
-            return by["lollm"][key] / by["transformers"][key]
-        return None
+    engines: list[EngineFigures]
+    prompt_tokens: int
+    new_tokens: int
+    threads: int
+    note: str = ""  # e.g. why the reference is missing
+
+    def by_name(self, name: str) -> EngineFigures:
+        return next(e for e in self.engines if e.name == name)
+
+    def ratios(self, ours: str, reference: str, key: str) -> list[float]:
+        """Per-round ratios ``ours / reference`` of ``key`` (``prefill_tok_s`` or ``decode_tok_s``)."""
+        a, b = getattr(self.by_name(ours), key), getattr(self.by_name(reference), key)
+        return [x / y for x, y in zip(a, b) if y > 0]
+
+    def ratio(self, ours: str, reference: str, key: str) -> float | None:
+        """The median of the per-round ratios (None when there is no reference round)."""
+        r = self.ratios(ours, reference, key)
+        return statistics.median(r) if r else None
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [e.to_json() for e in self.engines]
+
+
+def measure_load(engine: Engine) -> EngineFigures:
+    """Load ``engine``, timing it and taking its peak memory above the memory just before."""
+    gc.collect()
+    reset_peak()
+    before = rss_bytes()
+    start = time.perf_counter()
+    engine.load()
+    seconds = time.perf_counter() - start
+    return EngineFigures(engine.name, seconds, max(0, peak_bytes() - before), engine.weights_bytes)
+
+
+def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int], new_tokens: int, rounds: int,
+              log=None) -> None:
+    """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode."""
+    for engine in engines:  # warm-up: first calls allocate caches and pick kernels
+        engine.prefill(ids[:16])
+        engine.decode(ids[:16], 2)
+    for r in range(rounds):
+        for engine, fig in zip(engines, figures):
+            fig.prefill_tok_s.append(len(ids) / engine.prefill(ids))
+            steps, seconds = engine.decode(ids, new_tokens)
+            fig.decode_tok_s.append(steps / seconds if seconds > 0 else 0.0)
+            if log is not None:
+                log(f"round {r + 1}/{rounds}: {engine.name}: prefill {fig.prefill_tok_s[-1]:.1f} tok/s, "
+                    f"decode {fig.decode_tok_s[-1]:.2f} tok/s")
 
 
 def run_bench(spec: str, *, dtype: str = "float32", prompt_tokens: int = 512, new_tokens: int = 64,
-              reference: bool = True, threads: int | None = None, attn: str | None = None) -> BenchResult:
-    """Run the workers one after the other and collect their figures.
+              reference: bool = True, threads: int | None = None, rounds: int = 3, log=None,
+              ids: list[int] | None = None, attn: str | None = None, **load_options: Any) -> BenchResult:
+    """lollm (with ``load_options`` for :func:`~lollm.pipeline.open_model`: weights, quantize ...) beside transformers.
 
-    ``attn``: the attention backend of our engine (lollm.attention; None: ``LOLLM_ATTN``, else sdpa),
-    checked here and handed to the worker as ``LOLLM_ATTN``.
+    ``attn``: the attention backend of our engine (lollm.attention; None: ``LOLLM_ATTN``, else
+    sdpa), checked before anything loads; transformers runs its own attention.
+
+    Both are loaded in this process and measured in ``rounds`` alternating
+    rounds, on ``ids`` when given (else ``prompt_tokens`` ids of :data:`BENCH_TEXT`). Without transformers installed the reference is skipped and
+    ``BenchResult.note`` says so. Raises LollmError when the reference cannot
+    read the same weights as lollm.
     """
-    from lollm.attention import ENV_VAR, resolve_backend
+    import torch
+
+    from lollm.attention import resolve_backend
+    from lollm.loader import load_checkpoint
+    from lollm.pipeline import pick_dtype
 
     attn = resolve_backend(attn)
-    rows = []
-    for engine in ["lollm"] + (["transformers"] if reference else []):
-        cmd = [sys.executable, "-m", "lollm.bench", engine, spec, dtype, str(prompt_tokens), str(new_tokens), str(threads or 0)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", ENV_VAR: attn})
-        if done.returncode != 0:
-            from lollm.errors import LollmError
+    if threads:
+        torch.set_num_threads(threads)
+    note = ""
+    if reference and importlib.util.find_spec("transformers") is None:
+        reference, note = False, NO_REFERENCE
+    checkpoint = load_checkpoint(spec)
+    if reference:
+        from lollm.parity import reference_weights
 
-            raise LollmError(f"the {engine} benchmark worker failed:\n{done.stderr.strip()[-3000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return BenchResult(rows)
+        reference_weights(checkpoint)  # refuse before loading anything when transformers would read other files
+    ids = ids if ids is not None else prompt_ids(checkpoint.tokenizer, prompt_tokens)
+    engines: list[Engine] = [LollmEngine(spec, dtype, attn=attn, **load_options)]
+    if reference:
+        engines.append(TransformersEngine(checkpoint, pick_dtype(dtype, torch.device("cpu"), checkpoint.config)))
+    figures = [measure_load(engine) for engine in engines]
+    alternate(engines, figures, ids, new_tokens, rounds, log)
+    return BenchResult(figures, len(ids), new_tokens, torch.get_num_threads(), note)
 
 
-if __name__ == "__main__":  # the child process of run_bench
-    engine, spec, dtype_name, prompt_tokens, new_tokens, threads = sys.argv[1:7]
-    print(json.dumps(worker(engine, spec, dtype_name, int(prompt_tokens), int(new_tokens), int(threads) or None)))
+def machine_load() -> str:
+    """The 1-minute load average beside the CPU count, to read the figures by (``"load 1.3 on 2 CPUs"``)."""
+    try:
+        return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    except OSError:
+        return f"{os.cpu_count()} CPUs"

@@ -125,6 +125,19 @@ def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
     return messages
 
 
+WEIGHTS_HELP = ("auto: a GGUF's blocks stay packed (int4/int8 kernels), safetensors load as float; "
+                "float: dequantize everything (the reference path); quantized: packed, or an error.")
+QUANTIZE_HELP = "Quantize a float (safetensors) checkpoint at load: int8 (per channel) or int4 (groups, see --group-size)."
+
+
+def _weights_summary(loaded) -> None:
+    """One dim line on stderr saying how the weights were kept (packed or float)."""
+    summary = getattr(loaded.model, "weights_summary", None)
+    if summary is not None and summary.requested != "float":
+        note = "" if summary.packed else f" (note: the family {loaded.family.family.name!r} keeps every weight float)"
+        err.print("[dim]" + escape(summary.line() + note) + "[/dim]", soft_wrap=True)
+
+
 @app.command()
 def run(
     model_arg: Optional[str] = model_argument(),
@@ -151,6 +164,9 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt (text, ids, timings, stop reason, sampling) instead of streaming the text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every sampling setting and where it came from, not only those that change something."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4: 32 or 128 (64, 256 also work)."),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
     model, _ = which_model(model, model_arg)
@@ -170,7 +186,7 @@ def run(
     from lollm.sampling import describe_sampling, resolve_sampling
 
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=attn, threads=threads, think=think,
-                                                          mtp=mtp)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
     tokenizer = checkpoint.tokenizer
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
@@ -185,7 +201,9 @@ def run(
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
 
     # 3. The weights, then one generation per prompt.
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn)
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize,
+                        group_size=group_size)
+    _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, tokenizer)
     if not as_json:
@@ -241,25 +259,29 @@ def _check_attn(attn: Optional[str]) -> None:
 
 
 def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: Optional[int], think: Optional[bool],
-                     mtp: bool) -> tuple[Any, Any, dict[str, bool]]:
+                     mtp: bool, weights: str = "auto", quantize: Optional[str] = None,
+                     group_size: int = 32) -> tuple[Any, Any, dict[str, bool]]:
     """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
     with every check that needs them, before the weights load.
 
-    Sets torch's thread count, checks the attention backend on the device, and
-    decides ``--think`` from the chat template itself. Returns ``(checkpoint,
-    family, template_flags)``; raises LollmError naming the flag.
+    Sets torch's thread count, checks the attention backend on the device and the
+    ``--weights``/``--quantize``/``--group-size`` flags against the checkpoint's format
+    (lollm.pipeline.pick_quantization), and decides ``--think`` from the chat template
+    itself. Returns ``(checkpoint, family, template_flags)``; raises LollmError naming the flag.
     """
     import torch
 
     from lollm.attention import resolve_backend
     from lollm.conversation import thinking_flags
     from lollm.loader import load_checkpoint
-    from lollm.pipeline import pick_device, route
+    from lollm.pipeline import pick_device, pick_quantization, route
 
     if threads is not None:
         torch.set_num_threads(threads)
-    resolve_backend(attn, pick_device(device))
+    dev = pick_device(device)
+    resolve_backend(attn, dev)
     checkpoint = load_checkpoint(model)
+    pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
     family = route(checkpoint).family
     if mtp and not family.capabilities.speculative_head:
         raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
@@ -529,9 +551,12 @@ def parity(
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
     device: str = typer.Option("cpu", help="Device for both models."),
-    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32; 0.98 with packed weights)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    weights: Optional[str] = typer.Option(None, "--weights", help="float (the default, the gate's standard; auto with --quantize), or quantized / auto: our packed weights against transformers' float32 (a looser gate)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
@@ -539,11 +564,13 @@ def parity(
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn)
+                        attn=attn, weights=weights, quantize=quantize, group_size=group_size)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        table = Table(title=f"parity: {report.family} {report.dtype} {report.device} attn {report.attn}, {report.num_tokens} positions")
+        packed = "" if report.weights == "float" else f", {report.weights} weights"
+        table = Table(title=f"parity: {report.family} {report.dtype}{packed} {report.device} attn {report.attn}, "
+                            f"{report.num_tokens} positions")
         for col in ("pos", "token", "ours", "ref", "top-5", "cosine", "max |Δ|"):
             table.add_column(col, justify="right")
         for p in report.positions:
@@ -553,7 +580,9 @@ def parity(
         out.print(table)
         verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
         out.print(
-            f"{verdict}: argmax {report.argmax_matches}/{report.num_tokens}, min cosine {report.min_cosine:.7f} "
+            f"{verdict}: argmax {report.argmax_matches}/{report.num_tokens}"
+            + ("" if report.min_top1_required >= 1 else f" (required {report.min_top1_required:.0%})")
+            + f", min cosine {report.min_cosine:.7f} "
             f"(required {report.min_cosine_required}), max |Δ| {report.max_abs_diff:.3e}, min top-5 overlap {report.min_top5_overlap}/5"
         )
         if report.first_diverging_layer is not None:
@@ -605,38 +634,58 @@ def trace(
 
 @app.command()
 def bench(
-    model: Optional[str] = model_argument("Checkpoint folder or repo id."),
+    model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     prompt_tokens: int = typer.Option(512, help="Prefill length."),
     new_tokens: int = typer.Option(64, help="Decode steps."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
+    rounds: int = typer.Option(3, "--rounds", help="Alternating rounds (A B A B ...); medians are reported."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
     model_opt: Optional[str] = model_option(),
 ) -> None:
-    """Prefill and decode tok/s, load time and peak memory, ours beside transformers in one run."""
+    """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model)
     from lollm.attention import resolve_backend
-    from lollm.bench import run_bench
+    from lollm.bench import machine_load, run_bench
 
+    if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
+        raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     attn = resolve_backend(attn)
-    result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                       reference=not no_reference, threads=threads, attn=attn)
-    ratios = {k: result.ratio(k) for k in ("prefill_tok_s", "decode_tok_s", "load_seconds")}
+    result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
+                       threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
+                       log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
+    names = [e.name for e in result.engines]
+    ratios = {}
+    if "transformers" in names:
+        ratios = {k: {"median": result.ratio("lollm", "transformers", k), "rounds": result.ratios("lollm", "transformers", k)}
+                  for k in ("prefill_tok_s", "decode_tok_s")}
     if as_json:
-        print(json.dumps({"rows": result.rows, "ratios": ratios}, indent=2))
+        print(json.dumps({"rows": result.rows, "ratios_lollm_over_transformers": ratios, "note": result.note,
+                          "threads": result.threads, "machine": machine_load()}, indent=2))
         return
-    table = Table(title=f"bench: {model} ({dtype}, attn {attn}, prompt {prompt_tokens}, decode {new_tokens})")
+    kept = ("weights " + (f"--quantize {quantize}" if quantize else weights)) + ", "
+    title = (f"bench: {model} ({dtype}, {kept}attn {attn}, prompt {result.prompt_tokens}, decode {new_tokens}, {rounds} rounds, "
+             f"{result.threads} threads; medians)")
+    table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
         table.add_column(col, justify="right")
-    for r in result.rows:
-        table.add_row(r["engine"], f"{r['load_seconds']:.2f}", f"{r['load_peak_bytes'] / 1e6:.0f}",
-                      f"{r['weights_bytes'] / 1e6:.0f}", f"{r['load_peak_bytes'] / r['weights_bytes']:.2f}",
-                      f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}")
+    for e in result.engines:
+        table.add_row(e.name, f"{e.load_seconds:.2f}", f"{e.load_peak_bytes / 1e6:.0f}", f"{e.weights_bytes / 1e6:.0f}",
+                      f"{e.load_peak_bytes / max(e.weights_bytes, 1):.2f}", f"{e.median('prefill_tok_s'):.1f}",
+                      f"{e.median('decode_tok_s'):.2f}")
     out.print(table)
-    if ratios["decode_tok_s"] is not None:
-        out.print(f"ratio lollm/transformers: prefill {ratios['prefill_tok_s']:.2f}×, decode {ratios['decode_tok_s']:.2f}×")
+    for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+        if ratios:
+            per_round = " ".join(f"{r:.2f}" for r in ratios[key]["rounds"])
+            out.print(f"lollm/transformers {label}: {ratios[key]['median']:.2f}× (median of the per-round ratios {per_round})")
+    if result.note:
+        out.print(result.note)
+    out.print(f"[dim]{escape(machine_load())}: figures are noisy on a shared machine; read the per-round ratios[/dim]")
 
 
 @app.command()
@@ -701,6 +750,9 @@ def chat(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Chat with MODEL in the terminal: /stats, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
@@ -716,10 +768,12 @@ def chat(
     from lollm.sampling import resolve_sampling
 
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
-                                                          mtp=mtp)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True)
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
+                        group_size=group_size)
+    _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     session = ChatSession(
         loaded, sampling=sampling, stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
@@ -750,6 +804,9 @@ def serve(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
@@ -765,8 +822,10 @@ def serve(
     require_serve_extra()
     _check_model_exists(model)
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
-                                                          mtp=mtp)
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
+    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
+                        group_size=group_size)
+    _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
     server = ModelServer(

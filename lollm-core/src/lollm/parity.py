@@ -10,7 +10,15 @@ and the reference is built. For every position of the prompt we compare:
 * max |Δ|: the largest absolute difference of a logit.
 
 The gate passes when every argmax agrees and every cosine reaches
-``min_cosine``. When it fails, the hidden states of the two models are compared
+``min_cosine``. With quantized weights (``--weights quantized``; float32 stays
+the gate's standard) the model is expected to differ a little from the float
+reference, and the gate asks for :data:`QUANTIZED_MIN_TOP1` of the argmaxes and a
+cosine of :data:`QUANTIZED_MIN_COSINE` instead (docs/quantized-execution.md).
+
+transformers reads exactly the weight file(s) lollm read
+(:func:`reference_weights`): the same GGUF file, or the same safetensors files
+with ``use_safetensors=True``; a folder where it would read something else is
+refused rather than compared. When it fails, the hidden states of the two models are compared
 layer by layer to name the first layer that diverges: that is where to look
 for a wrong RoPE, norm or weight map.
 
@@ -38,6 +46,11 @@ DEFAULT_PROMPT = (
 )
 
 
+#: The quantized gate: share of positions whose argmax must agree, and the lowest cosine.
+QUANTIZED_MIN_TOP1 = 0.9
+QUANTIZED_MIN_COSINE = 0.98
+
+
 @dataclass
 class PositionStats:
     position: int
@@ -57,6 +70,8 @@ class ParityReport:
     device: str
     num_tokens: int
     min_cosine_required: float
+    weights: str = "float"
+    min_top1_required: float = 1.0
     positions: list[PositionStats] = field(default_factory=list)
     layer_cosines: list[float] = field(default_factory=list)  # min over positions, per hidden state
     first_diverging_layer: int | None = None
@@ -80,7 +95,8 @@ class ParityReport:
 
     @property
     def passed(self) -> bool:
-        return self.argmax_matches == self.num_tokens and self.min_cosine >= self.min_cosine_required
+        top1_ok = self.argmax_matches >= self.min_top1_required * self.num_tokens
+        return top1_ok and self.min_cosine >= self.min_cosine_required
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -120,18 +136,53 @@ def layer_cosines(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> list[flo
     return out
 
 
-def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """transformers' ``AutoModelForCausalLM`` on the same folder (or the same GGUF file), returning (logits, hidden_states)."""
+def reference_weights(checkpoint) -> tuple[str, dict[str, Any]]:
+    """The folder and ``from_pretrained`` arguments that make transformers read exactly the weights lollm read.
+
+    GGUF: the same file (``gguf_file=``; transformers dequantizes it itself).
+    safetensors: ``use_safetensors=True`` (transformers never falls back to a
+    pickle ``.bin``), and only when the files lollm read are the ones
+    transformers reads: ``model.safetensors``, or the shards of
+    ``model.safetensors.index.json``. Raises LollmError otherwise (lollm read
+    another ``*.safetensors`` name), naming the files.
+    """
+    if checkpoint.fmt == "gguf":
+        path = checkpoint.weights.gguf.path
+        return str(path.parent), {"gguf_file": path.name}
+    folder = Path(checkpoint.path)
+    read = sorted({Path(checkpoint.weights.file_of(name)).name for name in checkpoint.weights.names()})
+    if (folder / "model.safetensors.index.json").is_file():
+        return str(folder), {"use_safetensors": True}  # both read the shards the index lists
+    if read == ["model.safetensors"]:
+        return str(folder), {"use_safetensors": True}
+    raise LollmError(
+        f"{folder}: lollm read its weights from {', '.join(read)}, but transformers reads only model.safetensors "
+        f"or the shards of model.safetensors.index.json, so the reference would not read the same weights; "
+        f"rename the file to model.safetensors to compare"
+    )
+
+
+def load_reference_model(checkpoint, dtype: torch.dtype):
+    """transformers' ``AutoModelForCausalLM`` on exactly the weights lollm read (:func:`reference_weights`), in eval mode.
+
+    LollmError when transformers is missing or refuses the checkpoint (its
+    message is kept), never a traceback from inside transformers.
+    """
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise LollmError("the parity gate needs transformers: pip install 'lollm-core[parity]'") from None
-    if checkpoint.fmt == "gguf":  # transformers dequantizes the same GGUF file itself
-        source = Path(checkpoint.spec) if Path(checkpoint.spec).is_file() else checkpoint.weights.gguf.path
-        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path), dtype=dtype)
-    model.eval()
+        raise LollmError("the reference needs transformers: pip install 'lollm-core[parity]'") from None
+    folder, kwargs = reference_weights(checkpoint)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for checkpoints it refuses
+        raise LollmError(f"transformers could not load the reference from {folder}: {type(exc).__name__}: {exc}") from None
+    return model.eval()
+
+
+def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """transformers' ``AutoModelForCausalLM`` on the same weights (:func:`load_reference_model`), returning (logits, hidden_states)."""
+    model = load_reference_model(checkpoint, dtype)
 
     @torch.inference_mode()
     def run(ids: torch.Tensor):
@@ -151,13 +202,33 @@ def run_parity(
     device: str = "cpu",
     min_cosine: float | None = None,
     attn: str | None = None,
+    weights: str | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
     ``attn``: the attention backend ours runs with (lollm.attention; None: ``LOLLM_ATTN``, else sdpa).
+    ``weights``/``quantize``/``group_size`` choose our weights as in
+    :func:`lollm.pipeline.open_model` (default: float, the gate's standard, unless ``quantize`` is given);
+    the reference is always transformers' own load of the same file.
     """
+    # 0. Refuse at once a backend that cannot run, or weights transformers would not read as we do.
+    from lollm.attention import resolve_backend
+    from lollm.loader import load_checkpoint
+    from lollm.pipeline import pick_device, route
+
+    resolve_backend(attn, pick_device(device))
+    checkpoint = load_checkpoint(spec)
+    if not route(checkpoint).family.parity_reference:
+        reference_weights(checkpoint)
+
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
-    loaded = open_model(spec, device=device, dtype=dtype, attn=attn)
+    loaded = open_model(checkpoint, device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
+                        group_size=group_size)
+    del checkpoint
+    summary = getattr(loaded.model, "weights_summary", None)
+    packed = summary is not None and summary.packed > 0
     if ids is None:  # the tokenizer is read only when the ids are not given
         tokenizer = loaded.tokenizer
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
@@ -185,10 +256,16 @@ def run_parity(
     gc.collect()
 
     # 3. Compare.
-    required = min_cosine if min_cosine is not None else (0.99999 if dt == torch.float32 else 0.99)
+    if min_cosine is not None:
+        required = min_cosine
+    elif packed:
+        required = QUANTIZED_MIN_COSINE
+    else:
+        required = 0.99999 if dt == torch.float32 else 0.99
     report = ParityReport(
         model=spec, family=installed.family.name, dtype=str(dt).removeprefix("torch."), device=str(dev),
         num_tokens=len(ids), min_cosine_required=required, attn=attn_name,
+        weights=summary.requested if packed else "float", min_top1_required=QUANTIZED_MIN_TOP1 if packed else 1.0,
     )
     report.positions = compare_logits(ours_logits, ref_logits, ids)
     if ref_hidden and len(ref_hidden) == len(hidden):

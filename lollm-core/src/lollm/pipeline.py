@@ -20,6 +20,7 @@ from lollm.attention import resolve_backend
 from lollm.errors import LollmError
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, get_registry
+from lollm.quantized import Quantization
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -88,8 +89,49 @@ def route(checkpoint: Checkpoint) -> InstalledFamily:
     return get_registry().route(checkpoint.model_type)
 
 
+#: ``--weights`` choices: ``auto`` keeps a GGUF's blocks packed and loads safetensors as float
+#: (unless ``--quantize``); ``float`` dequantizes everything; ``quantized`` insists on packing.
+WEIGHTS_CHOICES = ("auto", "float", "quantized")
+
+
+def pick_quantization(weights: str, quantize: str | None, group_size: int, fmt: str, device: torch.device) -> Quantization:
+    """The :class:`~lollm.quantized.Quantization` for a load, from the ``--weights`` / ``--quantize`` flags.
+
+    GGUF: packed unless ``weights == "float"``; ``--quantize`` is refused (the file
+    is quantized already). safetensors: float unless ``--quantize int8|int4``;
+    ``--weights quantized`` without ``--quantize`` is refused. Packed weights run
+    on the CPU only (torch's packed kernels used here are CPU kernels): ``auto``
+    elsewhere loads float, an explicit request is refused.
+    """
+    if weights not in WEIGHTS_CHOICES:
+        raise LollmError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS_CHOICES)}")
+    if quantize not in (None, "int8", "int4"):
+        raise LollmError(f"--quantize {quantize!r}: use int8 or int4")
+    if weights == "float":
+        if quantize is not None:
+            raise LollmError("--quantize asks for packed weights, --weights float for float ones: give one of them")
+        return Quantization("float")
+    if fmt == "gguf":
+        if quantize is not None:
+            raise LollmError("--quantize is for float (safetensors) checkpoints; a GGUF file is quantized already "
+                             "(its blocks stay packed by default; --weights float dequantizes them)")
+        mode = "gguf"
+    elif quantize is None:
+        if weights == "quantized":
+            raise LollmError("--weights quantized on a safetensors checkpoint needs --quantize int8 or int4")
+        return Quantization("float")
+    else:
+        mode = quantize
+    if device.type != "cpu":
+        if weights == "auto" and quantize is None:
+            return Quantization("float")  # auto: the packed kernels used here are CPU kernels
+        raise LollmError(f"packed (quantized) weights run on the CPU only; on {device} use --weights float")
+    return Quantization(mode, group_size)
+
+
 def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
-               attn: str | None = None) -> LoadedModel:
+               attn: str | None = None, weights: str | None = None, quantize: str | None = None,
+               group_size: int = 32) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
     ``spec`` may also be a :class:`Checkpoint` already opened (the CLI opens it
@@ -99,12 +141,20 @@ def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "au
     commands run the model inside ``lollm.attention.use_backend(loaded.attn)`` (so does
     ``generate(..., attn=loaded.attn)``). A direct ``loaded.model(ids)`` uses whatever backend
     is current: wrap it in that context manager to pick one.
+
+    ``weights``/``quantize``/``group_size``: see :func:`pick_quantization`. The
+    default here is ``"float"`` (the reference path), or ``"auto"`` when
+    ``quantize`` is given; the CLI's ``run`` and ``bench`` default to ``"auto"``.
+    The model's ``weights_summary`` says what was kept packed.
     """
+    if weights is None:
+        weights = "auto" if quantize else "float"
     dev = pick_device(device)
     backend = resolve_backend(attn, dev)
     checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
     installed = route(checkpoint)
     dt = pick_dtype(dtype, dev, checkpoint.config)
+    checkpoint.weights.quantization = pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
     load = installed.family.resolve("load")
     start = time.perf_counter()
     model = load(checkpoint.config, checkpoint.weights, checkpoint.fmt, dev, dt, progress)

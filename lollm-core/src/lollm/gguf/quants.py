@@ -553,6 +553,73 @@ def dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
 
 
 # ---------------------------------------------------------------------------
+# 4-bit formats as affine groups (for the quantized linear, lollm.quantized)
+# ---------------------------------------------------------------------------
+
+
+def affine4_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 as ``w = q * scale + offset``: ``(n, 18)`` -> codes ``(n, 1, 32)`` uint8, scale and offset ``(n, 1)`` float32.
+
+    ``(q - 8) * d`` is ``q * d + (-8 * d)``; both products are exact in float32
+    (an 11-bit float16 mantissa times a 4-bit integer), so the sum equals
+    :func:`dequantize_q4_0` exactly (as a value: ``q = 8`` gives +0.0 where
+    ``(q - 8) * d`` gives -0.0 for a negative ``d``).
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    q = _nibbles(blocks[:, 2:18]).reshape(n, 1, 32)
+    return q, d, d * np.float32(-8)
+
+
+def affine4_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 as ``w = q * scale + offset``: scale ``d``, offset ``m`` (the format's own form)."""
+    n = blocks.shape[0]
+    q = _nibbles(blocks[:, 4:20]).reshape(n, 1, 32)
+    return q, _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+
+
+def affine4_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K as ``w = q * scale + offset`` per sub-block of 32: codes ``(n, 8, 32)``, scale, offset ``(n, 8)``.
+
+    scale = ``d * sc[b]``, offset = ``-(dmin * m[b])``: the same float32
+    operations as :func:`dequantize_q4_k`, so ``q * scale + offset`` equals it
+    bit for bit (``x + (-y)`` is ``x - y`` in IEEE arithmetic).
+    """
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    dmin = _f16(blocks[:, 2:4])
+    sc, m = _k4_scales_mins(blocks[:, 4:16])
+    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return q, d * sc, -(dmin * m)
+
+
+#: The 4-bit types that are exactly "4-bit codes in groups of 32 with a scale and an offset".
+AFFINE4: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
+    "Q4_0": affine4_q4_0,
+    "Q4_1": affine4_q4_1,
+    "Q4_K": affine4_q4_k,
+}
+
+
+def affine4(raw: np.ndarray, type_name: str, *, what: str = "tensor") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The raw bytes of a Q4_0 / Q4_1 / Q4_K tensor as affine 4-bit groups of 32.
+
+    Returns ``(codes, scale, offset)``: ``codes`` a flat uint8 array of the
+    values 0..15, one per weight in file order; ``scale`` and ``offset`` flat
+    float32 arrays, one per group of 32 consecutive weights; each weight is
+    ``codes[i] * scale[i // 32] + offset[i // 32]``, equal to
+    :func:`dequantize` (bit for bit but for the sign of Q4_0's zeros). GGUFError for another type or a partial block.
+    """
+    if type_name not in AFFINE4:
+        raise GGUFError(f"{what}: {type_name} is not a 4-bit affine type ({', '.join(AFFINE4)})")
+    t = GGML_TYPES_BY_NAME[type_name]
+    if raw.size % t.type_size:
+        raise GGUFError(f"{what}: {raw.size} bytes is not a whole number of {type_name} blocks of {t.type_size} bytes")
+    q, scale, offset = AFFINE4[type_name](raw.reshape(-1, t.type_size))
+    return q.reshape(-1), scale.reshape(-1), offset.reshape(-1)
+
+
+# ---------------------------------------------------------------------------
 # The entry point
 # ---------------------------------------------------------------------------
 

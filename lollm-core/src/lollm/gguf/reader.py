@@ -391,6 +391,30 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: the file is closed")
         return self._map[info.offset : info.offset + info.nbytes].view(np.ndarray)
 
+    def read_raw(self, name: str, start_row: int = 0, stop_row: int | None = None) -> np.ndarray:
+        """The bytes of tensor ``name`` as stored, read into a new uint8 array (not through the memory map).
+
+        ``start_row``/``stop_row`` select rows of the first (PyTorch) dimension:
+        each row is a whole number of blocks. A streaming load reads each tensor
+        this way, a slice of rows at a time: the copy is freed once converted,
+        and no page of the file stays mapped into the process, so the file's
+        size is not added to the resident memory.
+        """
+        info = self._info(name)
+        rows = info.shape[0] if info.shape else 1
+        row_bytes = info.nbytes // rows
+        stop_row = rows if stop_row is None else min(stop_row, rows)
+        count = max(0, stop_row - start_row) * row_bytes
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(info.offset + start_row * row_bytes)
+                data = np.fromfile(f, dtype=np.uint8, count=count)
+        except OSError as exc:
+            raise GGUFError(f"{self.path}: reading tensor {name!r} failed: {exc}") from None
+        if data.size != count:
+            raise GGUFError(f"{self.path}: tensor {name!r} is cut short ({data.size} of {count} bytes): truncated file?")
+        return data
+
     def dequantize_numpy(self, name: str) -> np.ndarray:
         """Tensor ``name`` as a new float32 numpy array in PyTorch shape order."""
         info = self._info(name)
@@ -471,8 +495,16 @@ class GGUFTensorSource:
         return self.gguf.path
 
     def read(self, name: str) -> torch.Tensor:
-        """Dequantize one tensor into a new float32 CPU tensor."""
-        return self.gguf.dequantize(name)
+        """Dequantize one tensor into a new float32 CPU tensor (read with file I/O, not through the map)."""
+        import torch
+
+        info = self.gguf._info(name)
+        flat = _dequantize(self.gguf.read_raw(name), info.ggml_type, what=f"{self.gguf.path}: tensor {name!r}")
+        return torch.from_numpy(flat.reshape(info.shape))
+
+    def read_raw(self, name: str, start_row: int = 0, stop_row: int | None = None) -> np.ndarray:
+        """The tensor's bytes as stored (a new uint8 array; rows ``start_row .. stop_row``), for loads that keep blocks packed."""
+        return self.gguf.read_raw(name, start_row, stop_row)
 
     def nbytes(self) -> int:
         """Total size of the tensors as stored in the file, in bytes."""

@@ -83,6 +83,20 @@ def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): every projection matrix, the embedding and the output
+#: head. The norm weights stay float (the GGUF ones pass through undo_gguf_norm_shift).
+QUANTIZABLE = re.compile(
+    r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+)
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -145,7 +159,7 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     load_weights(
         model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED if config.tie_word_embeddings else None,
-        transform=undo_gguf_norm_shift if fmt == "gguf" else None,
+        transform=undo_gguf_norm_shift if fmt == "gguf" else None, quantizable=quantizable,
     )
 
     # 6. Inference only: eval mode (no dropout anywhere; set for good measure).

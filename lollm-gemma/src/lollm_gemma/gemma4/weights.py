@@ -139,6 +139,20 @@ KV_SHARED_UNUSED_BY_FORMAT = {
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): every projection matrix, both embeddings (the main one and
+#: the per-layer table) and the output head. Norms, layer scalars and rope_freqs stay float.
+QUANTIZABLE = re.compile(
+    r"model\.embed_tokens(_per_layer)?\.weight|lm_head\.weight|model\.per_layer_model_projection\.weight|model\.layers\.\d+\.((self_attn|mlp)\.\w+_proj|per_layer_input_gate|per_layer_projection)\.weight"
+)
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -215,7 +229,8 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
 
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape;
     #    the layer_scalar buffers are filled like the weights).
-    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress, tied=TIED if config.tie_word_embeddings else None)
+    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress,
+                 tied=TIED if config.tie_word_embeddings else None, quantizable=quantizable)
 
     # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

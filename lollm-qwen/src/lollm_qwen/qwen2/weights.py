@@ -102,6 +102,16 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): every projection matrix, the embedding and the output
+#: head. Norm weights and biases are small vectors that stay float.
+QUANTIZABLE = re.compile(r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
 
 def name_map_for(fmt: str) -> Callable[[str], str | None]:
     """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
@@ -157,8 +167,10 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
 
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     #    lm_head shares the embedding only when the config says the two are tied.
+    #    When the load asks for quantized weights, the matrices QUANTIZABLE names stay packed.
     tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied)
+    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied,
+                 quantizable=quantizable)
 
     # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

@@ -109,6 +109,20 @@ NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED), "gguf": (GGUF_NAMES, GGUF_IG
 #: no lm_head.weight ("tied embeddings": Qwen3-0.6B, -1.7B, -4B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): every projection matrix, the embedding and the output
+#: head. Norm weights (q_norm, k_norm and the layer norms) stay float.
+QUANTIZABLE = re.compile(
+    r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+)
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -167,7 +181,8 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     #    lm_head shares the embedding only when the config says the two are tied.
     tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied)
+    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied,
+                 quantizable=quantizable)
 
     # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
     return model.eval()

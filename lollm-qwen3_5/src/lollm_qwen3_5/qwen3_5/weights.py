@@ -98,6 +98,22 @@ VISION_PREFIX = "model.visual."
 #: and the checkpoint has no lm_head.weight (Qwen3.5-0.8B ... 9B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): the projection matrices of attention, of the Gated DeltaNet
+#: (in_proj_qkv, in_proj_z, out_proj) and of the MLPs, the MTP head's, the embedding and the
+#: output head. Small matrices that steer the recurrence (in_proj_a, in_proj_b: decay and
+#: write strength per head), conv1d and the norms stay float.
+QUANTIZABLE = re.compile(
+    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
+)
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -157,6 +173,7 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
 
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
+    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied,
+                 quantizable=quantizable)
     return model.eval()
 

@@ -124,6 +124,22 @@ VISION_PREFIX = "model.visual."
 #: and the checkpoint has no lm_head.weight (no MoE release does).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+
+#: Which model tensors may stay quantized (packed integers) when the load asks for it
+#: (docs/quantized-execution.md): the projection matrices of attention, of the Gated DeltaNet
+#: (in_proj_qkv, in_proj_z, out_proj) and of the shared expert, the MTP head's, the embedding
+#: and the output head. The routed experts are fused 3-D tensors, not nn.Linear, and stay
+#: float, as do the router, the decay/write gates (in_proj_a, in_proj_b), conv1d and the norms.
+QUANTIZABLE = re.compile(
+    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.shared_expert\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
+)
+
+
+def quantizable(model_name: str) -> bool:
+    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
+    return QUANTIZABLE.fullmatch(model_name) is not None
+
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -184,6 +200,15 @@ class FusedExpertsSource:
     def __len__(self) -> int:
         return len(self._names)
 
+    @property
+    def fmt(self) -> str:
+        return self._source.fmt
+
+    @property
+    def quantization(self):
+        """What the load asked for (lollm.weights reads it; the fused experts themselves stay float)."""
+        return getattr(self._source, "quantization", None)
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the file headers; fused: (E, 2I, C) or (E, C, I), every expert alike."""
         prefix = self._groups.get(name)
@@ -195,6 +220,17 @@ class FusedExpertsSource:
             raise WeightsError(f"qwen3_5_moe: the experts' tensors under {prefix!r} have unequal or non-2-D shapes {sorted(shapes)}")
         rows, cols = next(iter(shapes))
         return (self._num_experts, rows * len(projections), cols)
+
+    def dtype(self, name: str) -> str:
+        """A tensor's stored type from the file headers; fused: the one type every expert's tensors share."""
+        prefix = self._groups.get(name)
+        if prefix is None:
+            return self._source.dtype(name)
+        projections = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        types = {self._source.dtype(f"{prefix}.{e}.{p}.weight") for e in range(self._num_experts) for p in projections}
+        if len(types) != 1:
+            raise WeightsError(f"qwen3_5_moe: the experts' tensors under {prefix!r} are stored as unequal types {sorted(types)}")
+        return next(iter(types))
 
     def read(self, name: str) -> torch.Tensor:
         prefix = self._groups.get(name)
@@ -269,6 +305,7 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
 
     # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
     tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
+    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied,
+                 quantizable=quantizable)
     return model.eval()
 

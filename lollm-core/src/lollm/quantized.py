@@ -1,0 +1,483 @@
+"""Quantized weights that stay quantized: linear layers and embeddings over packed integers.
+
+A GGUF file stores most matrices as blocks of small integers with a few
+scales (lollm.gguf.quants draws every layout). The float path dequantizes each
+block to float32 at load: simple and exact, but a 4-bit matrix then takes 8
+times its file size, and every decode step reads all those bytes. This module
+keeps the integers instead and multiplies with torch's packed CPU kernels:
+
+* :class:`Int4Linear` -- 4-bit codes in groups of 32 (or 64, 128, 256) with a
+  scale and a zero per group: ``w = (q - 8) * s + z``. Q4_0, Q4_1 and Q4_K are
+  exactly such groups (their codes are kept bit for bit; the scale and zero are
+  rounded to bfloat16, the kernel's dtype). Kernel:
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
+* :class:`Int8Linear` -- 8-bit codes with one scale per output channel (row):
+  ``w = q * s``. Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 have one scale per 16 or 32
+  weights, which torch's int8 kernel cannot take, so their weights are
+  *requantized* row by row to int8 (error at most half a step of the row's
+  scale, measured in docs/quantized-execution.md). Kernel:
+  ``torch.ops.aten._weight_int8pack_mm``.
+* :class:`BlockEmbedding` -- an embedding that keeps a GGUF tensor's blocks as
+  they are in the file and dequantizes only the rows it looks up (exact: the
+  same kernels as the float path). :class:`Int8Embedding` looks rows up in
+  int8 codes, and can share them with an :class:`Int8Linear` (tied embeddings).
+
+Both linear kernels take their activations in bfloat16 (they are slow with
+float32 ones): each layer rounds its input to bfloat16, multiplies, and gives
+its output back in the input's dtype, so the rest of the model (norms,
+attention, the residual stream) stays float32. docs/quantized-execution.md
+shows the measurements that chose bfloat16 over dynamically quantized int8
+activations.
+
+Nothing here ever holds a float copy of a whole matrix: packing works through
+a matrix a slice of rows at a time.
+
+The loader uses these through :func:`lollm.weights.load_weights`; a family's
+weights.py only says which of its tensors may stay packed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from lollm.errors import LollmError, WeightsError
+
+#: GGUF types kept as 4-bit groups of 32 (exact codes).
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+#: GGUF types kept as int8 with one scale per output channel (requantized).
+INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+#: GGUF types that are plain floats: they stay float (in the model's dtype).
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+#: The dtype the packed kernels compute in (activations, scales and outputs).
+KERNEL_DTYPE = torch.bfloat16
+#: Group sizes torch's int4 CPU kernel accepts.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+#: Group size of the output head's int8 codes (see :func:`linear_from_gguf`'s ``grouped``).
+HEAD_GROUP_SIZE = 32
+#: Weights handled per slice when packing, so temporaries stay a few MB.
+_SLICE_WEIGHTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a load treats the tensors a family allows to stay packed.
+
+    mode:
+      ``"float"``  every tensor is dequantized (GGUF) or converted to the model's
+                   dtype: the reference path, and the parity gate's standard;
+      ``"gguf"``   GGUF tensors keep their blocks: Q4_0/Q4_1/Q4_K as int4 groups,
+                   Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8, embeddings as the file's blocks;
+                   float and other types are dequantized (the load summary says which);
+      ``"int8"``   float weights (safetensors, or F32/F16/BF16 GGUF tensors) are
+                   quantized at load to int8 with one scale per output channel;
+      ``"int4"``   ... to int4 in groups of ``group_size`` with a scale and a zero.
+    group_size: 32, 64, 128 or 256 (``"int4"`` only).
+    """
+
+    mode: str = "float"
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("float", "gguf", "int8", "int4"):
+            raise LollmError(f"unknown quantization mode {self.mode!r} (float, gguf, int8, int4)")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise LollmError(f"int4 group size {self.group_size}: use one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+
+    @property
+    def packs(self) -> bool:
+        """Whether any tensor may stay (or become) packed."""
+        return self.mode != "float"
+
+
+# ---------------------------------------------------------------------------
+# Quantizing float rows (safetensors at load; GGUF 5- to 8-bit types after dequantizing a slice)
+# ---------------------------------------------------------------------------
+
+
+def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: ``(n, K)`` float -> codes ``(n, K)`` int8 and scales ``(n,)`` float32.
+
+    ``s = max|w_row| / 127``, ``q = round(w / s)``, so ``|q * s - w| <= s / 2``.
+    A row of zeros gets scale 0 and codes 0. (gpt-fast's weight-only int8.)
+    """
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups: ``(n, K)`` float -> codes ``(n, K)`` uint8 (0..15), scale and offset ``(n, K / g)``.
+
+    Per group of ``g`` consecutive weights of a row: ``scale = (max - min) / 15``,
+    ``offset = min``, ``q = round((w - min) / scale)``; ``w ~ q * scale + offset``
+    with an error of at most ``scale / 2``. (gpt-fast's int4 groups.)
+    """
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+    scale = (hi - lo) / 15.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((groups - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, lo
+
+
+# ---------------------------------------------------------------------------
+# The linear layers
+# ---------------------------------------------------------------------------
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``(N, K)`` codes 0..15 -> the int4 kernel's packed ``(N, K / 2)`` uint8 layout, 64 rows at a time.
+
+    The kernel's layout is tiled (not simply two codes per byte in order); it
+    is made by ``_convert_weight_to_int4pack_for_cpu``, which wants int32 codes.
+    Converting 64 rows at a time gives the same bytes as the whole matrix at
+    once (checked in the tests) with a small int32 temporary.
+    """
+    out = torch.empty(codes.shape[0], codes.shape[1] // 2, dtype=torch.uint8)
+    for start in range(0, codes.shape[0], 64):
+        rows = codes[start : start + 64].to(torch.int32)
+        out[start : start + 64] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(rows, 1)
+    return out
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` over 4-bit weights in groups: ``w[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n]``, ``g = k // group_size``.
+
+    Buffers:
+      packed:          ``(out_features, in_features / 2)`` uint8, the kernel's tiled layout.
+      scale_and_zero:  ``(in_features / group_size, out_features, 2)`` bfloat16: ``[..., 0]`` is s, ``[..., 1]`` z.
+    bias: float parameter ``(out_features,)`` or None, added in the input's dtype.
+
+    forward: ``x (..., in_features)`` any float dtype -> ``(..., out_features)`` in the
+    same dtype, computed by ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, bias: nn.Parameter | None = None):
+        super().__init__()
+        if out_features % 16 or in_features % group_size:
+            raise WeightsError(
+                f"int4 layout needs out_features divisible by 16 and in_features by the group size {group_size}; "
+                f"got ({out_features}, {in_features})"
+            )
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.register_buffer("packed", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale_and_zero", torch.empty(in_features // group_size, out_features, 2, dtype=KERNEL_DTYPE))
+        self.bias = bias
+
+    def fill_rows(self, start: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        """Pack rows ``start ..`` from codes ``(r, K)`` uint8 0..15 and per-group ``scale``, ``offset`` ``(r, K / group_size)``.
+
+        The rows hold ``w = q * scale + offset``. The kernel counts codes from -8,
+        so its zero is ``offset + 8 * scale`` (computed in float32, then rounded to
+        bfloat16 with the scale). ``start`` must be a multiple of 64 (the kernel's tile).
+        """
+        stop = start + codes.shape[0]
+        self.packed[start:stop] = _pack_int4(codes)
+        zero = offset.float() + 8.0 * scale.float()
+        self.scale_and_zero[:, start:stop] = torch.stack([scale.float(), zero], dim=-1).transpose(0, 1).to(KERNEL_DTYPE)
+
+    @classmethod
+    def from_affine(cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
+                    bias: nn.Parameter | None = None) -> Int4Linear:
+        """From codes ``(N, K)`` uint8 0..15 and per-group ``scale``, ``offset`` ``(N, K / group_size)``: ``w = q * scale + offset``."""
+        n, k = codes.shape
+        layer = cls(k, n, group_size, bias)
+        layer.fill_rows(0, codes, scale, offset)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scale_and_zero)  # (M, N)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, bias={self.bias is not None}"
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` over int8 codes with a scale per group of each row: ``w[n, k] = q[n, k] * s[g, n]``, ``g = k // group_size``.
+
+    One group spanning the whole row (``group_size == in_features``) is the
+    usual *per-channel* int8: one kernel call. Smaller groups keep a format's
+    own scales (Q8_0, Q5_0: exact codes and scales) at the price of one kernel
+    call per group, summed in float32.
+
+    Buffers:
+      codes:         ``(groups, out_features, group_size)`` int8.
+      scale:         ``(groups, out_features)`` float32, the exact scales (an :class:`Int8Embedding` reads these).
+      kernel_scale:  the same in bfloat16, the kernel's dtype.
+    bias: float parameter ``(out_features,)`` or None.
+
+    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed
+    by ``_weight_int8pack_mm`` with bfloat16 activations.
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
+        super().__init__()
+        groups, self.out_features, self.group_size = codes.shape
+        self.in_features = groups * self.group_size
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale.float())
+        self.register_buffer("kernel_scale", scale.to(KERNEL_DTYPE))
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
+        if self.codes.shape[0] == 1:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.codes[0], self.kernel_scale[0])  # (M, N)
+        else:
+            pieces = flat.view(flat.shape[0], -1, self.group_size)  # (M, G, group_size)
+            y = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32)
+            for g in range(self.codes.shape[0]):
+                y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), self.codes[g], self.kernel_scale[g])
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+# ---------------------------------------------------------------------------
+# The embeddings
+# ---------------------------------------------------------------------------
+
+
+class _PackedEmbedding(nn.Module):
+    """What the packed embeddings share: the output dtype, and a ``weight`` stand-in for code that reads its device/dtype."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """An empty tensor of the dtype this embedding returns, on its device.
+
+        Model code sizes caches from ``embed_tokens.weight.device`` and ``.dtype``;
+        this keeps that working. The rows themselves live in the packed buffers.
+        """
+        return torch.empty(0, dtype=self.dtype, device=next(self.buffers()).device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
+
+
+class BlockEmbedding(_PackedEmbedding):
+    """``nn.Embedding`` over a GGUF tensor's blocks, kept as the file stores them; looked-up rows are dequantized.
+
+    Buffer ``blocks``: ``(num_embeddings, bytes_per_row)`` uint8, each row the
+    blocks of one token's vector. forward: ids ``(...)`` int64 -> ``(..., dim)``
+    in ``dtype``, equal to the float path's rows bit for bit (same dequantizer).
+    """
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: str, embedding_dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__(blocks.shape[0], embedding_dim, dtype)
+        self.ggml_type = ggml_type
+        self.register_buffer("blocks", blocks)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from lollm.gguf.quants import dequantize
+
+        rows = self.blocks[ids.reshape(-1).cpu()]  # (T, bytes_per_row) uint8
+        flat = dequantize(rows.numpy().reshape(-1), self.ggml_type, what="embedding rows")
+        out = torch.from_numpy(flat).view(*ids.shape, self.embedding_dim)
+        return out.to(device=ids.device, dtype=self.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", ggml_type={self.ggml_type}"
+
+
+class Int8Embedding(_PackedEmbedding):
+    """``nn.Embedding`` over int8 codes with a scale per group: ``row[v][k] = q[g, v, k % group_size] * s[g, v]``.
+
+    Holds an :class:`Int8Linear`'s ``codes (groups, num_embeddings, group_size)`` and
+    ``scale (groups, num_embeddings)``; built from that layer it shares its tensors
+    (tied embeddings: one copy serves the lookup and the output head).
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__(codes.shape[1], codes.shape[0] * codes.shape[2], dtype)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.codes[:, flat].float() * self.scale[:, flat].unsqueeze(-1)  # (G, T, group_size)
+        return rows.transpose(0, 1).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Building packed modules from checkpoint tensors (used by lollm.weights.load_weights)
+# ---------------------------------------------------------------------------
+
+
+def _row_slices(n_rows: int, row_len: int):
+    step = max(64, (_SLICE_WEIGHTS // max(row_len, 1)) // 64 * 64)  # a multiple of 64 rows (the int4 tile)
+    for start in range(0, n_rows, step):
+        yield start, min(n_rows, start + step)
+
+
+def int8_from_float_rows(n_rows: int, n_cols: int, read_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Requantize a matrix to int8 per row, a slice of rows at a time: ``read_rows(start, stop)`` gives float rows.
+
+    Returns :class:`Int8Linear`'s ``codes (1, n_rows, n_cols)`` and ``scale (1, n_rows)``.
+    """
+    q = torch.empty(1, n_rows, n_cols, dtype=torch.int8)
+    scale = torch.empty(1, n_rows, dtype=torch.float32)
+    for start, stop in _row_slices(n_rows, n_cols):
+        q[0, start:stop], scale[0, start:stop] = quantize_int8_rows(read_rows(start, stop))
+    return q, scale
+
+
+def int8_groups_from_gguf(read_rows, ggml_type: str, shape: tuple[int, int], group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes in groups of 32 from a GGUF matrix: ``codes (K/32, N, 32)``, ``scale (K/32, N)``.
+
+    ``read_rows(start, stop)`` gives the bytes of rows ``start .. stop``. Q8_0
+    (``w = q * d``) and Q5_0 (``w = (q - 16) * d``) give their own codes and
+    scales: exact. Other types are dequantized a slice of rows at a time and
+    requantized per group of 32 (``s = max|w| / 127``).
+    """
+    from lollm.gguf.quants import dequantize
+
+    n, k = shape
+    g = group_size if k % group_size == 0 else 32
+    codes = torch.empty(k // g, n, g, dtype=torch.int8)
+    scale = torch.empty(k // g, n, dtype=torch.float32)
+    for start, stop in _row_slices(n, k):
+        raw = read_rows(start, stop)
+        if ggml_type in ("Q8_0", "Q5_0") and g == 32:
+            blocks = raw.reshape(stop - start, k // 32, -1)  # (r, G, bytes per 32-weight block)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (r, G)
+            if ggml_type == "Q8_0":
+                q = blocks[..., 2:34].view(np.int8)
+            else:  # the dequantized weight is exactly (q - 16) * d: divide d back out
+                w = dequantize(raw, "Q5_0").reshape(stop - start, k // 32, 32)
+                q = np.rint(w / np.where(d == 0, 1, d)[..., None]).astype(np.int8)
+            codes[:, start:stop] = torch.from_numpy(np.ascontiguousarray(q)).transpose(0, 1)
+            scale[:, start:stop] = torch.from_numpy(d).T
+        else:
+            w = torch.from_numpy(dequantize(raw, ggml_type)).view(-1, g)
+            q8, s8 = quantize_int8_rows(w)
+            codes[:, start:stop] = q8.view(stop - start, k // g, g).transpose(0, 1)
+            scale[:, start:stop] = s8.view(stop - start, k // g).T
+    return codes, scale
+
+
+def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Parameter | None,
+                     *, grouped: bool = False) -> nn.Module | None:
+    """A packed linear layer from a GGUF matrix's bytes, or None when its type stays float.
+
+    raw: the tensor's bytes (1-D uint8), or a function ``(start_row, stop_row) ->``
+    the bytes of those rows, so that a big matrix is read a slice at a time;
+    shape: ``(out_features, in_features)``.
+    Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with the file's codes (groups of 32);
+    Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`, requantized per row, or with
+    ``grouped`` in groups of 32 (exact for Q8_0 and Q5_0; used for the output
+    head). A 4-bit matrix whose row count the int4 kernel cannot tile (not a
+    multiple of 16) becomes int8 too. Returns None for every other type.
+    """
+    from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
+
+    n, k = shape
+    t = GGML_TYPES_BY_NAME[ggml_type]
+    row_bytes = k // t.block_size * t.type_size
+    if callable(raw):
+        read_rows = raw
+    else:
+        blocks = raw.reshape(n, row_bytes)  # one row of blocks per output channel
+        def read_rows(start: int, stop: int) -> np.ndarray:
+            return blocks[start:stop].reshape(-1)
+
+    if ggml_type in INT4_TYPES and n % 16 == 0:
+        layer = Int4Linear(k, n, 32, bias)
+        for start, stop in _row_slices(n, k):
+            q, s, o = (torch.from_numpy(a) for a in affine4(read_rows(start, stop), ggml_type))
+            layer.fill_rows(start, q.view(stop - start, k), s.view(stop - start, -1), o.view(stop - start, -1))
+        return layer
+    if ggml_type in INT8_TYPES and grouped:
+        return Int8Linear(*int8_groups_from_gguf(read_rows, ggml_type, shape, HEAD_GROUP_SIZE), bias)
+    if ggml_type in INT8_TYPES or ggml_type in INT4_TYPES:
+        def rows(start: int, stop: int) -> torch.Tensor:
+            return torch.from_numpy(dequantize(read_rows(start, stop), ggml_type)).view(stop - start, k)
+
+        return Int8Linear(*int8_from_float_rows(n, k, rows), bias)
+    return None
+
+
+def linear_from_float(weight: torch.Tensor, quantization: Quantization, bias: nn.Parameter | None) -> nn.Module:
+    """A packed linear layer from a float matrix ``(out_features, in_features)``, as ``quantization`` says (int8 or int4).
+
+    int4 falls back to int8 for a matrix the int4 kernel cannot tile (rows not a
+    multiple of 16, or columns not a multiple of the group size).
+    """
+    n, k = weight.shape
+    if quantization.mode == "int4" and n % 16 == 0 and k % quantization.group_size == 0:
+        layer = Int4Linear(k, n, quantization.group_size, bias)
+        for start, stop in _row_slices(n, k):
+            layer.fill_rows(start, *quantize_int4_groups(weight[start:stop], quantization.group_size))
+        return layer
+    return Int8Linear(*int8_from_float_rows(n, k, lambda a, b: weight[a:b]), bias)
+
+
+def describe(module: nn.Module) -> str:
+    """How a packed module stores its matrix, for the load summary (``"int4 groups of 32"`` …)."""
+    if isinstance(module, Int4Linear):
+        return f"int4 groups of {module.group_size}"
+    if isinstance(module, Int8Linear):
+        return "int8 per channel" if module.codes.shape[0] == 1 else f"int8 groups of {module.group_size}"
+    if isinstance(module, BlockEmbedding):
+        return "file blocks, rows dequantized on lookup"
+    if isinstance(module, Int8Embedding):
+        return "int8 rows" if module.codes.shape[0] == 1 else f"int8 groups of {module.codes.shape[2]}"
+    return "float"
+
+
+@dataclass
+class WeightsSummary:
+    """What a load did with each tensor: ``counts[(stored type, kept as)]``, and the bytes the model holds.
+
+    ``requested`` is the quantization mode asked for; ``packed`` counts the tensors
+    kept packed. :meth:`line` is the one-line summary ``lollm run`` prints.
+    """
+
+    requested: str = "float"
+    counts: Counter = field(default_factory=Counter)
+    dequantized: list[str] = field(default_factory=list)  # GGUF tensors of a type with no packed form
+    model_bytes: int = 0
+
+    def add(self, stored: str, kept: str) -> None:
+        self.counts[(stored, kept)] += 1
+
+    @property
+    def packed(self) -> int:
+        return sum(n for (_, kept), n in self.counts.items() if not kept.startswith(("float", "bfloat16")))
+
+    def line(self) -> str:
+        parts = [f"{stored}→{kept} ×{n}" for (stored, kept), n in sorted(self.counts.items()) if n]
+        text = f"weights ({self.requested}): " + ", ".join(parts) + f"; {self.model_bytes / 1e6:.0f} MB in memory"
+        if self.dequantized:
+            shown = ", ".join(self.dequantized[:3]) + (f" and {len(self.dequantized) - 3} more" if len(self.dequantized) > 3 else "")
+            text += f"; dequantized (no packed form for their type): {shown}"
+        return text
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes held by a model's parameters and buffers, each storage counted once."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
