@@ -250,9 +250,9 @@ def _check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devi
 
 
 def _check_attn(attn: Optional[str]) -> None:
-    """The backend named by --attn, checked before the model is looked for (lollm.attention imports torch:
-    only when one is named; $LOLLM_ATTN is checked by :func:`_open_checkpoint`)."""
-    if attn is not None:
+    """The backend named by --attn or $LOLLM_ATTN, checked before the model is looked for (lollm.attention
+    imports torch: only when one is named; its device check comes again in :func:`_open_checkpoint`)."""
+    if attn is not None or os.environ.get("LOLLM_ATTN"):
         from lollm.attention import resolve_backend
 
         resolve_backend(attn)
