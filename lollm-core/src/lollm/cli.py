@@ -861,8 +861,8 @@ def serve(
     from lollm.pipeline import open_model
     from lollm.server import ModelServer, require_serve_extra, serve as run_server
 
-    require_serve_extra()
     _check_family(family)
+    require_serve_extra()
     _check_model_exists(model)
     checkpoint, chosen, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
