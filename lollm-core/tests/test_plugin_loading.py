@@ -398,14 +398,22 @@ def test_run_with_two_claimants_needs_family_and_obeys_it(toy_sites, toy_ckpt):
 
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve", "parity", "trace", "bench"])
-def test_every_command_that_loads_a_model_checks_family_before_the_model(command, toy_sites):
+def test_every_command_that_loads_a_model_checks_family_before_the_model(command, toy_sites, monkeypatch):
+    from typer.testing import CliRunner
+
+    import lollm.plugins as plugins
+    from lollm.cli import app
+
+    for folder in toy_sites:
+        monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(plugins, "_REGISTRY", None)
     # the model does not exist: the family name is refused first, naming the installed ones
-    done = run_lollm(command, "/no/such/model", "-p", "hi", "--family", "toy_twim", sites=toy_sites) \
-        if command in ("run", "trace") else run_lollm(command, "/no/such/model", "--family", "toy_twim", sites=toy_sites)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith("error: --family 'toy_twim': no installed lollm family has that name. "
-                                  "Did you mean 'toy_twin'?"), done.stderr
-    assert "Traceback" not in done.stderr
+    args = [command, "/no/such/model", "--family", "toy_twim"] + (["-p", "hi"] if command in ("run", "trace") else [])
+    done = CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert isinstance(done.exception, UnknownFamily), (done.exit_code, done.stdout, done.exception)
+    assert str(done.exception).startswith("--family 'toy_twim': no installed lollm family has that name. "
+                                          "Did you mean 'toy_twin'?")
+    assert "toy_twin (model types: lollm_toy) from lollm-toy-twin 0.2.0" in str(done.exception)
 
 
 def test_families_shows_what_the_allowlist_left_out(toy_sites, monkeypatch):
