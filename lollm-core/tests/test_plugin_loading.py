@@ -234,6 +234,16 @@ class Unmarked:
         register(fam("never"))
 
 
+class StarImported:
+    """A plugin whose module did ``from lollm.hookspecs import *``: the specs themselves are not implementations."""
+
+    lollm_register_install_hints = staticmethod(hookspecs.lollm_register_install_hints)
+
+    @hookimpl
+    def lollm_register_families(self, register):
+        register(fam("starred"))
+
+
 class Renamed:
     @hookimpl(specname="lollm_register_families")
     def families(self, register):
@@ -243,7 +253,7 @@ class Renamed:
 def test_a_misspelled_hook_is_broken_with_the_closest_real_name():
     reg = build_registry(entry_points=[], extra_plugins=[
         ("typo", Misspelled()), ("far", FarOff()), ("unmarked", Unmarked()), ("renamed", Renamed()),
-        ("good", Plugin(fam("good"))),
+        ("starred", StarImported()), ("good", Plugin(fam("good"))),
     ])
     broken = {b.plugin: b.error for b in reg.broken}
     assert set(broken) == {"typo", "far", "unmarked"}
@@ -252,7 +262,7 @@ def test_a_misspelled_hook_is_broken_with_the_closest_real_name():
     assert "'register_my_models' is not a lollm hook; the hooks are lollm_register_families, " \
            "lollm_register_install_hints" in broken["far"]
     assert "defines lollm_register_families without @hookimpl" in broken["unmarked"]
-    assert sorted(f.family.name for f in reg.families) == ["good", "renamed"]
+    assert sorted(f.family.name for f in reg.families) == ["good", "renamed", "starred"]
 
 
 def test_a_misspelled_hook_in_a_plugin_module_is_reported_by_lollm_families(tmp_path):
@@ -373,7 +383,6 @@ def toy_sites(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def toy_ckpt(tmp_path_factory) -> Path:
-    import torch  # noqa: F401  (safetensors' torch API)
     from safetensors.torch import save_file
 
     from test_example_plugin import CONFIG, toy_tensors

@@ -502,7 +502,7 @@ def _check_hook_names(obj: object) -> None:
                 guess = f" (did you mean {close[0]!r}?)" if close else ""
                 raise PluginError(f"does not match the lollm plugin contract: {hook!r} is not a lollm hook{guess}; "
                                   f"the hooks are {', '.join(known)}")
-        elif attr in known:
+        elif attr in known and not hasattr(value, hookspecs.PROJECT_NAME + "_spec"):  # not the spec, star-imported
             raise PluginError(f"defines {attr} without @hookimpl (from lollm.hookspecs import hookimpl), "
                               f"so lollm would never call it")
 
