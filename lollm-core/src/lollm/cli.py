@@ -142,7 +142,7 @@ def _weights_summary(loaded) -> None:
 @app.command()
 def run(
     model_arg: Optional[str] = model_argument(),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
@@ -179,7 +179,7 @@ def run(
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
     _check_attn(attn)
-    _check_family(family)
+    _check_family(family_name)
     _check_model_exists(model)
     prompts = _read_prompts(prompt, prompts_file)
 
@@ -188,9 +188,9 @@ def run(
     from lollm.pipeline import open_model
     from lollm.sampling import describe_sampling, resolve_sampling
 
-    checkpoint, chosen, template_flags = _open_checkpoint(model, device=device, attn=attn, threads=threads, think=think,
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=attn, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
-                                                          family=family)
+                                                          family_name=family_name)
     tokenizer = checkpoint.tokenizer
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
@@ -201,12 +201,12 @@ def run(
     else:
         all_ids = [tokenizer.encode_chat(_messages(p, system), add_generation_prompt=True, parse_special=parse_special,
                                          **template_flags) for p in prompts]
-    sampling = resolve_sampling(user, checkpoint.generation_config, chosen.sampling_defaults, seed=seed,
+    sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
 
     # 3. The weights, then one generation per prompt.
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, tokenizer)
@@ -276,7 +276,7 @@ def _check_family(family: Optional[str]) -> None:
 
 def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: Optional[int], think: Optional[bool],
                      mtp: bool, weights: str = "auto", quantize: Optional[str] = None,
-                     group_size: int = 32, family: Optional[str] = None) -> tuple[Any, Any, dict[str, bool]]:
+                     group_size: int = 32, family_name: Optional[str] = None) -> tuple[Any, Any, dict[str, bool]]:
     """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
     with every check that needs them, before the weights load.
 
@@ -298,11 +298,11 @@ def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: O
     resolve_backend(attn, dev)
     checkpoint = load_checkpoint(model)
     pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
-    chosen = route(checkpoint, family).family
-    if mtp and not chosen.capabilities.speculative_head:
-        raise LollmError(f"--mtp: the family {chosen.name!r} has no speculative (MTP) head")
+    family = route(checkpoint, family_name).family
+    if mtp and not family.capabilities.speculative_head:
+        raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
     template_flags = thinking_flags(checkpoint.tokenizer, think, model)  # decided from the chat template itself
-    return checkpoint, chosen, template_flags
+    return checkpoint, family, template_flags
 
 
 def _check_draft_head(loaded: Any, model: str, mtp: bool) -> None:
@@ -577,7 +577,7 @@ def _read_tokenize_text(text: Optional[str], file: Optional[str]) -> str:
 @app.command()
 def parity(
     model: Optional[str] = model_argument("Checkpoint folder or repo id."),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a paragraph of about 60 tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
@@ -592,11 +592,11 @@ def parity(
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
     model, _ = which_model(model_opt, model)
-    _check_family(family)
+    _check_family(family_name)
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family)
+                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -627,7 +627,7 @@ def parity(
 @app.command()
 def trace(
     model_arg: Optional[str] = model_argument(),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model_opt: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
@@ -648,14 +648,14 @@ def trace(
     from lollm.trace.run import run_trace
 
     spec, _ = which_model(model_opt, model_arg)
-    _check_family(family)
+    _check_family(family_name)
     if prompt is None:
         if sys.stdin.isatty():
             raise LollmError("give --prompt, or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\n")
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True,
-                       family=family)
+                       family=family_name)
     t = result.trace
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
@@ -670,7 +670,7 @@ def trace(
 @app.command()
 def bench(
     model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id."),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     prompt_tokens: int = typer.Option(512, help="Prefill length."),
     new_tokens: int = typer.Option(64, help="Decode steps."),
@@ -692,10 +692,10 @@ def bench(
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     attn = resolve_backend(attn)
-    _check_family(family)
+    _check_family(family_name)
     result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
                        threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
-                       family=family,
+                       family=family_name,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
     names = [e.name for e in result.engines]
     ratios = {}
@@ -773,7 +773,7 @@ def inspect(
 @app.command()
 def chat(
     model_arg: Optional[str] = model_argument(),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message, kept across /reset."),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Most tokens per answer."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
@@ -799,7 +799,7 @@ def chat(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
                      draft_tokens=draft_tokens, sampling=user)
-    _check_family(family)
+    _check_family(family_name)
     _check_model_exists(model)
 
     from lollm.conversation import ChatSession, repl
@@ -807,13 +807,13 @@ def chat(
     from lollm.pipeline import open_model
     from lollm.sampling import resolve_sampling
 
-    checkpoint, chosen, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
-                                                          family=family)
-    sampling = resolve_sampling(user, checkpoint.generation_config, chosen.sampling_defaults, seed=seed,
+                                                          family_name=family_name)
+    sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     session = ChatSession(
@@ -821,7 +821,7 @@ def chat(
         system=system, template_flags=template_flags, max_new_tokens=max_new_tokens,
         speculative_tokens=draft_tokens if mtp else 0, context=ctx_size,
     )
-    err.print(f"[dim]lollm chat: {escape(model)} ({chosen.name} on {loaded.device} "
+    err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
     repl(session, note=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
 
@@ -829,7 +829,7 @@ def chat(
 @app.command()
 def serve(
     model_arg: Optional[str] = model_argument(),
-    family: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
@@ -861,14 +861,14 @@ def serve(
     from lollm.pipeline import open_model
     from lollm.server import ModelServer, require_serve_extra, serve as run_server
 
-    _check_family(family)
+    _check_family(family_name)
     require_serve_extra()
     _check_model_exists(model)
-    checkpoint, chosen, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
+    checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
-                                                          family=family)
+                                                          family_name=family_name)
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
@@ -876,7 +876,7 @@ def serve(
         loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
     )
-    err.print(f"lollm serve: {escape(name)} ({chosen.name} on {loaded.device}, context "
+    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}, context "
               f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""), soft_wrap=True)
     run_server(server, host=host, port=port)
