@@ -2,9 +2,10 @@
 
 Flow::
 
-    entry points "lollm.families"  ─►  pluggy PluginManager  ─►  lollm_register_families(register)
-                                                                     │
-                                              Registry: model_type ─► InstalledFamily
+    entry points "lollm.families"  ─►  $LOLLM_LOAD_PLUGINS allows the distribution?  (no: skipped, never imported)
+        ─►  import (guarded)  ─►  hook names checked  ─►  pluggy PluginManager
+        ─►  lollm_register_families(register)        ─►  Registry: model_type ─► InstalledFamily
+        ─►  lollm_register_install_hints(register)   ─►  Registry.hints (for the "pip install" line of an error)
 
 Each plugin is imported and registered inside its own guard
 (:func:`_guarded`): any exception, ``SystemExit`` and a ``KeyboardInterrupt``
@@ -30,6 +31,9 @@ What the user controls (docs/plugin-loading.md):
   is a warning (``Registry.warnings()``), as with simonw/llm's
   ``LLM_LOAD_PLUGINS``, shown by ``lollm families`` and by every command that
   routes a checkpoint, and named again in the error when routing then fails.
+* A hook pluggy would never call (a misspelled name, or a hook's name
+  without ``@hookimpl``) makes the plugin broken, with a "did you mean"
+  (:func:`_check_hook_names`, difflib).
 * Install hints: when no installed family serves a type, the error says which
   distribution would. Installed plugins declare such hints through the hook
   ``lollm_register_install_hints``; core adds its own small table only for the
