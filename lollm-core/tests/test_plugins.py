@@ -15,7 +15,7 @@ from lollm import hookspecs
 from lollm.errors import DuplicateModelType, LollmError, PluginError, UnknownModelType
 from lollm.family import CONTRACT_VERSION, Capabilities, Family, import_target, validate_family
 from lollm.hookspecs import hookimpl
-from lollm.plugins import KNOWN_PROVIDERS, Registry, build_registry, get_registry
+from lollm.plugins import FIRST_PARTY_MODEL_TYPES, Registry, build_registry, get_registry
 
 
 def fam(name: str, *types: str, gguf: tuple[str, ...] = (), **kwargs) -> Family:
@@ -87,7 +87,7 @@ def test_unknown_type_names_the_type_the_installed_families_and_the_provider():
     msg = str(info.value)
     assert isinstance(info.value, PluginError) and isinstance(info.value, LollmError)
     assert "'qwen2'" in msg
-    assert "lollm-qwen" in msg and KNOWN_PROVIDERS["qwen2"] == "lollm-qwen"
+    assert "lollm-qwen" in msg and FIRST_PARTY_MODEL_TYPES["qwen2"] == "lollm-qwen"
     assert "toy (model types: toy, toy_text) from toy-plugin" in msg
     assert "other (model types: other) from other" in msg
 

@@ -53,6 +53,7 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 
 ATTN_HELP = "Attention backend: sdpa (the default and reference), eager (scores written out), triton (lollm-core[triton]). Default: $LOLLM_ATTN, else sdpa."
 CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
+FAMILY_HELP = "The family (by name, see lollm families) that serves the model, when several installed plugins claim its type."
 
 
 # -- naming the model: one mechanism for every command ------------------------------
@@ -141,6 +142,7 @@ def _weights_summary(loaded) -> None:
 @app.command()
 def run(
     model_arg: Optional[str] = model_argument(),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
@@ -177,6 +179,7 @@ def run(
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
     _check_attn(attn)
+    _check_family(family_name)
     _check_model_exists(model)
     prompts = _read_prompts(prompt, prompts_file)
 
@@ -186,7 +189,8 @@ def run(
     from lollm.sampling import describe_sampling, resolve_sampling
 
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=attn, threads=threads, think=think,
-                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
+                                                          family_name=family_name)
     tokenizer = checkpoint.tokenizer
     if no_chat or tokenizer.chat_template is None:
         if not no_chat:
@@ -202,7 +206,7 @@ def run(
 
     # 3. The weights, then one generation per prompt.
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, tokenizer)
@@ -258,16 +262,28 @@ def _check_attn(attn: Optional[str]) -> None:
         resolve_backend(attn)
 
 
+def _check_family(family: Optional[str]) -> None:
+    """The plugins, before the model is looked for: ``$LOLLM_LOAD_PLUGINS`` warnings on stderr, and a
+    ``--family`` name that no installed family has (the registry imports no torch and no model code)."""
+    from lollm.plugins import get_registry
+
+    registry = get_registry()
+    for line in registry.warnings():
+        err.print(f"[yellow]warning:[/yellow] {escape(line)}", soft_wrap=True)
+    if family is not None:
+        registry.family_named(family)
+
+
 def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: Optional[int], think: Optional[bool],
                      mtp: bool, weights: str = "auto", quantize: Optional[str] = None,
-                     group_size: int = 32) -> tuple[Any, Any, dict[str, bool]]:
+                     group_size: int = 32, family_name: Optional[str] = None) -> tuple[Any, Any, dict[str, bool]]:
     """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
     with every check that needs them, before the weights load.
 
     Sets torch's thread count, checks the attention backend on the device and the
     ``--weights``/``--quantize``/``--group-size`` flags against the checkpoint's format
-    (lollm.pipeline.pick_quantization), and decides ``--think`` from the chat template
-    itself. Returns ``(checkpoint, family, template_flags)``; raises LollmError naming the flag.
+    (lollm.pipeline.pick_quantization), routes the checkpoint (``--family``: by that name),
+    and decides ``--think`` from the chat template itself. Returns ``(checkpoint, family, template_flags)``; raises LollmError naming the flag.
     """
     import torch
 
@@ -282,7 +298,7 @@ def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: O
     resolve_backend(attn, dev)
     checkpoint = load_checkpoint(model)
     pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
-    family = route(checkpoint).family
+    family = route(checkpoint, family_name).family
     if mtp and not family.capabilities.speculative_head:
         raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
     template_flags = thinking_flags(checkpoint.tokenizer, think, model)  # decided from the chat template itself
@@ -441,12 +457,13 @@ def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bo
 @app.command()
 def families(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a plugin is broken or two plugins claim one type."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a plugin is broken, two plugins claim one type, or $LOLLM_LOAD_PLUGINS names a distribution that is not an installed plugin."),
 ) -> None:
-    """List the installed family plugins (no model code is imported)."""
-    from lollm.plugins import get_registry
+    """List the installed family plugins (no model code is imported), and those $LOLLM_LOAD_PLUGINS leaves out."""
+    from lollm.plugins import FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, get_registry
 
     registry = get_registry()
+    trouble = bool(registry.broken or registry.conflicts or registry.unmatched)
     if as_json:
         data = {
             "families": [
@@ -457,13 +474,20 @@ def families(
             ],
             "broken": [{"plugin": b.plugin, "distribution": b.distribution, "error": b.error} for b in registry.broken],
             "conflicts": {slot: [f.family.name for f in claimants] for slot, claimants in registry.conflicts.items()},
+            "load_plugins": None if registry.allowlist is None else list(registry.allowlist.values()),
+            "skipped": [{"plugin": k.plugin, "distribution": k.distribution, "version": k.version} for k in registry.skipped],
+            "warnings": registry.warnings(),
+            "install_hints": [{"kind": h.kind, "key": h.key, "install": h.install, "source": h.source} for h in registry.hints],
         }
         print(json.dumps(data, indent=2))
-        if strict and (registry.broken or registry.conflicts):
+        if strict and trouble:
             raise typer.Exit(1)
         return
-    if not registry.families:
-        out.print("No family plugin is installed. Install one, e.g. pip install lollm-qwen")
+    if not registry.families and registry.skipped:
+        out.print(f"No family plugin is loaded: {LOAD_PLUGINS_ENV} leaves out every installed one.")
+    elif not registry.families:
+        firsts = ", ".join(sorted(set(FIRST_PARTY_MODEL_TYPES.values())))
+        out.print(f"No family plugin is installed. Install one, e.g. pip install lollm-qwen (first-party: {firsts})")
     else:
         table = Table(title="Installed lollm families")
         for col in ("family", "model types", "GGUF", "distribution", "version", "capabilities"):
@@ -477,8 +501,14 @@ def families(
         err.print(f"[red]broken plugin {escape(repr(b.plugin))} ({escape(b.distribution)}):[/red] {escape(b.error)}")
     for slot, claimants in registry.conflicts.items():
         who = ", ".join(f"{c.family.name} ({c.distribution})" for c in claimants)
-        err.print(f"[red]{escape(slot)} is claimed by several families:[/red] {escape(who)}")
-    if strict and (registry.broken or registry.conflicts):
+        err.print(f"[red]{escape(slot)} is claimed by several families:[/red] {escape(who)} "
+                  f"(choose with --family NAME)")
+    for k in registry.skipped:
+        err.print(f"[dim]skipped {escape(k.distribution)} {escape(k.version)} (plugin {escape(repr(k.plugin))}): "
+                  f"not named in {LOAD_PLUGINS_ENV}[/dim]", soft_wrap=True)
+    for line in registry.warnings():
+        err.print(f"[yellow]warning:[/yellow] {escape(line)}", soft_wrap=True)
+    if strict and trouble:
         raise typer.Exit(1)
 
 
@@ -547,6 +577,7 @@ def _read_tokenize_text(text: Optional[str], file: Optional[str]) -> str:
 @app.command()
 def parity(
     model: Optional[str] = model_argument("Checkpoint folder or repo id."),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a paragraph of about 60 tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
     dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
@@ -561,10 +592,11 @@ def parity(
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
     model, _ = which_model(model_opt, model)
+    _check_family(family_name)
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn, weights=weights, quantize=quantize, group_size=group_size)
+                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
@@ -595,6 +627,7 @@ def parity(
 @app.command()
 def trace(
     model_arg: Optional[str] = model_argument(),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model_opt: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
     output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
@@ -615,12 +648,14 @@ def trace(
     from lollm.trace.run import run_trace
 
     spec, _ = which_model(model_opt, model_arg)
+    _check_family(family_name)
     if prompt is None:
         if sys.stdin.isatty():
             raise LollmError("give --prompt, or pipe the prompt on stdin")
         prompt = sys.stdin.read().rstrip("\n")
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
-                       compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True)
+                       compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True,
+                       family=family_name)
     t = result.trace
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
@@ -635,6 +670,7 @@ def trace(
 @app.command()
 def bench(
     model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id."),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     prompt_tokens: int = typer.Option(512, help="Prefill length."),
     new_tokens: int = typer.Option(64, help="Decode steps."),
@@ -656,8 +692,10 @@ def bench(
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     attn = resolve_backend(attn)
+    _check_family(family_name)
     result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
                        threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
+                       family=family_name,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
     names = [e.name for e in result.engines]
     ratios = {}
@@ -735,6 +773,7 @@ def inspect(
 @app.command()
 def chat(
     model_arg: Optional[str] = model_argument(),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message, kept across /reset."),
     max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Most tokens per answer."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
@@ -760,6 +799,7 @@ def chat(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
                      draft_tokens=draft_tokens, sampling=user)
+    _check_family(family_name)
     _check_model_exists(model)
 
     from lollm.conversation import ChatSession, repl
@@ -768,11 +808,12 @@ def chat(
     from lollm.sampling import resolve_sampling
 
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
-                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
+                                                          family_name=family_name)
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     session = ChatSession(
@@ -788,6 +829,7 @@ def chat(
 @app.command()
 def serve(
     model_arg: Optional[str] = model_argument(),
+    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
     port: int = typer.Option(8000, help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
@@ -819,12 +861,14 @@ def serve(
     from lollm.pipeline import open_model
     from lollm.server import ModelServer, require_serve_extra, serve as run_server
 
+    _check_family(family_name)
     require_serve_extra()
     _check_model_exists(model)
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
-                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size)
+                                                          mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
+                                                          family_name=family_name)
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size)
+                        group_size=group_size, family=family_name)
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)

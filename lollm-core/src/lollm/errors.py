@@ -43,6 +43,10 @@ class DuplicateModelType(PluginError):
     """Two installed families claim the same model type (or GGUF architecture)."""
 
 
+class UnknownFamily(PluginError):
+    """No installed family has the name given with ``--family`` (or ``family=``)."""
+
+
 class GenerationError(LollmError):
     """Bad generation request: prompt longer than the context, invalid sampling values."""
 

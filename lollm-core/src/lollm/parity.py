@@ -205,13 +205,15 @@ def run_parity(
     weights: str | None = None,
     quantize: str | None = None,
     group_size: int = 32,
+    family: str | None = None,
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
     ``attn``: the attention backend ours runs with (lollm.attention; None: ``LOLLM_ATTN``, else sdpa).
     ``weights``/``quantize``/``group_size`` choose our weights as in
     :func:`lollm.pipeline.open_model` (default: float, the gate's standard, unless ``quantize`` is given);
-    the reference is always transformers' own load of the same file.
+    the reference is always transformers' own load of the same file. ``family``: the family's
+    name (``--family``) when several installed plugins claim the checkpoint's type.
     """
     # 0. Refuse at once a backend that cannot run, or weights transformers would not read as we do.
     from lollm.attention import resolve_backend
@@ -220,12 +222,12 @@ def run_parity(
 
     resolve_backend(attn, pick_device(device))
     checkpoint = load_checkpoint(spec)
-    if not route(checkpoint).family.parity_reference:
+    if not route(checkpoint, family).family.parity_reference:
         reference_weights(checkpoint)
 
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
     loaded = open_model(checkpoint, device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size)
+                        group_size=group_size, family=family)
     del checkpoint
     summary = getattr(loaded.model, "weights_summary", None)
     packed = summary is not None and summary.packed > 0

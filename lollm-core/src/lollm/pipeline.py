@@ -78,15 +78,16 @@ class LoadedModel:
         return self.checkpoint.tokenizer
 
 
-def route(checkpoint: Checkpoint) -> InstalledFamily:
+def route(checkpoint: Checkpoint, family: str | None = None) -> InstalledFamily:
     """The installed family that serves this checkpoint (see :mod:`lollm.plugins`).
 
     safetensors checkpoints are routed by config.json's ``model_type``, GGUF files
-    by their ``general.architecture``.
+    by their ``general.architecture``. ``family`` (``--family NAME``) chooses the
+    family by name when several claim the type; it must declare the type.
     """
     if checkpoint.fmt == "gguf":
-        return get_registry().route(gguf_architecture=checkpoint.model_type)
-    return get_registry().route(checkpoint.model_type)
+        return get_registry().route(gguf_architecture=checkpoint.model_type, family=family)
+    return get_registry().route(checkpoint.model_type, family=family)
 
 
 #: ``--weights`` choices: ``auto`` keeps a GGUF's blocks packed and loads safetensors as float
@@ -131,7 +132,7 @@ def pick_quantization(weights: str, quantize: str | None, group_size: int, fmt: 
 
 def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
                attn: str | None = None, weights: str | None = None, quantize: str | None = None,
-               group_size: int = 32) -> LoadedModel:
+               group_size: int = 32, family: str | None = None) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
     ``spec`` may also be a :class:`Checkpoint` already opened (the CLI opens it
@@ -146,13 +147,16 @@ def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "au
     default here is ``"float"`` (the reference path), or ``"auto"`` when
     ``quantize`` is given; the CLI's ``run`` and ``bench`` default to ``"auto"``.
     The model's ``weights_summary`` says what was kept packed.
+
+    ``family``: the family's name (``--family``), when several installed plugins claim the
+    checkpoint's type; see :func:`route`.
     """
     if weights is None:
         weights = "auto" if quantize else "float"
     dev = pick_device(device)
     backend = resolve_backend(attn, dev)
     checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
-    installed = route(checkpoint)
+    installed = route(checkpoint, family)
     dt = pick_dtype(dtype, dev, checkpoint.config)
     checkpoint.weights.quantization = pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
     load = installed.family.resolve("load")

@@ -2,9 +2,10 @@
 
 Flow::
 
-    entry points "lollm.families"  ─►  pluggy PluginManager  ─►  lollm_register_families(register)
-                                                                     │
-                                              Registry: model_type ─► InstalledFamily
+    entry points "lollm.families"  ─►  $LOLLM_LOAD_PLUGINS allows the distribution?  (no: skipped, never imported)
+        ─►  import (guarded)  ─►  hook names checked  ─►  pluggy PluginManager
+        ─►  lollm_register_families(register)        ─►  Registry: model_type ─► InstalledFamily
+        ─►  lollm_register_install_hints(register)   ─►  Registry.hints (for the "pip install" line of an error)
 
 Each plugin is imported and registered inside its own guard
 (:func:`_guarded`): any exception, ``SystemExit`` and a ``KeyboardInterrupt``
@@ -17,7 +18,28 @@ behind (a daemon thread does not keep the process alive). What a plugin
 prints while it is imported or registered is swallowed, so a bad plugin
 changes neither the output nor the exit status of a command that does not
 use it. The router only routes: an unknown type, or a type two plugins claim,
-is an error naming what is installed, never a silent pick.
+is an error naming what is installed, never a silent pick; the user settles a
+clash, or forces a family, by its name (``--family NAME``, ``route(...,
+family=NAME)``).
+
+What the user controls (docs/plugin-loading.md):
+
+* ``$LOLLM_LOAD_PLUGINS``: a comma-separated allowlist of distributions (pip
+  names, compared after PEP 503 normalisation). Unset: every installed plugin
+  loads; empty: none does. An entry point of a distribution not in the list is
+  never imported (``Registry.skipped``); a listed name that is not installed
+  is a warning (``Registry.warnings()``), as with simonw/llm's
+  ``LLM_LOAD_PLUGINS``, shown by ``lollm families`` and by every command that
+  routes a checkpoint, and named again in the error when routing then fails.
+* A hook pluggy would never call (a misspelled name, or a hook's name
+  without ``@hookimpl``) makes the plugin broken, with a "did you mean"
+  (:func:`_check_hook_names`, difflib).
+* Install hints: when no installed family serves a type, the error says which
+  distribution would. Installed plugins declare such hints through the hook
+  ``lollm_register_install_hints``; core adds its own small table only for the
+  first-party distributions (:data:`FIRST_PARTY_MODEL_TYPES`,
+  :data:`FIRST_PARTY_GGUF_ARCHITECTURES`), which each of them checks in its
+  tests against its own registered families.
 
 Ctrl-C: Python delivers signals to the main thread only, so a
 ``KeyboardInterrupt`` inside the guard's thread can only come from the
@@ -30,9 +52,11 @@ This module imports no torch and no model code.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.metadata as md
 import io
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -40,12 +64,16 @@ from typing import Any, Callable, Iterable
 import pluggy
 
 from lollm import hookspecs
-from lollm.errors import DuplicateModelType, PluginError, UnknownModelType
+from lollm.errors import DuplicateModelType, PluginError, UnknownFamily, UnknownModelType
 from lollm.family import Family, validate_family
 
-#: Which distribution serves a model type, for the error message when none is
-#: installed. A hint only: routing uses the installed plugins, never this table.
-KNOWN_PROVIDERS = {
+#: The first-party distribution that serves each model type, for the error when
+#: none is installed (an uninstalled plugin cannot declare anything itself). A
+#: hint only: routing uses the installed plugins, never this table. Each
+#: first-party distribution's tests check its rows against the families it
+#: registers, so the table cannot drift; third parties declare theirs with the
+#: hook ``lollm_register_install_hints``.
+FIRST_PARTY_MODEL_TYPES = {
     "qwen2": "lollm-qwen",
     "qwen3": "lollm-qwen",
     "gemma2": "lollm-gemma",
@@ -58,6 +86,67 @@ KNOWN_PROVIDERS = {
     "qwen3_5_moe": "lollm-qwen3_5",
     "qwen3_5_moe_text": "lollm-qwen3_5",
 }
+#: The same for GGUF ``general.architecture`` values (llama.cpp's names).
+FIRST_PARTY_GGUF_ARCHITECTURES = {
+    "qwen2": "lollm-qwen",
+    "qwen3": "lollm-qwen",
+    "gemma2": "lollm-gemma",
+    "gemma3": "lollm-gemma",
+    "gemma4": "lollm-gemma",
+    "qwen35": "lollm-qwen3_5",
+    "qwen35moe": "lollm-qwen3_5",
+}
+
+#: The environment variable holding the allowlist of plugin distributions.
+LOAD_PLUGINS_ENV = "LOLLM_LOAD_PLUGINS"
+
+MODEL_TYPE = "model type"
+GGUF_ARCHITECTURE = "GGUF architecture"
+
+# PEP 508 distribution name, with optional extras for an install hint ("lollm-x[cuda]")
+_DIST_NAME = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])(\[[A-Za-z0-9._,-]+\])?$")
+
+
+def normalize_name(name: str) -> str:
+    """A distribution name as PEP 503 compares them: runs of ``-``, ``_``, ``.`` become ``-``, lower case."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_allowlist(text: str | None = None) -> dict[str, str] | None:
+    """``$LOLLM_LOAD_PLUGINS`` (or ``text``) as {normalised name: name as written}; None when unset.
+
+    Unset: every plugin loads. ``""`` (or only commas and spaces): none does.
+    Raises PluginError naming the variable and the entry that is not a valid
+    distribution name (a typo such as ``lollm qwen``), instead of silently
+    loading nothing.
+    """
+    if text is None:
+        text = os.environ.get(LOAD_PLUGINS_ENV)
+        if text is None:
+            return None
+    names: dict[str, str] = {}
+    for raw in text.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if not _DIST_NAME.match(name):
+            raise PluginError(
+                f"{LOAD_PLUGINS_ENV}: {name!r} is not a distribution name (the list is pip names separated "
+                f"by commas, e.g. {LOAD_PLUGINS_ENV}=lollm-qwen,lollm-gemma)"
+            )
+        names.setdefault(normalize_name(name), name)
+    return names
+
+
+@dataclass(frozen=True)
+class InstallHint:
+    """``pip install {install}`` serves ``key`` (a model type or a GGUF architecture); ``source`` says who said so."""
+
+    kind: str  # MODEL_TYPE or GGUF_ARCHITECTURE
+    key: str
+    install: str  # a pip requirement: a distribution name, with extras at most
+    source: str
 
 
 @dataclass(frozen=True)
@@ -79,12 +168,27 @@ class BrokenPlugin:
     error: str
 
 
+@dataclass(frozen=True)
+class SkippedPlugin:
+    """An installed entry point left out, never imported, because ``$LOLLM_LOAD_PLUGINS`` does not name its distribution."""
+
+    plugin: str
+    distribution: str
+    version: str
+
+
 @dataclass
 class Registry:
     """All installed families, indexed by model type and GGUF architecture."""
 
     families: list[InstalledFamily] = field(default_factory=list)
     broken: list[BrokenPlugin] = field(default_factory=list)
+    skipped: list[SkippedPlugin] = field(default_factory=list)
+    # $LOLLM_LOAD_PLUGINS as read ({normalised: as written}), None when unset
+    allowlist: dict[str, str] | None = None
+    # names in the allowlist matched by no installed plugin, with why
+    unmatched: list[str] = field(default_factory=list)
+    hints: list[InstallHint] = field(default_factory=list)
     by_model_type: dict[str, InstalledFamily] = field(default_factory=dict)
     by_gguf_architecture: dict[str, InstalledFamily] = field(default_factory=dict)
     # a type claimed twice maps to every claimant; looked up only to raise
@@ -112,34 +216,80 @@ class Registry:
                     index[key] = entry
 
     # -- routing --------------------------------------------------------
-    def route(self, model_type: str | None = None, *, gguf_architecture: str | None = None) -> InstalledFamily:
+    def route(self, model_type: str | None = None, *, gguf_architecture: str | None = None,
+              family: str | None = None) -> InstalledFamily:
         """Return the family serving ``model_type`` (or ``gguf_architecture``).
 
-        Raises UnknownModelType (naming the type, the installed families with
-        their distributions, and the distribution that would serve it when
-        known) or DuplicateModelType (naming both claimants).
+        ``family`` (the CLI's ``--family NAME``) picks the family by name: it
+        settles a type that several plugins claim, and is checked against what
+        that family declares. Raises UnknownFamily (no installed family has that
+        name; the installed ones are named), PluginError (the named family does
+        not declare this type), UnknownModelType (naming the type, the installed
+        families with their distributions, and which distribution would serve it
+        when a hint is known) or DuplicateModelType (naming every claimant and
+        ``--family``).
         """
         if (model_type is None) == (gguf_architecture is None):
             raise ValueError("route() needs exactly one of model_type or gguf_architecture")
-        kind = "model type" if model_type is not None else "GGUF architecture"
+        kind = MODEL_TYPE if model_type is not None else GGUF_ARCHITECTURE
         key = model_type if model_type is not None else gguf_architecture
+        if family is not None:
+            return self._forced(family, kind, key)
         index = self.by_model_type if model_type is not None else self.by_gguf_architecture
         claimants = self.conflicts.get(f"{kind}:{key}")
         if claimants:
             names = " and ".join(_who(c) for c in claimants)
+            choices = " or ".join(repr(c.family.name) for c in claimants)
             raise DuplicateModelType(
                 f"{kind} {key!r} is claimed by more than one installed plugin: {names}; "
-                f"uninstall one of them"
+                f"choose with --family NAME ({choices}), or leave one out with {LOAD_PLUGINS_ENV}"
             )
         if key in index:
             return index[key]
         raise UnknownModelType(self._unknown_message(kind, key))
 
-    def _unknown_message(self, kind: str, key: str) -> str:
-        lines = [f"no installed lollm family serves {kind} {key!r}."]
-        provider = KNOWN_PROVIDERS.get(key)
-        if provider:
-            lines.append(f"It is provided by the distribution {provider!r}: pip install {provider}")
+    def family_named(self, name: str) -> InstalledFamily:
+        """The installed family called ``name``; UnknownFamily naming the installed ones (and the closest name) if none is."""
+        for entry in self.families:
+            if entry.family.name == name:
+                return entry
+        names = [f.family.name for f in self.families]
+        lines = [f"--family {name!r}: no installed lollm family has that name."]
+        close = difflib.get_close_matches(name, names, n=1)
+        if close:
+            lines[0] += f" Did you mean {close[0]!r}?"
+        lines += self._installed_lines()
+        raise UnknownFamily("\n".join(lines))
+
+    def _forced(self, name: str, kind: str, key: str) -> InstalledFamily:
+        entry = self.family_named(name)
+        declared = entry.family.model_types if kind == MODEL_TYPE else entry.family.gguf_architectures
+        if key in declared:
+            return entry
+        others = [f.family.name for f in self.families
+                  if key in (f.family.model_types if kind == MODEL_TYPE else f.family.gguf_architectures)]
+        which = f"; {kind} {key!r} is declared by: {', '.join(others)}" if others else ""
+        raise PluginError(
+            f"--family {name!r} does not declare the checkpoint's {kind} {key!r} (it declares "
+            f"{', '.join(declared) or 'none'}){which}. A family serves only what it declares: "
+            f"fix the checkpoint's {'config.json model_type' if kind == MODEL_TYPE else 'general.architecture'} "
+            f"or ask the family's author to declare it"
+        )
+
+    def install_hints(self, kind: str, key: str) -> list[InstallHint]:
+        """What would serve ``key``: hints declared by installed plugins first, then core's first-party table."""
+        found = [h for h in self.hints if h.kind == kind and h.key == key]
+        table = FIRST_PARTY_MODEL_TYPES if kind == MODEL_TYPE else FIRST_PARTY_GGUF_ARCHITECTURES
+        if key in table and not any(normalize_name(h.install) == normalize_name(table[key]) for h in found):
+            found.append(InstallHint(kind, key, table[key], "lollm-core's table of first-party distributions"))
+        return found
+
+    def warnings(self) -> list[str]:
+        """One line per ``$LOLLM_LOAD_PLUGINS`` entry that no installed plugin matches (shown, never fatal)."""
+        return [f"{LOAD_PLUGINS_ENV}: {why}" for why in self.unmatched]
+
+    def _installed_lines(self) -> list[str]:
+        lines: list[str] = []
         if self.families:
             lines.append("Installed families:")
             for f in self.families:
@@ -148,10 +298,32 @@ class Registry:
                     types += "; GGUF: " + ", ".join(f.family.gguf_architectures)
                 lines.append(f"  {f.family.name} ({types}) from {f.distribution} {f.version}")
         else:
-            lines.append("No family plugin is installed (only lollm-core).")
+            lines.append("No family plugin is installed (only lollm-core)." if not self.skipped
+                         else "No family plugin is loaded.")
+        if self.skipped:
+            left = ", ".join(sorted({s.distribution for s in self.skipped}))
+            shown = ",".join(self.allowlist.values()) if self.allowlist else ""
+            lines.append(f"Installed but left out by {LOAD_PLUGINS_ENV}={shown!r}: {left}")
+        lines += self.warnings()
         for b in self.broken:
             lines.append(f"Plugin {b.plugin!r} from {b.distribution} failed to load: {b.error}")
-        return "\n".join(lines)
+        return lines
+
+    def _unknown_message(self, kind: str, key: str) -> str:
+        lines = [f"no installed lollm family serves {kind} {key!r}."]
+        skipped = {normalize_name(s.distribution) for s in self.skipped}
+        for hint in self.install_hints(kind, key):
+            if normalize_name(_base_name(hint.install)) in skipped:
+                lines.append(f"It is provided by the distribution {hint.install!r}, which is installed but left out "
+                             f"by {LOAD_PLUGINS_ENV}: add it to the list (hint from {hint.source})")
+            else:
+                lines.append(f"It is provided by the distribution {hint.install!r}: pip install {hint.install} "
+                             f"(hint from {hint.source})")
+        return "\n".join(lines + self._installed_lines())
+
+
+def _base_name(requirement: str) -> str:
+    return requirement.split("[", 1)[0]
 
 
 def _who(entry: InstalledFamily) -> str:
@@ -228,70 +400,177 @@ def _distribution_of(ep: md.EntryPoint) -> tuple[str, str]:
     return "?", "?"
 
 
-def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_plugins: Iterable[tuple[str, object]] = ()) -> Registry:
-    """Load every plugin and collect its families.
+def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_plugins: Iterable[tuple[str, object]] = (),
+                   allowlist: str | None = None) -> Registry:
+    """Load every plugin the user allows and collect its families and install hints.
 
     ``entry_points`` defaults to the installed ones; ``extra_plugins`` are
     ``(name, module_or_object)`` pairs registered directly (used by tests and
-    the conformance kit). A plugin that fails to import (or takes longer than
-    the time limit), does not match the hookspecs, raises or exits in its hook,
-    or registers a bad family is recorded in ``Registry.broken`` and skipped;
-    the others load.
+    the conformance kit; the allowlist does not apply to them). ``allowlist``
+    is the text of ``$LOLLM_LOAD_PLUGINS`` (None: read the variable; see
+    :func:`read_allowlist`): an entry point whose distribution it does not name
+    is recorded in ``Registry.skipped`` and never imported. A plugin that fails
+    to import (or takes longer than the time limit), does not match the
+    hookspecs (a misspelled hook gets a "did you mean"), raises or exits in its
+    hook, or registers a bad family or hint is recorded in ``Registry.broken``
+    and skipped; the others load. Raises PluginError only for a malformed
+    ``$LOLLM_LOAD_PLUGINS`` or ``$LOLLM_PLUGIN_IMPORT_TIMEOUT``.
     """
     timeout = _timeout()
-    registry = Registry()
+    allowed = read_allowlist(allowlist)
+    registry = Registry(allowlist=allowed)
     sources: list[tuple[str, str, str, object]] = []
-    for ep in _entry_points() if entry_points is None else entry_points:
+    installed = list(_entry_points() if entry_points is None else entry_points)
+    for ep in installed:
         dist, version = _distribution_of(ep)
+        if allowed is not None and normalize_name(dist) not in allowed:
+            registry.skipped.append(SkippedPlugin(ep.name, dist, version))
+            continue
         try:
             obj = _guarded(ep.load, f"import of {ep.value!r}", timeout)
         except _Failed as exc:
             registry.broken.append(BrokenPlugin(ep.name, dist, str(exc)))
             continue
         sources.append((ep.name, dist, version, obj))
+    if allowed:
+        registry.unmatched = _unmatched(allowed, installed)
     for name, obj in extra_plugins:
         sources.append((name, name, "(local)", obj))
 
     for name, dist, version, obj in sources:
         try:
-            collected = _guarded(lambda: _register(name, obj), f"plugin {name!r}", timeout)
+            families, hints = _guarded(lambda: _register(name, obj), f"plugin {name!r}", timeout)
         except _Failed as exc:
             registry.broken.append(BrokenPlugin(name, dist, str(exc)))
             continue
-        for family in collected:
+        for family in families:
             try:
                 registry.add(InstalledFamily(family, name, dist, version))
             except PluginError as exc:
                 registry.broken.append(BrokenPlugin(name, dist, str(exc)))
+        source = f"plugin {name!r} ({dist} {version})"
+        registry.hints += [InstallHint(kind, key, install, source) for kind, key, install in hints]
     return registry
 
 
-def _register(name: str, obj: object) -> list[Family]:
-    """Register one plugin object with a plugin manager of its own and call its hook; return its families.
+def _unmatched(allowed: dict[str, str], installed: list[md.EntryPoint]) -> list[str]:
+    """Why each allowlisted name matches no installed plugin: not installed at all, or installed without one."""
+    dists = {normalize_name(dist): dist for dist in (_distribution_of(ep)[0] for ep in installed)}
+    by_plugin = {normalize_name(ep.name): _distribution_of(ep)[0] for ep in installed}
+    why = []
+    for norm, written in allowed.items():
+        if norm in dists:
+            continue
+        try:
+            md.distribution(written)
+            line = f"{written!r} is installed but has no {hookspecs.ENTRY_POINT_GROUP!r} entry point (it is not a lollm plugin)"
+        except md.PackageNotFoundError:
+            line = f"no distribution {written!r} is installed"
+        close = [by_plugin[norm]] if norm in by_plugin else [
+            dists[d] for d in difflib.get_close_matches(norm, list(dists), n=1, cutoff=0.8)]
+        if close:
+            line += f"; did you mean the distribution {close[0]!r}?"
+        why.append(line)
+    return why
+
+
+def _hook_names() -> list[str]:
+    return sorted(name for name in vars(hookspecs) if name.startswith("lollm_")
+                  and hasattr(getattr(hookspecs, name), hookspecs.PROJECT_NAME + "_spec"))
+
+
+def _check_hook_names(obj: object) -> None:
+    """A hook implementation pluggy would not call, named with a "did you mean" (difflib).
+
+    Two mistakes are caught: ``@hookimpl`` on a name the contract lacks
+    (``lollm_register_familes``), and a function with a hook's exact name but
+    no ``@hookimpl`` (pluggy ignores it, so the plugin would silently register
+    nothing).
+    """
+    known = _hook_names()
+    marker = hookspecs.PROJECT_NAME + "_impl"
+    for attr in dir(obj):
+        if attr.startswith("__"):
+            continue
+        try:
+            value = getattr(obj, attr)
+        except Exception:  # a property that raises: pluggy's own scan skips it too
+            continue
+        if not callable(value):
+            continue
+        opts = getattr(value, marker, None)
+        if isinstance(opts, dict):
+            hook = opts.get("specname") or attr
+            if hook not in known:
+                close = difflib.get_close_matches(hook, known, n=1, cutoff=0.6)
+                guess = f" (did you mean {close[0]!r}?)" if close else ""
+                raise PluginError(f"does not match the lollm plugin contract: {hook!r} is not a lollm hook{guess}; "
+                                  f"the hooks are {', '.join(known)}")
+        elif attr in known and not hasattr(value, hookspecs.PROJECT_NAME + "_spec"):  # not the spec, star-imported
+            raise PluginError(f"defines {attr} without @hookimpl (from lollm.hookspecs import hookimpl), "
+                              f"so lollm would never call it")
+
+
+def _register(name: str, obj: object) -> tuple[list[Family], list[tuple[str, str, str]]]:
+    """Register one plugin object with a plugin manager of its own and call its hooks; return its families and hints.
 
     Each plugin gets its own pluggy PluginManager, so a plugin left running
     after its time limit can never touch another plugin's registration.
     """
+    _check_hook_names(obj)
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     try:
         pm.register(obj, name=name)
-        # a hook the contract does not have (a typo, or a newer contract) is an error, not a silent no-op
+        # a hook the contract does not have (a newer contract) is an error, not a silent no-op
         pm.check_pending()
     except Exception as exc:  # pluggy's validation errors
         raise PluginError(f"does not match the lollm plugin contract: {exc}") from None
     collected: list[Family] = []
+    hints: list[tuple[str, str, str]] = []
 
     def register(family: Any) -> None:
         collected.append(validate_family(family, plugin=name))
 
-    try:
-        pm.hook.lollm_register_families(register=register)
-    except PluginError:
-        raise
-    except Exception as exc:
-        raise PluginError(f"lollm_register_families raised {type(exc).__name__}: {exc}") from None
-    return collected
+    def register_hint(install: Any, *, model_types: Any = (), gguf_architectures: Any = ()) -> None:
+        hints.extend(validate_install_hint(install, model_types, gguf_architectures, plugin=name))
+
+    for hook, call in (("lollm_register_families", lambda: pm.hook.lollm_register_families(register=register)),
+                       ("lollm_register_install_hints",
+                        lambda: pm.hook.lollm_register_install_hints(register=register_hint))):
+        try:
+            call()
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"{hook} raised {type(exc).__name__}: {exc}") from None
+    return collected, hints
+
+
+def validate_install_hint(install: Any, model_types: Any, gguf_architectures: Any, *,
+                          plugin: str) -> list[tuple[str, str, str]]:
+    """Check one ``register(install, model_types=..., gguf_architectures=...)`` call; return ``(kind, key, install)`` rows.
+
+    ``install`` must be a pip requirement of the plain kind a user can paste
+    (a distribution name, extras at most: no versions, URLs or spaces); the
+    keys tuples (or lists) of non-empty strings, at least one key in all.
+    Raises PluginError naming the plugin and the bad value.
+    """
+    where = f"plugin {plugin!r}: lollm_register_install_hints"
+    if not isinstance(install, str) or not _REQUIREMENT.match(install):
+        raise PluginError(f"{where}: install={install!r} is not a distribution name (e.g. 'lollm-llama')")
+    rows: list[tuple[str, str, str]] = []
+    for kind, arg, keys in ((MODEL_TYPE, "model_types", model_types),
+                            (GGUF_ARCHITECTURE, "gguf_architectures", gguf_architectures)):
+        if isinstance(keys, str) or not isinstance(keys, (tuple, list)):
+            raise PluginError(f"{where}: {arg} must be a tuple of strings, got {type(keys).__name__}")
+        for key in keys:
+            if not isinstance(key, str) or not key.strip():
+                raise PluginError(f"{where}: {arg} holds {key!r}, not a non-empty string")
+            rows.append((kind, key, install))
+    if not rows:
+        raise PluginError(f"{where}: the hint for {install!r} names no model type and no GGUF architecture")
+    return rows
 
 
 _REGISTRY: Registry | None = None

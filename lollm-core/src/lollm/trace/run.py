@@ -68,18 +68,19 @@ def reference_for(loaded: LoadedModel):
 
 def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
               think: bool | None = None, compare_reference: bool = False, device: str = "auto", dtype: str = "float32",
-              max_tokens: int = MAX_TOKENS, progress: bool = False) -> TraceResult:
+              max_tokens: int = MAX_TOKENS, progress: bool = False, family: str | None = None) -> TraceResult:
     """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
 
     compare_reference: also run the parity gate's reference (transformers) and store the
                        divergence of every hidden state (our model is freed first).
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
+    family:            the family's name (``--family``) when several installed plugins claim the type.
     Raises LollmError subclasses (bad checkpoint, prompt too long, no transformers for a comparison).
     """
     output = Path(output)
     if not output.parent.exists():
         raise LollmError(f"lollm trace: the folder {output.parent} of --output does not exist")
-    loaded = open_model(spec, device=device, dtype=dtype, progress=progress)
+    loaded = open_model(spec, device=device, dtype=dtype, progress=progress, family=family)
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     if len(ids) > max_tokens:
         raise LollmError(f"lollm trace: the prompt is {len(ids)} tokens, more than --max-tokens {max_tokens} "
