@@ -1,11 +1,16 @@
-"""qwen2 and qwen3 through the conformance kit that third-party families use (lollm.testing.conformance)."""
+"""qwen2 and qwen3 through the conformance kit that third-party families use (lollm.testing.conformance).
+
+The tiny checkpoints are *sensitive* ones (docs/conformance-kit.md): weights drawn with a
+wide spread and a large norm epsilon, so that a wrong RoPE base, epsilon or attention
+scale moves the logits far past the kit's bounds (the kit checks that itself).
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from lollm.testing.conformance import FamilyConformance
-from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
+from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
 
 from _qwen_tiny import real_config
 
@@ -19,7 +24,18 @@ class TestQwen2Conformance(FamilyConformance):
 
     @pytest.fixture
     def checkpoint_dir(self, tmp_path):
-        return write_tiny_checkpoint(shrink_config(real_config("qwen2")), tmp_path / "qwen2", schema="transformers5")
+        config = shrink_config(real_config("qwen2"), rms_norm_eps=SENSITIVE_NORM_EPS)
+        return write_tiny_checkpoint(config, tmp_path / "qwen2", schema="transformers5", init_std=SENSITIVE_INIT_STD)
+
+
+class TestQwen2YarnConformance(TestQwen2Conformance):
+    """qwen2 with YaRN RoPE scaling (Qwen2.5's long-context setting), so that the kit checks it too."""
+
+    @pytest.fixture
+    def checkpoint_dir(self, tmp_path):
+        config = shrink_config(real_config("qwen2"), rms_norm_eps=SENSITIVE_NORM_EPS,
+                               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+        return write_tiny_checkpoint(config, tmp_path / "qwen2", schema="hub", init_std=SENSITIVE_INIT_STD)
 
 
 class TestQwen3Conformance(FamilyConformance):
@@ -31,4 +47,5 @@ class TestQwen3Conformance(FamilyConformance):
 
     @pytest.fixture
     def checkpoint_dir(self, tmp_path):
-        return write_tiny_checkpoint(shrink_config(real_config("qwen3")), tmp_path / "qwen3", schema="hub")
+        config = shrink_config(real_config("qwen3"), rms_norm_eps=SENSITIVE_NORM_EPS)
+        return write_tiny_checkpoint(config, tmp_path / "qwen3", schema="hub", init_std=SENSITIVE_INIT_STD)
