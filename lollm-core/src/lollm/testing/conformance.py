@@ -105,15 +105,15 @@ def _fill(T: int, sizes: list[int]) -> list[int]:
 def _schedules(T: int, window: int | None) -> list[list[int]]:
     """Chunk sizes the self-consistency test feeds through a cache, each summing to T.
 
-    Always: one token at a time, half then one at a time, chunks of 3 and 1. With a
-    sliding window W: a prefill of W - 1, W and W + 1 positions then one at a time (the
-    first decodes cross the window's edge), and chunks of W - 1 and of W + 1 (chunks
-    that straddle it, so that a chunk must read keys the ring has since overwritten).
+    Always: one token at a time (decodes cross every boundary), half then one at a time,
+    chunks of 3 and 1. With a sliding window W: a prefill of W + 1 positions (it wraps
+    around a ring of W slots) then one at a time, and chunks of W - 1, 1, W + 1 in turn
+    (a chunk that ends just before the window's edge, a decode on the edge, a chunk
+    that straddles it and must read keys a ring has since overwritten).
     """
     out = [[1] * T, [T // 2] + [1] * (T - T // 2), _fill(T, [3, 1])]
-    if window:
-        out += [[first] + [1] * (T - first) for first in (window - 1, window, window + 1) if 0 < first < T]
-        out += [_fill(T, [size]) for size in (window - 1, window + 1) if 1 < size < T]
+    if window and window + 1 < T:
+        out += [[window + 1] + [1] * (T - window - 1), _fill(T, [max(1, window - 1), 1, window + 1])]
     unique: list[list[int]] = []
     for schedule in out:
         if schedule not in unique:
