@@ -17,17 +17,24 @@ from _gemma_testing import hub_config, tiny_gemma2, tiny_gemma3_1b
 
 
 def sensitive_gemma3() -> dict:
-    """tiny gemma-3-1b-it with the linear RoPE scaling (x8, global layers) of gemma-3-4b-it's decoder."""
+    """tiny gemma-3-1b-it with the linear RoPE scaling (x8, global layers) of gemma-3-4b-it's decoder.
+
+    ``query_pre_attn_scalar`` = head_dim, as in every real Gemma but 27B: a GGUF does not carry
+    it (llama.cpp derives it from head_dim), and the kit's GGUF mode writes this checkpoint as one.
+    """
+    cfg = tiny_gemma3_1b()
     scaling = hub_config("google__gemma-3-4b-it")["text_config"]["rope_scaling"]
-    return {**tiny_gemma3_1b(), "rope_scaling": scaling, "rms_norm_eps": SENSITIVE_NORM_EPS}
+    return {**cfg, "rope_scaling": scaling, "rms_norm_eps": SENSITIVE_NORM_EPS, "query_pre_attn_scalar": cfg["head_dim"]}
 
 
 def sensitive_gemma2() -> dict:
-    return {**tiny_gemma2(), "rms_norm_eps": SENSITIVE_NORM_EPS}
+    cfg = tiny_gemma2()
+    return {**cfg, "rms_norm_eps": SENSITIVE_NORM_EPS, "query_pre_attn_scalar": cfg["head_dim"]}
 
 
 class TestGemma2Conformance(FamilyConformance):
     reference_available = True
+    gguf_types = ("F32", "Q8_0")
 
     @pytest.fixture
     def family_name(self):
@@ -40,6 +47,7 @@ class TestGemma2Conformance(FamilyConformance):
 
 class TestGemma3Conformance(FamilyConformance):
     reference_available = True
+    gguf_types = ("F32", "F16", "Q8_0", "Q4_0")
 
     @pytest.fixture
     def family_name(self):

@@ -17,6 +17,7 @@ from _qwen_tiny import real_config
 
 class TestQwen2Conformance(FamilyConformance):
     reference_available = True
+    gguf_types = ("F32", "F16", "Q8_0", "Q4_0")
 
     @pytest.fixture
     def family_name(self):
@@ -31,6 +32,8 @@ class TestQwen2Conformance(FamilyConformance):
 class TestQwen2YarnConformance(TestQwen2Conformance):
     """qwen2 with YaRN RoPE scaling (Qwen2.5's long-context setting), so that the kit checks it too."""
 
+    gguf_types = ("Q8_0",)
+
     @pytest.fixture
     def checkpoint_dir(self, tmp_path):
         config = shrink_config(real_config("qwen2"), rms_norm_eps=SENSITIVE_NORM_EPS,
@@ -40,6 +43,7 @@ class TestQwen2YarnConformance(TestQwen2Conformance):
 
 class TestQwen3Conformance(FamilyConformance):
     reference_available = True
+    gguf_types = ("F16", "Q4_0")
 
     @pytest.fixture
     def family_name(self):

@@ -70,6 +70,10 @@ UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
 TIE_CANDIDATES = ("lm_head", "embed", "wte", "tok_embeddings", "output.weight")
 
 
+#: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
+REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
+                   "test_reference_checkpoint_is_sensitive", "test_gguf_parity_with_the_reference")
+
 #: With a sliding window W, the test prompt has 3 W + 2 positions when that is at most this many.
 MAX_WINDOWED_PROMPT = 128
 
@@ -377,6 +381,10 @@ class FamilyConformance:
                              logits by more than ``sensitivity_margin * parity_max_abs_diff``.
     sensitivity_checks:      which perturbations the sensitivity test applies (those that apply to
                              the checkpoint: a config without RoPE scaling has no "rope_scaling").
+    gguf_types:              the GGUF mode: ggml types (of ``lollm.testing.gguf_writer.GGUF_TYPES``) in which
+                             the checkpoint is written as a GGUF the converter's way, loaded through
+                             the family and compared with the reference on the same (dequantized)
+                             weights, with the parity bounds; () (the default): no GGUF mode.
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
     """
@@ -389,6 +397,7 @@ class FamilyConformance:
     parity_max_abs_diff: float = 1e-3
     sensitivity_margin: float = 10.0
     sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
+    gguf_types: tuple[str, ...] = ()
     tensor_to_drop: str | None = None
 
     # -- fixtures the plugin author provides ---------------------------------------
@@ -769,3 +778,34 @@ class FamilyConformance:
             f"(prompt: {prompt_ids.shape[1]} positions); moved by: "
             + ", ".join(f"{k} {v:.3e}" for k, v in moved.items())
         )
+
+    # -- 9. the GGUF mode ------------------------------------------------------------------------
+
+    def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path):
+        """The checkpoint as a GGUF of each of ``gguf_types`` (:func:`lollm.testing.gguf_writer.write_tiny_gguf`,
+        the converter's names, metadata and quirks) loads through the family and matches the
+        reference run on the weights as the file holds them, after a prefill and through the cache."""
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        if not self.gguf_types:
+            pytest.skip("gguf_types = (): the GGUF mode is off for this family")
+        from lollm.testing.gguf_writer import write_tiny_gguf
+
+        T = prompt_ids.shape[1]
+        first = min(T - 1, sliding_window - 1) if sliding_window else T // 2
+        for ggml_type in self.gguf_types:
+            path = write_tiny_gguf(checkpoint_dir, tmp_path / f"tiny-{ggml_type}.gguf", ggml_type,
+                                   reference_dir=tmp_path / f"reference-{ggml_type}")
+            gguf_checkpoint = load_checkpoint(path)
+            assert gguf_checkpoint.fmt == "gguf", f"{path} was read as {gguf_checkpoint.fmt!r}"
+            model = load(gguf_checkpoint)
+            ref_logits, ref_hidden = self._reference(installed, load_checkpoint(tmp_path / f"reference-{ggml_type}"))(prompt_ids)
+            ids = prompt_ids[0].tolist()
+            with torch.inference_mode():
+                hidden: list[torch.Tensor] = []
+                ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
+                self._check_parity(ours, ref_logits, ids, f"GGUF {ggml_type}: prefill", hidden, ref_hidden)
+                cache = model.new_cache(T)
+                rows = [model(prompt_ids[:, :first], cache)[0].float()]
+                rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
+            self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode")
