@@ -29,16 +29,21 @@ class TestQwen2Conformance(FamilyConformance):
         return write_tiny_checkpoint(config, tmp_path / "qwen2", schema="transformers5", init_std=SENSITIVE_INIT_STD)
 
 
+def sensitive_qwen2_yarn() -> dict:
+    """tiny Qwen2.5 with YaRN RoPE scaling (the long-context setting of Qwen2.5's model cards), x4 over an
+    original context of 8 positions, so that the scaling changes the angles inside the kit's prompt."""
+    return shrink_config(real_config("qwen2"), rms_norm_eps=SENSITIVE_NORM_EPS,
+                         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+
+
 class TestQwen2YarnConformance(TestQwen2Conformance):
-    """qwen2 with YaRN RoPE scaling (Qwen2.5's long-context setting), so that the kit checks it too."""
+    """qwen2 with YaRN RoPE scaling, so that the kit checks the scaling too."""
 
     gguf_types = ("Q8_0",)
 
     @pytest.fixture
     def checkpoint_dir(self, tmp_path):
-        config = shrink_config(real_config("qwen2"), rms_norm_eps=SENSITIVE_NORM_EPS,
-                               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
-        return write_tiny_checkpoint(config, tmp_path / "qwen2", schema="hub", init_std=SENSITIVE_INIT_STD)
+        return write_tiny_checkpoint(sensitive_qwen2_yarn(), tmp_path / "qwen2", schema="hub", init_std=SENSITIVE_INIT_STD)
 
 
 class TestQwen3Conformance(FamilyConformance):
