@@ -23,15 +23,27 @@ What the inherited tests prove (each one is a method below, read them):
 2. the plugin module it came from imports no torch (``lollm families`` stays light);
 3. ``load`` builds a model meeting :mod:`lollm.model`'s protocol: attributes, ``new_cache``,
    forward shapes, ``logits_to_keep``, ``num_layers + 1`` hidden states;
-4. prefill-all equals prefill-then-decode (one token or a chunk at a time);
+4. prefill-all equals prefill-then-decode (one token or a chunk at a time, and with a sliding
+   window W, prefills and chunks that end before, on and after its edge), cosine and max |Δ|
+   bounded at every position;
 5. the cache is preallocated: decoding never replaces its tensors;
 6. a missing and an unexpected tensor raise :class:`~lollm.errors.WeightsError` naming it;
 7. the shared generate loop drives the model, and greedy generation follows the logits;
    with a prompt cache (:mod:`lollm.prompt_cache`), every turn of a conversation equals a
    cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
-   transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``)
-   and cosine >= :attr:`FamilyConformance.parity_min_cosine` at fp32.
+   transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``),
+   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <=
+   :attr:`FamilyConformance.parity_max_abs_diff` at fp32, after a prefill and through the
+   cache (prefill then decode); and the checkpoint is *sensitive*: perturbing the reference's
+   RoPE base, RoPE scaling, norm epsilon, attention scale or sliding window moves its logits
+   far past those bounds (:func:`reference_sensitivity`), or the kit fails the checkpoint;
+9. with ``gguf_types`` set: the checkpoint written as a GGUF the converter's way
+   (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
+   matches the reference run on the weights the file holds.
+
+Why these checks and bounds, and the mutants that prove the kit fails a wrong family:
+docs/conformance-kit.md (:mod:`lollm.testing.mutation` makes those mutants).
 
 The family must be installed (its entry point visible) for the tests to find
 it; while developing, override the ``registry`` fixture with
@@ -759,6 +771,9 @@ class FamilyConformance:
         changed) and must move its logits by more than ``sensitivity_margin`` times
         ``parity_max_abs_diff`` at some position; otherwise a family with that bug would pass
         the parity tests above, and this test fails the checkpoint, naming what it cannot see.
+
+        The reference here is always transformers' model of the checkpoint (a family's own
+        ``parity_reference`` cannot be perturbed); ``sensitivity_checks = ()`` turns the test off.
         """
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")

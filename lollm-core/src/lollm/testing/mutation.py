@@ -167,7 +167,8 @@ def run_kit(package: str, copy: str, family_name: str, checkpoint_dir: str | Pat
 
     ``copy`` must have been made by ``copy_family(package, workdir / "src", copy, ...)``. The
     kit runs with ``reference_available = True`` and the class ``attributes`` given
-    (e.g. ``{"parity_max_abs_diff": 1e-3}``), on ``checkpoint_dir``, through a nested
+    (e.g. ``{"parity_max_abs_diff": 1e-3}``; each value is written into the test file with
+    ``repr``, so plain literals only), on ``checkpoint_dir``, through a nested
     ``pytest.main`` in this process (temporary files under ``workdir``).
     """
     workdir = Path(workdir)
@@ -180,8 +181,9 @@ def run_kit(package: str, copy: str, family_name: str, checkpoint_dir: str | Pat
     collector = _Collector()
     args = [str(test_file), "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "--rootdir", str(workdir),
             "-c", str(workdir / "pytest.ini"), "--basetemp", str(workdir / "tmp"), "-k", " or ".join(tests)]
-    pytest.main(args, plugins=[collector])
+    code = pytest.main(args, plugins=[collector])
     missing = [t for t in tests if t not in collector.run.outcomes]
     if missing:
-        raise RuntimeError(f"the kit run on {copy} did not report {missing}; outcomes: {collector.run.outcomes}")
+        raise RuntimeError(f"the kit run on {copy} (pytest exit code {int(code)}, test file {test_file}) did not "
+                           f"report {missing}; outcomes: {collector.run.outcomes}")
     return collector.run
