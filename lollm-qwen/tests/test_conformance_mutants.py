@@ -62,3 +62,17 @@ def test_the_kit_fails_a_copy_with_one_bug(mutation, checkpoint, tmp_path):
     assert not missing, f"{mutation}: the kit passed {sorted(missing)}; outcomes {run.outcomes}"
     for name, needle in must_fail.items():
         assert needle in run.failed[name], f"{mutation}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
+
+
+def test_the_kit_fails_a_checkpoint_that_cannot_see_the_bugs(tmp_path):
+    """transformers' default initialisation and the hub's epsilon (1e-6): the kit refuses the checkpoint."""
+    from lollm.testing.tiny import shrink_config
+
+    from _qwen_tiny import real_config
+
+    blind = write_tiny_checkpoint(shrink_config(real_config("qwen2")), tmp_path / "blind", schema="hub")
+    copy = copy_family(PACKAGE, tmp_path / "src", "copy_qwen2_blind")
+    run = run_kit(PACKAGE, copy, "qwen2", blind, tmp_path, tests=["test_reference_checkpoint_is_sensitive"])
+    message = run.failed["test_reference_checkpoint_is_sensitive"]
+    assert "the tiny checkpoint is insensitive to rope_theta" in message, message
+    assert "norm_eps" in message and "init_std" in message, message
