@@ -749,7 +749,7 @@ class FamilyConformance:
             pytest.skip("reference_available = False: no transformers reference for this family")
         T = prompt_ids.shape[1]
         ref_logits, _ = self._reference(installed, checkpoint)(prompt_ids)
-        first = min(T - 1, sliding_window - 1) if sliding_window else T // 2
+        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
         schedules = [[first] + [1] * (T - first)]
         if sliding_window:
             schedules.append(_fill(T, [sliding_window + 1]))
@@ -807,7 +807,7 @@ class FamilyConformance:
         from lollm.testing.gguf_writer import write_tiny_gguf
 
         T = prompt_ids.shape[1]
-        first = min(T - 1, sliding_window - 1) if sliding_window else T // 2
+        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
         for ggml_type in self.gguf_types:
             path = write_tiny_gguf(checkpoint_dir, tmp_path / f"tiny-{ggml_type}.gguf", ggml_type,
                                    reference_dir=tmp_path / f"reference-{ggml_type}")
