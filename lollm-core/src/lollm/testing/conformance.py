@@ -23,15 +23,27 @@ What the inherited tests prove (each one is a method below, read them):
 2. the plugin module it came from imports no torch (``lollm families`` stays light);
 3. ``load`` builds a model meeting :mod:`lollm.model`'s protocol: attributes, ``new_cache``,
    forward shapes, ``logits_to_keep``, ``num_layers + 1`` hidden states;
-4. prefill-all equals prefill-then-decode (one token or a chunk at a time);
+4. prefill-all equals prefill-then-decode (one token or a chunk at a time, and with a sliding
+   window W, prefills and chunks that end before, on and after its edge), cosine and max |Δ|
+   bounded at every position;
 5. the cache is preallocated: decoding never replaces its tensors;
 6. a missing and an unexpected tensor raise :class:`~lollm.errors.WeightsError` naming it;
 7. the shared generate loop drives the model, and greedy generation follows the logits;
    with a prompt cache (:mod:`lollm.prompt_cache`), every turn of a conversation equals a
    cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
-   transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``)
-   and cosine >= :attr:`FamilyConformance.parity_min_cosine` at fp32.
+   transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``),
+   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <=
+   :attr:`FamilyConformance.parity_max_abs_diff` at fp32, after a prefill and through the
+   cache (prefill then decode); and the checkpoint is *sensitive*: perturbing the reference's
+   RoPE base, RoPE scaling, norm epsilon, attention scale or sliding window moves its logits
+   far past those bounds (:func:`reference_sensitivity`), or the kit fails the checkpoint;
+9. with ``gguf_types`` set: the checkpoint written as a GGUF the converter's way
+   (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
+   matches the reference run on the weights the file holds.
+
+Why these checks and bounds, and the mutants that prove the kit fails a wrong family:
+docs/conformance-kit.md (:mod:`lollm.testing.mutation` makes those mutants).
 
 The family must be installed (its entry point visible) for the tests to find
 it; while developing, override the ``registry`` fixture with
@@ -61,13 +73,190 @@ from lollm.hookspecs import ENTRY_POINT_GROUP
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, Registry, build_registry
 
-__all__ = ["FamilyConformance", "check_prompt_cache_turns"]
+__all__ = ["FamilyConformance", "check_prompt_cache_turns", "reference_sensitivity"]
 
 #: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
 UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
 #: Substrings of tensor names that may be legitimately absent (tied embeddings);
 #: the "missing tensor" test does not drop those unless told to.
 TIE_CANDIDATES = ("lm_head", "embed", "wte", "tok_embeddings", "output.weight")
+
+
+#: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
+REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
+                   "test_reference_checkpoint_is_sensitive", "test_gguf_parity_with_the_reference")
+
+#: With a sliding window W, the test prompt has 3 W + 2 positions when that is at most this many.
+MAX_WINDOWED_PROMPT = 128
+
+#: The perturbations of the reference the sensitivity test applies (:func:`reference_sensitivity`).
+SENSITIVITY_CHECKS = ("rope_theta", "rope_scaling", "norm_eps", "attention_scale", "sliding_window")
+SENSITIVITY_CHECKS_HELP = {
+    "rope_theta": "the RoPE base times 2",
+    "rope_scaling": "the RoPE scaling removed",
+    "norm_eps": "the norm epsilon times 0.1",
+    "attention_scale": "the attention scale times 1.25",
+    "sliding_window": "the sliding window off by one",
+}
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """``sliding_window`` of a config.json dict (or of its ``text_config``), unless ``use_sliding_window`` is false."""
+    for cfg in (config, config.get("text_config")):
+        if isinstance(cfg, dict):
+            w = cfg.get("sliding_window")
+            if isinstance(w, int) and not isinstance(w, bool) and w > 0 and cfg.get("use_sliding_window", True) is not False:
+                return w
+    return None
+
+
+def _fill(T: int, sizes: list[int]) -> list[int]:
+    """Chunks of the sizes given, in turn, until they cover T positions (the last one cut)."""
+    out: list[int] = []
+    while sum(out) < T:
+        out.append(min(sizes[len(out) % len(sizes)], T - sum(out)))
+    return out
+
+
+def _schedules(T: int, window: int | None) -> list[list[int]]:
+    """Chunk sizes the self-consistency test feeds through a cache, each summing to T.
+
+    Always: one token at a time (decodes cross every boundary), half then one at a time,
+    chunks of 3 and 1. With a sliding window W: a prefill of W + 1 positions (it wraps
+    around a ring of W slots) then one at a time, and chunks of W - 1, 1, W + 1 in turn
+    (a chunk that ends just before the window's edge, a decode on the edge, a chunk
+    that straddles it and must read keys a ring has since overwritten).
+    """
+    out = [[1] * T, [T // 2] + [1] * (T - T // 2), _fill(T, [3, 1])]
+    if window and window + 1 < T:
+        out += [[window + 1] + [1] * (T - window - 1), _fill(T, [max(1, window - 1), 1, window + 1])]
+    unique: list[list[int]] = []
+    for schedule in out:
+        if schedule not in unique:
+            unique.append(schedule)
+    return unique
+
+
+def _short(schedule: list[int]) -> str:
+    """[5, 1, 1, 1] -> '[5, 1 x3]' (runs of one size written once)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(schedule):
+        j = i
+        while j < len(schedule) and schedule[j] == schedule[i]:
+            j += 1
+        parts.append(str(schedule[i]) if j - i == 1 else f"{schedule[i]} x{j - i}")
+        i = j
+    return "[" + ", ".join(parts) + "]"
+
+
+def _rope_dicts(config: Any) -> list[dict[str, Any]]:
+    """The RoPE parameter dicts of a transformers 5 config (one, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return []
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return [v for v in params.values() if "rope_theta" in v]
+    return [params] if "rope_theta" in params else []
+
+
+def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
+    """(label, edit of the text config, edit of the built model) for one check; [] when it does not apply."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if name == "rope_theta":
+        if not _rope_dicts(text):
+            return []
+
+        def edit(cfg):
+            for d in _rope_dicts(cfg):
+                d["rope_theta"] = d["rope_theta"] * 2
+        return [("rope_theta", edit, None)]
+    if name == "rope_scaling":
+        if not any(d.get("rope_type", "default") != "default" for d in _rope_dicts(text)):
+            return []
+
+        def edit(cfg):
+            for d in _rope_dicts(cfg):
+                if d.get("rope_type", "default") != "default":
+                    theta = d["rope_theta"]
+                    d.clear()
+                    d.update(rope_type="default", rope_theta=theta)
+        return [("rope_scaling", edit, None)]
+    if name == "norm_eps":
+        keys = [k for k in ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon")
+                if isinstance(getattr(text, k, None), float)]
+        if not keys:
+            return []
+
+        def edit(cfg):
+            for k in keys:
+                setattr(cfg, k, getattr(cfg, k) * 0.1)
+        return [("norm_eps", edit, None)]
+    if name == "attention_scale":
+        def scale(model):
+            found = [m for m in model.modules() if isinstance(getattr(m, "scaling", None), float)]
+            if not found:
+                raise _NotApplicable
+            for m in found:
+                m.scaling = m.scaling * 1.25
+        return [("attention_scale", None, scale)]
+    if name == "sliding_window":
+        w = getattr(text, "sliding_window", None)
+        types = getattr(text, "layer_types", None) or []
+        uses = "sliding_attention" in types or getattr(text, "use_sliding_window", False) is True
+        if not (isinstance(w, int) and w > 1 and uses):
+            return []
+        out = []
+        for delta in (+1, -1):
+            def edit(cfg, delta=delta):
+                cfg.sliding_window = cfg.sliding_window + delta
+            out.append((f"sliding_window {delta:+d}", edit, None))
+        return out
+    raise ValueError(f"unknown sensitivity check {name!r} (known: {', '.join(SENSITIVITY_CHECKS)})")
+
+
+class _NotApplicable(Exception):
+    pass
+
+
+def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
+                          checks: tuple[str, ...] = SENSITIVITY_CHECKS) -> dict[str, float]:
+    """How far each perturbation moves the reference's logits: {label: max |Δ| over positions and vocabulary}.
+
+    The reference is transformers' model of the checkpoint (:func:`lollm.parity.load_reference_model`,
+    float32, CPU). Each perturbation builds the same class again from a copy of its config with
+    one change (RoPE base x2; RoPE scaling removed; norm epsilon x0.1; sliding window +1 and -1),
+    or scales the float ``scaling`` of every attention module by 1.25, loads the same weights,
+    and runs ``ids`` (1, T) without a cache. A perturbation that does not apply (no RoPE scaling in
+    the config, no sliding-window layer, no ``scaling`` attribute) is left out of the result.
+    """
+    import copy
+
+    from lollm.parity import load_reference_model
+
+    base_model = load_reference_model(checkpoint, torch.float32)
+    state = base_model.state_dict()
+
+    @torch.inference_mode()
+    def logits(model) -> torch.Tensor:
+        return model(ids, use_cache=False).logits[0].double()
+
+    base = logits(base_model)
+    moved: dict[str, float] = {}
+    for name in checks:
+        for label, edit_config, edit_model in _perturbations(name, base_model.config):
+            config = copy.deepcopy(base_model.config)
+            if edit_config is not None:
+                edit_config(config.get_text_config() if hasattr(config, "get_text_config") else config)
+            model = type(base_model)(config).to(torch.float32).eval()
+            model.load_state_dict(state, strict=True)
+            if edit_model is not None:
+                try:
+                    edit_model(model)
+                except _NotApplicable:
+                    continue
+            moved[label] = float((logits(model) - base).abs().max())
+    return moved
 
 
 def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -192,18 +381,35 @@ class FamilyConformance:
 
     Class attributes to adjust:
 
-    reference_available:     run the parity test against transformers (it must know the architecture).
-    sequence_length:         positions in the test prompt (kept below the model's context).
+    reference_available:     run the parity tests against transformers (it must know the architecture).
+    sequence_length:         positions in the test prompt at least (kept below the model's context);
+                             with a sliding window W, at least 3 W + 2 (see ``prompt_ids``).
     self_consistency_min_cosine: prefill-all versus prefill-then-decode, per position.
+    self_consistency_max_abs_diff: the same, the largest |Δ| of a logit allowed at any position.
     parity_min_cosine:       ours versus the reference at fp32, per position.
+    parity_max_abs_diff:     ours versus the reference at fp32: the largest |Δ| of a logit allowed at
+                             any position, after a prefill and after a cached decode.
+    sensitivity_margin:      each perturbation of :data:`SENSITIVITY_CHECKS` must move the reference's
+                             logits by more than ``sensitivity_margin * parity_max_abs_diff``.
+    sensitivity_checks:      which perturbations the sensitivity test applies (those that apply to
+                             the checkpoint: a config without RoPE scaling has no "rope_scaling").
+    gguf_types:              the GGUF mode: ggml types (of ``lollm.testing.gguf_writer.GGUF_TYPES``) in which
+                             the checkpoint is written as a GGUF the converter's way, loaded through
+                             the family and compared with the reference on the same (dequantized)
+                             weights, with the parity bounds; () (the default): no GGUF mode.
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
     """
 
     reference_available: bool = False
-    sequence_length: int = 12
+    sequence_length: int = 32
     self_consistency_min_cosine: float = 0.9999
+    self_consistency_max_abs_diff: float = 1e-3
     parity_min_cosine: float = 0.99999
+    parity_max_abs_diff: float = 1e-3
+    sensitivity_margin: float = 10.0
+    sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
+    gguf_types: tuple[str, ...] = ()
     tensor_to_drop: str | None = None
 
     # -- fixtures the plugin author provides ---------------------------------------
@@ -255,9 +461,25 @@ class FamilyConformance:
         return load(checkpoint)
 
     @pytest.fixture
-    def prompt_ids(self, model) -> torch.Tensor:
-        """(1, T) deterministic random ids inside the vocabulary."""
-        T = max(2, min(self.sequence_length, int(model.max_context) - 2))
+    def sliding_window(self, checkpoint: Checkpoint) -> int | None:
+        """The checkpoint's sliding window W (positions a sliding-window query sees), or None.
+
+        Read from config.json (``sliding_window``, or ``text_config.sliding_window``), unless
+        ``use_sliding_window`` is false. Override it when your family spells it otherwise.
+        """
+        return _sliding_window(checkpoint.config)
+
+    @pytest.fixture
+    def prompt_ids(self, model, sliding_window) -> torch.Tensor:
+        """(1, T) deterministic random ids inside the vocabulary.
+
+        T = ``sequence_length``, or 3 W + 2 with a sliding window W when that is longer (so that
+        prompts and chunks cross the window more than once), at most ``model.max_context - 2``.
+        """
+        wanted = self.sequence_length
+        if sliding_window is not None and 3 * sliding_window + 2 <= MAX_WINDOWED_PROMPT:
+            wanted = max(wanted, 3 * sliding_window + 2)
+        T = max(2, min(wanted, int(model.max_context) - 2))
         g = torch.Generator().manual_seed(1234)
         return torch.randint(0, int(model.vocab_size), (1, T), generator=g)
 
@@ -362,29 +584,25 @@ class FamilyConformance:
     # -- 4. self-consistency ------------------------------------------------------------------
 
     @torch.inference_mode()
-    def test_prefill_all_equals_prefill_then_decode(self, model, prompt_ids):
+    def test_prefill_all_equals_prefill_then_decode(self, model, prompt_ids, sliding_window):
         T = prompt_ids.shape[1]
         full = model(prompt_ids, None)[0]
         cached = model(prompt_ids, model.new_cache(T), logits_to_keep=0)[0]
         self._assert_same(full, cached, "prefill with a cache vs without")
-        # one token at a time from the start, half then one at a time, and uneven chunks
-        schedules = [[1] * T, [T // 2] + [1] * (T - T // 2), self._chunks(T)]
-        for schedule in schedules:
+        # one token at a time from the start, half then one at a time, uneven chunks, and
+        # (with a sliding window) prefills and chunks that end just before, at and after it
+        for schedule in _schedules(T, sliding_window):
             cache = model.new_cache(T)
             rows, at = [], 0
             for size in schedule:
                 rows.append(model(prompt_ids[:, at : at + size], cache)[0])
                 at += size
             assert cache.length == T
-            self._assert_same(full, torch.cat(rows), f"prefill-all vs chunks {schedule}")
+            self._assert_same(full, torch.cat(rows), f"prefill-all vs chunks {_short(schedule)}")
 
     @staticmethod
     def _chunks(T: int) -> list[int]:
-        out, size = [], 3
-        while sum(out) < T:
-            out.append(min(size, T - sum(out)))
-            size = 1 if size == 3 else 3
-        return out
+        return _fill(T, [3, 1])
 
     def _assert_same(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"
@@ -393,6 +611,12 @@ class FamilyConformance:
         assert float(cos.min()) >= self.self_consistency_min_cosine, (
             f"{what}: cosine {float(cos[worst]):.7f} at position {worst} "
             f"(required {self.self_consistency_min_cosine})"
+        )
+        diff = (a.double() - b.double()).abs().amax(-1)
+        over = (diff > self.self_consistency_max_abs_diff).nonzero().flatten().tolist()
+        assert not over, (
+            f"{what}: max |Δ| of the logits {float(diff.max()):.3e} at position {int(diff.argmax())} "
+            f"(bound {self.self_consistency_max_abs_diff:g}; over it at positions {over})"
         )
         mismatched = (a.argmax(-1) != b.argmax(-1)).nonzero().flatten().tolist()
         assert not mismatched, f"{what}: argmax differs at positions {mismatched}"
@@ -477,29 +701,126 @@ class FamilyConformance:
 
     # -- 8. parity against the reference ------------------------------------------------------
 
+    def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint):
+        from lollm.parity import default_reference
+
+        build = installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
+        return build(checkpoint, torch.float32)
+
+    def _check_parity(self, ours: torch.Tensor, ref: torch.Tensor, ids: list[int], what: str,
+                      hidden: list[torch.Tensor] | None = None, ref_hidden: list[torch.Tensor] | None = None) -> None:
+        """Fail unless every position has the reference's argmax, cosine >= parity_min_cosine and
+        max |Δ| <= parity_max_abs_diff; the message names the worst position (and the first
+        diverging hidden state when both sides gave them)."""
+        from lollm.parity import compare_logits, layer_cosines
+
+        stats = compare_logits(ours.float(), ref.float(), ids)
+        bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine
+               or s.max_abs_diff > self.parity_max_abs_diff]
+        if not bad:
+            return
+        layers = ""
+        if hidden and ref_hidden and len(ref_hidden) == len(hidden):
+            cos = layer_cosines(hidden, ref_hidden)
+            first = next((i for i, c in enumerate(cos) if c < self.parity_min_cosine), None)
+            layers = f"; per hidden state min cosine {[round(c, 6) for c in cos]}, first diverging: {first}"
+        worst = max(bad, key=lambda s: s.max_abs_diff)
+        pytest.fail(
+            f"{what}: parity failed at {len(bad)} of {len(stats)} positions {[s.position for s in bad][:16]} "
+            f"(argmax, cosine < {self.parity_min_cosine} or max |Δ| > {self.parity_max_abs_diff:g}); "
+            f"worst position {worst.position}: max |Δ| {worst.max_abs_diff:.3e}, cosine {worst.cosine:.7f}, "
+            f"argmax ours {worst.ours_argmax} vs reference {worst.ref_argmax}{layers}",
+            pytrace=False,
+        )
+
     def test_parity_with_the_reference(self, model, installed, checkpoint, prompt_ids):
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
-        from lollm.parity import compare_logits, default_reference, layer_cosines
-
         with torch.inference_mode():
             hidden: list[torch.Tensor] = []
             ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
-        build = installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
-        reference = build(checkpoint, torch.float32)
-        ref_logits, ref_hidden = reference(prompt_ids)
-        stats = compare_logits(ours, ref_logits.float(), prompt_ids[0].tolist())
-        bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine]
-        if bad:
-            layers = ""
-            if ref_hidden and len(ref_hidden) == len(hidden):
-                cos = layer_cosines(hidden, ref_hidden)
-                first = next((i for i, c in enumerate(cos) if c < self.parity_min_cosine), None)
-                layers = f"; per hidden state min cosine {[round(c, 6) for c in cos]}, first diverging: {first}"
-            worst = min(stats, key=lambda s: s.cosine)
-            pytest.fail(
-                f"parity failed at {len(bad)} of {len(stats)} positions (argmax or cosine < {self.parity_min_cosine}); "
-                f"worst position {worst.position}: cosine {worst.cosine:.7f}, max |Δ| {worst.max_abs_diff:.3e}, "
-                f"argmax ours {worst.ours_argmax} vs reference {worst.ref_argmax}{layers}",
-                pytrace=False,
-            )
+        ref_logits, ref_hidden = self._reference(installed, checkpoint)(prompt_ids)
+        self._check_parity(ours, ref_logits, prompt_ids[0].tolist(), "prefill", hidden, ref_hidden)
+
+    def test_cached_decode_matches_the_reference(self, model, installed, checkpoint, prompt_ids, sliding_window):
+        """Ours through the cache (a prefill, then one token at a time; then chunks across the
+        window) equals the reference's prefill of the whole prompt, position by position."""
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        T = prompt_ids.shape[1]
+        ref_logits, _ = self._reference(installed, checkpoint)(prompt_ids)
+        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
+        schedules = [[first] + [1] * (T - first)]
+        if sliding_window:
+            schedules.append(_fill(T, [sliding_window + 1]))
+        with torch.inference_mode():
+            for schedule in schedules:
+                cache = model.new_cache(T)
+                rows, at = [], 0
+                for size in schedule:
+                    rows.append(model(prompt_ids[:, at : at + size], cache)[0].float())
+                    at += size
+                self._check_parity(torch.cat(rows), ref_logits, prompt_ids[0].tolist(),
+                                   f"cached forward in chunks {_short(schedule)} vs the reference's prefill")
+
+    def test_reference_checkpoint_is_sensitive(self, checkpoint, prompt_ids):
+        """The tiny checkpoint can tell a right model from a wrong one.
+
+        Each perturbation of :data:`SENSITIVITY_CHECKS` that applies to the checkpoint is made
+        to the *reference* (transformers, same weights, one config value or attention scale
+        changed) and must move its logits by more than ``sensitivity_margin`` times
+        ``parity_max_abs_diff`` at some position; otherwise a family with that bug would pass
+        the parity tests above, and this test fails the checkpoint, naming what it cannot see.
+
+        The reference here is always transformers' model of the checkpoint (a family's own
+        ``parity_reference`` cannot be perturbed); ``sensitivity_checks = ()`` turns the test off.
+        """
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        moved = reference_sensitivity(checkpoint, prompt_ids, self.sensitivity_checks)
+        if not moved:
+            pytest.skip(f"none of the perturbations {self.sensitivity_checks} applies to this checkpoint's config")
+        need = self.sensitivity_margin * self.parity_max_abs_diff
+        weak = {name: d for name, d in moved.items() if not d > need}
+        assert not weak, (
+            "the tiny checkpoint is insensitive to "
+            + "; ".join(f"{name} ({SENSITIVITY_CHECKS_HELP[name.split(' ')[0]]}: the reference's logits moved by "
+                        f"{d:.3e} at most)" for name, d in weak.items())
+            + f"; each must move them by more than {need:.3e} ({self.sensitivity_margin:g} x parity_max_abs_diff), "
+            f"or a family with that bug passes the parity tests. Make the checkpoint more sensitive: "
+            f"write_tiny_checkpoint(..., init_std=lollm.testing.tiny.SENSITIVE_INIT_STD), "
+            f"rms_norm_eps=SENSITIVE_NORM_EPS in its config, a sliding window under a third of the prompt "
+            f"(prompt: {prompt_ids.shape[1]} positions); moved by: "
+            + ", ".join(f"{k} {v:.3e}" for k, v in moved.items())
+        )
+
+    # -- 9. the GGUF mode ------------------------------------------------------------------------
+
+    def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path):
+        """The checkpoint as a GGUF of each of ``gguf_types`` (:func:`lollm.testing.gguf_writer.write_tiny_gguf`,
+        the converter's names, metadata and quirks) loads through the family and matches the
+        reference run on the weights as the file holds them, after a prefill and through the cache."""
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        if not self.gguf_types:
+            pytest.skip("gguf_types = (): the GGUF mode is off for this family")
+        from lollm.testing.gguf_writer import write_tiny_gguf
+
+        T = prompt_ids.shape[1]
+        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
+        for ggml_type in self.gguf_types:
+            path = write_tiny_gguf(checkpoint_dir, tmp_path / f"tiny-{ggml_type}.gguf", ggml_type,
+                                   reference_dir=tmp_path / f"reference-{ggml_type}")
+            gguf_checkpoint = load_checkpoint(path)
+            assert gguf_checkpoint.fmt == "gguf", f"{path} was read as {gguf_checkpoint.fmt!r}"
+            model = load(gguf_checkpoint)
+            ref_logits, ref_hidden = self._reference(installed, load_checkpoint(tmp_path / f"reference-{ggml_type}"))(prompt_ids)
+            ids = prompt_ids[0].tolist()
+            with torch.inference_mode():
+                hidden: list[torch.Tensor] = []
+                ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
+                self._check_parity(ours, ref_logits, ids, f"GGUF {ggml_type}: prefill", hidden, ref_hidden)
+                cache = model.new_cache(T)
+                rows = [model(prompt_ids[:, :first], cache)[0].float()]
+                rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
+            self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode")

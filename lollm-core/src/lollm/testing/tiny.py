@@ -35,6 +35,15 @@ TINY_DIMENSIONS = {
 }
 
 
+#: The ``init_std`` of :func:`write_tiny_checkpoint` that makes a tiny model's logits depend on
+#: its RoPE, window and scales far beyond float32 rounding (the conformance kit's sensitivity check).
+SENSITIVE_INIT_STD = 0.3
+#: A norm epsilon large enough for a wrong one to show in the logits of a tiny model
+#: (hub configs say 1e-6, far below the mean square of any hidden state): the conformance
+#: kit's sensitivity check perturbs the epsilon and needs the logits to move.
+SENSITIVE_NORM_EPS = 0.1
+
+
 def shrink_config(raw: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A copy of ``raw`` (a config.json dict) with tiny dimensions, every other key kept.
 
@@ -96,6 +105,7 @@ def write_tiny_checkpoint(
     *,
     schema: Literal["hub", "transformers5"] = "transformers5",
     seed: int = 0,
+    init_std: float | None = None,
 ) -> Path:
     """Build the transformers model of ``raw_config`` with random float32 weights and save it in ``folder``.
 
@@ -108,6 +118,12 @@ def write_tiny_checkpoint(
                        ``rope_theta`` at the top level and the scaling (if any) in
                        ``rope_scaling``, no ``rope_parameters``.
     seed: seeds torch before the model is built, so the same call writes the same weights.
+    init_std: when given, every weight matrix (every parameter of 2+ dimensions: embeddings,
+              projections, lm_head) is drawn again from N(0, init_std**2). transformers' default
+              (std 0.02 in most configs) leaves attention nearly uniform, so the logits of a tiny
+              model barely depend on positions or scales and a wrong RoPE can pass a parity
+              check; 0.3 (:data:`SENSITIVE_INIT_STD`) makes them depend on both (see
+              docs/conformance-kit.md: the conformance kit checks it).
     """
     import torch
     import transformers
@@ -125,7 +141,9 @@ def write_tiny_checkpoint(
     with torch.no_grad():
         for param in model.parameters():
             flat = param.reshape(-1)
-            if flat.numel() and bool((flat == flat[0]).all()):  # a norm scale or a bias: a constant
+            if init_std is not None and param.dim() >= 2:
+                param.copy_(init_std * torch.randn(param.shape, generator=generator))
+            elif flat.numel() and bool((flat == flat[0]).all()):  # a norm scale or a bias: a constant
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
     model.save_pretrained(folder)
 
