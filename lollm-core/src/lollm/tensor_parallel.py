@@ -313,6 +313,12 @@ class Sharding:
         also = " or a multiple of it (ranks then share its units)" if replicate else ""
         raise TensorParallelError(f"--tp {n} does not divide {key} = {count} of this model: use a --tp that divides it{also}")
 
+    @property
+    def _local(self):
+        if not hasattr(self, "_local_cache"):
+            self._local_cache = self.local_config()
+        return self._local_cache
+
     def local_config(self):
         """The config this rank builds: every field a spec splits, divided by N (1 where replicated).
 
@@ -323,35 +329,45 @@ class Sharding:
             if isinstance(spec, (Colwise, Rowwise)):
                 for seg in spec.segments:
                     key = seg if isinstance(seg, str) else seg[0]
-                    changes[key] = self._split_count(key, isinstance(spec, Colwise) and spec.replicate)
+                    if key not in changes:
+                        changes[key] = self._split_count(key, isinstance(spec, Colwise) and spec.replicate)
         return dataclasses.replace(self.config, **changes)
 
     # -- one tensor ---------------------------------------------------------------
-    def _segment_ranges(self, spec, full: int, name: str) -> list[tuple[int, int]]:
-        n, r = self.group.world, self.group.rank
-        segs = []
+    def _sizes(self, spec, config) -> list[int] | None:
+        """The segment sizes of a fused tensor under ``config`` (None: one segment, the whole dim)."""
+        if not any(isinstance(seg, tuple) for seg in spec.segments):
+            return None
+        sizes = []
         for seg in spec.segments:
-            if isinstance(seg, str):
-                count, width = self._count(seg), None
-            else:
-                count = self._count(seg[0])
-                width = seg[1] if isinstance(seg[1], int) else self._count(seg[1])
-            segs.append((count, width))
-        if len(segs) == 1 and segs[0][1] is None:
-            if full % segs[0][0]:
-                raise TensorParallelError(f"{name}: {full} features are not {segs[0][0]} equal units")
-            segs = [(segs[0][0], full // segs[0][0])]
-        if any(w is None for _, w in segs) or sum(c * w for c, w in segs) != full:
+            if not isinstance(seg, tuple):
+                raise TensorParallelError(f"{spec}: give every segment of a fused tensor as (count_field, width)")
+            count = getattr(config, seg[0])
+            width = seg[1] if isinstance(seg[1], int) else getattr(config, seg[1])
+            sizes.append(count * width)
+        return sizes
+
+    def _segment_ranges(self, spec, full: int, local: int, name: str) -> list[tuple[int, int]]:
+        """This rank's ranges of a dim of ``full`` features, of which it keeps ``local``.
+
+        Per segment (the whole dim, or each part of a fused tensor): the segment is
+        C = full / local equal chunks of whole units (the local config divided the
+        unit counts), and rank r keeps chunk ``r * C // N``: chunk r when C = N,
+        and a chunk shared by N / C ranks when C < N (GQA's KV heads).
+        """
+        n, r = self.group.world, self.group.rank
+        full_sizes = self._sizes(spec, self.config) or [full]
+        local_sizes = self._sizes(spec, self._local) or [local]
+        if sum(full_sizes) != full or sum(local_sizes) != local:
             raise TensorParallelError(f"{name}: the TP_PLAN segments {spec.segments} do not add up to its {full} features")
         out, offset = [], 0
-        for count, width in segs:
-            if count % n == 0:
-                per = count // n
-                out.append((offset + r * per * width, offset + (r + 1) * per * width))
-            else:  # replicated units (checked in local_config): rank r keeps unit r * count // n
-                unit = r * count // n
-                out.append((offset + unit * width, offset + (unit + 1) * width))
-            offset += count * width
+        for f, l in zip(full_sizes, local_sizes):
+            if l == 0 or f % l or n % (f // l):
+                raise TensorParallelError(f"{name}: {l} of {f} features per rank is not an even split over --tp {n}")
+            chunks = f // l
+            chunk = r * chunks // n
+            out.append((offset + chunk * l, offset + (chunk + 1) * l))
+            offset += f
         return out
 
     def _resize(self, model: nn.Module, name: str, dim: int, ranges: list[tuple[int, int]]) -> None:
@@ -401,14 +417,21 @@ class Sharding:
         return model
 
     def _apply_tensor(self, model: nn.Module, name: str, spec, full_shape: tuple[int, ...]) -> None:
-        leaf = name.rpartition(".")[2]
+        module_name, _, leaf = name.rpartition(".")
+        local_shape = tuple(model.get_submodule(module_name)._parameters[leaf].shape) if module_name else None
         if isinstance(spec, Rowwise) and len(full_shape) == 1:
             # a bias of a row-split layer: whole on rank 0, zero elsewhere (added once by the sum)
             if self.group.rank != 0:
                 self.zero_bias.add(name)
             return
-        dim = spec.dim if not (leaf == "bias" and isinstance(spec, Colwise)) else 0
-        ranges = self._segment_ranges(spec, full_shape[dim], name)
+        dim = (spec.dim if not (leaf == "bias" and isinstance(spec, Colwise)) else 0) % len(full_shape)
+        local = local_shape[dim] if local_shape is not None and len(local_shape) == len(full_shape) else full_shape[dim]
+        if not spec.segments:
+            # a spec that names no config field (a tensor no field sizes): N equal parts
+            if full_shape[dim] % self.group.world:
+                raise TensorParallelError(f"{name}: --tp {self.group.world} does not divide its {full_shape[dim]} features")
+            local = full_shape[dim] // self.group.world
+        ranges = self._segment_ranges(spec, full_shape[dim], local, name)
         self._resize(model, name, dim, ranges)
 
     def _apply_module(self, model: nn.Module, name: str, module: nn.Module, spec, full_shapes) -> None:
