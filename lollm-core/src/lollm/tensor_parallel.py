@@ -384,8 +384,8 @@ class Sharding:
         return [spec for pattern, spec in self.plan.items() if fnmatch.fnmatchcase(name, pattern)]
 
     # -- the model ---------------------------------------------------------------
-    def build(self, cls, *args) -> nn.Module:
-        """Build this rank's share of ``cls(config, *args)`` on the meta device (no memory).
+    def build(self, cls, *args, **kwargs) -> nn.Module:
+        """Build this rank's share of ``cls(config, *args, **kwargs)`` on the meta device (no memory).
 
         The model is built from :meth:`local_config`, so layers whose size follows
         a split config field (heads, MLP width) come out at their local sizes; the
@@ -398,11 +398,11 @@ class Sharding:
         typo would silently replicate a tensor) or a field N does not divide.
         """
         with torch.device("meta"):
-            full = cls(self.config, *args)
+            full = cls(self.config, *args, **kwargs)
             full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters(remove_duplicate=False)}
             names = set(full_shapes) | {n for n, _ in full.named_modules() if n}
             del full
-            model = cls(self.local_config(), *args)
+            model = cls(self._local, *args, **kwargs)
         unused = [p for p in self.plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
         if unused:
             raise TensorParallelError(f"TP_PLAN pattern {unused[0]!r} matches no module or parameter of {cls.__name__}")
