@@ -204,6 +204,32 @@ def backend_for(device: torch.device) -> str:
     return os.environ.get("LOLLM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
 
 
+def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
+    """Check ``--tp tp`` against torchrun's environment; raises TensorParallelError naming what is wrong.
+
+    ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`) or a
+    ``WORLD_SIZE`` other than ``tp``.
+    """
+    env = os.environ if environ is None else environ
+    if tp < 1:
+        raise TensorParallelError(f"--tp {tp}: give the number of processes, 1 or more")
+    if tp == 1:
+        return
+    missing = [name for name in TORCHRUN_ENV if name not in env]
+    if missing:
+        raise TensorParallelError(
+            f"--tp {tp} runs one process per shard, started by torchrun: "
+            f"`torchrun --nproc-per-node {tp} -m lollm run --tp {tp} …` "
+            f"(this process has no {', '.join(missing)} in its environment)"
+        )
+    try:
+        world = int(env["WORLD_SIZE"])
+    except ValueError:
+        raise TensorParallelError(f"--tp {tp}: WORLD_SIZE={env['WORLD_SIZE']!r} is not a number") from None
+    if world != tp:
+        raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
+
+
 def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None) -> Group | None:
     """Join the torchrun process group for ``--tp tp``; None when ``tp`` is 1.
 
@@ -217,22 +243,12 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
     """
     global _group
     env = os.environ if environ is None else environ
-    if tp < 1:
-        raise TensorParallelError(f"--tp {tp}: give the number of processes, 1 or more")
+    check_launch(tp, env)
     if tp == 1:
         return None
     if _group is not None:
         return _group
-    missing = [name for name in TORCHRUN_ENV if name not in env]
-    if missing:
-        raise TensorParallelError(
-            f"--tp {tp} runs one process per shard, started by torchrun: "
-            f"`torchrun --nproc-per-node {tp} -m lollm run --tp {tp} …` "
-            f"(this process has no {', '.join(missing)} in its environment)"
-        )
     world = int(env["WORLD_SIZE"])
-    if world != tp:
-        raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
     import torch.distributed as dist
 
     backend = backend_for(device)

@@ -97,18 +97,21 @@ def run_torchrun(folder: Path, nproc: int, out: Path, prompt: list[int], steps: 
 
 
 def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: int = 12, steps: int = 4,
-                          atol: float = ATOL, device: str = "cpu", vocab: int | None = None) -> dict[str, Any]:
+                          atol: float = ATOL, device: str | None = None, even: bool = True) -> dict[str, Any]:
     """Assert that ``nproc`` processes give the one-process logits (within ``atol``) and greedy ids.
 
-    Also asserts each rank's split tensors hold 1/N of their unsplit bytes (exactly
-    so when N divides every split; GQA's shared KV heads count once per rank, so
-    ranks that replicate them hold more: the report gives the figure). Returns a
-    report: max |diff| for prefill and decode, per-rank bytes.
+    Also asserts that each rank holds the replicated tensors whole and, with
+    ``even`` (N divides every split count), exactly 1/N of the split tensors'
+    bytes; where N exceeds the KV heads (``even=False``) ranks share KV heads and
+    hold more: the report gives the figure. ``device``: ``cpu`` (gloo) or
+    ``cuda`` (NCCL); None reads ``$LOLLM_TP_DEVICE`` (default ``cpu``). Returns a
+    report: max |diff| for prefill and decode, per-rank bytes, unmatched plan patterns.
     """
+    device = device or os.environ.get("LOLLM_TP_DEVICE", "cpu")
     from lollm.pipeline import open_model
 
     loaded = open_model(str(folder), device=device, dtype="float32")
-    vocab = vocab or loaded.model.lm_head.weight.shape[0]
+    vocab = loaded.model.lm_head.weight.shape[0]
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = record(loaded.model, prompt, steps, device=loaded.device)
     out = run_torchrun(folder, nproc, tmp / f"tp{nproc}.pt", prompt, steps, device=device)
@@ -122,7 +125,14 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
     full_split = split_bytes_full(loaded.model, set(out["split_names"]))
     total = param_bytes(loaded.model)
     report = {"prefill_max_diff": prefill_diff, "decode_max_diff": decode_diff, "ids": out["ids"],
-              "full_bytes": total, "full_split_bytes": full_split, "ranks": out["ranks"]}
+              "full_bytes": total, "full_split_bytes": full_split, "ranks": out["ranks"], "unmatched": out["unmatched"]}
+    # what each rank holds: the replicated tensors whole, and its slice of the split ones
+    for rank in report["ranks"]:
+        assert rank["replicated_bytes"] == total - full_split, f"--tp {nproc}: a rank replicates {rank}, expected {total - full_split}"
+    if even:
+        for rank in report["ranks"]:
+            assert rank["split_bytes"] * nproc == full_split, (
+                f"--tp {nproc}: a rank holds {rank['split_bytes']} bytes of split tensors, not 1/{nproc} of {full_split}")
     return report
 
 
@@ -142,6 +152,7 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
     if loaded.tp.rank == 0:
         rec["ranks"] = [{"split_bytes": int(e[0]), "replicated_bytes": int(e[1])} for e in every]
         rec["split_names"] = sorted(tp.slices)
+        rec["unmatched"] = list(tp.unmatched)
         torch.save(rec, out)
     shutdown()
 
