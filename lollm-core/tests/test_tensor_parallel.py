@@ -220,10 +220,11 @@ def _rank_main(rank: int, world: int, store: str, ids: torch.Tensor, out: str) -
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_toy_forward_over_gloo_equals_one_process(tmp_path, world):
+def test_toy_forward_over_gloo_equals_one_process(tmp_path):
+    """Two processes (4 would cost a minute of imports on a 2-core CI; qwen2's test runs 4 under torchrun)."""
     import torch.multiprocessing as mp
 
+    world = 2
     ids = torch.tensor([0, 3, 5, 6, 10, 7])  # ids on both sides of every vocabulary boundary
     torch.manual_seed(0)
     ref = Toy(ToyConfig())
