@@ -146,9 +146,10 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
     tp = loaded.model.tensor_parallel
     rec = record(loaded.model, prompt, steps, device=loaded.device)
     split, rest = tp.sharded_bytes(loaded.model)
-    mine = torch.tensor([split, rest], dtype=torch.int64)
+    where = loaded.device if loaded.tp.backend == "nccl" else "cpu"  # NCCL gathers GPU tensors only
+    mine = torch.tensor([split, rest], dtype=torch.int64, device=where)
     every = [torch.zeros_like(mine) for _ in range(nproc)]
-    dist.all_gather(every, mine.to(loaded.device) if loaded.tp.backend == "nccl" else mine)
+    dist.all_gather(every, mine)
     if loaded.tp.rank == 0:
         rec["ranks"] = [{"split_bytes": int(e[0]), "replicated_bytes": int(e[1])} for e in every]
         rec["split_names"] = sorted(tp.slices)
