@@ -65,7 +65,7 @@ run_tests nccl; nccl=$?
 echo "NCCL result: $nccl (0: passed)"
 if [ "$nccl" -ne 0 ] && [ "$GPUS" -eq 1 ]; then
     echo "== 4. one GPU: the same tests with gloo on CUDA tensors"
-    LOLLM_TP_BACKEND=gloo run_tests gloo-cuda; status=$?
+    export LOLLM_TP_BACKEND=gloo; run_tests gloo-cuda; status=$?
     echo "gloo-on-CUDA result: $status (0: passed); NCCL's failure is in $OUT/nccl.log"
 else
     status=$nccl
