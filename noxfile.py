@@ -185,3 +185,14 @@ def bench_quant(session: nox.Session) -> None:
     """
     _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
     session.run("python", "lollm-core/benchmarks/bench_quant.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_tp(session: nox.Session) -> None:
+    """Tensor-parallel decode with 1, 2 and 4 gloo processes per family: ms per step and the collectives' share
+    (docs/tensor-parallel.md). On a 2-core CPU this measures the overhead of splitting, not a speed-up."""
+    args = ["-e", f"{CORE}[parity]"]
+    for family in FAMILIES:
+        args += ["-e", family]
+    _install(session, *args)
+    session.run("python", "lollm-core/benchmarks/bench_tp.py", *session.posargs, env=OFFLINE)

@@ -169,6 +169,7 @@ def run(
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4: 32 or 128 (64, 256 also work)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm run --tp N …` (float weights; docs/tensor-parallel.md)."),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
     model, _ = which_model(model, model_arg)
@@ -180,6 +181,10 @@ def run(
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
     _check_attn(attn)
     _check_family(family_name)
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        check_launch(tp)
     _check_model_exists(model)
     prompts = _read_prompts(prompt, prompts_file)
 
@@ -206,7 +211,9 @@ def run(
 
     # 3. The weights, then one generation per prompt.
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family_name)
+                        group_size=group_size, tp=tp, family=family_name)
+    if loaded.tp is not None and loaded.tp.rank != 0:
+        _silence_this_rank()  # --tp: every rank computes, rank 0 alone prints
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, tokenizer)
@@ -217,6 +224,17 @@ def run(
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
         _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop, max_new_tokens=max_new_tokens,
                       draft_tokens=draft_tokens if mtp else 0, as_json=as_json)
+    if loaded.tp is not None:
+        from lollm.tensor_parallel import shutdown
+
+        shutdown()
+
+
+def _silence_this_rank() -> None:
+    """Under --tp, ranks other than 0 write nothing: stdout goes to /dev/null, stderr keeps errors only."""
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    err.quiet = True
 
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -918,6 +936,7 @@ def main() -> None:
         finally:
             sys.stdout.flush()  # inside the try: a failing last write is reported like any other
     except LollmError as exc:
+        err.quiet = False  # a --tp rank other than 0 still reports its error
         err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

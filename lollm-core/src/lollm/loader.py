@@ -120,6 +120,30 @@ class TensorSource:
         except SafetensorError as exc:
             raise CheckpointError(f"{self._where[name]}: reading tensor {name!r} failed: {exc}") from None
 
+    def read_slice(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> "torch.Tensor":
+        """Copy only ``ranges`` (``[(start, stop), …]`` along ``dim``) of one tensor out of its file.
+
+        safetensors' ``get_slice`` reads just those bytes: a tensor-parallel rank
+        never holds the whole tensor (docs/tensor-parallel.md). The pieces are
+        concatenated along ``dim``.
+        """
+        import torch
+        from safetensors import SafetensorError, safe_open
+
+        if name not in self._where:
+            raise CheckpointError(f"no tensor named {name!r} in the checkpoint")
+        try:
+            with safe_open(str(self._where[name]), framework="pt") as f:
+                sl = f.get_slice(name)
+                rank = len(sl.get_shape())
+                parts = []
+                for start, stop in ranges:
+                    index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(rank))
+                    parts.append(sl[index])
+        except SafetensorError as exc:
+            raise CheckpointError(f"{self._where[name]}: reading tensor {name!r} failed: {exc}") from None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
     def nbytes(self) -> int:
         """Total size of the tensors as stored in the file(s), in bytes."""
         sizes = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}

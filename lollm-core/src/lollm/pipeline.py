@@ -72,6 +72,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     attn: str = "sdpa"  # the attention backend the commands run it with (lollm.attention)
+    tp: Any = None  # the lollm.tensor_parallel.Group of this rank under --tp N, else None
 
     @property
     def tokenizer(self):
@@ -132,7 +133,7 @@ def pick_quantization(weights: str, quantize: str | None, group_size: int, fmt: 
 
 def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
                attn: str | None = None, weights: str | None = None, quantize: str | None = None,
-               group_size: int = 32, family: str | None = None) -> LoadedModel:
+               group_size: int = 32, family: str | None = None, tp: int = 1) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
     ``spec`` may also be a :class:`Checkpoint` already opened (the CLI opens it
@@ -150,16 +151,29 @@ def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "au
 
     ``family``: the family's name (``--family``), when several installed plugins claim the
     checkpoint's type; see :func:`route`.
+
+    ``tp``: tensor-parallel degree (docs/tensor-parallel.md). Above 1 this process
+    must be one of ``tp`` started by torchrun: it joins the process group
+    (:func:`lollm.tensor_parallel.init`) and loads only its share of the weights.
     """
     if weights is None:
         weights = "auto" if quantize else "float"
     dev = pick_device(device)
+    group = None
+    if tp != 1:  # --tp N: join torchrun's process group; each rank computes on its own device
+        from lollm.tensor_parallel import init
+
+        group = init(tp, dev)
+        dev = group.device
     backend = resolve_backend(attn, dev)
     checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
     installed = route(checkpoint, family)
     dt = pick_dtype(dtype, dev, checkpoint.config)
     checkpoint.weights.quantization = pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
+    checkpoint.weights.tensor_parallel = group  # read by lollm.tensor_parallel.sharding in the family's load
     load = installed.family.resolve("load")
     start = time.perf_counter()
     model = load(checkpoint.config, checkpoint.weights, checkpoint.fmt, dev, dt, progress)
-    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start, backend)
+    if group is not None and getattr(model, "tensor_parallel", None) is None:
+        raise LollmError(f"--tp {tp}: the {installed.family.name} family declares no tensor-parallel plan (TP_PLAN); run it without --tp")
+    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start, backend, group)

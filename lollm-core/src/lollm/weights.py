@@ -241,6 +241,10 @@ def load_weights(
                  requantized per row: the output head, by far the most sensitive matrix
                  (docs/quantized-execution.md measures it).
 
+    Tensor parallel (docs/tensor-parallel.md): a model built by
+    :meth:`lollm.tensor_parallel.Sharding.build` carries its ``tensor_parallel``
+    sharding; each split tensor is then read as this rank's slice only.
+
     The model gets a ``weights_summary`` attribute (:class:`lollm.quantized.WeightsSummary`):
     per stored type, how the tensors were kept.
 
@@ -248,6 +252,7 @@ def load_weights(
     mismatch, an integer or boolean tensor for a floating-point slot, a name
     given twice, or a slot left empty (meta) at the end.
     """
+    sharding = getattr(model, "tensor_parallel", None)  # set by lollm.tensor_parallel.Sharding.build under --tp
     slots: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     slots.update(dict(model.named_buffers(remove_duplicate=False)))
     filled: set[str] = set()
@@ -285,10 +290,13 @@ def load_weights(
                     filled.add(target)
                     packed_from[target] = file_name
                     continue
-            tensor = source.read(file_name)
+            if sharding is not None:  # --tp: only this rank's slice (transform already applied)
+                tensor = sharding.read(source, file_name, target, transform)
+            else:
+                tensor = source.read(file_name)
             if needs_float and not tensor.is_floating_point():
                 raise WeightsError(f"tensor {file_name!r} holds {tensor.dtype}, an integer type, but {target!r} is a floating-point parameter")
-            if transform is not None:
+            if transform is not None and sharding is None:
                 tensor = transform(target, tensor)
             expected = tuple(slots[target].shape)
             if tuple(tensor.shape) != expected:

@@ -502,6 +502,26 @@ class GGUFTensorSource:
         flat = _dequantize(self.gguf.read_raw(name), info.ggml_type, what=f"{self.gguf.path}: tensor {name!r}")
         return torch.from_numpy(flat.reshape(info.shape))
 
+    def read_slice(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Dequantize only ``ranges`` (``[(start, stop), …]`` along ``dim``) of one tensor, float32.
+
+        Along the first (PyTorch) dimension each range is a run of whole rows,
+        read and dequantized alone (a tensor-parallel rank's row slice,
+        docs/tensor-parallel.md); along another dimension the tensor is read
+        whole and cut (ggml blocks run along the last dimension).
+        """
+        import torch
+
+        info = self.gguf._info(name)
+        if dim != 0 or len(info.shape) == 0:
+            whole = self.read(name)
+            return torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim=dim).clone()
+        parts = []
+        for start, stop in ranges:
+            flat = _dequantize(self.gguf.read_raw(name, start, stop), info.ggml_type, what=f"{self.gguf.path}: tensor {name!r}")
+            parts.append(torch.from_numpy(flat.reshape((stop - start, *info.shape[1:]))))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
     def read_raw(self, name: str, start_row: int = 0, stop_row: int | None = None) -> np.ndarray:
         """The tensor's bytes as stored (a new uint8 array; rows ``start_row .. stop_row``), for loads that keep blocks packed."""
         return self.gguf.read_raw(name, start_row, stop_row)

@@ -42,6 +42,7 @@ import torch
 
 from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
 from lollm.weights import load_weights
 
 from .config import Gemma3Config
@@ -113,6 +114,24 @@ def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
     HF names, so the same test picks the same tensors (q_norm and k_norm included).
     """
     return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor
+
+#: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
+#: Attention by whole heads (q by query heads; k, v by KV heads, each rank keeping the KV
+#: heads its query heads read, shared by several ranks when N exceeds them); o_proj by the
+#: same heads on its input side, then one all-reduce. The GeGLU MLP: gate and up by columns,
+#: down by rows, one all-reduce. Embedding and (tied) head by vocabulary rows. Norms replicated.
+TP_PLAN = {
+    "model.embed_tokens": Vocab(),
+    "model.layers.*.self_attn.q_proj": Colwise("num_attention_heads"),
+    "model.layers.*.self_attn.k_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.v_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.o_proj": Rowwise("num_attention_heads"),
+    "model.layers.*.mlp.gate_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.up_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.down_proj": Rowwise("intermediate_size"),
+    "lm_head": Vocab(),
+}
+
 
 #: The output head falls back to the embedding matrix when the checkpoint has no lm_head.weight.
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -194,8 +213,13 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     config.check_weights(tensor_table(weights, name_map_for(fmt, config.multimodal)), fmt)
 
     # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    with torch.device("meta"):
-        model = Gemma3ForCausalLM(config)
+    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
+    tp = sharding(weights, TP_PLAN, config)
+    if tp is None:
+        with torch.device("meta"):
+            model = Gemma3ForCausalLM(config)
+    else:
+        model = tp.build(Gemma3ForCausalLM)
 
     # 4. What is not in the checkpoint: RoPE frequencies and the embedding scale.
     model.materialize(device, dtype)

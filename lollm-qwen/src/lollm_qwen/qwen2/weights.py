@@ -39,6 +39,7 @@ import torch
 
 from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
 from lollm.weights import load_weights
 
 from .config import Qwen2Config
@@ -100,6 +101,23 @@ NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED), "gguf": (GGUF_NAMES, GGUF_IG
 #: no lm_head.weight ("tied embeddings": Qwen2.5-0.5B, -1.5B, -3B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
+#: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
+#: Attention by whole heads (q by query heads; k, v by KV heads, each rank keeping the KV
+#: heads its query heads read, shared by several ranks when N exceeds them); o_proj by the
+#: same heads on its input side, then one all-reduce. The MLP: gate and up by columns, down by
+#: rows, one all-reduce. Embedding and head by vocabulary rows. Norms are replicated.
+TP_PLAN = {
+    "model.embed_tokens": Vocab(),
+    "model.layers.*.self_attn.q_proj": Colwise("num_attention_heads"),
+    "model.layers.*.self_attn.k_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.v_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.o_proj": Rowwise("num_attention_heads"),
+    "model.layers.*.mlp.gate_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.up_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.down_proj": Rowwise("intermediate_size"),
+    "lm_head": Vocab(),
+}
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
@@ -159,8 +177,13 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
 
     # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
+    tp = sharding(weights, TP_PLAN, config)
+    if tp is None:
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(config)
+    else:
+        model = tp.build(Qwen2ForCausalLM)
 
     # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
     model.model.rotary_emb.materialize(device)

@@ -40,6 +40,7 @@ import torch
 
 from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
 from lollm.weights import load_weights
 
 from .config import Qwen3Config
@@ -123,6 +124,23 @@ def quantizable(model_name: str) -> bool:
     return QUANTIZABLE.fullmatch(model_name) is not None
 
 
+#: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
+#: Attention by whole heads (q by query heads; k, v by KV heads, each rank keeping the KV
+#: heads its query heads read, shared by several ranks when N exceeds them); o_proj by the
+#: same heads on its input side, then one all-reduce. The MLP: gate and up by columns, down by
+#: rows, one all-reduce. Embedding and head by vocabulary rows. Norms are replicated.
+TP_PLAN = {
+    "model.embed_tokens": Vocab(),
+    "model.layers.*.self_attn.q_proj": Colwise("num_attention_heads"),
+    "model.layers.*.self_attn.k_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.v_proj": Colwise("num_key_value_heads", replicate=True),
+    "model.layers.*.self_attn.o_proj": Rowwise("num_attention_heads"),
+    "model.layers.*.mlp.gate_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.up_proj": Colwise("intermediate_size"),
+    "model.layers.*.mlp.down_proj": Rowwise("intermediate_size"),
+    "lm_head": Vocab(),
+}
+
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -172,8 +190,13 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
 
     # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
+    tp = sharding(weights, TP_PLAN, config)
+    if tp is None:
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(config)
+    else:
+        model = tp.build(Qwen3ForCausalLM)
 
     # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
     model.model.rotary_emb.materialize(device)

@@ -28,6 +28,7 @@ import torch
 
 from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
 from lollm.weights import load_weights
 
 from .config import Qwen3_5Config
@@ -132,6 +133,40 @@ def name_map(file_name: str) -> str | None:
     return name
 
 
+_QK = ("linear_num_key_heads", "linear_key_head_dim")  # a DeltaNet q or k part: Hk heads of Dk channels
+_V = ("linear_num_value_heads", "linear_value_head_dim")  # the v part: Hv heads of Dv channels
+
+#: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module or parameter -> how it is cut.
+#: Column splits (Colwise) need no communication; each row split (Rowwise) ends with one
+#: all-reduce, so every token mixer and every MLP costs one. Norms are replicated.
+TP_PLAN = {
+    "model.embed_tokens": Vocab(),
+    # gated full attention (and the MTP head's layer: "*layers" covers model.layers and mtp.layers):
+    # q_proj holds each head's queries and output gate side by side, so whole heads keep both
+    "*layers.*.self_attn.q_proj": Colwise("num_attention_heads"),
+    "*layers.*.self_attn.k_proj": Colwise("num_key_value_heads", replicate=True),
+    "*layers.*.self_attn.v_proj": Colwise("num_key_value_heads", replicate=True),
+    "*layers.*.self_attn.o_proj": Rowwise("num_attention_heads"),
+    # Gated DeltaNet by heads: Hk/N query/key heads and the Hv/N value heads that read them (value
+    # head j reads key head j // (Hv/Hk), so contiguous runs keep each group whole). in_proj_qkv and
+    # the depthwise conv run over q | k | v channels: each part is cut apart. The conv window and
+    # the recurrent state in the cache then hold this rank's channels and heads only.
+    "model.layers.*.linear_attn.in_proj_qkv": Colwise(_QK, _QK, _V),
+    "model.layers.*.linear_attn.conv1d": Colwise(_QK, _QK, _V),
+    "model.layers.*.linear_attn.in_proj_z": Colwise("linear_num_value_heads"),
+    "model.layers.*.linear_attn.in_proj_b": Colwise("linear_num_value_heads"),
+    "model.layers.*.linear_attn.in_proj_a": Colwise("linear_num_value_heads"),
+    "model.layers.*.linear_attn.A_log": Colwise("linear_num_value_heads"),
+    "model.layers.*.linear_attn.dt_bias": Colwise("linear_num_value_heads"),
+    "model.layers.*.linear_attn.out_proj": Rowwise("linear_num_value_heads"),
+    # SwiGLU MLP: gate and up by columns, down by rows (one all-reduce)
+    "*layers.*.mlp.gate_proj": Colwise("intermediate_size"),
+    "*layers.*.mlp.up_proj": Colwise("intermediate_size"),
+    "*layers.*.mlp.down_proj": Rowwise("intermediate_size"),
+    "lm_head": Vocab(),
+}
+
+
 def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3_5ForCausalLM:
     """Build a qwen3_5 model from a checkpoint (the ``load`` of the qwen3_5 Family).
 
@@ -165,8 +200,13 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     config.check_weights(tensor_table(weights, name_map))
 
     # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config, with_mtp=with_mtp)
+    #    Under --tp N this rank builds its share: its heads, MLP/expert columns, vocabulary rows (TP_PLAN).
+    tp = sharding(weights, TP_PLAN, config)
+    if tp is None:
+        with torch.device("meta"):
+            model = Qwen3_5ForCausalLM(config, with_mtp=with_mtp)
+    else:
+        model = tp.build(Qwen3_5ForCausalLM, with_mtp=with_mtp)
 
     # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
     model.model.rotary_emb.materialize(device)
