@@ -27,14 +27,15 @@ import shutil
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "everything", "new_family"]
+nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "llama", "everything", "new_family"]
 
 TORCH = "torch==2.13.0"
 CORE = "./lollm-core"
 QWEN = "./lollm-qwen"
 GEMMA = "./lollm-gemma"
 QWEN3_5 = "./lollm-qwen3_5"
-FAMILIES = [QWEN, GEMMA, QWEN3_5]
+LLAMA = "./docs/examples/lollm-llama"  # the worked example of docs/plugins.md
+FAMILIES = [QWEN, GEMMA, QWEN3_5, LLAMA]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
 # The optional extra lollm-core[triton] (--attn triton): the family sessions and `everything` install
 # it and run the kernels in Triton's CPU interpreter; core_only does not, and proves the clean error.
@@ -79,6 +80,13 @@ def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN3_5)
     session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+
+
+@nox.session(tags=["tests"])
+def llama(session: nox.Session) -> None:
+    """lollm-core with the worked example lollm-llama only: the kit on Llama 2/3.2, GGUF (F32, Q8_0), the parity gate."""
+    _install(session, "-e", CORE_TRITON, "-e", LLAMA)
+    session.run("pytest", f"{LLAMA}/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
