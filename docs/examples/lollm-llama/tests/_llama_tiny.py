@@ -205,3 +205,24 @@ def hf_to_gguf(folder: Path, out: Path, matrix_type: str = "F32") -> Path:
     })
     out.parent.mkdir(parents=True, exist_ok=True)
     return write_gguf(out, arch, meta, tensors)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python tests/_llama_tiny.py FOLDER``: a tiny Llama 3.2-shaped checkpoint to try the family on.
+
+    Writes FOLDER/llama3/ (config.json, model.safetensors, tokenizer files), then the same
+    weights as llama.cpp would convert them: FOLDER/llama3-F32.gguf and FOLDER/llama3-Q8_0.gguf.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    folder = parser.parse_args(argv).folder
+    source = write_tiny("llama3", folder / "llama3", tokenizer=True)
+    for matrix_type in ("F32", "Q8_0"):
+        print(hf_to_gguf(source, folder / f"llama3-{matrix_type}.gguf", matrix_type))
+    print(source)
+
+
+if __name__ == "__main__":
+    main()
