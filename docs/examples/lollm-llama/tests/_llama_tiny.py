@@ -101,6 +101,8 @@ CONFIGS = {
     # the switches no released Llama uses, on the Llama 3.2 shape: biases everywhere, untied head
     "llama3-bias": (LLAMA32_1B, {"rope_scaling": TINY_LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True,
                                  "tie_word_embeddings": False}),
+    # Llama 2 with both biases and plain RoPE (one difference from plain Llama 2 at a time)
+    "llama2-bias": (LLAMA2_7B, {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True}),
     # linear RoPE scaling (what some Llama 2 long-context fine-tunes use)
     "llama2-linear": (LLAMA2_7B, {"num_key_value_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
 }
