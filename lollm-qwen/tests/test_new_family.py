@@ -39,7 +39,7 @@ def test_new_family_installs_and_passes_its_own_tests(tmp_path):
         text = path.read_text()
         assert "import lollm_qwen" not in text and "from lollm_qwen" not in text, path
     manifest = (dist / "src/lollm_mine/mine/__init__.py").read_text()
-    assert "MODEL_TYPES = ('mine',)" in manifest and "REFERENCE_MODEL_TYPE = 'qwen2'" in manifest
+    assert "MODEL_TYPES = ('mine',)" in manifest and "REFERENCE_MODEL_TYPES = {'mine': 'qwen2'}" in manifest
 
     site = tmp_path / "site"
     pip = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",

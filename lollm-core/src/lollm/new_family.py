@@ -13,8 +13,8 @@ places), and writes everything around it::
       src/lollm_NAME/plugin.py       the Family record (no torch import)
       src/lollm_NAME/NAME/           the reference family's package, names changed
         __init__.py                  its manifest: MODEL_TYPES = (MODEL_TYPE,), GGUF_ARCHITECTURES = (NAME,),
-                                     REFERENCE_MODEL_TYPE, PARITY_REFERENCE added
-        parity.py                    the parity reference: transformers' class of REFERENCE_MODEL_TYPE
+                                     REFERENCE_MODEL_TYPES, PARITY_REFERENCE added
+        parity.py                    the parity reference: transformers' class of the reference's model type
       tests/test_conformance.py      the conformance kit (lollm.testing.conformance) on a tiny random
                                      checkpoint of the new model type, parity included
 
@@ -32,14 +32,17 @@ How names change (plain text substitution on whole words, in code and docstrings
 still describe the reference's sources in places: the README says so, and
 reviewing them is the author's first edit.
 
-The new family claims the model type ``MODEL_TYPE`` (default: ``NAME``) and the
-GGUF architecture ``NAME``, never the reference's, so the copy and the
-reference can be installed side by side. transformers does not know the new
-model type: the copied ``parity.py`` builds transformers' class of the
-reference's model type (``REFERENCE_MODEL_TYPE``) from the same config.json
-and the same weight files, and the tests write their tiny checkpoint the same
-way (a real hub config of the reference type from :mod:`lollm.testing.hub_configs`,
-shrunk, written by transformers, then relabelled with the new model type).
+The new family claims its own model types, never the reference's, so the copy
+and the reference can be installed side by side: each of the reference's
+types renamed (``qwen3_5_text`` -> ``NAME_text`` for ``--like qwen3_5``), the
+first one replaced by ``MODEL_TYPE`` (default: ``NAME``); and the GGUF
+architecture ``NAME``. transformers does not know the new model types: the
+manifest maps each back to the reference's (``REFERENCE_MODEL_TYPES``), the
+copied ``parity.py`` builds transformers' class of that type from the same
+config.json and the same weight files, and the tests write their tiny
+checkpoint the same way (a real hub config of the reference type from
+:mod:`lollm.testing.hub_configs`, shrunk, written by transformers, then
+relabelled with the new model types, nested ``text_config`` included).
 
 Errors (:class:`NewFamilyError`, one ``error:`` line): NAME not a lowercase
 Python identifier, the output folder already there, FAMILY not installed (the
@@ -157,8 +160,7 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     if not _NAME.fullmatch(name) or keyword.iskeyword(name):
         raise NewFamilyError(f"NAME {name!r} is not a valid family name: use a lowercase Python identifier "
                              f"([a-z][a-z0-9_]*, not a keyword), e.g. 'mine' or 'llama'")
-    model_type = model_type or name
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", model_type):
+    if model_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", model_type):
         raise NewFamilyError(f"--model-type {model_type!r}: use letters, digits, '_', '-' or '.'")
     into = Path(into)
     folder = into / f"lollm-{name}"
@@ -175,10 +177,6 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
         raise NewFamilyError(f"NAME {name!r} is already the name of an installed family ({installed[name].distribution}); "
                              f"choose another")
     family = entry.family
-    claimed = {t: e.family.name for e in registry.families for t in e.family.model_types}
-    if model_type in claimed:
-        raise NewFamilyError(f"model type {model_type!r} is already claimed by the installed family {claimed[model_type]!r}; "
-                             f"give the new family its own (--model-type)")
 
     # 1. The reference package: the load string names a module inside it.
     module = family.load.split(":")[0]
@@ -197,8 +195,19 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
         if hit:
             raise NewFamilyError(f"{path} uses {hit.group(0)}, outside the family package {ref_package}; "
                                  f"a family copied with lollm new-family must be self-contained")
+    # the new model types: the reference's renamed, the first one MODEL_TYPE (default NAME)
+    subs = substitutions(like, ref_package, ref_top, name)
+    types = {old: rename(old, subs) for old in family.model_types}
+    types[family.model_types[0]] = model_type or name
+    if len(set(types.values())) != len(types):
+        raise NewFamilyError(f"--model-type {model_type!r} equals another of the new model types {sorted(types.values())}")
+    claimed = {t: e.family.name for e in registry.families for t in e.family.model_types}
+    for new in types.values():
+        if new in claimed:
+            raise NewFamilyError(f"model type {new!r} is already claimed by the installed family {claimed[new]!r}; "
+                                 f"give the new family its own (--model-type)")
+    model_type = types[family.model_types[0]]
     hub = find_hub_config(family.model_types)
-    ref_model_type = _hub_model_type(hub)
 
     # 2. Build the distribution in a sibling folder, then move it in place (no half-written output).
     into.mkdir(parents=True, exist_ok=True)
@@ -206,8 +215,8 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     if work.exists():
         shutil.rmtree(work)
     try:
-        written = _write(work, name=name, model_type=model_type, like=like, family=family, entry=entry,
-                         ref_package=ref_package, ref_top=ref_top, files=files, hub=hub, ref_model_type=ref_model_type)
+        written = _write(work, name=name, types=types, like=like, family=family, entry=entry,
+                         ref_package=ref_package, ref_top=ref_top, files=files, hub=hub)
         work.rename(folder)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -216,13 +225,13 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
                     hub_config=hub, files=tuple(written))
 
 
-def _hub_model_type(hub: str) -> str:
+def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top, files, hub) -> list[str]:
     from lollm.testing.hub_configs import hub_config
 
-    return hub_config(hub)["model_type"]
-
-
-def _write(work: Path, *, name, model_type, like, family, entry, ref_package, ref_top, files, hub, ref_model_type) -> list[str]:
+    model_type = types[family.model_types[0]]
+    ref_model_type = hub_config(hub)["model_type"]
+    new_types = tuple(types.values())
+    back = {new: old for old, new in types.items()}
     subs = substitutions(like, ref_package, ref_top, name)
     top = f"lollm_{name}"
     dist = f"lollm-{name}"
@@ -241,11 +250,11 @@ def _write(work: Path, *, name, model_type, like, family, entry, ref_package, re
         text = rename(path.read_text(encoding="utf-8"), subs)
         target = rename(path.name, subs)
         if path.name == "__init__.py":
-            text = _set_constant(text, "MODEL_TYPES", f"({model_type!r},)", f"{path}")
+            text = _set_constant(text, "MODEL_TYPES", repr(new_types), f"{path}")
             text = _set_constant(text, "GGUF_ARCHITECTURES", f"({name!r},)", f"{path}")
             text = text.rstrip("\n") + "\n\n" + MANIFEST_TAIL.format(
                 like=like, ref_package=ref_package, dist=entry.distribution, version=entry.version,
-                ref_model_type=ref_model_type, top=top, name=name) + "\n"
+                back=back, top=top, name=name) + "\n"
         put(f"src/{top}/{name}/{target}", text)
     put(f"src/{top}/{name}/parity.py", PARITY.format(name=name))
     put(f"src/{top}/__init__.py", PACKAGE_INIT.format(name=name, dist=dist, like=like))
@@ -268,15 +277,16 @@ def _write(work: Path, *, name, model_type, like, family, entry, ref_package, re
 
 MANIFEST_TAIL = '''\
 #: Made by ``lollm new-family {name} --like {like}`` from ``{ref_package}`` ({dist} {version}).
-#: The transformers model type whose math this family copies: the parity reference
-#: (``parity.py``) builds transformers' class of this type on the same config and weights.
-REFERENCE_MODEL_TYPE = {ref_model_type!r}
+#: Each model type of this family -> the transformers model type whose math it copies: the
+#: parity reference (``parity.py``) builds transformers' class of that type on the same config
+#: and weights, and the tests relabel a transformers checkpoint the other way.
+REFERENCE_MODEL_TYPES = {back!r}
 
 #: ``module:function`` of the parity reference (``lollm parity`` and the conformance kit call it).
 PARITY_REFERENCE = "{top}.{name}.parity:reference"'''
 
 PARITY = '''\
-"""The parity reference of the ``{name}`` family: transformers' model of ``REFERENCE_MODEL_TYPE``.
+"""The parity reference of the ``{name}`` family: transformers' model of the reference's model type.
 
 ``lollm parity`` and the conformance kit call :func:`reference` as
 ``reference(checkpoint, dtype)``. ``checkpoint`` is the :class:`lollm.loader.Checkpoint`
@@ -286,8 +296,8 @@ as a dict or the GGUF metadata, ``.weights`` the tensors under the file's names)
 ids (1, T) int64 on the CPU, logits (T, V) float, hidden_states the
 ``num_layers + 1`` tensors (1, T, C) of transformers' ``output_hidden_states``.
 
-transformers does not know this family's model type, so its class is chosen by
-``REFERENCE_MODEL_TYPE`` (the architecture this family was copied from), built
+transformers does not know this family's model types, so its class is chosen by
+``REFERENCE_MODEL_TYPES`` (the architecture this family was copied from), built
 from the same config.json, and fed exactly the weight files lollm read
 (:func:`lollm.parity.reference_weights`). When your family's math departs from
 that architecture, this reference no longer fits: write your own here (the
@@ -301,22 +311,34 @@ import torch
 from lollm.errors import LollmError
 from lollm.parity import default_reference, reference_weights
 
-from . import MODEL_TYPES, REFERENCE_MODEL_TYPE
+from . import REFERENCE_MODEL_TYPES
+
+
+def to_reference_types(raw):
+    """A copy of the config dict with every ``model_type`` of this family (nested ones too) set to transformers'."""
+    if isinstance(raw, dict):
+        out = {{k: to_reference_types(v) for k, v in raw.items()}}
+        if out.get("model_type") in REFERENCE_MODEL_TYPES:
+            out["model_type"] = REFERENCE_MODEL_TYPES[out["model_type"]]
+        return out
+    if isinstance(raw, list):
+        return [to_reference_types(v) for v in raw]
+    return raw
 
 
 def reference(checkpoint, dtype: torch.dtype):
     """(see the module docstring) Raises LollmError when transformers refuses the checkpoint."""
-    if checkpoint.fmt != "safetensors" or checkpoint.model_type not in MODEL_TYPES or checkpoint.model_type == REFERENCE_MODEL_TYPE:
+    if checkpoint.fmt != "safetensors" or REFERENCE_MODEL_TYPES.get(checkpoint.model_type, checkpoint.model_type) == checkpoint.model_type:
         return default_reference(checkpoint, dtype)  # transformers reads it as it is
     import transformers
 
-    raw = dict(checkpoint.config, model_type=REFERENCE_MODEL_TYPE)
-    config = transformers.CONFIG_MAPPING[REFERENCE_MODEL_TYPE].from_dict(raw)
+    raw = to_reference_types(checkpoint.config)
+    config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
     folder, kwargs = reference_weights(checkpoint)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=dtype, **kwargs).eval()
     except Exception as exc:  # transformers raises many kinds for a checkpoint it refuses
-        raise LollmError(f"transformers could not load {{folder}} as {{REFERENCE_MODEL_TYPE!r}}: {{type(exc).__name__}}: {{exc}}") from None
+        raise LollmError(f"transformers could not load {{folder}} as {{raw['model_type']!r}}: {{type(exc).__name__}}: {{exc}}") from None
 
     @torch.inference_mode()
     def run(ids: torch.Tensor):
@@ -477,18 +499,27 @@ from lollm.testing.conformance import FamilyConformance
 from lollm.testing.hub_configs import hub_config
 from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
 
-from {top}.{name} import MODEL_TYPES
+from {top}.{name} import REFERENCE_MODEL_TYPES
 
 HUB_CONFIG = "{hub}"
+
+
+def relabel(raw):
+    """The config dict with every transformers model type (nested ones too) set to this family's."""
+    ours = {{old: new for new, old in REFERENCE_MODEL_TYPES.items()}}
+    if isinstance(raw, dict):
+        out = {{k: relabel(v) for k, v in raw.items()}}
+        if out.get("model_type") in ours:
+            out["model_type"] = ours[out["model_type"]]
+        return out
+    return [relabel(v) for v in raw] if isinstance(raw, list) else raw
 
 
 def write_tiny(folder):
     """A tiny random checkpoint of this family in ``folder`` (config.json, model.safetensors)."""
     write_tiny_checkpoint(shrink_config(hub_config(HUB_CONFIG)), folder)
     path = folder / "config.json"
-    config = json.loads(path.read_text())
-    config["model_type"] = MODEL_TYPES[0]
-    path.write_text(json.dumps(config, indent=2))
+    path.write_text(json.dumps(relabel(json.loads(path.read_text())), indent=2))
     return folder
 
 

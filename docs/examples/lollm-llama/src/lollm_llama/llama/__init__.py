@@ -29,9 +29,9 @@ LOAD = "lollm_llama.llama.weights:load"
 
 DESCRIPTION = "Llama 2 / Llama 3.x decoder: GQA, SwiGLU, RMSNorm, RoPE (llama3 scaling), optional biases"
 
-#: The transformers model type whose math this family follows: the parity reference
-#: (``parity.py``) builds transformers' LlamaForCausalLM.
-REFERENCE_MODEL_TYPE = "llama"
+#: Each model type of this family -> the transformers model type whose math it follows
+#: (the same here: transformers knows ``llama``; parity.py builds its LlamaForCausalLM).
+REFERENCE_MODEL_TYPES = {"llama": "llama"}
 
 #: ``module:function`` of the parity reference (``lollm parity`` and the conformance kit call it).
 PARITY_REFERENCE = "lollm_llama.llama.parity:reference"
