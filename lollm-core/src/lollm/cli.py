@@ -443,7 +443,7 @@ def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bo
 def new_family(
     name: str = typer.Argument(..., metavar="NAME", help="The new family's name: a lowercase Python identifier."),
     like: str = typer.Option(..., "--like", metavar="FAMILY", help="The installed family to copy (qwen2 the usual start)."),
-    model_type: Optional[str] = typer.Option(None, "--model-type", help="The config.json model_type the family claims (default: NAME)."),
+    model_type: Optional[str] = typer.Option(None, "--model-type", help="The config.json model_type the family claims (default: the reference's, renamed; NAME for --like qwen2)."),
     into: Path = typer.Option(Path("."), "--into", help="Where to write the folder lollm-NAME."),
 ) -> None:
     """Write a new family distribution lollm-NAME, copied from an installed family, that installs and passes its own tests."""

@@ -34,8 +34,8 @@ reviewing them is the author's first edit.
 
 The new family claims its own model types, never the reference's, so the copy
 and the reference can be installed side by side: each of the reference's
-types renamed (``qwen3_5_text`` -> ``NAME_text`` for ``--like qwen3_5``), the
-first one replaced by ``MODEL_TYPE`` (default: ``NAME``); and the GGUF
+types renamed (``qwen2`` -> ``NAME``; ``qwen3_5_text`` -> ``NAME_text`` for
+``--like qwen3_5``), the first one replaced by ``MODEL_TYPE`` when given; and the GGUF
 architecture ``NAME``. transformers does not know the new model types: the
 manifest maps each back to the reference's (``REFERENCE_MODEL_TYPES``), the
 copied ``parity.py`` builds transformers' class of that type from the same
@@ -151,7 +151,8 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
 
     name: the new family's name, a lowercase Python identifier (``[a-z][a-z0-9_]*``, not a keyword);
     like: the name of an installed family to copy; model_type: the config.json ``model_type``
-    the new family claims (default ``name``); registry: the plugin registry to look ``like`` up
+    the new family claims in place of the reference's first (default: that one renamed, for
+    qwen2 ``name``); registry: the plugin registry to look ``like`` up
     in (default: the installed plugins). Raises NewFamilyError (nothing is left half-written:
     the folder is built beside its target and moved in place at the end).
     """
@@ -195,10 +196,11 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
         if hit:
             raise NewFamilyError(f"{path} uses {hit.group(0)}, outside the family package {ref_package}; "
                                  f"a family copied with lollm new-family must be self-contained")
-    # the new model types: the reference's renamed, the first one MODEL_TYPE (default NAME)
+    # the new model types: the reference's renamed (qwen2 -> NAME), the first one MODEL_TYPE when given
     subs = substitutions(like, ref_package, ref_top, name)
     types = {old: rename(old, subs) for old in family.model_types}
-    types[family.model_types[0]] = model_type or name
+    if model_type is not None:
+        types[family.model_types[0]] = model_type
     if len(set(types.values())) != len(types):
         raise NewFamilyError(f"--model-type {model_type!r} equals another of the new model types {sorted(types.values())}")
     claimed = {t: e.family.name for e in registry.families for t in e.family.model_types}
