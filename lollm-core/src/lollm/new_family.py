@@ -103,7 +103,7 @@ def substitutions(ref_name: str, ref_package: str, ref_top: str, name: str) -> l
     return [
         (re.compile(re.escape(ref_package)), f"{top}.{name}"),
         (word(ref_top), top),
-        (word(ref_top.replace("_", "-")), top.replace("_", "-")),
+        (word(ref_top.replace("_", "-")), f"lollm-{name}"),
         (word(camel(ref_name), then="a-z0-9"), camel(name)),  # Qwen2Config -> MineConfig
         (word(ref_name.upper(), then="A-Z0-9"), name.upper()),
         (word(ref_name), name),
@@ -111,9 +111,12 @@ def substitutions(ref_name: str, ref_package: str, ref_top: str, name: str) -> l
 
 
 def rename(text: str, subs: list[tuple[re.Pattern, str]]) -> str:
-    for pattern, replacement in subs:
-        text = pattern.sub(replacement, text)
-    return text
+    """``text`` with every pattern of ``subs`` replaced, in one pass (earlier pairs win at a position).
+
+    One pass, so a new name that contains the old one (``my_qwen3`` for ``qwen3``) is not renamed again.
+    """
+    combined = re.compile("|".join(f"(?P<s{i}>{pattern.pattern})" for i, (pattern, _) in enumerate(subs)))
+    return combined.sub(lambda m: subs[int(m.lastgroup[1:])][1], text)
 
 
 def _set_constant(text: str, constant: str, value: str, where: str) -> str:
@@ -427,7 +430,7 @@ where = ["src"]
 README = '''\
 # {dist}
 
-The [lollm](https://github.com/) family `{name}`, serving config.json `model_type` `{model_type}`
+The lollm family `{name}`, serving config.json `model_type` `{model_type}`
 (and GGUF `general.architecture` `{name}`). Made with
 
     lollm new-family {name} --like {like}
