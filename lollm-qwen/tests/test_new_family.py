@@ -52,6 +52,21 @@ def test_new_family_installs_and_passes_its_own_tests(tmp_path):
     assert "12 passed" in tests.stdout and "skipped" not in tests.stdout, tests.stdout[-2000:]
 
 
+def test_a_copy_of_qwen3_passes_its_own_tests(tmp_path):
+    """Any installed family can be the start: qwen3 (explicit head_dim, QK-norm, thinking toggle)."""
+    made = _run([sys.executable, "-m", "lollm.cli", "new-family", "my_qwen3", "--like", "qwen3"], cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    dist = tmp_path / "lollm-my_qwen3"
+    plugin = (dist / "src/lollm_my_qwen3/plugin.py").read_text()
+    assert "Capabilities(thinking_toggle=True)" in plugin  # the reference's capabilities are kept
+    site = tmp_path / "site"
+    pip = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                "--disable-pip-version-check", "--quiet", "--target", str(site), str(dist)], cwd=tmp_path)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    tests = _run([sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider"], cwd=dist, site=site)
+    assert tests.returncode == 0 and "12 passed" in tests.stdout, tests.stdout[-4000:] + tests.stderr[-2000:]
+
+
 def test_model_type_option_and_class_names(tmp_path):
     rendered = render("my_llama", "qwen2", tmp_path, model_type="my-llama-type")
     pkg = rendered.folder / "src/lollm_my_llama/my_llama"
