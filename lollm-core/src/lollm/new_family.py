@@ -502,7 +502,7 @@ import pytest
 
 from lollm.testing.conformance import FamilyConformance
 from lollm.testing.hub_configs import hub_config
-from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
+from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
 
 from {top}.{name} import REFERENCE_MODEL_TYPES
 
@@ -521,8 +521,16 @@ def relabel(raw):
 
 
 def write_tiny(folder):
-    """A tiny random checkpoint of this family in ``folder`` (config.json, model.safetensors)."""
-    write_tiny_checkpoint(shrink_config(hub_config(HUB_CONFIG)), folder)
+    """A tiny random checkpoint of this family in ``folder`` (config.json, model.safetensors).
+
+    Its weights are spread wider than transformers' default and its norm epsilon is large,
+    so that the kit's sensitivity test sees a wrong RoPE, epsilon or scale in the logits.
+    """
+    raw = shrink_config(hub_config(HUB_CONFIG))
+    for config in (raw, raw.get("text_config")):
+        if isinstance(config, dict) and "rms_norm_eps" in config:
+            config["rms_norm_eps"] = SENSITIVE_NORM_EPS
+    write_tiny_checkpoint(raw, folder, init_std=SENSITIVE_INIT_STD)
     path = folder / "config.json"
     path.write_text(json.dumps(relabel(json.loads(path.read_text())), indent=2))
     return folder
@@ -530,6 +538,7 @@ def write_tiny(folder):
 
 class Test{camel}Conformance(FamilyConformance):
     reference_available = True
+    reference_model_types = REFERENCE_MODEL_TYPES  # transformers' class for each of this family's model types
 
     @pytest.fixture
     def family_name(self):

@@ -162,17 +162,40 @@ def reference_weights(checkpoint) -> tuple[str, dict[str, Any]]:
     )
 
 
-def load_reference_model(checkpoint, dtype: torch.dtype):
+def relabel_model_types(raw: Any, model_types: dict[str, str]) -> Any:
+    """A copy of a config dict with every ``model_type`` found in ``model_types`` (nested ones too) replaced by its value."""
+    if isinstance(raw, dict):
+        out = {key: relabel_model_types(value, model_types) for key, value in raw.items()}
+        if out.get("model_type") in model_types:
+            out["model_type"] = model_types[out["model_type"]]
+        return out
+    if isinstance(raw, list):
+        return [relabel_model_types(value, model_types) for value in raw]
+    return raw
+
+
+def load_reference_model(checkpoint, dtype: torch.dtype, model_types: dict[str, str] | None = None):
     """transformers' ``AutoModelForCausalLM`` on exactly the weights lollm read (:func:`reference_weights`), in eval mode.
 
-    LollmError when transformers is missing or refuses the checkpoint (its
-    message is kept), never a traceback from inside transformers.
+    ``model_types`` maps model types transformers does not know to the ones whose
+    classes stand for them (a family copied by ``lollm new-family`` keeps the map as
+    ``REFERENCE_MODEL_TYPES``): the config is built as that architecture's, from the
+    same config.json. LollmError when transformers is missing or refuses the
+    checkpoint (its message is kept), never a traceback from inside transformers.
     """
     try:
+        import transformers
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise LollmError("the reference needs transformers: pip install 'lollm-core[parity]'") from None
     folder, kwargs = reference_weights(checkpoint)
+    if model_types and checkpoint.fmt == "safetensors" and checkpoint.model_type in model_types:
+        raw = relabel_model_types(dict(checkpoint.config), model_types)
+        try:
+            kwargs = {**kwargs, "config": transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw)}
+        except (KeyError, ValueError, TypeError) as exc:
+            raise LollmError(f"transformers has no config class for {raw['model_type']!r} (the reference of "
+                             f"{checkpoint.model_type!r}): {type(exc).__name__}: {exc}") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for checkpoints it refuses

@@ -220,7 +220,8 @@ class _NotApplicable(Exception):
 
 
 def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
-                          checks: tuple[str, ...] = SENSITIVITY_CHECKS) -> dict[str, float]:
+                          checks: tuple[str, ...] = SENSITIVITY_CHECKS,
+                          model_types: dict[str, str] | None = None) -> dict[str, float]:
     """How far each perturbation moves the reference's logits: {label: max |Δ| over positions and vocabulary}.
 
     The reference is transformers' model of the checkpoint (:func:`lollm.parity.load_reference_model`,
@@ -229,12 +230,14 @@ def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
     or scales the float ``scaling`` of every attention module by 1.25, loads the same weights,
     and runs ``ids`` (1, T) without a cache. A perturbation that does not apply (no RoPE scaling in
     the config, no sliding-window layer, no ``scaling`` attribute) is left out of the result.
+    ``model_types``: for model types transformers does not know, the architecture that stands for
+    each (:func:`lollm.parity.load_reference_model`).
     """
     import copy
 
     from lollm.parity import load_reference_model
 
-    base_model = load_reference_model(checkpoint, torch.float32)
+    base_model = load_reference_model(checkpoint, torch.float32, model_types)
     state = base_model.state_dict()
 
     @torch.inference_mode()
@@ -397,6 +400,9 @@ class FamilyConformance:
                              the checkpoint is written as a GGUF the converter's way, loaded through
                              the family and compared with the reference on the same (dequantized)
                              weights, with the parity bounds; () (the default): no GGUF mode.
+    reference_model_types:   for model types transformers does not know (a family copied by
+                             ``lollm new-family``), the transformers model type whose class stands
+                             for each; the sensitivity test perturbs that class.
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
     """
@@ -410,6 +416,7 @@ class FamilyConformance:
     sensitivity_margin: float = 10.0
     sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
     gguf_types: tuple[str, ...] = ()
+    reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None
 
     # -- fixtures the plugin author provides ---------------------------------------
@@ -773,11 +780,12 @@ class FamilyConformance:
         the parity tests above, and this test fails the checkpoint, naming what it cannot see.
 
         The reference here is always transformers' model of the checkpoint (a family's own
-        ``parity_reference`` cannot be perturbed); ``sensitivity_checks = ()`` turns the test off.
+        ``parity_reference`` cannot be perturbed; ``reference_model_types`` names the class for a
+        model type transformers does not know); ``sensitivity_checks = ()`` turns the test off.
         """
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
-        moved = reference_sensitivity(checkpoint, prompt_ids, self.sensitivity_checks)
+        moved = reference_sensitivity(checkpoint, prompt_ids, self.sensitivity_checks, self.reference_model_types)
         if not moved:
             pytest.skip(f"none of the perturbations {self.sensitivity_checks} applies to this checkpoint's config")
         need = self.sensitivity_margin * self.parity_max_abs_diff
