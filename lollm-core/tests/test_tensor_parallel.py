@@ -64,13 +64,16 @@ def test_unavailable_backend_is_named(monkeypatch):
         init(2, torch.device("cpu"), environ=ENV)
 
 
-def test_cli_without_torchrun_is_one_error_line():
+@pytest.mark.parametrize("command", [["run", "-p", "hi"], ["parity"]])
+def test_cli_without_torchrun_is_one_error_line(command):
+    """Each command that takes --tp says so before looking for the model, naming its own torchrun line."""
     env = {k: v for k, v in os.environ.items() if k not in ENV}
-    proc = subprocess.run([sys.executable, "-m", "lollm", "run", "no-such-model", "--tp", "2", "-p", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "lollm", command[0], "no-such-model", "--tp", "2", *command[1:]],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --tp 2 runs one process per shard, started by torchrun")
+    assert len(lines) == 1 and lines[0].startswith("error: --tp 2 runs one process per shard, started by torchrun"), lines
+    assert f"torchrun --nproc-per-node 2 -m lollm {command[0]} --tp 2" in lines[0]
 
 
 # -- a toy model -----------------------------------------------------------------------

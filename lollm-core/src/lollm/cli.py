@@ -606,20 +606,55 @@ def parity(
     weights: Optional[str] = typer.Option(None, "--weights", help="float (the default, the gate's standard; auto with --quantize), or quantized / auto: our packed weights against transformers' float32 (a looser gate)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", help="Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
     model, _ = which_model(model_opt, model)
     _check_family(family_name)
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        check_launch(tp, command="parity")
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name)
+                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name, tp=tp)
+    if tp != 1 and _tp_rank() != 0:
+        _silence_this_rank()  # every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict
+    _print_parity(report, as_json)
+    if tp != 1:
+        _tp_finish()  # rank 0 has printed before any rank exits (torchrun stops the others when one exits 1)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _tp_rank() -> int:
+    """This process's rank in the --tp group (0 without one)."""
+    from lollm.tensor_parallel import current
+
+    group = current()
+    return 0 if group is None else group.rank
+
+
+def _tp_finish() -> None:
+    """The end of a --tp command: wait for every rank (rank 0 has printed), then leave the group."""
+    import torch.distributed as dist
+
+    from lollm.tensor_parallel import shutdown
+
+    sys.stdout.flush()
+    dist.barrier()
+    shutdown()
+
+
+def _print_parity(report: Any, as_json: bool) -> None:
+    """The parity report: JSON, or the table of positions and the verdict line."""
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         packed = "" if report.weights == "float" else f", {report.weights} weights"
-        table = Table(title=f"parity: {report.family} {report.dtype}{packed} {report.device} attn {report.attn}, "
+        split = "" if report.tp == 1 else f", ours over --tp {report.tp} ranks"
+        table = Table(title=f"parity: {report.family} {report.dtype}{packed} {report.device}{split} attn {report.attn}, "
                             f"{report.num_tokens} positions")
         for col in ("pos", "token", "ours", "ref", "top-5", "cosine", "max |Δ|"):
             table.add_column(col, justify="right")
@@ -639,7 +674,6 @@ def parity(
             i = report.first_diverging_layer
             where = "the embeddings" if i == 0 else f"the output of layer {i - 1}"
             out.print(f"first divergence: hidden state {i} ({where}), cosine {report.layer_cosines[i]:.6f}")
-    raise typer.Exit(0 if report.passed else 1)
 
 
 @app.command()

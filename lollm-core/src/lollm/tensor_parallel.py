@@ -204,11 +204,12 @@ def backend_for(device: torch.device) -> str:
     return os.environ.get("LOLLM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
 
 
-def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
+def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str = "run") -> None:
     """Check ``--tp tp`` against torchrun's environment; raises TensorParallelError naming what is wrong.
 
     ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`) or a
-    ``WORLD_SIZE`` other than ``tp``.
+    ``WORLD_SIZE`` other than ``tp``. ``command``: the lollm command the error's
+    example launch line names (``run``, ``parity``, ``bench``).
     """
     env = os.environ if environ is None else environ
     if tp < 1:
@@ -219,7 +220,7 @@ def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
     if missing:
         raise TensorParallelError(
             f"--tp {tp} runs one process per shard, started by torchrun: "
-            f"`torchrun --nproc-per-node {tp} -m lollm run --tp {tp} …` "
+            f"`torchrun --nproc-per-node {tp} -m lollm {command} --tp {tp} …` "
             f"(this process has no {', '.join(missing)} in its environment)"
         )
     try:
