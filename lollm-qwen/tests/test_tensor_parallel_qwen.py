@@ -58,3 +58,24 @@ def test_parity_command_verdict_is_every_ranks_exit_status(chat_checkpoint):  # 
     assert proc.stdout.count("FAIL:") == 1, proc.stdout[-3000:]
     # torchrun names each failed rank with its exit code
     assert "exitcode  : 1" in proc.stderr or "exitcode: 1" in proc.stderr, proc.stderr[-3000:]
+
+
+# -- lollm bench --tp 2 ------------------------------------------------------------------
+def test_bench_command_over_two_processes(chat_checkpoint):  # noqa: F811
+    """`lollm bench --tp 2 --no-reference`: both ranks run the rounds; rank 0 alone prints its figures; exit 0."""
+    proc = torchrun_lollm(2, ["bench", str(chat_checkpoint), "--tp", "2", "--no-reference", "--prompt-tokens", "8",
+                              "--new-tokens", "4", "--rounds", "2", "--json"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # one JSON document: rank 1 printed nothing
+    assert result["tp"] == 2
+    [row] = result["rows"]
+    assert row["engine"] == "lollm" and len(row["rounds"]["decode_tok_s"]) == 2
+    assert all(v > 0 for v in row["rounds"]["decode_tok_s"] + row["rounds"]["prefill_tok_s"])
+
+
+def test_bench_command_table_printed_once(chat_checkpoint):  # noqa: F811
+    proc = torchrun_lollm(2, ["bench", str(chat_checkpoint), "--tp", "2", "--no-reference", "--prompt-tokens", "8",
+                              "--new-tokens", "4", "--rounds", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("ms per decode step") == 1, proc.stdout
+    assert proc.stdout.count("rank 0's load and shard") == 1, proc.stdout

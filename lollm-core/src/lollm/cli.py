@@ -734,21 +734,43 @@ def bench(
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    tp: int = typer.Option(1, "--tp", help="Our model split over N CPU processes started by torchrun: `torchrun --nproc-per-node N -m lollm bench --tp N --no-reference …`; every rank runs the rounds, rank 0 prints (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model)
     from lollm.attention import resolve_backend
-    from lollm.bench import machine_load, run_bench
+    from lollm.bench import run_bench
 
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        if not no_reference:
+            raise LollmError(f"--tp {tp}: bench cannot compare with transformers under --tp (it would run whole in one "
+                             f"process while the other ranks wait, not the same work); add --no-reference to bench "
+                             f"lollm alone over {tp} processes")
+        check_launch(tp, command="bench")
+        if int(os.environ["RANK"]) != 0:
+            _silence_this_rank()  # every rank runs the same rounds; rank 0 alone prints its figures
     attn = resolve_backend(attn)
     _check_family(family_name)
     result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
                        threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
-                       family=family_name,
+                       family=family_name, tp=tp,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
+    _print_bench(result, model=model, dtype=dtype, new_tokens=new_tokens, rounds=rounds, weights=weights,
+                 quantize=quantize, attn=attn, tp=tp, as_json=as_json)
+    if tp != 1:
+        _tp_finish()
+
+
+def _print_bench(result: Any, *, model: str, dtype: str, new_tokens: int, rounds: int, weights: str,
+                 quantize: Optional[str], attn: str, tp: int, as_json: bool) -> None:
+    """The bench figures: JSON, or the table, the ratios and the machine's load."""
+    from lollm.bench import machine_load
+
     names = [e.name for e in result.engines]
     ratios = {}
     if "transformers" in names:
@@ -756,11 +778,12 @@ def bench(
                   for k in ("prefill_tok_s", "decode_tok_s")}
     if as_json:
         print(json.dumps({"rows": result.rows, "ratios_lollm_over_transformers": ratios, "note": result.note,
-                          "threads": result.threads, "machine": machine_load()}, indent=2))
+                          "threads": result.threads, "tp": tp, "machine": machine_load()}, indent=2))
         return
     kept = ("weights " + (f"--quantize {quantize}" if quantize else weights)) + ", "
+    split = "" if tp == 1 else f"--tp {tp}: rank 0's load and shard, steps of all {tp} ranks together; "
     title = (f"bench: {model} ({dtype}, {kept}attn {attn}, prompt {result.prompt_tokens}, decode {new_tokens}, {rounds} rounds, "
-             f"{result.threads} threads; medians)")
+             f"{result.threads} threads{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
         table.add_column(col, justify="right")
@@ -773,6 +796,10 @@ def bench(
         if ratios:
             per_round = " ".join(f"{r:.2f}" for r in ratios[key]["rounds"])
             out.print(f"lollm/transformers {label}: {ratios[key]['median']:.2f}× (median of the per-round ratios {per_round})")
+    decode = result.by_name("lollm").median("decode_tok_s")
+    if tp != 1 and decode > 0:
+        out.print(f"--tp {tp}: {1000 / decode:.2f} ms per decode step, each step computed by {tp} processes together "
+                  f"(compare with the same command without --tp, one process)")
     if result.note:
         out.print(result.note)
     out.print(f"[dim]{escape(machine_load())}: figures are noisy on a shared machine; read the per-round ratios[/dim]")
