@@ -928,6 +928,7 @@ def serve(
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
@@ -935,6 +936,10 @@ def serve(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                      sampling=user)
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        check_launch(tp, command="serve")
 
     from lollm.conversation import DEFAULT_CONTEXT
     from lollm.pipeline import open_model
@@ -946,8 +951,15 @@ def serve(
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
                                                           family_name=family_name)
+    if tp != 1:  # the other ranks wait for requests in a collective: far longer than torch's 30-minute default
+        from lollm.pipeline import pick_device
+        from lollm.tensor_parallel import init
+
+        init(tp, pick_device(device), timeout=SERVE_TP_TIMEOUT)
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family_name)
+                        group_size=group_size, family=family_name, tp=tp)
+    if loaded.tp is not None and loaded.tp.rank != 0:
+        _silence_this_rank()
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
@@ -955,10 +967,23 @@ def serve(
         loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
     )
-    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}, context "
+    if loaded.tp is not None and loaded.tp.rank != 0:
+        server.follow()  # every generation rank 0 runs, until rank 0 stops
+        _tp_finish()
+        return
+    split = "" if loaded.tp is None else f", --tp {tp}"
+    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}{split}, context "
               f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""), soft_wrap=True)
-    run_server(server, host=host, port=port)
+    try:
+        run_server(server, host=host, port=port)
+    finally:
+        if loaded.tp is not None and server.stop_followers():
+            _tp_finish()
+
+
+#: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
+SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
 
 
 class _WatchedStdout:

@@ -50,6 +50,7 @@ that does not divide a config field (naming it), packed weights.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fnmatch
 import os
 import time
@@ -231,7 +232,8 @@ def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str
         raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
 
 
-def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None) -> Group | None:
+def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None,
+         timeout: float | None = None) -> Group | None:
     """Join the torchrun process group for ``--tp tp``; None when ``tp`` is 1.
 
     device: the device the command asked for; on CUDA each rank takes GPU
@@ -241,6 +243,8 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
     Raises TensorParallelError when ``tp`` < 1, when torchrun's variables
     (:data:`TORCHRUN_ENV`) are missing, when ``WORLD_SIZE`` is not ``tp``, or
     when torch has no such backend (``torch.distributed.is_backend_available``).
+    ``timeout``: seconds a collective may wait for the other ranks (None: torch's
+    default, 30 minutes; ``lollm serve --tp`` waits for requests far longer).
     """
     global _group
     env = os.environ if environ is None else environ
@@ -264,7 +268,8 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
         device = torch.device("cuda", int(env["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=world)
+        extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=world, **extra)
     _group = Group(rank=dist.get_rank(), world=world, backend=backend, device=device)
     return _group
 
