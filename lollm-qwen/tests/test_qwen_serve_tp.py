@@ -80,7 +80,16 @@ def test_sampling_with_a_seed_is_the_one_process_draw(client, reference):
 
 
 def test_sampling_without_a_seed_keeps_the_ranks_in_step(client, reference):
+    """Sampled answers, then greedy follow-ups that reuse them from the prompt cache.
+
+    Ranks that drew different tokens would hold different ids in their caches (and
+    have fed a mix of both to the model): the follow-up would go wrong or hang.
+    """
+    messages = [{"role": "user", "content": "Tell me a story."}]
     for _ in range(3):
-        reply = client.completions.create(model=NAME, prompt="Tell me", max_tokens=10, temperature=1.0)
-        assert reply.choices[0].finish_reason in ("length", "stop")
-    serving.check_completions(client, NAME, reference)
+        sampled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=1.0)
+        follow = messages + [{"role": "assistant", "content": sampled.choices[0].message.content},
+                             {"role": "user", "content": "Go on."}]
+        reply = client.chat.completions.create(model=NAME, messages=follow, max_tokens=6, temperature=0.0)
+        assert reply.usage.prompt_tokens_details.cached_tokens > len(reference.chat_ids(messages))
+        assert reply.choices[0].message.content == reference.generate(reference.chat_ids(follow), 6).text
