@@ -64,7 +64,7 @@ def test_unavailable_backend_is_named(monkeypatch):
         init(2, torch.device("cpu"), environ=ENV)
 
 
-@pytest.mark.parametrize("command", [["run", "-p", "hi"], ["parity"], ["bench", "--no-reference"]])
+@pytest.mark.parametrize("command", [["run", "-p", "hi"], ["parity"], ["bench", "--no-reference"], ["serve"]])
 def test_cli_without_torchrun_is_one_error_line(command):
     """Each command that takes --tp says so before looking for the model, naming its own torchrun line."""
     env = {k: v for k, v in os.environ.items() if k not in ENV}
