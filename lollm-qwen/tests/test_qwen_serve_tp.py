@@ -80,16 +80,21 @@ def test_sampling_with_a_seed_is_the_one_process_draw(client, reference):
 
 
 def test_sampling_without_a_seed_keeps_the_ranks_in_step(client, reference):
-    """Sampled answers, then greedy follow-ups that reuse them from the prompt cache.
+    """Sampled answers, then greedy follow-ups (by token ids) that reuse them from the prompt cache.
 
     Ranks that drew different tokens would hold different ids in their caches (and
     have fed a mix of both to the model): the follow-up would go wrong or hang.
     """
+    by_bytes: dict[bytes, int] = {}
+    for token in range(reference.model.vocab_size):
+        by_bytes.setdefault(reference.tokenizer.token_bytes(token), token)
     messages = [{"role": "user", "content": "Tell me a story."}]
+    ids = reference.chat_ids(messages)
     for _ in range(3):
-        sampled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=1.0)
-        follow = messages + [{"role": "assistant", "content": sampled.choices[0].message.content},
-                             {"role": "user", "content": "Go on."}]
-        reply = client.chat.completions.create(model=NAME, messages=follow, max_tokens=6, temperature=0.0)
-        assert reply.usage.prompt_tokens_details.cached_tokens > len(reference.chat_ids(messages))
-        assert reply.choices[0].message.content == reference.generate(reference.chat_ids(follow), 6).text
+        sampled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=1.0,
+                                                 logprobs=True)
+        drawn = [by_bytes[bytes(entry.bytes)] for entry in sampled.choices[0].logprobs.content]
+        follow = ids + drawn + reference.tokenizer.encode(" and then")
+        reply = client.completions.create(model=NAME, prompt=follow, max_tokens=6, temperature=0.0)
+        assert reply.usage.prompt_tokens_details.cached_tokens >= len(ids) + len(drawn) - 1, reply.usage
+        assert reply.choices[0].text == reference.generate(follow, 6).text
