@@ -64,13 +64,26 @@ def test_unavailable_backend_is_named(monkeypatch):
         init(2, torch.device("cpu"), environ=ENV)
 
 
-def test_cli_without_torchrun_is_one_error_line():
+@pytest.mark.parametrize("command", [["run", "-p", "hi"], ["parity"], ["bench", "--no-reference"], ["serve"]])
+def test_cli_without_torchrun_is_one_error_line(command):
+    """Each command that takes --tp says so before looking for the model, naming its own torchrun line."""
     env = {k: v for k, v in os.environ.items() if k not in ENV}
-    proc = subprocess.run([sys.executable, "-m", "lollm", "run", "no-such-model", "--tp", "2", "-p", "hi"],
+    proc = subprocess.run([sys.executable, "-m", "lollm", command[0], "no-such-model", "--tp", "2", *command[1:]],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --tp 2 runs one process per shard, started by torchrun")
+    assert len(lines) == 1 and lines[0].startswith("error: --tp 2 runs one process per shard, started by torchrun"), lines
+    assert f"torchrun --nproc-per-node 2 -m lollm {command[0]} --tp 2" in lines[0]
+
+
+def test_bench_refuses_the_transformers_comparison_under_tp():
+    """bench --tp benches lollm alone: without --no-reference it is one error line naming the flag."""
+    proc = subprocess.run([sys.executable, "-m", "lollm", "bench", "no-such-model", "--tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --tp 2: bench cannot compare with transformers"), lines
+    assert "--no-reference" in lines[0]
 
 
 # -- a toy model -----------------------------------------------------------------------

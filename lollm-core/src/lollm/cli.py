@@ -620,20 +620,55 @@ def parity(
     weights: Optional[str] = typer.Option(None, "--weights", help="float (the default, the gate's standard; auto with --quantize), or quantized / auto: our packed weights against transformers' float32 (a looser gate)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", help="Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
     model, _ = which_model(model_opt, model)
     _check_family(family_name)
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        check_launch(tp, command="parity")
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name)
+                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name, tp=tp)
+    if tp != 1 and _tp_rank() != 0:
+        _silence_this_rank()  # every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict
+    _print_parity(report, as_json)
+    if tp != 1:
+        _tp_finish()  # rank 0 has printed before any rank exits (torchrun stops the others when one exits 1)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _tp_rank() -> int:
+    """This process's rank in the --tp group (0 without one)."""
+    from lollm.tensor_parallel import current
+
+    group = current()
+    return 0 if group is None else group.rank
+
+
+def _tp_finish() -> None:
+    """The end of a --tp command: wait for every rank (rank 0 has printed), then leave the group."""
+    import torch.distributed as dist
+
+    from lollm.tensor_parallel import shutdown
+
+    sys.stdout.flush()
+    dist.barrier()
+    shutdown()
+
+
+def _print_parity(report: Any, as_json: bool) -> None:
+    """The parity report: JSON, or the table of positions and the verdict line."""
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         packed = "" if report.weights == "float" else f", {report.weights} weights"
-        table = Table(title=f"parity: {report.family} {report.dtype}{packed} {report.device} attn {report.attn}, "
+        split = "" if report.tp == 1 else f", ours over --tp {report.tp} ranks"
+        table = Table(title=f"parity: {report.family} {report.dtype}{packed} {report.device}{split} attn {report.attn}, "
                             f"{report.num_tokens} positions")
         for col in ("pos", "token", "ours", "ref", "top-5", "cosine", "max |Δ|"):
             table.add_column(col, justify="right")
@@ -653,7 +688,6 @@ def parity(
             i = report.first_diverging_layer
             where = "the embeddings" if i == 0 else f"the output of layer {i - 1}"
             out.print(f"first divergence: hidden state {i} ({where}), cosine {report.layer_cosines[i]:.6f}")
-    raise typer.Exit(0 if report.passed else 1)
 
 
 @app.command()
@@ -714,21 +748,43 @@ def bench(
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
     attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
+    tp: int = typer.Option(1, "--tp", help="Our model split over N CPU processes started by torchrun: `torchrun --nproc-per-node N -m lollm bench --tp N --no-reference …`; every rank runs the rounds, rank 0 prints (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model)
     from lollm.attention import resolve_backend
-    from lollm.bench import machine_load, run_bench
+    from lollm.bench import run_bench
 
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        if not no_reference:
+            raise LollmError(f"--tp {tp}: bench cannot compare with transformers under --tp (it would run whole in one "
+                             f"process while the other ranks wait, not the same work); add --no-reference to bench "
+                             f"lollm alone over {tp} processes")
+        check_launch(tp, command="bench")
+        if int(os.environ["RANK"]) != 0:
+            _silence_this_rank()  # every rank runs the same rounds; rank 0 alone prints its figures
     attn = resolve_backend(attn)
     _check_family(family_name)
     result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
                        threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
-                       family=family_name,
+                       family=family_name, tp=tp,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
+    _print_bench(result, model=model, dtype=dtype, new_tokens=new_tokens, rounds=rounds, weights=weights,
+                 quantize=quantize, attn=attn, tp=tp, as_json=as_json)
+    if tp != 1:
+        _tp_finish()
+
+
+def _print_bench(result: Any, *, model: str, dtype: str, new_tokens: int, rounds: int, weights: str,
+                 quantize: Optional[str], attn: str, tp: int, as_json: bool) -> None:
+    """The bench figures: JSON, or the table, the ratios and the machine's load."""
+    from lollm.bench import machine_load
+
     names = [e.name for e in result.engines]
     ratios = {}
     if "transformers" in names:
@@ -736,11 +792,12 @@ def bench(
                   for k in ("prefill_tok_s", "decode_tok_s")}
     if as_json:
         print(json.dumps({"rows": result.rows, "ratios_lollm_over_transformers": ratios, "note": result.note,
-                          "threads": result.threads, "machine": machine_load()}, indent=2))
+                          "threads": result.threads, "tp": tp, "machine": machine_load()}, indent=2))
         return
     kept = ("weights " + (f"--quantize {quantize}" if quantize else weights)) + ", "
+    split = "" if tp == 1 else f"--tp {tp}: rank 0's load and shard, steps of all {tp} ranks together; "
     title = (f"bench: {model} ({dtype}, {kept}attn {attn}, prompt {result.prompt_tokens}, decode {new_tokens}, {rounds} rounds, "
-             f"{result.threads} threads; medians)")
+             f"{result.threads} threads{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
         table.add_column(col, justify="right")
@@ -753,6 +810,10 @@ def bench(
         if ratios:
             per_round = " ".join(f"{r:.2f}" for r in ratios[key]["rounds"])
             out.print(f"lollm/transformers {label}: {ratios[key]['median']:.2f}× (median of the per-round ratios {per_round})")
+    decode = result.by_name("lollm").median("decode_tok_s")
+    if tp != 1 and decode > 0:
+        out.print(f"--tp {tp}: {1000 / decode:.2f} ms per decode step, each step computed by {tp} processes together "
+                  f"(compare with the same command without --tp, one process)")
     if result.note:
         out.print(result.note)
     out.print(f"[dim]{escape(machine_load())}: figures are noisy on a shared machine; read the per-round ratios[/dim]")
@@ -881,6 +942,7 @@ def serve(
     weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
@@ -888,6 +950,10 @@ def serve(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                      sampling=user)
+    if tp != 1:  # --tp N: torchrun's environment, before anything loads
+        from lollm.tensor_parallel import check_launch
+
+        check_launch(tp, command="serve")
 
     from lollm.conversation import DEFAULT_CONTEXT
     from lollm.pipeline import open_model
@@ -899,8 +965,15 @@ def serve(
     checkpoint, family, template_flags = _open_checkpoint(model, device=device, attn=None, threads=threads, think=think,
                                                           mtp=mtp, weights=weights, quantize=quantize, group_size=group_size,
                                                           family_name=family_name)
+    if tp != 1:  # the other ranks wait for requests in a collective: far longer than torch's 30-minute default
+        from lollm.pipeline import pick_device
+        from lollm.tensor_parallel import init
+
+        init(tp, pick_device(device), timeout=SERVE_TP_TIMEOUT)
     loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family_name)
+                        group_size=group_size, family=family_name, tp=tp)
+    if loaded.tp is not None and loaded.tp.rank != 0:
+        _silence_this_rank()
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
@@ -908,10 +981,23 @@ def serve(
         loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
     )
-    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}, context "
+    if loaded.tp is not None and loaded.tp.rank != 0:
+        server.follow()  # every generation rank 0 runs, until rank 0 stops
+        _tp_finish()
+        return
+    split = "" if loaded.tp is None else f", --tp {tp}"
+    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}{split}, context "
               f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
               + (" (API key required)" if api_key else ""), soft_wrap=True)
-    run_server(server, host=host, port=port)
+    try:
+        run_server(server, host=host, port=port)
+    finally:
+        if loaded.tp is not None and server.stop_followers():
+            _tp_finish()
+
+
+#: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
+SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
 
 
 class _WatchedStdout:

@@ -22,11 +22,21 @@ refused rather than compared. When it fails, the hidden states of the two models
 layer by layer to name the first layer that diverges: that is where to look
 for a wrong RoPE, norm or weight map.
 
+Under tensor parallelism (``torchrun --nproc-per-node N -m lollm parity --tp N``)
+our model is split over the N ranks and every rank runs its forward (the
+collectives need them all); the reference then runs on rank 0 alone, in one
+process holding the whole model (transformers' own load, on the CPU), while
+the other ranks wait for rank 0's report, which :func:`run_parity` hands to
+every rank so that each exits with the verdict. Our logits and hidden states
+are whole on every rank (the head's logits are all-gathered, the residual
+stream is all-reduced), so the comparison is the one-process one.
+
 transformers is needed only here (``pip install 'lollm-core[parity]'``).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
@@ -76,6 +86,7 @@ class ParityReport:
     layer_cosines: list[float] = field(default_factory=list)  # min over positions, per hidden state
     first_diverging_layer: int | None = None
     attn: str = "sdpa"  # the attention backend ours ran with
+    tp: int = 1  # the ranks ours was split over (--tp)
 
     @property
     def argmax_matches(self) -> int:
@@ -229,6 +240,7 @@ def run_parity(
     quantize: str | None = None,
     group_size: int = 32,
     family: str | None = None,
+    tp: int = 1,
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
@@ -237,6 +249,12 @@ def run_parity(
     :func:`lollm.pipeline.open_model` (default: float, the gate's standard, unless ``quantize`` is given);
     the reference is always transformers' own load of the same file. ``family``: the family's
     name (``--family``) when several installed plugins claim the checkpoint's type.
+
+    ``tp``: tensor-parallel degree; above 1 this process is one of ``tp`` ranks
+    started by torchrun (:func:`lollm.tensor_parallel.init`). Every rank runs
+    our sharded forward; rank 0 alone builds the reference and compares, then
+    broadcasts the report (or its error) so that every rank returns the same
+    report (or raises the same LollmError).
     """
     # 0. Refuse at once a backend that cannot run, or weights transformers would not read as we do.
     from lollm.attention import resolve_backend
@@ -250,7 +268,7 @@ def run_parity(
 
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
     loaded = open_model(checkpoint, device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family)
+                        group_size=group_size, family=family, tp=tp)
     del checkpoint
     summary = getattr(loaded.model, "weights_summary", None)
     packed = summary is not None and summary.packed > 0
@@ -264,10 +282,40 @@ def run_parity(
         ours_logits = loaded.model(input_ids, None, hidden_states=hidden)[0].float().cpu()
     hidden = [h.float().cpu() for h in hidden]
     checkpoint, installed, dt, dev = loaded.checkpoint, loaded.family, loaded.dtype, loaded.device
-    attn_name = loaded.attn
+    attn_name, group = loaded.attn, loaded.tp
     del loaded
     gc.collect()
+    reference_and_compare = functools.partial(
+        _reference_and_compare, spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,
+        min_cosine, packed, summary, tp)
+    if group is None:
+        return reference_and_compare()
+    return _on_rank_zero(group, reference_and_compare)
 
+
+def _on_rank_zero(group, work: Callable[[], ParityReport]) -> ParityReport:
+    """Under --tp: ``work()`` on rank 0 only, its report (or its error) broadcast to every rank.
+
+    Raises LollmError on every rank with rank 0's message when ``work`` raised one there.
+    """
+    import torch.distributed as dist
+
+    outcome: list[Any] = [None]
+    if group.rank == 0:
+        try:
+            outcome[0] = ("report", work())
+        except LollmError as exc:  # the other ranks wait in the broadcast: tell them, then fail like them
+            outcome[0] = ("error", str(exc))
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise LollmError(value)
+    return value
+
+
+def _reference_and_compare(spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,
+                           min_cosine, packed, summary, tp) -> ParityReport:
+    """Steps 2 and 3 of :func:`run_parity`: build the reference, run it on ``input_ids``, compare with ours."""
     # 2. The reference, built the way the family says (default: transformers AutoModelForCausalLM).
     if installed.family.parity_reference:
         build = installed.family.resolve("parity_reference")
@@ -290,7 +338,7 @@ def run_parity(
     report = ParityReport(
         model=spec, family=installed.family.name, dtype=str(dt).removeprefix("torch."), device=str(dev),
         num_tokens=len(ids), min_cosine_required=required, attn=attn_name,
-        weights=summary.requested if packed else "float", min_top1_required=QUANTIZED_MIN_TOP1 if packed else 1.0,
+        weights=summary.requested if packed else "float", min_top1_required=QUANTIZED_MIN_TOP1 if packed else 1.0, tp=tp,
     )
     report.positions = compare_logits(ours_logits, ref_logits, ids)
     if ref_hidden and len(ref_hidden) == len(hidden):

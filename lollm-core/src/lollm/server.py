@@ -26,6 +26,12 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
 * Message text from clients is encoded with special-token parsing off
   (``Tokenizer.encode_chat(parse_special=False)``): a message cannot forge
   ``<|im_end|>``. A /v1/completions prompt is raw model input, parsed as is.
+* Under tensor parallelism (``torchrun … -m lollm serve --tp N``, docs/tensor-parallel.md)
+  rank 0 serves HTTP; before each generation its worker broadcasts the job (ids,
+  resolved sampling with a concrete seed, stops) and the other ranks, in
+  :meth:`ModelServer.follow`, run the same generation in lockstep (the collectives
+  need every rank); before each step rank 0's cancel flag is broadcast, so a
+  client that goes away stops every rank at the same token.
 * Bound to 127.0.0.1 unless told otherwise; ``--api-key`` makes every /v1
   request show ``Authorization: Bearer KEY``.
 
@@ -37,9 +43,11 @@ only inside :func:`create_app` and :func:`serve`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -212,6 +220,7 @@ class ModelServer:
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lollm-generate")
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.tensor_parallel.Group), else None
 
     # -- requests ---------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
@@ -298,12 +307,11 @@ class ModelServer:
             self.counts["cancelled"] += 1
             return None
         try:
-            result = generate(
-                self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
-                stop_strings=job.stop, tokenizer=self.tokenizer, on_text=job.on_text, on_token=job.on_token,
-                speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
-                should_stop=job.cancel.is_set,
-            )
+            if self.group is not None:  # --tp: the other ranks run the same job (follow)
+                if job.sampling.seed is None:  # every rank must draw the same tokens: one seed, chosen here
+                    job.sampling = dataclasses.replace(job.sampling, seed=secrets.randbits(63))
+                self._broadcast([(job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs)])
+            result = self._generate(job)
         except BaseException:
             self.counts["failed"] += 1
             raise
@@ -313,6 +321,63 @@ class ModelServer:
         else:
             self.counts["completed"] += 1
         return result
+
+    def _generate(self, job: Job) -> GenerationResult:
+        should_stop = job.cancel.is_set if self.group is None else lambda: self._agree(job.cancel.is_set())
+        return generate(
+            self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
+            stop_strings=job.stop, tokenizer=self.tokenizer, on_text=job.on_text, on_token=job.on_token,
+            speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
+            should_stop=should_stop,
+        )
+
+    # -- --tp: the ranks other than 0 ---------------------------------------------------------
+    def _broadcast(self, message: list[Any]) -> Any:
+        """Rank 0's ``message[0]`` on every rank (``torch.distributed.broadcast_object_list``)."""
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(message, src=0)
+        return message[0]
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank: asked before each step, so every rank stops at the same token."""
+        import torch
+        import torch.distributed as dist
+
+        where = self.group.device if self.group.backend == "nccl" else "cpu"
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=where)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
+    def follow(self) -> None:
+        """A rank other than 0 under --tp: run each job rank 0 broadcasts, in its order, until rank 0 says stop (None).
+
+        The jobs come with rank 0's resolved sampling and seed, so every rank
+        samples the same tokens from the same (all-gathered) logits, and its
+        prompt cache holds what rank 0's holds. An error rank 0's generation
+        also meets (a LollmError) is rank 0's to report; this rank waits for the next job.
+        """
+        while True:
+            message = self._broadcast([None])
+            if message is None:
+                return
+            ids, max_tokens, sampling, stop, logprobs = message
+            try:
+                self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs))
+            except LollmError:
+                pass
+
+    def stop_followers(self) -> bool:
+        """Rank 0 under --tp, at the end: tell the other ranks to return from :meth:`follow`.
+
+        Best effort: False when they did not take the message (Ctrl-C reached them too and they are gone).
+        """
+        try:
+            self.worker.submit(self._broadcast, [None]).result(timeout=60)
+            return True
+        except Exception as error:
+            log.info("--tp: the other ranks did not take the stop message: %s", error)
+            return False
 
     # -- answers ----------------------------------------------------------------------------
     def usage(self, result: GenerationResult) -> dict[str, Any]:

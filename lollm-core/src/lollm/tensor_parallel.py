@@ -50,6 +50,7 @@ that does not divide a config field (naming it), packed weights.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import fnmatch
 import os
 import time
@@ -204,11 +205,12 @@ def backend_for(device: torch.device) -> str:
     return os.environ.get("LOLLM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
 
 
-def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
+def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str = "run") -> None:
     """Check ``--tp tp`` against torchrun's environment; raises TensorParallelError naming what is wrong.
 
     ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`) or a
-    ``WORLD_SIZE`` other than ``tp``.
+    ``WORLD_SIZE`` other than ``tp``. ``command``: the lollm command the error's
+    example launch line names (``run``, ``parity``, ``bench``).
     """
     env = os.environ if environ is None else environ
     if tp < 1:
@@ -219,7 +221,7 @@ def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
     if missing:
         raise TensorParallelError(
             f"--tp {tp} runs one process per shard, started by torchrun: "
-            f"`torchrun --nproc-per-node {tp} -m lollm run --tp {tp} …` "
+            f"`torchrun --nproc-per-node {tp} -m lollm {command} --tp {tp} …` "
             f"(this process has no {', '.join(missing)} in its environment)"
         )
     try:
@@ -230,7 +232,8 @@ def check_launch(tp: int, environ: Mapping[str, str] | None = None) -> None:
         raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
 
 
-def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None) -> Group | None:
+def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None,
+         timeout: float | None = None) -> Group | None:
     """Join the torchrun process group for ``--tp tp``; None when ``tp`` is 1.
 
     device: the device the command asked for; on CUDA each rank takes GPU
@@ -240,6 +243,8 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
     Raises TensorParallelError when ``tp`` < 1, when torchrun's variables
     (:data:`TORCHRUN_ENV`) are missing, when ``WORLD_SIZE`` is not ``tp``, or
     when torch has no such backend (``torch.distributed.is_backend_available``).
+    ``timeout``: seconds a collective may wait for the other ranks (None: torch's
+    default, 30 minutes; ``lollm serve --tp`` waits for requests far longer).
     """
     global _group
     env = os.environ if environ is None else environ
@@ -263,7 +268,8 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
         device = torch.device("cuda", int(env["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=world)
+        extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=world, **extra)
     _group = Group(rank=dist.get_rank(), world=world, backend=backend, device=device)
     return _group
 

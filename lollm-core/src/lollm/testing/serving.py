@@ -50,17 +50,20 @@ def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = N
 
 
 @contextmanager
-def run_server(folder: str | Path, *args: str, timeout: float = 180) -> Iterator[str]:
+def run_server(folder: str | Path, *args: str, timeout: float = 180, nproc: int = 1) -> Iterator[str]:
     """``lollm serve folder ARGS`` in a child process on a free port; yields its base URL (``.../v1``).
 
     Waits until /health answers; stops the child (its own process id) on exit. On a
-    failure to start, the AssertionError shows the server's output.
+    failure to start, the AssertionError shows the server's output. ``nproc`` > 1:
+    started by ``python -m torch.distributed.run --nproc-per-node nproc`` (give ``--tp nproc`` in ARGS).
     """
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     # one thread: tiny models gain nothing from more, and on a busy machine OpenMP's barriers make them wait
     env = {**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, "-m", "lollm.cli", "serve", str(folder), "--port", str(port), *args],
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+                                      "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    child = subprocess.Popen([sys.executable, *launcher, "-m", "lollm.cli", "serve", str(folder), "--port", str(port), *args],
                              stdout=log, stderr=subprocess.STDOUT, env=env)
     root = f"http://127.0.0.1:{port}"
     try:

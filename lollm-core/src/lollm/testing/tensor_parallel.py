@@ -80,6 +80,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_lollm(nproc: int, args: list[str], *, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node nproc -m lollm ARGS…`` (one thread per rank); its result.
+
+    For the commands' own ``--tp`` tests (``lollm parity --tp 2``, ``lollm bench --tp 2``):
+    the caller checks the exit status and what rank 0 printed.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "lollm", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def run_torchrun(folder: Path, nproc: int, out: Path, prompt: list[int], steps: int, *, device: str = "cpu",
                  timeout: float = 120.0) -> dict[str, Any]:
     """Run the worker under ``python -m torch.distributed.run --nproc-per-node nproc``; its record.
