@@ -43,7 +43,8 @@ def test_families_lists_none():
     require_core_only()
     done = run_lollm("families", "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"families": [], "broken": [], "conflicts": {}}
+    assert json.loads(done.stdout) == {"families": [], "broken": [], "conflicts": {}, "install_hints": [],
+                                       "load_plugins": None, "skipped": [], "warnings": []}
     done = run_lollm("families")
     assert done.returncode == 0, done.stderr
     assert "No family plugin is installed" in done.stdout

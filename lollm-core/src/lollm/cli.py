@@ -132,6 +132,18 @@ WEIGHTS_HELP = ("auto: a GGUF's blocks stay packed (int4/int8 kernels), safetens
 QUANTIZE_HELP = "Quantize a float (safetensors) checkpoint at load: int8 (per channel) or int4 (groups, see --group-size)."
 
 
+def _execution_note(loaded) -> str:
+    """What the statistics line adds after the dtype: packed weights (their mode; the line above gives
+    the details) and the tensor-parallel degree; empty for a plain float run in one process."""
+    note = ""
+    summary = getattr(loaded.model, "weights_summary", None)
+    if summary is not None and summary.packed:
+        note += f" · weights packed ({summary.requested})"
+    if getattr(loaded, "tp", None) is not None:
+        note += f" · tp {loaded.tp.world}"
+    return note
+
+
 def _weights_summary(loaded) -> None:
     """One dim line on stderr saying how the weights were kept (packed or float)."""
     summary = getattr(loaded.model, "weights_summary", None)
@@ -462,7 +474,7 @@ def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bo
     err.print(
         "[dim]" + escape(f"[{len(result.new_ids)} tokens · load {loaded.load_seconds:.2f} s · prompt {len(result.prompt_ids)} tokens at "
         f"{result.prefill_tokens_per_second:.1f} tok/s · decode {result.decode_tokens_per_second:.1f} tok/s · stop: {result.stop_reason} · "
-        f"{loaded.family.family.name} on {loaded.device} {dtype}]") + "[/dim]",
+        f"{loaded.family.family.name} on {loaded.device} {dtype}{_execution_note(loaded)}]") + "[/dim]",
         soft_wrap=True,
     )
     if speculative:
