@@ -21,8 +21,11 @@ requirement pulls a multi-gigabyte CUDA build.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
+import time
 
 import nox
 
@@ -49,47 +52,82 @@ BROWSER = {key: path for key, path in (("LOLLM_CHROMIUM", shutil.which("chromium
 TESTS_ENV = {**OFFLINE, **BROWSER}
 
 
+#: Where each test session leaves its record for .ci/run's closing table (.ci/report.py):
+#: <session>.json (wall time, outcome) and <session>.xml (pytest's JUnit report: tests, time).
+REPORTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "ci-report")
+#: Every pytest run of the test sessions prints its 30 slowest tests, so a closing note can say where time went.
+DURATIONS = "--durations=30"
+
+
+def _reported(func):
+    """Record the session's wall time (install and tests) and its outcome for the closing table."""
+    @functools.wraps(func)
+    def wrapper(session: nox.Session) -> None:
+        os.makedirs(REPORTS, exist_ok=True)
+        start, outcome = time.perf_counter(), "failed"
+        try:
+            func(session)
+            outcome = "passed"
+        finally:
+            record = {"session": session.name, "wall_s": round(time.perf_counter() - start, 1), "outcome": outcome}
+            with open(os.path.join(REPORTS, f"{session.name}.json"), "w") as out:
+                json.dump(record, out)
+    return wrapper
+
+
+def _pytest(session: nox.Session, *args: str, env: dict) -> None:
+    """pytest with the slowest-tests list and a JUnit report that .ci/report.py reads."""
+    junit = f"--junitxml={os.path.join(REPORTS, session.name + '.xml')}"
+    session.run("pytest", *args, "-q", "-rs", DURATIONS, junit, *session.posargs, env=env)
+
+
 def _install(session: nox.Session, *packages: str) -> None:
     session.install(TORCH)
     session.install(*packages)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def core_only(session: nox.Session) -> None:
     """lollm-core alone (no family, no triton extra): its unit tests, the plugin tests, the real-tokenizer tests."""
     _install(session, "-e", f"{CORE}[parity,test,browser]")
-    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not triton", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "lollm-core/tests", "-m", "not triton", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN)
-    session.run("pytest", "lollm-qwen/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "lollm-qwen/tests", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
     _install(session, "-e", CORE_TRITON, "-e", GEMMA)
-    session.run("pytest", "lollm-gemma/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "lollm-gemma/tests", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN3_5)
-    session.run("pytest", "lollm-qwen3_5/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "lollm-qwen3_5/tests", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def llama(session: nox.Session) -> None:
     """lollm-core with the worked example lollm-llama only: the kit on Llama 2/3.2, GGUF (F32, Q8_0), the parity gate."""
     _install(session, "-e", CORE_TRITON, "-e", LLAMA)
-    session.run("pytest", f"{LLAMA}/tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    _pytest(session, f"{LLAMA}/tests", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def everything(session: nox.Session) -> None:
     """Every distribution in one venv: they coexist (no duplicate claims) and core's fast tests still pass,
     the Triton kernels' tests among them (test_flash_kernels.py, in Triton's CPU interpreter)."""
@@ -98,10 +136,11 @@ def everything(session: nox.Session) -> None:
         args += ["-e", family]
     _install(session, *args)
     session.run("lollm", "families", "--strict", env=OFFLINE)
-    session.run("pytest", "lollm-core/tests", "-q", "-rs", "-m", "not core_only and not real", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "lollm-core/tests", "-m", "not core_only and not real", env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
+@_reported
 def new_family(session: nox.Session) -> None:
     """`lollm new-family mine --like qwen2`, then `pip install ./lollm-mine` in this clean venv, then its own tests."""
     _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
@@ -111,7 +150,7 @@ def new_family(session: nox.Session) -> None:
     session.install(os.path.join(tmp, "lollm-mine"))
     session.run("lollm", "families", "--strict", env=OFFLINE)
     session.chdir(os.path.join(tmp, "lollm-mine"))
-    session.run("pytest", "tests", "-q", "-rs", *session.posargs, env=TESTS_ENV)
+    _pytest(session, "tests", env=TESTS_ENV)
 
 
 def _real_checkpoint(session: nox.Session) -> str:
