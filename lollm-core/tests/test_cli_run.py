@@ -324,6 +324,9 @@ def test_ctrl_c_ends_the_output_with_a_newline_and_prints_the_stats(toy_site, tm
     proc = subprocess.Popen(
         [sys.executable, "-m", "lollm.cli", "run", str(folder), "-p", "hello", "--no-chat", "-n", "4000", "--seed", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(toy_site),
+        # a shell's background job (`.ci/run &`) ignores SIGINT, and children inherit that: restore
+        # the default so the child sees the Ctrl+C whoever started the test run
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = proc.stdout.read(1)  # the generation is under way
     proc.send_signal(signal.SIGINT)
