@@ -25,14 +25,22 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+# uv builds each session's venv from its cache in seconds (hard links), where pip unpacks torch,
+# transformers and triton anew in every session; plain venv + pip where uv is not installed.
+nox.options.default_venv_backend = "uv|venv"
 nox.options.sessions = ["core_only", "qwen", "gemma", "qwen3_5", "llama", "everything", "new_family"]
 
-TORCH = "torch==2.13.0"
+# The CPU build of torch, pinned by its full version: "+cpu" names the build, so no resolver can take
+# PyPI's CUDA build (several GB) instead; where no index or folder offers it, the install stops at once.
+# The project's machines keep this wheel in a folder that pip's configuration lists (find-links);
+# elsewhere point pip or uv at PyTorch's CPU wheel index (README, "Two commands for a fresh machine").
+TORCH = "torch==2.13.0+cpu"
 CORE = "./lollm-core"
 QWEN = "./lollm-qwen"
 GEMMA = "./lollm-gemma"
@@ -81,8 +89,25 @@ def _pytest(session: nox.Session, *args: str, env: dict) -> None:
     session.run("pytest", *args, "-q", "-rs", DURATIONS, junit, *session.posargs, env=env)
 
 
+def _pip_find_links() -> list[str]:
+    """The find-links folders of pip's configuration (files and PIP_FIND_LINKS), which uv does not read."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    links: list[str] = []
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(".find-links"):
+            links += [link for link in value.strip().strip("'\"").split() if link not in links]
+    return links
+
+
 def _install(session: nox.Session, *packages: str) -> None:
-    session.install(TORCH)
+    """torch's CPU build first (so no later requirement pulls another), pip (the tests and real_models call
+    ``python -m pip``; a uv venv has none), then ``packages``."""
+    if session.venv_backend == "uv":
+        links = [arg for link in _pip_find_links() for arg in ("--find-links", link)]
+        session.install(*links, TORCH, "pip")
+    else:
+        session.install(TORCH)
     session.install(*packages)
 
 

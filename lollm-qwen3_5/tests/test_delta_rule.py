@@ -126,7 +126,9 @@ def test_rollback_restores_the_state_of_a_shorter_forward(family, tiny_checkpoin
         # and the next tokens come out the same
         out_a = model(torch.tensor([ids[52:60]]), a)[0]
         out_b = model(torch.tensor([ids[52:60]]), b)[0]
-    torch.testing.assert_close(out_a, out_b, rtol=1e-4, atol=1e-5)
+    # logits of magnitude ~3: the two paths chunk the delta rule differently and differ by ~2e-5 of float32
+    # rounding (1e-5 failed on some CPUs); a state that kept one extra token moves them by ~3.5
+    torch.testing.assert_close(out_a, out_b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
