@@ -65,6 +65,12 @@ TESTS_ENV = {**OFFLINE, **BROWSER}
 REPORTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".nox", "ci-report")
 #: Every pytest run of the test sessions prints its 30 slowest tests, so a closing note can say where time went.
 DURATIONS = "--durations=30"
+#: pytest-xdist workers of the parallel pass: one per core of the project's 2-core machines. Each worker
+#: and every process it starts gets one torch thread (OMP_NUM_THREADS=1): most tests are single-threaded
+#: Python (imports, child processes, tokenizers, transformers' GGUF reading), and two workers of two threads
+#: each would fight over the cores. worksteal: an idle worker takes tests from the busy one, so one file of
+#: long real-weights tests does not leave the other worker waiting.
+WORKERS = ["-n", str(min(os.cpu_count() or 2, 4)), "--dist", "worksteal"]
 
 
 def _reported(func):
@@ -83,10 +89,24 @@ def _reported(func):
     return wrapper
 
 
-def _pytest(session: nox.Session, *args: str, env: dict) -> None:
-    """pytest with the slowest-tests list and a JUnit report that .ci/report.py reads."""
-    junit = f"--junitxml={os.path.join(REPORTS, session.name + '.xml')}"
-    session.run("pytest", *args, "-q", "-rs", DURATIONS, junit, *session.posargs, env=env)
+def _pytest(session: nox.Session, tests: str, *, env: dict, marks: str = "", parallel: bool = True,
+            serial: bool = False) -> None:
+    """pytest over ``tests`` (restricted by the ``-m`` expression ``marks``), printing the slowest tests and
+    leaving JUnit reports for .ci/report.py.
+
+    parallel: the tests not marked ``serial`` run on pytest-xdist workers (WORKERS);
+    serial: then the tests marked ``serial`` (torchrun ranks that want every core) run alone, at full threads.
+    """
+    def run(select: str, name: str, *extra: str, run_env: dict) -> None:
+        junit = f"--junitxml={os.path.join(REPORTS, name + '.xml')}"
+        expression = " and ".join(f"({m})" for m in (marks, select) if m)
+        select_args = ["-m", expression] if expression else []
+        session.run("pytest", tests, *select_args, *extra, "-q", "-rs", DURATIONS, junit, *session.posargs, env=run_env)
+
+    workers = WORKERS if parallel else []
+    run("not serial" if serial else "", session.name, *workers, run_env={**env, "OMP_NUM_THREADS": "1"} if parallel else env)
+    if serial:
+        run("serial", session.name + ".serial", run_env=env)
 
 
 def _pip_find_links() -> list[str]:
@@ -104,11 +124,15 @@ def _install(session: nox.Session, *packages: str) -> None:
     """torch's CPU build first (so no later requirement pulls another), pip (the tests and real_models call
     ``python -m pip``; a uv venv has none), then ``packages``."""
     if session.venv_backend == "uv":
+        # --compile-bytecode: pip writes .pyc files at install time and uv does not; without them every
+        # `import torch, transformers` in this venv costs 3.9 s instead of 1.9 s, and the tests start hundreds
+        # of Python processes
         links = [arg for link in _pip_find_links() for arg in ("--find-links", link)]
-        session.install(*links, TORCH, "pip")
+        session.install("--compile-bytecode", *links, TORCH, "pip")
+        session.install("--compile-bytecode", *packages)
     else:
         session.install(TORCH)
-    session.install(*packages)
+        session.install(*packages)
 
 
 @nox.session(tags=["tests"])
@@ -116,7 +140,7 @@ def _install(session: nox.Session, *packages: str) -> None:
 def core_only(session: nox.Session) -> None:
     """lollm-core alone (no family, no triton extra): its unit tests, the plugin tests, the real-tokenizer tests."""
     _install(session, "-e", f"{CORE}[parity,test,browser]")
-    _pytest(session, "lollm-core/tests", "-m", "not triton", env=TESTS_ENV)
+    _pytest(session, "lollm-core/tests", marks="not triton", serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -124,7 +148,7 @@ def core_only(session: nox.Session) -> None:
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN)
-    _pytest(session, "lollm-qwen/tests", env=TESTS_ENV)
+    _pytest(session, "lollm-qwen/tests", serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -132,7 +156,7 @@ def qwen(session: nox.Session) -> None:
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
     _install(session, "-e", CORE_TRITON, "-e", GEMMA)
-    _pytest(session, "lollm-gemma/tests", env=TESTS_ENV)
+    _pytest(session, "lollm-gemma/tests", serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -140,7 +164,7 @@ def gemma(session: nox.Session) -> None:
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN3_5)
-    _pytest(session, "lollm-qwen3_5/tests", env=TESTS_ENV)
+    _pytest(session, "lollm-qwen3_5/tests", serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -148,7 +172,7 @@ def qwen3_5(session: nox.Session) -> None:
 def llama(session: nox.Session) -> None:
     """lollm-core with the worked example lollm-llama only: the kit on Llama 2/3.2, GGUF (F32, Q8_0), the parity gate."""
     _install(session, "-e", CORE_TRITON, "-e", LLAMA)
-    _pytest(session, f"{LLAMA}/tests", env=TESTS_ENV)
+    _pytest(session, f"{LLAMA}/tests", parallel=False, env=TESTS_ENV)  # 13 s of tests: workers would not pay
 
 
 @nox.session(tags=["tests"])
@@ -161,7 +185,7 @@ def everything(session: nox.Session) -> None:
         args += ["-e", family]
     _install(session, *args)
     session.run("lollm", "families", "--strict", env=OFFLINE)
-    _pytest(session, "lollm-core/tests", "-m", "not core_only and not real", env=TESTS_ENV)
+    _pytest(session, "lollm-core/tests", marks="not core_only and not real", serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -175,7 +199,7 @@ def new_family(session: nox.Session) -> None:
     session.install(os.path.join(tmp, "lollm-mine"))
     session.run("lollm", "families", "--strict", env=OFFLINE)
     session.chdir(os.path.join(tmp, "lollm-mine"))
-    _pytest(session, "tests", env=TESTS_ENV)
+    _pytest(session, "tests", parallel=False, env=TESTS_ENV)  # the copy's own 15 tests, 4 s
 
 
 def _real_checkpoint(session: nox.Session) -> str:

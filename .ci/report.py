@@ -1,7 +1,8 @@
 """Print the closing table of a CI run: each nox test session's wall time, its share spent in pytest, and its test count.
 
 Reads what noxfile.py's test sessions leave in .nox/ci-report/: <session>.json (wall time and outcome, written
-even when the session fails) and <session>.xml (pytest's JUnit report). Standard library only: it runs with
+even when the session fails), <session>.xml (pytest's JUnit report of the parallel pass) and, where the session
+has one, <session>.serial.xml (the tests marked serial, run alone afterwards). Standard library only: it runs with
 the system python3 after nox, whatever nox did.
 
     python3 .ci/report.py [REPORT_DIR]
@@ -15,16 +16,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
-def _pytest_counts(xml_path: Path) -> dict[str, float]:
-    """Sum tests, failures, errors, skipped and time over the testsuite elements of one JUnit file."""
+def _pytest_counts(xml_paths: list[Path]) -> dict[str, float]:
+    """Sum tests, failures, errors, skipped and time over the testsuite elements of JUnit files (missing ones count 0)."""
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
-    if not xml_path.is_file():
-        return counts
-    root = ET.parse(xml_path).getroot()
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    for suite in suites:
-        for key in counts:
-            counts[key] += float(suite.get(key, 0))
+    for xml_path in (p for p in xml_paths if p.is_file()):
+        root = ET.parse(xml_path).getroot()
+        suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+        for suite in suites:
+            for key in counts:
+                counts[key] += float(suite.get(key, 0))
     return counts
 
 
@@ -41,7 +41,8 @@ def main(folder: str) -> int:
     total = {"wall": 0.0, "pytest": 0.0, "passed": 0, "failed": 0, "skipped": 0}
     for path in records:
         record = json.loads(path.read_text())
-        c = _pytest_counts(path.with_suffix(".xml"))
+        name = record["session"]
+        c = _pytest_counts([reports / f"{name}.xml", reports / f"{name}.serial.xml"])
         failed = int(c["failures"] + c["errors"])
         passed = int(c["tests"] - failed - c["skipped"])
         row = (record["wall_s"], c["time"], passed, failed, int(c["skipped"]))

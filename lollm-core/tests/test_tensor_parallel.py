@@ -233,6 +233,7 @@ def _rank_main(rank: int, world: int, store: str, ids: torch.Tensor, out: str) -
     dist.destroy_process_group()
 
 
+@pytest.mark.serial  # two processes want both cores: nox runs it alone, after the parallel pass
 def test_toy_forward_over_gloo_equals_one_process(tmp_path):
     """Two processes (4 would cost a minute of imports on a 2-core CI; qwen2's test runs 4 under torchrun)."""
     import torch.multiprocessing as mp

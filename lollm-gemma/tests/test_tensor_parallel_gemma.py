@@ -13,6 +13,9 @@ import pytest
 
 from lollm.testing.tensor_parallel import check_tensor_parallel
 
+# torchrun's ranks want both cores: nox runs these tests alone, after the parallel pass (noxfile.py, _pytest)
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3-1b", "gemma4-e2b-text"])
 def test_two_processes_equal_one(name, tiny, tmp_path):

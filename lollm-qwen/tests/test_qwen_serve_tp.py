@@ -19,6 +19,9 @@ from lollm.testing import serving
 
 from _qwen_tiny import chat_checkpoint  # noqa: F401  (a fixture)
 
+# torchrun's ranks want both cores: nox runs these tests alone, after the parallel pass (noxfile.py, _pytest)
+pytestmark = pytest.mark.serial
+
 NAME = "tiny-qwen2-tp"
 
 

@@ -20,6 +20,9 @@ from _qwen_tiny import chat_checkpoint, tiny_checkpoint  # noqa: F401  (fixtures
 
 from lollm.testing.tensor_parallel import check_tensor_parallel, torchrun_lollm
 
+# torchrun's ranks want both cores: nox runs these tests alone, after the parallel pass (noxfile.py, _pytest)
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_two_processes_equal_one(family, tiny_checkpoint, tmp_path):  # noqa: F811

@@ -63,3 +63,9 @@ def qwen_tokenizer_files() -> list[Path]:
     real = derive_safetensors("qwen2.5-coder-0.5b-instruct")
     template = tiny.HUB_CONFIGS / "Qwen__Qwen3.5-0.8B" / "chat_template.jinja"
     return [real / "tokenizer.json", real / "tokenizer_config.json", template]
+
+
+def pytest_configure(config):
+    # lollm-qwen3_5/pyproject.toml has no pytest section (the repository's rootdir rules stay as they are)
+    config.addinivalue_line("markers", "serial: wants every core (torchrun's gloo ranks); nox runs these alone, "
+                                       "after the parallel pass of pytest-xdist")

@@ -18,6 +18,9 @@ from qwen3_5_tiny import write_tiny
 
 from lollm.testing.tensor_parallel import check_tensor_parallel
 
+# torchrun's ranks want both cores: nox runs these tests alone, after the parallel pass (noxfile.py, _pytest)
+pytestmark = pytest.mark.serial
+
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_two_processes_equal_one(family, tmp_path):
