@@ -14,9 +14,11 @@
     nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
                            llama.cpp side by side (accuracy, memory, alternating speed rounds)
 
-Each session builds its own virtual environment. torch is installed first,
-pinned to the CPU build this project is tested with, so that no later
-requirement pulls a multi-gigabyte CUDA build.
+Each session builds its own virtual environment (with uv where it is installed, from one cache).
+torch is installed first, pinned to the CPU build this project is tested with, so that no later
+requirement pulls a multi-gigabyte CUDA build. The test sessions run pytest on one xdist worker
+per core, then the tests marked ``serial`` alone; each leaves a record in .nox/ci-report/ that
+.ci/report.py prints as one table (.ci/run does, at its end).
 """
 
 from __future__ import annotations
@@ -101,7 +103,10 @@ def _pytest(session: nox.Session, tests: str, *, env: dict, marks: str = "", par
         junit = f"--junitxml={os.path.join(REPORTS, name + '.xml')}"
         expression = " and ".join(f"({m})" for m in (marks, select) if m)
         select_args = ["-m", expression] if expression else []
-        session.run("pytest", tests, *select_args, *extra, "-q", "-rs", DURATIONS, junit, *session.posargs, env=run_env)
+        # pytest's exit 5 (no test selected) is a failure, unless the caller's own options (-k ...) narrowed the run
+        codes = [0, 5] if session.posargs else [0]
+        session.run("pytest", tests, *select_args, *extra, "-q", "-rs", DURATIONS, junit, *session.posargs, env=run_env,
+                    success_codes=codes)
 
     workers = WORKERS if parallel else []
     run("not serial" if serial else "", session.name, *workers, run_env={**env, "OMP_NUM_THREADS": "1"} if parallel else env)
