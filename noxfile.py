@@ -259,7 +259,8 @@ def bench_chat(session: nox.Session) -> None:
 def fuzz_runtime(session: nox.Session) -> None:
     """The property tests of chat templates and plugin records with many random examples and the real bounds (minutes)."""
     _install(session, "-e", f"{CORE}[parity,test]")
-    session.run("pytest", "lollm-core/tests/test_fuzz_runtime.py", "-q", "--hypothesis-show-statistics", *session.posargs,
+    session.run("pytest", "lollm-core/tests/test_fuzz_runtime.py", "-q", "--hypothesis-show-statistics", DURATIONS,
+                *session.posargs,
                 env={**OFFLINE, "LOLLM_FUZZ_PROFILE": "long"})
 
 
@@ -287,7 +288,7 @@ def fuzz(session: nox.Session) -> None:
     _install(session, *args)
     examples = session.posargs[0] if session.posargs else "1000"
     for tests in FUZZ_TESTS:
-        session.run("pytest", tests, "-q", "-k", "mutated or gives", "--hypothesis-show-statistics",
+        session.run("pytest", tests, "-q", "-k", "mutated or gives", "--hypothesis-show-statistics", DURATIONS,
                     env={**OFFLINE, "LOLLM_FUZZ_EXAMPLES": examples})
 
 
