@@ -388,7 +388,8 @@ def test_an_import_that_exits_interrupts_or_hangs_makes_that_plugin_broken(tmp_p
         write_module(tmp_path, "lollm_test_ep_interrupts", "raise KeyboardInterrupt\n"),
         # blocks forever without using the CPU; its daemon thread is left behind
         write_module(tmp_path, "lollm_test_ep_hangs", "import threading\nthreading.Event().wait()\n"),
-        write_module(tmp_path, "lollm_test_ep_prints", "print('import-time noise')\n"),
+        # a real plugin (an entry point without a hook is broken: it is not a lollm plugin) that prints
+        write_module(tmp_path, "lollm_test_ep_prints", "print('import-time noise')\n" + NOISY_PLUGIN),
     ]
     reg = registry(("good", Plugin(fam("good"))), entry_points=eps)
     broken = {b.plugin: b.error for b in reg.broken}
@@ -398,6 +399,17 @@ def test_an_import_that_exits_interrupts_or_hangs_makes_that_plugin_broken(tmp_p
     assert "did not finish within 0.5 s" in broken["lollm_test_ep_hangs"]
     assert "LOLLM_PLUGIN_IMPORT_TIMEOUT" in broken["lollm_test_ep_hangs"]
     assert reg.route("good").family.name == "good"
+    assert reg.route("noisy").plugin == "lollm_test_ep_prints"
+
+
+NOISY_PLUGIN = """
+from lollm.family import CONTRACT_VERSION, Family
+from lollm.hookspecs import hookimpl
+
+@hookimpl
+def lollm_register_families(register):
+    register(Family(name="noisy", contract=CONTRACT_VERSION, model_types=("noisy",), load="x.y:load"))
+"""
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-1"])

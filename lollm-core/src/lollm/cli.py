@@ -506,7 +506,8 @@ def families(
     """List the installed family plugins (no model code is imported), and those $LOLLM_LOAD_PLUGINS leaves out."""
     from lollm.plugins import FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, get_registry
 
-    registry = get_registry()
+    # the diagnostic command tries again the plugins other commands skip as remembered hangs
+    registry = get_registry(retry_hung=True)
     trouble = bool(registry.broken or registry.conflicts or registry.unmatched)
     if as_json:
         data = {

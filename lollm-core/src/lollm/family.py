@@ -13,13 +13,17 @@ This module must stay importable without torch.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import os
 import re
+import sys
+import traceback
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from lollm.errors import GenerationError, PluginError
+from lollm.errors import GenerationError, LollmError, PluginError
 from lollm.sampling_params import check_sampling_value
 
 #: The version of the plugin contract this lollm-core speaks. A family records
@@ -78,6 +82,8 @@ class Family:
                           callable ``ids -> (logits, hidden_states)``; ``None`` means the
                           default, ``transformers.AutoModelForCausalLM`` on the same folder.
       description:        one line for ``lollm families``.
+      registered_by:      set by core when it registers the family (``"plugin 'qwen' (lollm-qwen 0.1.0)"``),
+                          for error messages; a plugin leaves it empty. Not compared.
     """
 
     name: str
@@ -89,16 +95,80 @@ class Family:
     capabilities: Capabilities = Capabilities()
     parity_reference: str | None = None
     description: str = ""
+    registered_by: str = field(default="", compare=False)
 
     def resolve(self, attribute: str = "load") -> Callable[..., Any]:
-        """Import and return the function named by ``self.load`` (or another ``module:function`` field).
+        """Import the function named by ``self.load`` (or another ``module:function`` field); return it, guarded.
 
-        Raises PluginError naming the family and the target when it cannot be imported.
+        Raises PluginError naming the family, the plugin that registered it and
+        the target when it cannot be imported. The function returned calls the
+        plugin's own and turns any exception it raises, other than a LollmError
+        (which already speaks to the user) and a KeyboardInterrupt, into one
+        PluginError naming the same, the exception and the plugin's line it came
+        from (:func:`guard_plugin_call`).
         """
         target = getattr(self, attribute)
+        what = f"{attribute} of family {self.name!r}" + (f" of {self.registered_by}" if self.registered_by else "")
         if target is None:
             raise PluginError(f"family {self.name!r} has no {attribute}")
-        return import_target(target, what=f"{attribute} of family {self.name!r}")
+        return guard_plugin_call(import_target(target, what=what), what=f"{what} ({target})")
+
+
+#: Set (to anything but ``""`` or ``0``) to let an exception raised inside a plugin's
+#: function propagate with its traceback instead of the one-line PluginError.
+DEBUG_ENV = "LOLLM_DEBUG"
+
+
+def debugging() -> bool:
+    """Whether ``$LOLLM_DEBUG`` asks for tracebacks (set, and not ``""`` or ``0``)."""
+    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+
+
+def guard_plugin_call(fn: Callable[..., Any], *, what: str) -> Callable[..., Any]:
+    """``fn`` wrapped so that a plugin's failure is one PluginError line, not a traceback.
+
+    A LollmError and a KeyboardInterrupt pass unchanged; any other exception
+    (``SystemExit`` included) becomes PluginError(``"{what} failed: Type:
+    message (at file.py:line, in function); set LOLLM_DEBUG=1 for the traceback"``),
+    the original kept as its ``__cause__``. With ``$LOLLM_DEBUG`` set the
+    original exception propagates as it is, traceback and all.
+    """
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LollmError:
+            raise
+        except (Exception, SystemExit) as exc:
+            if debugging():
+                raise
+            text = " ".join(str(exc).split())
+            text = text if len(text) <= 500 else text[:500] + " …"
+            raise PluginError(f"{what} failed: {type(exc).__name__}: {text}{_where(exc, fn)}; "
+                              f"set {DEBUG_ENV}=1 for the traceback") from exc
+
+    return call
+
+
+def _where(exc: BaseException, fn: Callable[..., Any]) -> str:
+    """`` (at FILE:LINE, in FUNCTION)``: the innermost frame of the traceback in ``fn``'s top-level package, or ``""``.
+
+    The plugin's own line is what its author needs; a frame inside torch says less.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # the first is the guard's own call
+    top = sys.modules.get((getattr(fn, "__module__", None) or "").split(".")[0])
+    where = getattr(top, "__file__", None)
+    if not where:
+        ours = []
+    elif hasattr(top, "__path__"):  # a package: any of its files
+        root = os.path.dirname(where) + os.sep
+        ours = [f for f in frames if f.filename.startswith(root)]
+    else:  # a single module
+        ours = [f for f in frames if f.filename == where]
+    if not (ours or frames):
+        return ""
+    last = (ours or frames)[-1]
+    return f" (at {last.filename}:{last.lineno}, in {last.name})"
 
 
 def import_target(target: str, *, what: str) -> Callable[..., Any]:

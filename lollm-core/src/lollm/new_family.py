@@ -45,14 +45,19 @@ checkpoint the same way (a real hub config of the reference type from
 relabelled with the new model types, nested ``text_config`` included).
 
 Errors (:class:`NewFamilyError`, one ``error:`` line): NAME not a lowercase
-Python identifier, the output folder already there, FAMILY not installed (the
-installed ones are listed), a reference package that is not self-contained,
-no hub config of the reference's model type to test with.
+Python identifier, longer than :data:`MAX_NAME_LENGTH`, or naming a first-party
+or installed distribution (:func:`check_name`); the output folder already there
+in any form, a symlink included, or ``--into`` not a folder (:func:`check_into`);
+a work folder that cannot be made or is a symlink, a write that fails (nothing
+is left behind); FAMILY not installed (the installed ones are listed), a
+reference package that is not self-contained, no hub config of the reference's
+model type to test with.
 """
 
 from __future__ import annotations
 
 import keyword
+import os
 import re
 import shutil
 import textwrap
@@ -157,19 +162,17 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     the new family claims in place of the reference's first (default: that one renamed, for
     qwen2 ``name``); registry: the plugin registry to look ``like`` up
     in (default: the installed plugins). Raises NewFamilyError (nothing is left half-written:
-    the folder is built beside its target and moved in place at the end).
+    the folder is built beside its target and moved in place at the end): see the module
+    docstring, :func:`check_name` and :func:`check_into` for what is refused.
     """
     from lollm.plugins import build_registry
 
-    if not _NAME.fullmatch(name) or keyword.iskeyword(name):
-        raise NewFamilyError(f"NAME {name!r} is not a valid family name: use a lowercase Python identifier "
-                             f"([a-z][a-z0-9_]*, not a keyword), e.g. 'mine' or 'llama'")
-    if model_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", model_type):
-        raise NewFamilyError(f"--model-type {model_type!r}: use letters, digits, '_', '-' or '.'")
+    check_name(name)
+    if model_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", model_type):
+        raise NewFamilyError(f"--model-type {model_type!r}: use 1 to 128 letters, digits, '_', '-' or '.'")
     into = Path(into)
     folder = into / f"lollm-{name}"
-    if folder.exists():
-        raise NewFamilyError(f"{folder} already exists; remove it or choose another NAME")
+    check_into(into, folder)
 
     registry = registry or build_registry()
     installed = {entry.family.name: entry for entry in registry.families}
@@ -215,19 +218,123 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     hub = find_hub_config(family.model_types)
 
     # 2. Build the distribution in a sibling folder, then move it in place (no half-written output).
-    into.mkdir(parents=True, exist_ok=True)
-    work = into / f".lollm-{name}.partial"
-    if work.exists():
-        shutil.rmtree(work)
+    written = _write_in_place(into, folder, name=name, types=types, like=like, family=family, entry=entry,
+                              ref_package=ref_package, ref_top=ref_top, files=files, hub=hub)
+    return Rendered(folder=folder, name=name, model_type=model_type, like=like, reference_package=ref_package,
+                    hub_config=hub, files=tuple(written))
+
+
+#: The longest NAME accepted. NAME appears up to four times in one generated path
+#: (``lollm-NAME/src/lollm_NAME/NAME/modeling_NAME.py``: 4 x NAME + 31 characters), so
+#: 40 keeps the deepest file within 191 characters of the target folder, leaving room
+#: under Windows' 260-character MAX_PATH for where it is written; every real family
+#: name is a dozen characters or less (``qwen3_5_moe`` is 11).
+MAX_NAME_LENGTH = 40
+
+
+def check_name(name: str) -> None:
+    """Refuse a NAME ``lollm new-family`` must not write; raises NewFamilyError saying why.
+
+    Refused: a NAME that is not a lowercase Python identifier (``[a-z][a-z0-9_]*``,
+    not a keyword) or that ends in ``_`` (``lollm-mine_`` is no distribution
+    name, PEP 508); one longer than :data:`MAX_NAME_LENGTH`; one whose
+    distribution ``lollm-NAME`` is a first-party distribution (``core``,
+    ``qwen``, ``gemma``, ``qwen3_5``) or any installed distribution, compared
+    after PEP 503 normalisation (installing the copy would replace it); one whose
+    package ``lollm_NAME`` can already be imported.
+    """
+    from importlib.metadata import distributions
+    from importlib.util import find_spec
+
+    from lollm.plugins import FIRST_PARTY_DISTRIBUTIONS, normalize_name
+
+    shown = name if len(name) <= 60 else name[:60] + "…"
+    if not _NAME.fullmatch(name) or keyword.iskeyword(name) or name.endswith("_"):
+        raise NewFamilyError(f"NAME {shown!r} is not a valid family name: use a lowercase Python identifier "
+                             f"([a-z][a-z0-9_]*, not a keyword, not ending in '_'), e.g. 'mine' or 'llama'")
+    if len(name) > MAX_NAME_LENGTH:
+        raise NewFamilyError(f"NAME {shown!r} has {len(name)} characters; use at most {MAX_NAME_LENGTH} (it is "
+                             f"repeated in the paths of the files written)")
+    dist = normalize_name(f"lollm-{name}")
+    if dist in FIRST_PARTY_DISTRIBUTIONS:
+        raise NewFamilyError(f"NAME {name!r} would write the distribution lollm-{name}, the name of a lollm "
+                             f"distribution (installing the copy would replace it); choose another NAME")
+    for installed in distributions():
+        try:
+            other = str(installed.metadata["Name"] or "")
+        except Exception:  # unreadable metadata of a broken installation: not a name to compare
+            continue
+        if normalize_name(other) == dist:
+            raise NewFamilyError(f"NAME {name!r} would write the distribution lollm-{name}, and {other} "
+                                 f"{installed.version} is installed (installing the copy would replace it); "
+                                 f"choose another NAME")
     try:
-        written = _write(work, name=name, types=types, like=like, family=family, entry=entry,
-                         ref_package=ref_package, ref_top=ref_top, files=files, hub=hub)
-        work.rename(folder)
+        taken = find_spec(f"lollm_{name}") is not None
+    except (ImportError, ValueError):  # a module of that name is half-imported: taken all the same
+        taken = True
+    if taken:
+        raise NewFamilyError(f"NAME {name!r}: a package lollm_{name} is already importable here; choose another NAME")
+
+
+def check_into(into: Path, folder: Path) -> None:
+    """Refuse a target ``lollm new-family`` cannot write cleanly; raises NewFamilyError naming the path.
+
+    ``into`` must be a folder (or not exist yet, below a folder); ``folder``
+    (``into/lollm-NAME``) must not exist in any form, a dangling symlink included.
+    """
+    if os.path.lexists(folder):
+        kind = "a symlink" if folder.is_symlink() else "a folder" if folder.is_dir() else "a file"
+        raise NewFamilyError(f"{folder} already exists ({kind}); remove it or choose another NAME or --into")
+    probe = into
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise NewFamilyError(f"--into {into}: {probe} is not a folder")
+
+
+def _write_in_place(into: Path, folder: Path, **kwargs) -> list[str]:
+    """Write the distribution (:func:`_write`, ``kwargs``) in a work folder, then rename it to ``folder``.
+
+    On any failure the work folder is removed and nothing is left; an OSError
+    (a full disk, a read-only folder, a target that appeared meanwhile) is a
+    NewFamilyError naming the path. Returns the files written, relative to ``folder``.
+    """
+    work = _work_folder(into, kwargs["name"])
+    try:
+        written = _write(work, **kwargs)
+        if os.path.lexists(folder):  # appeared while we wrote (a symlink, a file, a folder)
+            raise NewFamilyError(f"{folder} appeared while lollm new-family was writing; nothing was written")
+        os.rename(work, folder)
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        raise NewFamilyError(f"cannot write {folder}: {exc.strerror or exc} ({exc.filename or work}); "
+                             f"nothing was written") from None
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return Rendered(folder=folder, name=name, model_type=model_type, like=like, reference_package=ref_package,
-                    hub_config=hub, files=tuple(written))
+    return written
+
+
+def _work_folder(into: Path, name: str) -> Path:
+    """Make the empty folder ``into/.lollm-NAME.partial`` the distribution is written in; return it.
+
+    Created with ``mkdir`` (which never follows an existing symlink). A leftover
+    folder of an interrupted run is removed first; a symlink or a file of that
+    name is refused, never followed or removed. Raises NewFamilyError naming
+    the path when it cannot be made (an unwritable or read-only folder).
+    """
+    work = into / f".lollm-{name}.partial"
+    try:
+        into.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(work):
+            if work.is_symlink() or not work.is_dir():
+                raise NewFamilyError(f"{work} exists and is {'a symlink' if work.is_symlink() else 'not a folder'}; "
+                                     f"lollm new-family writes there first: remove it")
+            shutil.rmtree(work)  # a leftover of an interrupted run (rmtree removes links inside, never follows them)
+        os.mkdir(work)
+    except OSError as exc:
+        raise NewFamilyError(f"--into {into}: cannot make {work}: {exc.strerror or exc}; nothing was written") from None
+    return work
 
 
 def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top, files, hub) -> list[str]:

@@ -14,7 +14,13 @@ raised by the plugin's own code included, makes that one plugin broken
 working. The import runs in a daemon thread with a time limit
 (:data:`IMPORT_TIMEOUT_SECONDS`, or ``$LOLLM_PLUGIN_IMPORT_TIMEOUT``): a
 plugin whose import hangs is reported as broken after that time and left
-behind (a daemon thread does not keep the process alive). What a plugin
+behind (a daemon thread does not keep the process alive); it is remembered
+in ``$LOLLM_CACHE/plugin-timeouts.json`` and not imported again by later
+commands (so it costs that wait once) until ``lollm families`` retries it, a
+larger time limit is given, or its version changes. An entry point that is
+not a lollm plugin (it implements no hook, or registers nothing) is broken
+too. First-party distributions register first, so a third-party family that
+takes a first-party family's name is the one reported. What a plugin
 prints while it is imported or registered is swallowed, so a bad plugin
 changes neither the output nor the exit status of a command that does not
 use it. The router only routes: an unknown type, or a type two plugins claim,
@@ -52,13 +58,19 @@ This module imports no torch and no model code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib.metadata as md
 import io
+import json
+import math
 import os
 import re
+import stat
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pluggy
@@ -111,6 +123,11 @@ _REQUIREMENT = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])
 def normalize_name(name: str) -> str:
     """A distribution name as PEP 503 compares them: runs of ``-``, ``_``, ``.`` become ``-``, lower case."""
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+#: The distributions of this project (PEP 503 names). They register before any other, so a
+#: third-party family that takes the name of a first-party one is the one reported broken.
+FIRST_PARTY_DISTRIBUTIONS = frozenset(normalize_name(d) for d in ("lollm-core", *FIRST_PARTY_MODEL_TYPES.values()))
 
 
 def read_allowlist(text: str | None = None) -> dict[str, str] | None:
@@ -198,6 +215,11 @@ class Registry:
     def add(self, entry: InstalledFamily) -> None:
         if any(f.family.name == entry.family.name for f in self.families):
             other = next(f for f in self.families if f.family.name == entry.family.name)
+            if normalize_name(other.distribution) in FIRST_PARTY_DISTRIBUTIONS:
+                raise PluginError(
+                    f"family name {entry.family.name!r} is taken by the first-party {_who(other)}; {_who(entry)} "
+                    f"was not registered (a third-party family needs a name of its own)"
+                )
             raise PluginError(
                 f"family name {entry.family.name!r} is registered twice: by {_who(other)} and by {_who(entry)}"
             )
@@ -337,24 +359,105 @@ def _entry_points() -> Iterable[md.EntryPoint]:
 #: Seconds one plugin may take to import, and again to register its families,
 #: before it is reported as broken. ``$LOLLM_PLUGIN_IMPORT_TIMEOUT`` overrides it
 #: (a plugin that imports torch at module level needs a few seconds on a cold disk).
+#: A plugin that runs out of this time is remembered (:func:`remembered_hangs`),
+#: so it costs this wait once, not on every command.
 IMPORT_TIMEOUT_SECONDS = 30.0
+#: The largest ``$LOLLM_PLUGIN_IMPORT_TIMEOUT`` accepted, in seconds (an hour: far
+#: beyond any import, and far below what ``threading``'s wait can take).
+MAX_IMPORT_TIMEOUT_SECONDS = 3600.0
+IMPORT_TIMEOUT_ENV = "LOLLM_PLUGIN_IMPORT_TIMEOUT"
 
 
 def _timeout() -> float:
-    text = os.environ.get("LOLLM_PLUGIN_IMPORT_TIMEOUT", "").strip()
+    """``$LOLLM_PLUGIN_IMPORT_TIMEOUT`` in seconds (default :data:`IMPORT_TIMEOUT_SECONDS`).
+
+    Raises PluginError naming the variable for text that is not a number, and
+    for a number outside (0, :data:`MAX_IMPORT_TIMEOUT_SECONDS`]: ``nan``,
+    ``inf`` (``1e309`` reads as inf), zero and negative values included.
+    """
+    text = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
     if not text:
         return IMPORT_TIMEOUT_SECONDS
     try:
         value = float(text)
     except ValueError:
-        raise PluginError(f"LOLLM_PLUGIN_IMPORT_TIMEOUT must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise PluginError(f"LOLLM_PLUGIN_IMPORT_TIMEOUT must be > 0, got {text!r}")
+        raise PluginError(f"{IMPORT_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_IMPORT_TIMEOUT_SECONDS:  # False for nan too
+        raise PluginError(f"{IMPORT_TIMEOUT_ENV} must be more than 0 and at most {MAX_IMPORT_TIMEOUT_SECONDS:g} "
+                          f"seconds, got {text!r}")
     return value
+
+
+# -- plugins that hung: remembered, so that one hanging import does not cost every command -------
+
+#: The file, in ``$LOLLM_CACHE`` (else ``~/.cache/lollm``), remembering plugins that ran out of time.
+HANGS_FILE = "plugin-timeouts.json"
+
+
+def _hangs_path() -> Path | None:
+    """Where the memory lives; None when there is no home folder to find it in."""
+    try:
+        return Path(os.environ.get("LOLLM_CACHE") or Path.home() / ".cache" / "lollm") / HANGS_FILE
+    except RuntimeError:  # Path.home() without  or a password entry
+        return None
+
+
+def _hang_key(ep: md.EntryPoint, dist: str, version: str) -> str | None:
+    """What identifies one installed plugin across processes; None for an entry point of no distribution."""
+    if dist == "?":
+        return None
+    return f"{normalize_name(dist)}=={version}:{ep.name}={ep.value}"
+
+
+def remembered_hangs() -> dict[str, float]:
+    """{plugin key: the time limit in seconds it ran out of}, from :data:`HANGS_FILE`.
+
+    Read at most 1 MiB of a regular file (opened without blocking, so a FIFO
+    in its place cannot stall a command); an absent, unreadable, special or
+    malformed file is an empty memory (this is a cache: it never makes a
+    command fail).
+    """
+    path = _hangs_path()
+    if path is None:
+        return {}
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
+            data = json.loads(f.read(2**20))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items()
+            if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _save_hangs(hangs: dict[str, float]) -> None:
+    """Write the memory atomically (a temporary file, then ``os.replace``); a failure to write is ignored."""
+    path = _hangs_path()
+    if path is None:
+        return
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{HANGS_FILE}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(hangs, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class _Failed(Exception):
     """What :func:`_guarded` reports: the plugin raised, exited, or ran out of time."""
+
+
+class _TimedOut(_Failed):
+    """The plugin's import or registration did not finish within the time limit."""
 
 
 def _guarded(work: Callable[[], Any], what: str, timeout: float) -> Any:
@@ -377,9 +480,9 @@ def _guarded(work: Callable[[], Any], what: str, timeout: float) -> Any:
         thread.start()
         thread.join(timeout)
     if thread.is_alive():
-        raise _Failed(
+        raise _TimedOut(
             f"{what} did not finish within {timeout:g} s (it may hang; a slow import can be given more "
-            f"time with LOLLM_PLUGIN_IMPORT_TIMEOUT)"
+            f"time with {IMPORT_TIMEOUT_ENV})"
         )
     if "error" in outcome:
         exc = outcome["error"]
@@ -400,8 +503,20 @@ def _distribution_of(ep: md.EntryPoint) -> tuple[str, str]:
     return "?", "?"
 
 
+@dataclass
+class _Source:
+    """One plugin object to register: its entry-point name, distribution, version, and the hang memory's key."""
+
+    name: str
+    dist: str
+    version: str
+    obj: object
+    key: str | None = None
+    entry_point: str | None = None  # "name = value" when it came from an entry point (not extra_plugins)
+
+
 def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_plugins: Iterable[tuple[str, object]] = (),
-                   allowlist: str | None = None) -> Registry:
+                   allowlist: str | None = None, *, retry_hung: bool = False) -> Registry:
     """Load every plugin the user allows and collect its families and install hints.
 
     ``entry_points`` defaults to the installed ones; ``extra_plugins`` are
@@ -413,44 +528,79 @@ def build_registry(entry_points: Iterable[md.EntryPoint] | None = None, extra_pl
     to import (or takes longer than the time limit), does not match the
     hookspecs (a misspelled hook gets a "did you mean"), raises or exits in its
     hook, or registers a bad family or hint is recorded in ``Registry.broken``
-    and skipped; the others load. Raises PluginError only for a malformed
-    ``$LOLLM_LOAD_PLUGINS`` or ``$LOLLM_PLUGIN_IMPORT_TIMEOUT``.
+    and skipped; the others load. So is an entry point that is not a lollm
+    plugin (it implements no hook, or registers nothing).
+
+    First-party distributions (:data:`FIRST_PARTY_DISTRIBUTIONS`) register
+    first, so a third-party family that takes a first-party family's name is
+    the one reported broken, whatever the order of the entry points.
+
+    A plugin that ran out of time is remembered in :data:`HANGS_FILE` and not
+    imported again (it is listed as broken at once) until ``retry_hung`` is
+    given (``lollm families`` does), the time limit is raised above the one it
+    ran out of, or its version changes. Raises PluginError only for a
+    malformed ``$LOLLM_LOAD_PLUGINS`` or ``$LOLLM_PLUGIN_IMPORT_TIMEOUT``.
     """
     timeout = _timeout()
     allowed = read_allowlist(allowlist)
     registry = Registry(allowlist=allowed)
-    sources: list[tuple[str, str, str, object]] = []
+    hangs = remembered_hangs()
+    before = dict(hangs)
+    sources: list[_Source] = []
     installed = list(_entry_points() if entry_points is None else entry_points)
     for ep in installed:
         dist, version = _distribution_of(ep)
         if allowed is not None and normalize_name(dist) not in allowed:
             registry.skipped.append(SkippedPlugin(ep.name, dist, version))
             continue
+        key = _hang_key(ep, dist, version)
+        if key in hangs and timeout <= hangs[key] and not retry_hung:
+            registry.broken.append(BrokenPlugin(ep.name, dist, _remembered(ep, hangs[key])))
+            continue
         try:
             obj = _guarded(ep.load, f"import of {ep.value!r}", timeout)
         except _Failed as exc:
             registry.broken.append(BrokenPlugin(ep.name, dist, str(exc)))
+            if isinstance(exc, _TimedOut) and key is not None:
+                hangs[key] = timeout
             continue
-        sources.append((ep.name, dist, version, obj))
+        hangs.pop(key, None)  # imported in time: forget an earlier hang (a registration that hangs is remembered again)
+        sources.append(_Source(ep.name, dist, version, obj, key, f"{ep.name} = {ep.value}"))
     if allowed:
         registry.unmatched = _unmatched(allowed, installed)
-    for name, obj in extra_plugins:
-        sources.append((name, name, "(local)", obj))
-
-    for name, dist, version, obj in sources:
-        try:
-            families, hints = _guarded(lambda: _register(name, obj), f"plugin {name!r}", timeout)
-        except _Failed as exc:
-            registry.broken.append(BrokenPlugin(name, dist, str(exc)))
-            continue
-        for family in families:
-            try:
-                registry.add(InstalledFamily(family, name, dist, version))
-            except PluginError as exc:
-                registry.broken.append(BrokenPlugin(name, dist, str(exc)))
-        source = f"plugin {name!r} ({dist} {version})"
-        registry.hints += [InstallHint(kind, key, install, source) for kind, key, install in hints]
+    sources += [_Source(name, name, "(local)", obj) for name, obj in extra_plugins]
+    sources.sort(key=lambda s: normalize_name(s.dist) not in FIRST_PARTY_DISTRIBUTIONS)  # stable: first-party first
+    for source in sources:
+        _register_source(registry, source, timeout, hangs)
+    if hangs != before:
+        _save_hangs(hangs)
     return registry
+
+
+def _register_source(registry: Registry, source: _Source, timeout: float, hangs: dict[str, float]) -> None:
+    """Call one plugin's hooks (guarded) and add what it registers; a failure makes it broken (and a hang is remembered)."""
+    name, dist, version = source.name, source.dist, source.version
+    try:
+        families, hints = _guarded(lambda: _register(name, source.obj, entry_point=source.entry_point),
+                                   f"plugin {name!r}", timeout)
+    except _Failed as exc:
+        registry.broken.append(BrokenPlugin(name, dist, str(exc)))
+        if isinstance(exc, _TimedOut) and source.key is not None:
+            hangs[source.key] = timeout
+        return
+    origin = f"plugin {name!r} ({dist} {version})"
+    for family in families:
+        try:
+            registry.add(InstalledFamily(dataclasses.replace(family, registered_by=origin), name, dist, version))
+        except PluginError as exc:
+            registry.broken.append(BrokenPlugin(name, dist, str(exc)))
+    registry.hints += [InstallHint(kind, key, install, origin) for kind, key, install in hints]
+
+
+def _remembered(ep: md.EntryPoint, seconds: float) -> str:
+    return (f"import of {ep.value!r} (or its registration) did not finish within {seconds:g} s on an earlier run, so it is not tried again "
+            f"(remembered in {_hangs_path()}); `lollm families` tries it again, and so does a "
+            f"{IMPORT_TIMEOUT_ENV} above {seconds:g}")
 
 
 def _unmatched(allowed: dict[str, str], installed: list[md.EntryPoint]) -> list[str]:
@@ -511,11 +661,15 @@ def _check_hook_names(obj: object) -> None:
                               f"so lollm would never call it")
 
 
-def _register(name: str, obj: object) -> tuple[list[Family], list[tuple[str, str, str]]]:
+def _register(name: str, obj: object, *, entry_point: str | None = None) -> tuple[list[Family], list[tuple[str, str, str]]]:
     """Register one plugin object with a plugin manager of its own and call its hooks; return its families and hints.
 
     Each plugin gets its own pluggy PluginManager, so a plugin left running
     after its time limit can never touch another plugin's registration.
+    ``entry_point`` (``"name = value"``, for a plugin found through the group
+    ``lollm.families``): such a plugin must implement a hook and register a
+    family or an install hint; raises PluginError saying it is not a lollm
+    plugin otherwise (an entry point naming the wrong module or object).
     """
     _check_hook_names(obj)
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -526,6 +680,9 @@ def _register(name: str, obj: object) -> tuple[list[Family], list[tuple[str, str
         pm.check_pending()
     except Exception as exc:  # pluggy's validation errors
         raise PluginError(f"does not match the lollm plugin contract: {exc}") from None
+    if entry_point is not None and not any(getattr(pm.hook, hook).get_hookimpls() for hook in _hook_names()):
+        raise PluginError(f"the entry point {entry_point!r} is not a lollm plugin: it implements none of the hooks "
+                          f"{', '.join(_hook_names())} (point it at the module holding them)")
     collected: list[Family] = []
     hints: list[tuple[str, str, str]] = []
 
@@ -544,6 +701,9 @@ def _register(name: str, obj: object) -> tuple[list[Family], list[tuple[str, str
             raise
         except Exception as exc:
             raise PluginError(f"{hook} raised {type(exc).__name__}: {exc}") from None
+    if entry_point is not None and not collected and not hints:
+        raise PluginError(f"the entry point {entry_point!r} registered no family and no install hint "
+                          f"(a plugin in the group {hookspecs.ENTRY_POINT_GROUP!r} must register one)")
     return collected, hints
 
 
@@ -576,9 +736,13 @@ def validate_install_hint(install: Any, model_types: Any, gguf_architectures: An
 _REGISTRY: Registry | None = None
 
 
-def get_registry(refresh: bool = False) -> Registry:
-    """The registry of installed plugins, built once per process."""
+def get_registry(refresh: bool = False, *, retry_hung: bool = False) -> Registry:
+    """The registry of installed plugins, built once per process.
+
+    ``retry_hung``: import again the plugins remembered as hanging (see
+    :func:`build_registry`); a registry already built is rebuilt for it.
+    """
     global _REGISTRY
-    if _REGISTRY is None or refresh:
-        _REGISTRY = build_registry()
+    if _REGISTRY is None or refresh or retry_hung:
+        _REGISTRY = build_registry(retry_hung=retry_hung)
     return _REGISTRY

@@ -43,8 +43,11 @@ are called here directly, from forward hooks; docs/tensor-parallel.md shows the
 DTensor spelling of the same plan.
 
 Errors (:class:`TensorParallelError`): ``--tp`` without torchrun's environment,
-a world size that is not ``--tp``, a backend torch was built without, a split
-that does not divide a config field (naming it), packed weights.
+an inconsistent one (a rank outside the world size, a negative value),
+ranks that do not all meet within the rendezvous timeout, a timeout variable
+that is no number of seconds, a world size that is not ``--tp``, a backend
+torch was built without, a split that does not divide a config field (naming
+it), packed weights.
 """
 
 from __future__ import annotations
@@ -200,6 +203,42 @@ def current() -> Group | None:
     return _group
 
 
+#: Seconds each rank waits for all the others to join the group (the rendezvous);
+#: ``$LOLLM_TP_RENDEZVOUS_TIMEOUT`` overrides it. torchrun starts the ranks together,
+#: so they join within the seconds it takes to import torch; five minutes leaves room
+#: for a cold disk or a loaded machine, and bounds the wait for a rank that never comes.
+RENDEZVOUS_TIMEOUT_SECONDS = 300.0
+RENDEZVOUS_TIMEOUT_ENV = "LOLLM_TP_RENDEZVOUS_TIMEOUT"
+#: Seconds a collective (all-reduce, broadcast, barrier) waits for the other ranks;
+#: ``$LOLLM_TP_TIMEOUT`` overrides it. torch's own default, 30 minutes, written out:
+#: between two collectives a rank may load its shard of a large model, or (parity)
+#: wait while rank 0 builds the whole reference.
+COLLECTIVE_TIMEOUT_SECONDS = 1800.0
+COLLECTIVE_TIMEOUT_ENV = "LOLLM_TP_TIMEOUT"
+#: The largest timeout either variable accepts: 30 days.
+MAX_TIMEOUT_SECONDS = 30 * 24 * 3600.0
+
+
+def env_seconds(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+    """The timeout in seconds held by the variable ``name`` (``default`` when unset or empty).
+
+    Raises TensorParallelError naming the variable for text that is not a
+    number, and for a number outside (0, :data:`MAX_TIMEOUT_SECONDS`] (``nan``,
+    ``inf``, zero and negative values included).
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise TensorParallelError(f"{name} must be a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # False for nan too
+        raise TensorParallelError(f"{name} must be more than 0 and at most {MAX_TIMEOUT_SECONDS:g} seconds, got {text!r}")
+    return value
+
+
 def backend_for(device: torch.device) -> str:
     """``nccl`` for CUDA devices, ``gloo`` for the CPU (``LOLLM_TP_BACKEND`` overrides)."""
     return os.environ.get("LOLLM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
@@ -208,8 +247,12 @@ def backend_for(device: torch.device) -> str:
 def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str = "run") -> None:
     """Check ``--tp tp`` against torchrun's environment; raises TensorParallelError naming what is wrong.
 
-    ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`) or a
-    ``WORLD_SIZE`` other than ``tp``. ``command``: the lollm command the error's
+    ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`), a
+    ``WORLD_SIZE`` other than ``tp``, a value that is not a whole number >= 0
+    (negative ones included), and an inconsistent set: ``RANK`` >= ``WORLD_SIZE``,
+    ``LOCAL_RANK`` >= ``LOCAL_WORLD_SIZE`` (or ``WORLD_SIZE`` when torchrun's
+    ``LOCAL_WORLD_SIZE`` is absent) or above ``RANK``, ``MASTER_PORT`` outside
+    1..65535, an empty ``MASTER_ADDR``. ``command``: the lollm command the error's
     example launch line names (``run``, ``parity``, ``bench``).
     """
     env = os.environ if environ is None else environ
@@ -224,12 +267,58 @@ def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str
             f"`torchrun --nproc-per-node {tp} -m lollm {command} --tp {tp} …` "
             f"(this process has no {', '.join(missing)} in its environment)"
         )
-    try:
-        world = int(env["WORLD_SIZE"])
-    except ValueError:
-        raise TensorParallelError(f"--tp {tp}: WORLD_SIZE={env['WORLD_SIZE']!r} is not a number") from None
+    numbers = _launch_numbers(tp, env)
+    world = numbers["WORLD_SIZE"]
     if world != tp:
         raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
+    _check_ranks(tp, numbers)
+    env_seconds(RENDEZVOUS_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_SECONDS, env)
+    env_seconds(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, env)
+
+
+#: torchrun's variables that hold whole numbers (LOCAL_WORLD_SIZE: set by torchrun, optional here).
+_NUMERIC_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def _launch_numbers(tp: int, env: Mapping[str, str]) -> dict[str, int]:
+    """torchrun's numeric variables as ints; raises TensorParallelError naming one that is not a whole number >= 0."""
+    numbers: dict[str, int] = {}
+    for name in _NUMERIC_ENV:
+        if name not in env:
+            continue
+        text = env[name].strip()
+        if not text.isascii() or not text.isdigit() or len(text) > 9:
+            raise TensorParallelError(f"--tp {tp}: {name}={env[name]!r} is not a whole number from 0 to 999999999 "
+                                      f"(torchrun sets it; start the processes with torchrun)")
+        numbers[name] = int(text)
+    if not env["MASTER_ADDR"].strip():
+        raise TensorParallelError(f"--tp {tp}: MASTER_ADDR is empty (torchrun sets it to rank 0's host)")
+    return numbers
+
+
+def _check_ranks(tp: int, n: dict[str, int]) -> None:
+    """RANK, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_PORT consistent with WORLD_SIZE; TensorParallelError naming them otherwise.
+
+    A rank outside the world would wait for a process group it can never
+    complete, so it is refused before anything connects.
+    """
+    world, rank, local = n["WORLD_SIZE"], n["RANK"], n["LOCAL_RANK"]
+    local_world = n.get("LOCAL_WORLD_SIZE", world)
+    bad = None
+    if rank >= world:
+        bad = f"RANK={rank} is not below WORLD_SIZE={world} (the ranks are 0 to {world - 1})"
+    elif local_world < 1 or local_world > world:
+        bad = f"LOCAL_WORLD_SIZE={local_world} is not between 1 and WORLD_SIZE={world}"
+    elif local >= local_world:
+        bad = (f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}" if "LOCAL_WORLD_SIZE" in n
+               else f"LOCAL_RANK={local} is not below WORLD_SIZE={world}")
+    elif local > rank:
+        bad = f"LOCAL_RANK={local} is above RANK={rank} (a process's rank on its machine is at most its rank overall)"
+    elif not 1 <= n["MASTER_PORT"] <= 65535:
+        bad = f"MASTER_PORT={n['MASTER_PORT']} is not a TCP port (1 to 65535)"
+    if bad:
+        raise TensorParallelError(f"--tp {tp}: torchrun's environment is inconsistent: {bad}; start the processes "
+                                  f"with `torchrun --nproc-per-node {tp} -m lollm …` rather than setting these by hand")
 
 
 def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None,
@@ -240,11 +329,14 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
     ``LOCAL_RANK % device_count`` (so N processes share one GPU when only one
     exists). Returns the :class:`Group` (also kept for :func:`current`).
 
-    Raises TensorParallelError when ``tp`` < 1, when torchrun's variables
-    (:data:`TORCHRUN_ENV`) are missing, when ``WORLD_SIZE`` is not ``tp``, or
-    when torch has no such backend (``torch.distributed.is_backend_available``).
-    ``timeout``: seconds a collective may wait for the other ranks (None: torch's
-    default, 30 minutes; ``lollm serve --tp`` waits for requests far longer).
+    Raises TensorParallelError for what :func:`check_launch` refuses (missing
+    or inconsistent torchrun variables, a bad timeout variable), when torch has
+    no such backend (``torch.distributed.is_backend_available``), and when the
+    other ranks do not all join within the rendezvous timeout
+    (``$LOLLM_TP_RENDEZVOUS_TIMEOUT``, default :data:`RENDEZVOUS_TIMEOUT_SECONDS`).
+    ``timeout``: seconds a collective (all-reduce, broadcast, barrier) may wait
+    for the other ranks (None: ``$LOLLM_TP_TIMEOUT``, default
+    :data:`COLLECTIVE_TIMEOUT_SECONDS`; ``lollm serve --tp`` waits for requests far longer).
     """
     global _group
     env = os.environ if environ is None else environ
@@ -253,7 +345,9 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
         return None
     if _group is not None:
         return _group
-    world = int(env["WORLD_SIZE"])
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    rendezvous = env_seconds(RENDEZVOUS_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_SECONDS, env)
+    collective = env_seconds(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, env) if timeout is None else timeout
     import torch.distributed as dist
 
     backend = backend_for(device)
@@ -268,10 +362,40 @@ def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None
         device = torch.device("cuda", int(env["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
-        dist.init_process_group(backend, rank=int(env["RANK"]), world_size=world, **extra)
+        store = _rendezvous(dist, rank, world, rendezvous, env)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective))
+        # later store reads (NCCL's lazy communicator set-up at the first collective) wait like a collective
+        store.set_timeout(datetime.timedelta(seconds=collective))
     _group = Group(rank=dist.get_rank(), world=world, backend=backend, device=device)
     return _group
+
+
+def _rendezvous(dist: Any, rank: int, world: int, seconds: float, env: Mapping[str, str]) -> Any:
+    """Meet the other ranks through torchrun's store within ``seconds``; return the store for the process group.
+
+    ``torch.distributed.rendezvous("env://")`` connects to (or, on rank 0
+    without torchrun's agent, hosts) the TCP store at MASTER_ADDR:MASTER_PORT;
+    then every rank sets its key and waits for all ``world`` keys, so a rank
+    that never comes (a process that died, a wrong WORLD_SIZE on one machine)
+    ends the wait after ``seconds`` instead of the collective timeout. The
+    keys carry torchrun's restart count, so a restarted group does not see
+    the keys of the attempt before. Raises TensorParallelError naming the
+    address, the time and ``$LOLLM_TP_RENDEZVOUS_TIMEOUT``.
+    """
+    wait = datetime.timedelta(seconds=seconds)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=wait))
+        store.set(f"lollm/tp/{attempt}/joined/{rank}", "1")
+        store.wait([f"lollm/tp/{attempt}/joined/{r}" for r in range(world)], wait)
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
+        why = " ".join(str(exc).split())[:300]
+        raise TensorParallelError(
+            f"--tp {world}: rank {rank} did not meet all {world} ranks at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} "
+            f"within {seconds:g} s ({RENDEZVOUS_TIMEOUT_ENV}): {type(exc).__name__}: {why}"
+        ) from None
+    return store
 
 
 def shutdown() -> None:
