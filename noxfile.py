@@ -11,6 +11,7 @@
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
                        (-- N sets how many per property; CI runs a small fixed budget of the same tests)
+    nox -s schemathesis    schemathesis against a live `lollm serve` on a tiny model, from its /openapi.json
     nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
                            llama.cpp side by side (accuracy, memory, alternating speed rounds)
 
@@ -312,3 +313,17 @@ def bench_tp(session: nox.Session) -> None:
         args += ["-e", family]
     _install(session, *args)
     session.run("python", "lollm-core/benchmarks/bench_tp.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def schemathesis(session: nox.Session) -> None:
+    """schemathesis against a live `lollm serve` on a tiny random qwen2 (127.0.0.1), from its /openapi.json.
+
+    Default 100 examples per operation and phase (``nox -s schemathesis -- N``; more arguments go to
+    ``schemathesis run``). Checks: no 5xx, only the statuses, content types and answer shapes the schema
+    lists (lollm.testing.serving.SCHEMATHESIS_CHECKS). schemathesis comes with the test extra; the test
+    sessions run a bounded version in process (test_server_hostile.py).
+    """
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
+    examples = session.posargs[0] if session.posargs else "100"
+    session.run("python", "-m", "lollm.testing.serving", examples, *session.posargs[1:], env=OFFLINE)

@@ -66,13 +66,19 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filtering (Holtzman et al., 2019): keep the most likely tokens whose mass first reaches p."""
+    """Nucleus filtering (Holtzman et al., 2019): keep the most likely tokens whose mass first reaches p.
+
+    The most likely token always stays, whatever ``p`` (as in transformers and
+    llama.cpp): a ``p`` too small for float32 (``1e-300`` rounds to 0) must not
+    leave nothing to sample from.
+    """
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-    drop_sorted = mass_before >= p  # the first token always stays (mass_before = 0)
+    drop_sorted = mass_before >= p
+    drop_sorted[0] = False  # the most likely token
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

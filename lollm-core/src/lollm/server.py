@@ -10,6 +10,7 @@
                  JSON, or server-sent events (``stream: true``) ◄───────┘
     GET  /v1/models             the one model served
     GET  /health                {"status": "ok", ...} and request counters
+    GET  /openapi.json          the OpenAPI 3.0 description of the endpoints above
 
 Requests and answers follow OpenAI's API, so its clients (the ``openai``
 package, editors, agent tools) talk to it unchanged; see docs/serving.md.
@@ -18,11 +19,18 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   through one :class:`~lollm.prompt_cache.PromptCache`, so a client that sends
   its growing conversation again reuses what its last request computed
   (``usage.prompt_tokens_details.cached_tokens`` says how much).
+* One request cannot stall the others: the event loop only reads bodies (at
+  most :func:`body_limit` bytes) and writes answers. Parsing the JSON (at most
+  :data:`MAX_JSON_DEPTH` levels deep), checking the fields, rendering the
+  template and tokenizing run in a thread pool (Starlette's
+  ``run_in_threadpool``), after a size check that refuses a text too long to
+  fit the context before it is tokenized (:meth:`ModelServer.check_text_size`).
 * A client that goes away (a closed stream, a dropped connection) cancels its
   generation at the next token.
 * A bad request gets a 4xx with an OpenAI-style error body
   (``{"error": {"message", "type", "param", "code"}}``) that names the field;
-  a bug gets a 500 with the same shape and no traceback (it goes to the log).
+  a bug gets a 500 with the same shape and one log line (type, message, where;
+  the traceback is logged at DEBUG level).
 * Message text from clients is encoded with special-token parsing off
   (``Tokenizer.encode_chat(parse_special=False)``): a message cannot forge
   ``<|im_end|>``. A /v1/completions prompt is raw model input, parsed as is.
@@ -47,18 +55,22 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
+import reprlib
 import secrets
 import threading
 import time
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
-from lollm.errors import LollmError
+from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
-from lollm.sampling import SamplingParams, resolve_sampling
+from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
 
 log = logging.getLogger("lollm.server")
 
@@ -76,6 +88,49 @@ MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content")
 RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt"}
 FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
 
+# -- the server's limits (docs/serving.md, "Limits") ---------------------------------------
+
+#: A request body may hold BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context bytes (see body_limit).
+BODY_BYTES_BASE = 1 << 20
+BODY_BYTES_PER_POSITION = 64
+#: Bytes of an oversized body read (and dropped) before its 413 is sent, so that a client that
+#: writes its whole body before it reads the answer sees the 413 rather than a reset connection.
+DRAIN_BYTES = 64 << 20
+#: How deep a request's JSON may nest: OpenAI's bodies need 4 (messages[i].content[j].text).
+MAX_JSON_DEPTH = 32
+#: The largest integer a request field may hold (a seed goes up to 2**64-1).
+MAX_INTEGER = SEED_MAX
+
+
+def body_limit(context: int) -> int:
+    """Most bytes a request body may have for a server of ``context`` positions.
+
+    1 MiB plus 64 bytes a position: a prompt that fills the context takes about
+    4 bytes a token as plain text, up to about 12 with every character
+    JSON-escaped (``\\u00e9``), and about 8 as a list of token ids. 4096
+    positions (the default --ctx-size): 1.25 MiB; 131,072: 9 MiB.
+    """
+    return BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the bytes of text one token of ``tokenizer`` can stand for (at least 1).
+
+    The UTF-8 length of the longest vocabulary string, added tokens included:
+    a byte-level token (``'Ġhello'``) spells each byte with one character of 1
+    or 2 UTF-8 bytes, and a SentencePiece token spells a space as ``▁`` (3
+    bytes) and a byte as ``<0xNN>`` (6), so no token stands for more bytes
+    than its string has. Unused ids (holes in the vocabulary) are skipped.
+    """
+    longest = 1
+    for token_id in range(tokenizer.vocab_size):
+        try:
+            text = tokenizer.id_to_token(token_id)
+        except TokenizerError:
+            continue
+        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
+    return longest
+
 
 class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` and the OpenAI-style error fields."""
@@ -89,7 +144,75 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def internal_error(where: str, error: BaseException) -> ApiError:
+    """The 500 answer to a bug met while answering ``where`` (``"POST /v1/completions"``), logged in one line.
+
+    The line names an error id (also in the answer), the exception's type, the
+    first line of its message and the innermost frame; the traceback goes to the
+    log at DEBUG level only.
+    """
+    ident = uuid.uuid4().hex[:12]
+    frames = traceback.extract_tb(error.__traceback__)
+    at = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    first = (str(error).splitlines() or [""])[0][:300]
+    log.error("%s: internal error %s: %s: %s%s", where, ident, type(error).__name__, first, at)
+    log.debug("internal error %s", ident, exc_info=error)
+    return ApiError(500, f"internal error {ident} (see the server log)", kind="server_error")
+
+
 # -- reading a request --------------------------------------------------------------
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 80, 80, 3
+
+
+def _show(value: Any) -> str:
+    """``repr(value)`` cut short (long strings, big lists, deep nesting), for error messages."""
+    return _SHOW.repr(value)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body ``raw`` (JSON, UTF-8) as a dict; ApiError 400 when it is not one.
+
+    Refused: invalid JSON, ``NaN`` / ``Infinity`` (Python's json reads them, JSON
+    has no such numbers), integers of more than 4,300 digits (Python's limit),
+    and nesting deeper than :data:`MAX_JSON_DEPTH` (checked without recursion;
+    what is too deep for the parser itself ends in its RecursionError, caught).
+    """
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, too many digits, NaN
+        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return body
+
+
+def text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string inside ``value`` (values of objects, items of lists), without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
@@ -98,18 +221,24 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             continue
         if name in IGNORED and value in (None, IGNORED[name]):
             continue
-        raise ApiError(400, f"unsupported parameter {name!r} (value {value!r}): lollm serve does not implement it",
-                       param=name, code="unsupported_parameter")
+        raise ApiError(400, f"unsupported parameter {_show(name)} (value {_show(value)}): lollm serve does not "
+                            f"implement it", param=name[:100], code="unsupported_parameter")
 
 
 def _number(body: dict[str, Any], name: str, *, integer: bool = False, low: float | None = None,
             high: float | None = None, open_low: bool = False) -> Any:
-    """``body[name]`` checked to be a number in range, or None when absent or null."""
+    """``body[name]`` checked to be a number in range, or None when absent or null.
+
+    Integers lie within +-:data:`MAX_INTEGER` and other numbers are finite
+    (JSON's ``1e400`` reads as infinity), whatever ``low`` and ``high`` say.
+    """
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise ApiError(400, f"{name!r} must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+        raise ApiError(400, f"{name!r} must be {'an integer' if integer else 'a number'}, got {_show(value)}", param=name)
+    if isinstance(value, int) and abs(value) > MAX_INTEGER or isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"{name!r} is out of range: {_show(value)}", param=name)
     if low is not None and (value <= low if open_low else value < low):
         raise ApiError(400, f"{name!r} must be {'>' if open_low else '>='} {low}, got {value}", param=name)
     if high is not None and value > high:
@@ -122,7 +251,7 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name!r} must be true or false, got {value!r}", param=name)
+        raise ApiError(400, f"{name!r} must be true or false, got {_show(value)}", param=name)
     return value
 
 
@@ -132,9 +261,29 @@ def _stops(body: dict[str, Any]) -> list[str]:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most 16 of them, got {value!r}",
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most 16 of them, got {_show(value)}",
                        param="stop")
     return stops
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}", param="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives each chat token's logprobs list (``logprobs`` + ``top_logprobs``), None: no logprobs."""
+    top = _number(body, "top_logprobs", integer=True, low=0, high=20)
+    if _flag(body, "logprobs"):
+        return top or 0
+    if top is not None:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return None
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -148,11 +297,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise ApiError(400, f"{where} must be an object with 'role' and 'content'", param=where)
         for key, item in message.items():
             if key not in MESSAGE_FIELDS and item is not None:
-                raise ApiError(400, f"{where}.{key} is not supported (only {', '.join(MESSAGE_FIELDS)})",
-                               param=f"{where}.{key}")
+                raise ApiError(400, f"{where}.{_show(key)} is not supported (only {', '.join(MESSAGE_FIELDS)})",
+                               param=f"{where}.{key[:100]}")
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}", param=f"{where}.role")
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -193,6 +342,15 @@ class Job:
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
 
 
+@dataclass
+class Prepared:
+    """A request read, checked and tokenized (:meth:`ModelServer.prepare`): its job and how to answer."""
+
+    job: Job
+    streaming: bool
+    include_usage: bool
+
+
 class ModelServer:
     """The served model, its prompt cache, the worker thread and the request counters (no HTTP here).
 
@@ -203,10 +361,12 @@ class ModelServer:
     template_flags: server-wide template variables (``--think``), under a request's chat_template_kwargs.
     draft_tokens:   MTP draft tokens per step (0: off).
     api_key:        when set, every /v1 request must carry ``Authorization: Bearer <api_key>``.
+    max_body_bytes: the largest request body, in bytes (default: :func:`body_limit` of the context).
     """
 
     def __init__(self, loaded: Any, *, name: str, context: int, sampling_flags: dict[str, Any] | None = None,
-                 template_flags: dict[str, Any] | None = None, draft_tokens: int = 0, api_key: str | None = None):
+                 template_flags: dict[str, Any] | None = None, draft_tokens: int = 0, api_key: str | None = None,
+                 max_body_bytes: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -216,6 +376,9 @@ class ModelServer:
         self.template_flags = dict(template_flags or {})
         self.draft_tokens = draft_tokens
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes or body_limit(self.cache.max_tokens)
+        #: no token stands for more bytes of text than this (the early prompt-length check)
+        self.token_bytes_bound = longest_token_bytes(self.tokenizer)
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lollm-generate")
@@ -234,18 +397,30 @@ class ModelServer:
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
         if model != self.name:
-            raise ApiError(404, f"the model {model!r} does not exist here; this server serves {self.name!r}",
+            raise ApiError(404, f"the model {_show(model)} does not exist here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    def job(self, body: dict[str, Any], ids: list[int], *, logprobs: int | None) -> Job:
-        """The generation settings of a request whose prompt is ``ids``."""
-        if len(ids) >= self.cache.max_tokens:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens, but the server's context is {self.cache.max_tokens} "
-                                f"(lollm serve --ctx-size); shorten it", param="messages" if "messages" in body else "prompt",
-                           code="context_length_exceeded")
+    def prepare(self, raw: bytes, kind: str) -> Prepared:
+        """A request body of ``kind`` ("chat" or "completion") parsed, checked and tokenized; ApiError when refused.
+
+        Runs in a thread of the pool, never on the event loop: the template and
+        the tokenizer take time in proportion to the text. Every cheap check (the
+        JSON, the model, the fields, the sampling values, the text's size) comes
+        before them.
+        """
+        body = parse_body(raw)
+        self.check_model(body)
+        _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
+        logprobs = _chat_logprobs(body) if kind == "chat" else _number(body, "logprobs", integer=True, low=0, high=20)
+        streaming, include_usage = _flag(body, "stream"), _stream_options(body)
+        limit, sampling, stop = self.settings(body)
+        ids = self.chat_ids(body) if kind == "chat" else self.completion_ids(body)
+        return Prepared(self.job(body, ids, limit, sampling, stop, logprobs), streaming, include_usage)
+
+    def settings(self, body: dict[str, Any]) -> tuple[int | None, SamplingParams, list[str]]:
+        """The request's token limit (None: the rest of the context), resolved sampling and stop strings."""
         limit = _number(body, "max_completion_tokens", integer=True, low=1)
         limit = _number(body, "max_tokens", integer=True, low=1) if limit is None else limit
-        room = self.cache.max_tokens - len(ids)
         user = {**self.sampling_flags}
         for name in SAMPLING_FIELDS:
             value = _number(body, name, integer=name == "top_k")
@@ -259,7 +434,33 @@ class ModelServer:
                                         self.loaded.family.family.sampling_defaults, seed=seed)
         except LollmError as error:
             raise ApiError(400, str(error)) from None
-        return Job(ids=ids, max_tokens=min(limit or room, room), sampling=sampling, stop=_stops(body), logprobs=logprobs)
+        return limit, sampling, _stops(body)
+
+    def job(self, body: dict[str, Any], ids: list[int], limit: int | None, sampling: SamplingParams, stop: list[str],
+            logprobs: int | None) -> Job:
+        """The generation of a request whose prompt is ``ids``; ApiError 400 when the prompt leaves no room."""
+        if len(ids) >= self.cache.max_tokens:
+            raise self._too_long(body, f"the prompt has {len(ids)} tokens")
+        room = self.cache.max_tokens - len(ids)
+        return Job(ids=ids, max_tokens=min(limit or room, room), sampling=sampling, stop=stop, logprobs=logprobs)
+
+    def _too_long(self, body: dict[str, Any], what: str) -> ApiError:
+        return ApiError(400, f"{what}, but the server's context is {self.cache.max_tokens} (lollm serve --ctx-size); "
+                             f"shorten it", param="messages" if "messages" in body else "prompt",
+                        code="context_length_exceeded")
+
+    def check_text_size(self, body: dict[str, Any], size: int) -> None:
+        """Refuse, before tokenizing, a prompt whose text (``size`` UTF-8 bytes) cannot fit the context.
+
+        No token stands for more than ``token_bytes_bound`` bytes, so such a text
+        has at least ``size / token_bytes_bound`` tokens; a prompt must leave one
+        position free. (A tokenizer whose normalizer deletes text, or that fuses
+        unknown characters into one id, could fit more; a prompt that long is
+        refused all the same.)
+        """
+        if size > (self.cache.max_tokens - 1) * self.token_bytes_bound:
+            raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
+                                       f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
         if self.tokenizer.chat_template is None:
@@ -273,9 +474,10 @@ class ModelServer:
                 raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
             for key in extra:
                 if key in RESERVED_TEMPLATE_VARIABLES or not self.tokenizer.chat_template_reads(key):
-                    raise ApiError(400, f"chat_template_kwargs: the chat template does not read {key!r}",
-                                   param=f"chat_template_kwargs.{key}")
+                    raise ApiError(400, f"chat_template_kwargs: the chat template does not read {_show(key)}",
+                                   param=f"chat_template_kwargs.{key[:100]}")
             flags.update(extra)
+        self.check_text_size(body, text_bytes(messages) + text_bytes(extra))
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
@@ -286,12 +488,15 @@ class ModelServer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
+            self.check_text_size(body, len(prompt.encode("utf-8", "surrogatepass")))
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) >= self.cache.max_tokens:
+                raise self._too_long(body, f"the prompt has {len(prompt)} tokens")
             bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
             if bad:
                 raise ApiError(400, f"'prompt' holds token ids outside the vocabulary (0 .. {self.model.vocab_size - 1}): "
-                                    f"{bad[:5]}", param="prompt")
+                                    f"{_show(bad[:5])}", param="prompt")
             ids = list(prompt)
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
@@ -412,166 +617,338 @@ class ModelServer:
         return entries[:-1] if entries and result.stop_reason == "eos" else entries
 
 
+# -- /openapi.json -------------------------------------------------------------------------------
+#
+# Written by hand, small and true to what the handlers accept: a request the schema allows may
+# still be refused (a template that rejects the messages, a prompt longer than the context, a
+# temperature so small the logits overflow), but never with a status the schema does not list.
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "nullable": True}
+
+
+_INTEGER = {"type": "integer", "minimum": -MAX_INTEGER, "maximum": MAX_INTEGER}
+_COMMON_REQUEST = {
+    "max_tokens": _nullable({**_INTEGER, "minimum": 1, "description": "default: the rest of the context"}),
+    "temperature": _nullable({"type": "number", "minimum": 0, "description": "0: greedy"}),
+    "top_p": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1}),
+    "top_k": _nullable({**_INTEGER, "minimum": -1, "description": "-1 or 0: off"}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True}),
+    "seed": _nullable({**_INTEGER, "minimum": 0}),
+    "stop": _nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}]}),
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+}
+#: The fields that change nothing here, with the only values accepted (null, or the neutral one).
+_IGNORED_REQUEST = {name: {"nullable": True, "enum": [value], "description": "accepted, changes nothing"}
+                    for name, value in IGNORED.items()}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_MESSAGE = {
+    "type": "object", "required": ["role", "content"], "additionalProperties": False,
+    "properties": {"role": {"type": "string", "enum": list(ROLES)},
+                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"})},
+}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+_FINISH = {"type": "string", "enum": ["stop", "length"]}
+_CHAT_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _nullable({"type": "object"}),
+        "message": {"type": "object", "required": ["role", "content"],
+                    "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}}}}}
+_COMPLETION_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+        "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+        "logprobs": _nullable({"type": "object"})}}}}}
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})}}}}
+_ERRORS = {
+    "400": "a malformed body or field, an unsupported field, a prompt longer than the context (context_length_exceeded)",
+    "401": "--api-key is set and the request's key is missing or wrong (invalid_api_key)",
+    "404": "a model this server does not serve (model_not_found)",
+    "413": "a body over the server's size limit (request_too_large)",
+    "500": "a bug in lollm (the server log has one line about it)",
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _generation_operation(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    errors = {status: _json(_ERROR, text) for status, text in _ERRORS.items()}
+    ok = _json(answer, "the answer; with stream: true, server-sent events (data: {chunk} ... data: [DONE])")
+    event = {"type": "object", "required": ["data"], "description": "one server-sent event (as OpenAPI 3.2 reads a stream)",
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
+    ok["content"]["text/event-stream"] = {"schema": event}
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {"200": ok, **errors}}
+
+
+def openapi_schema(server: ModelServer) -> dict[str, Any]:
+    """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``)."""
+    model = {"type": "string", "enum": [server.name], "description": "the served model's name (404 for any other)"}
+    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+        **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"})}}
+    token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
+    ids = {"type": "array", "minItems": 1, "items": token}
+    text = {"type": "string", "minLength": 1}
+    prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}]}
+    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+        **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "prompt": prompt,
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20})}}
+    listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
+        "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
+    health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    paths = {
+        "/v1/chat/completions": {"post": _generation_operation("chat: messages through the chat template", chat, _CHAT_ANSWER)},
+        "/v1/completions": {"post": _generation_operation("completion of a prompt (text or token ids)", completion,
+                                                          _COMPLETION_ANSWER)},
+        "/v1/models": {"get": {"summary": "the one model served", "responses": {
+            "200": _json(listing, "the model list"), "401": _json(_ERROR, _ERRORS["401"]), "500": _json(_ERROR, _ERRORS["500"])}}},
+        "/health": {"get": {"summary": "whether the server is up, and its request counters (no key needed)",
+                            "responses": {"200": _json(health, "the server is up")}}},
+    }
+    schema: dict[str, Any] = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
+    if server.api_key is not None:
+        schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+            for operation in paths[path].values():
+                operation["security"] = [{"bearer": []}]
+    return schema
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lollm-core")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 # -- HTTP ------------------------------------------------------------------------------------
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes (1 MiB plus "
+                         f"{BODY_BYTES_PER_POSITION} bytes per position of its context, lollm serve --ctx-size)",
+                    code="request_too_large")
+
+
+async def read_limited(request: Any, limit: int) -> bytes:
+    """The body of a Starlette ``request``: at most ``limit`` bytes, else ApiError 413.
+
+    An oversized body is still read, and dropped, up to :data:`DRAIN_BYTES`
+    (then the connection is given up), so that a client that writes all of
+    its body before it reads the answer gets the 413. Nothing is kept past
+    ``limit``; a Content-Length above DRAIN_BYTES is refused before any is read.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_BYTES:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        else:
+            chunks = []
+            if size > DRAIN_BYTES:
+                break
+    if size > limit:
+        raise _too_large(limit)
+    return b"".join(chunks)
+
+
+async def wait(server: ModelServer, request: Any, job: Job) -> GenerationResult | None:
+    """Run ``job`` on the worker; cancel it if the client disconnects meanwhile (or the server stops)."""
+    future = asyncio.get_running_loop().run_in_executor(server.worker, server.run, job)
+    try:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.25)
+            if done:
+                return future.result()
+            if not job.cancel.is_set() and await request.is_disconnected():
+                job.cancel.set()
+    finally:
+        if not future.done():
+            job.cancel.set()
+
+
+def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
+    """Server-sent events of one generation: ``chunk(text, logprobs, finish_reason)`` makes each payload.
+
+    An error after the first event is sent as an error event (a bug: one log line, as for a 500).
+    """
+    from starlette.responses import StreamingResponse
+
+    job = plan.job
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731  (from the worker thread)
+    job.on_text = lambda piece: put(("text", piece))
+    job.on_token = lambda token, lp: put(("token", lp)) if lp is not None and token not in server.stop_ids else None
+
+    def work() -> None:
+        try:
+            put(("done", server.run(job)))
+        except BaseException as error:  # reported to the client as an error event
+            put(("error", error))
+
+    def sse(payload: Any) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def failed(error: BaseException) -> str:
+        if isinstance(error, LollmError):
+            log.info("%s: generation refused: %s", where, error)
+            return sse(ApiError(400, str(error)).body())
+        return sse(internal_error(where, error).body())
+
+    async def events():
+        loop.run_in_executor(server.worker, work)
+        pending: list[TokenLogprobs] = []
+        try:
+            yield sse(chunk(None, None, None))  # the first chunk: the assistant's role
+            while True:
+                kind, value = await queue.get()
+                if kind == "token":
+                    pending.append(value)
+                elif kind == "text":
+                    yield sse(chunk(value, pending, None))
+                    pending = []
+                elif kind == "error":
+                    yield failed(value)
+                    break
+                else:  # done
+                    result: GenerationResult | None = value
+                    if pending:
+                        yield sse(chunk("", pending, None))
+                    yield sse(chunk("", None, FINISH_REASON[result.stop_reason] if result is not None else "stop"))
+                    if plan.include_usage and result is not None:
+                        yield sse({**chunk("", None, None), "choices": [], "usage": server.usage(result)})
+                    break
+            yield "data: [DONE]\n\n"
+        except Exception as error:  # a bug while writing the events
+            yield failed(error)
+        finally:
+            job.cancel.set()  # no-op after the end; stops the generation of a client that went away
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# -- the answers' shapes (OpenAI's) -------------------------------------------------------------
+
+
+def _base(server: ModelServer, kind: str) -> dict[str, Any]:
+    """The fields every answer (and every streamed chunk) of one request shares."""
+    if kind == "chat":
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name}
+    return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name,
+            "object": "text_completion"}
+
+
+def _chat_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+    def chunk(text, entries, finish):
+        delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        lp = {"content": server.content_logprobs(entries)} if entries else None
+        return {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    return chunk
+
+
+def _completion_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
+    offset = [0]
+
+    def chunk(text, entries, finish):
+        lp = None
+        if entries:
+            lp = server.text_logprobs(entries, offset[0])
+            offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}]}
+
+    return chunk
+
+
+def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
+    lp = {"content": server.content_logprobs(server.content_entries(result))} if job.logprobs is not None else None
+    return {**base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
+                         "finish_reason": FINISH_REASON[result.stop_reason]}],
+            "usage": server.usage(result)}
+
+
+def _completion_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
+    lp = server.text_logprobs(server.content_entries(result)) if job.logprobs is not None else None
+    return {**base,
+            "choices": [{"index": 0, "text": result.text, "logprobs": lp, "finish_reason": FINISH_REASON[result.stop_reason]}],
+            "usage": server.usage(result)}
+
+
+CHUNKS = {"chat": _chat_chunks, "completion": _completion_chunks}
+ANSWERS = {"chat": _chat_answer, "completion": _completion_answer}
 
 
 def create_app(server: ModelServer):
     """The Starlette application serving ``server``."""
     from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    def error_response(error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+    def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-    async def read_body(request: Request, fields: set[str]) -> dict[str, Any]:
-        server.check_auth(request.headers.get("authorization"))
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        server.check_model(body)
-        _check_fields(body, fields)
-        return body
+    def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """``handler`` whose errors become JSON answers: ApiError as it says, LollmError 400, any other 500."""
 
-    async def wait(request: Request, job: Job) -> GenerationResult | None:
-        """Run ``job`` on the worker; cancel it if the client disconnects meanwhile (or the server stops)."""
-        future = asyncio.get_running_loop().run_in_executor(server.worker, server.run, job)
-        try:
-            while True:
-                done, _ = await asyncio.wait({future}, timeout=0.25)
-                if done:
-                    return future.result()
-                if not job.cancel.is_set() and await request.is_disconnected():
-                    job.cancel.set()
-        finally:
-            if not future.done():
-                job.cancel.set()
-
-    def stream(job: Job, chunk: Callable[..., dict[str, Any]], include_usage: bool):
-        """Server-sent events of one generation: ``chunk(text, logprobs, finish_reason)`` makes each payload."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731  (from the worker thread)
-        job.on_text = lambda piece: put(("text", piece))
-        job.on_token = lambda token, lp: put(("token", lp)) if lp is not None and token not in server.stop_ids else None
-
-        def work() -> None:
+        async def endpoint(request: Request):
             try:
-                put(("done", server.run(job)))
-            except BaseException as error:  # reported to the client as an error event
-                put(("error", error))
+                return await handler(request)
+            except ApiError as error:
+                return error_response(error)
+            except LollmError as error:  # bad input found deeper (tokenizer, sampler)
+                return error_response(ApiError(400, str(error)))
+            except ClientDisconnect:  # gone while its body was read: nobody to answer
+                return Response(status_code=499)
+            except Exception as error:
+                return error_response(internal_error(f"{request.method} {request.url.path}", error))
 
-        def sse(payload: Any) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return endpoint
 
-        async def events():
-            loop.run_in_executor(server.worker, work)
-            pending: list[TokenLogprobs] = []
-            try:
-                yield sse(chunk(None, None, None))  # the first chunk: the assistant's role
-                while True:
-                    kind, value = await queue.get()
-                    if kind == "token":
-                        pending.append(value)
-                    elif kind == "text":
-                        yield sse(chunk(value, pending, None))
-                        pending = []
-                    elif kind == "error":
-                        log.error("generation failed", exc_info=value)
-                        message = str(value) if isinstance(value, LollmError) else "internal error (see the server log)"
-                        yield sse(ApiError(500, message, kind="server_error").body())
-                        break
-                    else:  # done
-                        result: GenerationResult | None = value
-                        if pending:
-                            yield sse(chunk("", pending, None))
-                        reason = FINISH_REASON[result.stop_reason] if result is not None else "stop"
-                        yield sse(chunk("", None, reason))
-                        if include_usage and result is not None:
-                            yield sse({**chunk("", None, None), "choices": [], "usage": server.usage(result)})
-                        break
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel.set()  # no-op after the end; stops the generation of a client that went away
+    def generation(kind: str) -> Callable[[Request], Any]:
+        async def handler(request: Request):
+            server.check_auth(request.headers.get("authorization"))
+            raw = await read_limited(request, server.max_body_bytes)
+            plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
+            base = _base(server, kind)
+            if plan.streaming:
+                return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
+            result = await wait(server, request, plan.job)
+            if result is None:
+                raise ApiError(499, "the request was cancelled")
+            return JSONResponse(ANSWERS[kind](server, base, plan.job, result))
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    def stream_options(body: dict[str, Any]) -> bool:
-        options = body.get("stream_options")
-        if options is None:
-            return False
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}",
-                           param="stream_options")
-        return bool(options.get("include_usage", False))
-
-    async def chat_completions(request: Request):
-        body = await read_body(request, CHAT_FIELDS)
-        logprobs = None
-        top = _number(body, "top_logprobs", integer=True, low=0, high=20)
-        if _flag(body, "logprobs"):
-            logprobs = top or 0
-        elif top is not None:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        streaming = _flag(body, "stream")
-        include_usage = stream_options(body)
-        job = server.job(body, server.chat_ids(body), logprobs=logprobs)
-        base = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name}
-
-        if streaming:
-            def chunk(text, entries, finish):
-                delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-                lp = {"content": server.content_logprobs(entries)} if entries else None
-                return {**base, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-            return stream(job, chunk, include_usage)
-        result = await wait(request, job)
-        if result is None:
-            raise ApiError(499, "the request was cancelled")
-        lp = {"content": server.content_logprobs(server.content_entries(result))} if logprobs is not None else None
-        return JSONResponse({
-            **base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
-                         "finish_reason": FINISH_REASON[result.stop_reason]}],
-            "usage": server.usage(result),
-        })
-
-    async def completions(request: Request):
-        body = await read_body(request, COMPLETION_FIELDS)
-        logprobs = _number(body, "logprobs", integer=True, low=0, high=20)
-        streaming = _flag(body, "stream")
-        include_usage = stream_options(body)
-        job = server.job(body, server.completion_ids(body), logprobs=logprobs)
-        base = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name,
-                "object": "text_completion"}
-
-        if streaming:
-            offset = [0]
-
-            def chunk(text, entries, finish):
-                lp = None
-                if entries:
-                    lp = server.text_logprobs(entries, offset[0])
-                    offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}]}
-
-            return stream(job, chunk, include_usage)
-        result = await wait(request, job)
-        if result is None:
-            raise ApiError(499, "the request was cancelled")
-        lp = server.text_logprobs(server.content_entries(result)) if logprobs is not None else None
-        return JSONResponse({
-            **base,
-            "choices": [{"index": 0, "text": result.text, "logprobs": lp, "finish_reason": FINISH_REASON[result.stop_reason]}],
-            "usage": server.usage(result),
-        })
+        return guarded(handler)
 
     async def models(request: Request):
         server.check_auth(request.headers.get("authorization"))
@@ -581,28 +958,24 @@ def create_app(server: ModelServer):
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts)})
 
-    async def api_error(request: Request, error: ApiError):
-        return error_response(error)
+    schema = openapi_schema(server)
 
-    async def lollm_error(request: Request, error: LollmError):  # bad input found deeper (tokenizer, sampler)
-        return error_response(ApiError(400, str(error)))
+    async def openapi(request: Request):
+        return JSONResponse(schema)
 
-    async def http_error(request: Request, error: HTTPException):
+    async def http_error(request: Request, error: HTTPException):  # an unknown path (404), a wrong method (405)
         kind = "not_found" if error.status_code == 404 else "invalid_request_error"
-        return error_response(ApiError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind=kind))
-
-    async def internal_error(request: Request, error: Exception):
-        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return error_response(ApiError(500, "internal error (see the server log)", kind="server_error"))
+        message = f"{request.method} {request.url.path[:200]}: {error.detail}"
+        return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
 
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/v1/chat/completions", generation("chat"), methods=["POST"]),
+        Route("/v1/completions", generation("completion"), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/openapi.json", guarded(openapi), methods=["GET"]),
     ]
-    handlers = {ApiError: api_error, LollmError: lollm_error, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
 def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000) -> None:

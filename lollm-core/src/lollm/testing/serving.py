@@ -11,6 +11,11 @@ process on the same checkpoint (greedy, so the text is determined)::
         check_chat(client, "tiny", reference)
 
 The ``openai`` package comes with ``lollm-core[test]``.
+
+:func:`app_in_thread` serves an application made in the test process (``lollm.server.create_app``)
+with uvicorn in a thread, for tests that change the server from inside (a tokenizer that blocks).
+``python -m lollm.testing.serving [EXAMPLES]`` runs schemathesis against a live ``lollm serve`` on a
+tiny qwen2 (``nox -s schemathesis``; needs lollm-qwen, transformers and schemathesis).
 """
 
 from __future__ import annotations
@@ -87,6 +92,31 @@ def run_server(folder: str | Path, *args: str, timeout: float = 180, nproc: int 
             child.kill()
             child.wait()
         log.close()
+
+
+@contextmanager
+def app_in_thread(app: Any, timeout: float = 60) -> Iterator[str]:
+    """``app`` (an ASGI application) served by uvicorn in a daemon thread of this process; yields its root URL.
+
+    Binds a free port on 127.0.0.1; waits (at most ``timeout`` seconds) until uvicorn has started, and on
+    exit asks it to stop and waits for the thread. Signal handlers stay the main thread's.
+    """
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise AssertionError("uvicorn did not start in its thread")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @contextmanager
@@ -283,3 +313,45 @@ def check_concurrent_requests(client, model: str, reference: Reference, max_toke
         t.join(timeout=300)
     assert not errors, errors
     assert [answers.get(i) for i in range(len(jobs))] == expected
+
+
+# -- schemathesis against a live server (nox -s schemathesis) ----------------------------------
+
+#: The schemathesis checks run: no 5xx, only documented statuses, content types and headers, and
+#: answers that match their schema. (Not "positive data acceptance": a request the schema allows
+#: may still be refused, e.g. by the chat template or a temperature that overflows the logits.)
+SCHEMATHESIS_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,"
+                       "response_headers_conformance,response_schema_conformance")
+
+
+def write_chat_checkpoint(folder: str | Path) -> Path:
+    """A tiny random qwen2 that chats (ChatML tokenizer of 512 ids), written in ``folder``.
+
+    Needs lollm-qwen to serve it and transformers (lollm-core[parity]) to write it.
+    """
+    from lollm.testing.hub_configs import hub_config
+    from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
+
+    raw = shrink_config(hub_config("Qwen__Qwen2.5-0.5B"), vocab_size=512, bos_token_id=0, eos_token_id=0,
+                        initializer_range=0.1, tie_word_embeddings=False)
+    return write_tiny_tokenizer(write_tiny_checkpoint(raw, folder), vocab_size=512)
+
+
+def run_schemathesis(examples: int, *extra: str) -> int:
+    """Start ``lollm serve`` on a tiny qwen2 and run ``schemathesis run`` against its /openapi.json.
+
+    ``examples`` cases at most per operation and phase; ``extra`` goes to schemathesis, which runs in a
+    temporary folder (with the checkpoint). Returns its exit status.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_chat_checkpoint(Path(tmp) / "tiny-qwen2")
+        with run_server(folder, "--model-name", "tiny", "--ctx-size", "64") as url:
+            command = [str(Path(sys.executable).parent / "schemathesis"), "run", url.removesuffix("/v1") + "/openapi.json",
+                       "--checks", SCHEMATHESIS_CHECKS, "--max-examples", str(examples), "--request-timeout", "60",
+                       *extra]
+            print("$", " ".join(command), flush=True)
+            return subprocess.run(command, cwd=tmp).returncode  # its caches and reports stay out of the repository
+
+
+if __name__ == "__main__":
+    sys.exit(run_schemathesis(int(sys.argv[1]) if len(sys.argv) > 1 else 50, *sys.argv[2:]))
