@@ -1,5 +1,5 @@
 """RoPE numbers are bounded (issue 22): a scaling factor from 1 to 1,024, YaRN's betas up to 1,024,
-its cos/sin multipliers (attention_factor, mscale, mscale_all_dim) up to 16, a base up to 1e15
+its cos/sin multipliers (attention_factor, mscale, mscale_all_dim) up to 16, a base up to 1e16
 (lollm.checks). Every real config loads; an extreme one is an error naming the key and the value."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_extreme_rope_scaling_is_named(family, scaling, needle):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_an_extreme_top_level_rope_theta_is_named(family):
-    with pytest.raises(ConfigError, match=r"config.json 'rope_theta' is 1e\+20: expected a finite number > 1.0 and <= 1e\+15"):
+    with pytest.raises(ConfigError, match=r"config.json 'rope_theta' is 1e\+20: expected a finite number > 1.0 and <= 1e\+16"):
         _config_class(family).from_hf({**real_config(family), "rope_theta": 1e20})
 
 

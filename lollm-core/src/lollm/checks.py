@@ -39,7 +39,7 @@ MAX_ROPE_FACTOR    1,024 (2**10)         a RoPE scaling 'factor' (at least 1); Y
                                          Llama 3's low/high_freq_factor (at least 2**-10)
 MAX_ROPE_SCALE     16                    what multiplies cos and sin: YaRN's attention_factor,
                                          mscale, mscale_all_dim (at least 2**-10)
-MAX_ROPE_THETA     1e15                  a RoPE base: rope_theta, GGUF rope.freq_base (above 1)
+MAX_ROPE_THETA     1e16                  a RoPE base: rope_theta, GGUF rope.freq_base (above 1)
 =================  ====================  ==========================================
 
 The RoPE bounds hold every published model with room to spare: scaling factors run from
@@ -73,7 +73,7 @@ MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 24
 MAX_ROPE_FACTOR = 1024.0
 MAX_ROPE_SCALE = 16.0
-MAX_ROPE_THETA = 1e15
+MAX_ROPE_THETA = 1e16
 MIN_ROPE_KNOB = 2.0**-10
 
 #: Marks a key without a default: absent (or null) raises.

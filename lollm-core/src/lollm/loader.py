@@ -95,8 +95,8 @@ def _safetensors_header(path: Path) -> tuple[int, list[tuple[str, Any]]] | None:
 def _refuse_duplicates(path: Path, pairs: list) -> None:
     """CheckpointError naming a tensor the header lists twice.
 
-    safetensors keeps the last entry of a name and then reports "incomplete metadata", since
-    the bytes of the first one belong to no tensor; the real fault is the repeated name.
+    safetensors keeps the last entry of a name and then reports "incomplete metadata" (or an
+    "invalid offset"), since the bytes of the first one belong to no tensor; the fault is the repetition.
     """
     seen: set[str] = set()
     for item in pairs:

@@ -1,6 +1,6 @@
 """RoPE numbers are bounded (issue 22, lollm.checks): a scaling factor from 1 to 1,024, Llama 3's
 low/high_freq_factor and YaRN's betas from 2**-10 to 1,024, YaRN's cos/sin multipliers up to 16, a
-base up to 1e15. The published Llama configs load; an extreme value is an error naming the key."""
+base up to 1e16. The published Llama configs load; an extreme value is an error naming the key."""
 
 from __future__ import annotations
 
