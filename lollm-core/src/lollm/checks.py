@@ -35,7 +35,21 @@ MAX_WIDTH          1,048,576 (2**20)     widths: hidden, MLP, head dim, expert w
 MAX_HEADS          65,536 (2**16)        attention heads, KV heads, experts
 MAX_VOCAB          16,777,216 (2**24)    vocabulary rows, token ids
 MAX_CONTEXT        16,777,216 (2**24)    max_position_embeddings, sliding window
+MAX_ROPE_FACTOR    1,024 (2**10)         a RoPE scaling 'factor' (at least 1); YaRN's betas and
+                                         Llama 3's low/high_freq_factor (at least 2**-10)
+MAX_ROPE_SCALE     16                    what multiplies cos and sin: YaRN's attention_factor,
+                                         mscale, mscale_all_dim (at least 2**-10)
+MAX_ROPE_THETA     1e16                  a RoPE base: rope_theta, GGUF rope.freq_base (above 1)
 =================  ====================  ==========================================
+
+The RoPE bounds hold every published model with room to spare: scaling factors run from
+4 (Qwen's YaRN) through 8 (Gemma 3, Llama 3.1) and 32 (Llama 3.2) to 512 (LongRoPE's
+2,048k-token Llama 2); YaRN's betas are 32 and 1, Llama 3's frequency factors 1 and 4,
+the multipliers of cos and sin near 1 (0.707 to 1.4); RoPE bases run from 10,000 to 1e7
+(Qwen3.5), a few 1e9 for the million-token Llama 3 fine-tunes. A factor below 1 would
+shrink the context (transformers warns that it is invalid). Past the bounds the numbers
+stop meaning anything: a linear factor of 1e-300 turns every position into infinity and
+the logits into NaN, a base past float32's 3.4e38 overflows to infinity.
 
 These bounds only stop absurd values early. The real check of a size is
 against the weights: :class:`WeightTable` compares the numbers of layers,
@@ -57,6 +71,10 @@ MAX_WIDTH = 1 << 20
 MAX_HEADS = 1 << 16
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 24
+MAX_ROPE_FACTOR = 1024.0
+MAX_ROPE_SCALE = 16.0
+MAX_ROPE_THETA = 1e16
+MIN_ROPE_KNOB = 2.0**-10
 
 #: Marks a key without a default: absent (or null) raises.
 REQUIRED: Any = object()
@@ -170,6 +188,24 @@ class ConfigReader:
             where = " and ".join(b for b in bounds if b)
             raise self._bad(key, value, "a finite number" + (f" {where}" if where else ""))
         return float(value)
+
+    # -- RoPE ----------------------------------------------------------------
+    def rope_theta(self, key: str, default: Any = REQUIRED) -> float:
+        """A RoPE base (``rope_theta``, GGUF ``rope.freq_base``): a finite number above 1 and at most
+        :data:`MAX_ROPE_THETA`."""
+        return self.number(key, default, above=1.0, at_most=MAX_ROPE_THETA)
+
+    def rope_factor(self, key: str = "factor", default: Any = REQUIRED) -> float:
+        """A RoPE context-extension factor (``rope_scaling.factor``, GGUF ``rope.scaling.factor``):
+        a finite number from 1 to :data:`MAX_ROPE_FACTOR` (see the module docstring for why)."""
+        return self.number(key, default, at_least=1.0, at_most=MAX_ROPE_FACTOR)
+
+    def rope_knob(self, key: str, default: Any = None, *, at_most: float = MAX_ROPE_FACTOR) -> float:
+        """A tuning number of a RoPE scaling, from :data:`MIN_ROPE_KNOB` to ``at_most``: YaRN's
+        ``beta_fast`` / ``beta_slow`` and Llama 3's ``low_freq_factor`` / ``high_freq_factor`` (up to
+        :data:`MAX_ROPE_FACTOR`); YaRN's ``attention_factor``, ``mscale``, ``mscale_all_dim``, which
+        multiply cos and sin (give ``at_most=MAX_ROPE_SCALE``). Absent or null: ``default`` (None)."""
+        return self.number(key, default, at_least=MIN_ROPE_KNOB, at_most=at_most)
 
     # -- flags, names, lists -------------------------------------------------
     def boolean(self, key: str, default: Any = REQUIRED) -> bool:

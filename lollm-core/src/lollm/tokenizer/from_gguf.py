@@ -46,6 +46,7 @@ key we do not know, a switch we do not implement) raises
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -164,20 +165,33 @@ _KNOWN_KEYS = {
 _TOKEN_TYPES = {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE}
 
 
-def load_gguf_tokenizer(metadata: Mapping[str, Any] | str | os.PathLike) -> Tokenizer:
+def load_gguf_tokenizer(metadata: Mapping[str, Any] | str | os.PathLike, *, source: str | None = None) -> Tokenizer:
     """The :class:`Tokenizer` described by a GGUF file's metadata.
 
     ``metadata`` is the key -> value dict of :attr:`lollm.gguf.GGUFFile.metadata`
-    (arrays as lists or numpy arrays), or the path of a .gguf file.
+    (arrays as lists or numpy arrays), or the path of a .gguf file. ``source`` names
+    where the metadata came from in errors (``"GGUF file model.gguf"``); a path names itself.
+    Raises TokenizerError, whose message always starts with that name.
     """
     if isinstance(metadata, (str, os.PathLike)):
         from lollm.gguf import GGUFFile
 
         with GGUFFile(metadata) as gguf:
-            return _build(gguf.metadata, f"GGUF file {os.fspath(metadata)}")
+            return _build_named(gguf.metadata, source or f"GGUF file {os.fspath(metadata)}")
     if not isinstance(metadata, Mapping):
         raise TypeError(f"load_gguf_tokenizer() needs the metadata dict or a path, got {type(metadata).__name__}")
-    return _build(metadata, "GGUF metadata")
+    return _build_named(metadata, source or "GGUF metadata")
+
+
+def _build_named(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+    """:func:`_build`, with every TokenizerError's message made to start with ``source`` (a
+    check deeper down, such as the added-token scan's, may not know which file it reads)."""
+    try:
+        return _build(metadata, source)
+    except TokenizerError as exc:
+        if str(exc).startswith(source):
+            raise
+        raise TokenizerError(f"{source}: {exc}") from None
 
 
 def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
@@ -191,7 +205,9 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise TokenizerError(f"{source}: {PREFIX}tokens must be a non-empty list of strings")
     types = _array(metadata, "token_type", len(tokens), source)
-    types = [int(t) for t in types] if types is not None else [NORMAL] * len(tokens)
+    if types is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise TokenizerError(f"{source}: {PREFIX}token_type must be a list of integers (one type per token)")
+    types = list(types) if types is not None else [NORMAL] * len(tokens)
     bad = sorted({t for t in types if t not in _TOKEN_TYPES})
     if bad:
         raise TokenizerError(f"{source}: {PREFIX}token_type holds unknown type(s) {bad} (known: 1..6)")
@@ -281,6 +297,8 @@ def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
 def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], source: str):
     """SentencePiece BPE by score, spaces as "▁", byte fallback, optional "▁" prefix."""
     scores = _array(metadata, "scores", len(tokens), source)
+    if scores is not None and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
+        raise TokenizerError(f"{source}: {PREFIX}scores must be a list of finite numbers (one score per token)")
     scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
     if _get(metadata, "remove_extra_whitespaces", bool, source):
         raise TokenizerError(f"{source}: {PREFIX}remove_extra_whitespaces is not implemented by lollm for 'llama'")

@@ -157,13 +157,38 @@ def _read_text(path: Path) -> str:
         raise TokenizerError(f"{path} is not UTF-8 text") from None
 
 
+#: How an error names the JSON type a key must have.
+_KIND_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (what the file's author wrote)."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), "null" if value is None else type(value).__name__)
+
+
 def _require(mapping: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     """``mapping[key]``, checked to be of type ``kind``; ``where`` names the file (and path inside it)."""
     if key not in mapping:
         raise TokenizerError(f"{where}: missing key {key!r}")
-    value = mapping[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TokenizerError(f"{where}: {key!r} has the wrong type ({type(value).__name__})")
+    return _optional(mapping, key, kind, where, required=True)
+
+
+def _optional(mapping: dict, key: str, kind: type | tuple[type, ...], where: str, default: Any = None,
+              *, required: bool = False) -> Any:
+    """``mapping[key]`` checked to be of type ``kind`` (a boolean is never an int); ``default`` when
+    the key is absent or null (unless ``required``). TokenizerError names ``where``, the key and both types."""
+    value = mapping.get(key)
+    if value is None and not required:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TokenizerError(f"{where}: {key!r} must be {_kind_name(kind)}, not {_json_type(value)}")
     return value
 
 
@@ -193,7 +218,8 @@ def _read_tokenizer_json(path: Path) -> _Pipeline:
         raise TokenizerError(
             f"{where}: the pre_tokenizer has a ByteLevel step, but the decoder is SentencePiece-style"
         )
-    added = [_added_token(entry, f"{where} added_tokens[{i}]") for i, entry in enumerate(data.get("added_tokens") or [])]
+    entries = _optional(data, "added_tokens", list, where, [])
+    added = [_added_token(entry, f"{where} added_tokens[{i}]") for i, entry in enumerate(entries)]
     post = _parse_post_processor(data.get("post_processor"), where) if data.get("post_processor") is not None else None
     return _Pipeline(
         model=model, pre_tokenizer=pre_tokenizer, source=where, normalizer=normalizer, added_tokens=added,
@@ -229,10 +255,10 @@ def _build_bpe(spec: dict, where: str) -> BPE:
     return BPE(
         vocab,
         merges,
-        unk_token=spec.get("unk_token"),
-        fuse_unk=bool(spec.get("fuse_unk", False)),
-        byte_fallback=bool(spec.get("byte_fallback", False)),
-        ignore_merges=bool(spec.get("ignore_merges", False)),
+        unk_token=_optional(spec, "unk_token", str, f"{where} model"),
+        fuse_unk=_optional(spec, "fuse_unk", bool, f"{where} model", False),
+        byte_fallback=_optional(spec, "byte_fallback", bool, f"{where} model", False),
+        ignore_merges=_optional(spec, "ignore_merges", bool, f"{where} model", False),
         source=where,
     )
 
@@ -247,15 +273,19 @@ def _check_vocab(vocab: dict, where: str) -> dict[str, int]:
 def _added_token(entry: Any, where: str) -> AddedToken:
     if not isinstance(entry, dict):
         raise TokenizerError(f"{where}: must be an object, got {entry!r}")
+    content = _require(entry, "content", str, where)
+    if not content:
+        raise TokenizerError(f"{where}: 'content' is empty; an added token needs some text")
+    special = _optional(entry, "special", bool, where, False)
     return AddedToken(
         id=_require(entry, "id", int, where),
-        content=_require(entry, "content", str, where),
-        special=bool(entry.get("special", False)),
-        lstrip=bool(entry.get("lstrip", False)),
-        rstrip=bool(entry.get("rstrip", False)),
-        single_word=bool(entry.get("single_word", False)),
+        content=content,
+        special=special,
+        lstrip=_optional(entry, "lstrip", bool, where, False),
+        rstrip=_optional(entry, "rstrip", bool, where, False),
+        single_word=_optional(entry, "single_word", bool, where, False),
         # tokenizers' default: special tokens are matched on the raw text.
-        normalized=bool(entry.get("normalized", not entry.get("special", False))),
+        normalized=_optional(entry, "normalized", bool, where, not special),
     )
 
 
@@ -269,32 +299,40 @@ def _parse_post_processor(spec: Any, where: str) -> tuple[list[int], list[int]]:
     if kind == "Sequence":
         prefix: list[int] = []
         suffix: list[int] = []
-        for sub in spec.get("processors") or []:
+        for sub in _optional(spec, "processors", list, f"{where} post_processor", []):
             sub_prefix, sub_suffix = _parse_post_processor(sub, where)
             # each processor wraps the result of the previous one
             prefix, suffix = sub_prefix + prefix, suffix + sub_suffix
         return prefix, suffix
     if kind == "TemplateProcessing":
-        single = _require(spec, "single", list, f"{where} post_processor")
-        special = spec.get("special_tokens") or {}
-        prefix, suffix = [], []
-        seen_sequence = False
-        for item in single:
-            if isinstance(item, dict) and "Sequence" in item:
-                if item["Sequence"].get("id") != "A" or seen_sequence:
-                    raise TokenizerError(f"{where}: post_processor 'single' template must contain $A once: {single!r}")
-                seen_sequence = True
-            elif isinstance(item, dict) and "SpecialToken" in item:
-                name = item["SpecialToken"].get("id")
-                if name not in special or not isinstance(special[name].get("ids"), list):
-                    raise TokenizerError(f"{where}: post_processor uses special token {name!r} without its ids")
-                (suffix if seen_sequence else prefix).extend(special[name]["ids"])
-            else:
-                raise TokenizerError(f"{where}: post_processor template item {item!r} is not understood")
-        if not seen_sequence:
-            raise TokenizerError(f"{where}: post_processor 'single' template has no $A: {single!r}")
-        return prefix, suffix
+        return _template_ids(spec, where)
     raise TokenizerError(f"{where}: post_processor type {kind!r} is not implemented by lollm")
+
+
+def _template_ids(spec: dict, where: str) -> tuple[list[int], list[int]]:
+    """The ids a ``TemplateProcessing`` post-processor's ``single`` template puts around ``$A``."""
+    single = _require(spec, "single", list, f"{where} post_processor")
+    special = _optional(spec, "special_tokens", dict, f"{where} post_processor", {})
+    prefix, suffix = [], []
+    seen_sequence = False
+    for item in single:
+        piece = item.get("Sequence", item.get("SpecialToken")) if isinstance(item, dict) and len(item) == 1 else None
+        if not isinstance(piece, dict):
+            raise TokenizerError(f"{where}: post_processor template item {item!r} is not understood")
+        if "Sequence" in item:
+            if piece.get("id") != "A" or seen_sequence:
+                raise TokenizerError(f"{where}: post_processor 'single' template must contain $A once: {single!r}")
+            seen_sequence = True
+            continue
+        name = piece.get("id")
+        token = special.get(name) if isinstance(name, str) else None
+        ids = token.get("ids") if isinstance(token, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise TokenizerError(f"{where}: post_processor uses special token {name!r} without its ids (a list of token ids)")
+        (suffix if seen_sequence else prefix).extend(ids)
+    if not seen_sequence:
+        raise TokenizerError(f"{where}: post_processor 'single' template has no $A: {single!r}")
+    return prefix, suffix
 
 
 # ------------------------------------------------------ vocab.json + merges.txt
@@ -322,7 +360,7 @@ def _read_vocab_and_merges(
     vocab_path: Path, merges_path: Path, config: dict, config_path: Path
 ) -> tuple[_Pipeline, dict[str, str]]:
     # GPT-2's own folder has no tokenizer_class at all: the format *is* GPT-2's.
-    class_name = config.get("tokenizer_class") or "GPT2Tokenizer"
+    class_name = _optional(config, "tokenizer_class", str, str(config_path)) or "GPT2Tokenizer"
     class_name = class_name.removesuffix("Fast")
     if class_name not in _GPT2_STYLE_CLASSES:
         raise TokenizerError(
@@ -330,7 +368,7 @@ def _read_vocab_and_merges(
             f"by lollm (known: {', '.join(sorted(_GPT2_STYLE_CLASSES))})"
         )
     build, defaults = _GPT2_STYLE_CLASSES[class_name]
-    normalizer, pre_tokenizer = build(bool(config.get("add_prefix_space") or False))
+    normalizer, pre_tokenizer = build(_optional(config, "add_prefix_space", bool, str(config_path), False))
 
     vocab_data = _read_json_object(vocab_path)
     vocab = _check_vocab(vocab_data, str(vocab_path))
@@ -399,7 +437,7 @@ def _read_sentencepiece_model(path: Path, config: dict, config_path: Path) -> tu
         if 0 <= token_id < len(sp.pieces):
             defaults[name] = sp.pieces[token_id][0]
     post_processor = None
-    class_name = (config.get("tokenizer_class") or "").removesuffix("Fast")
+    class_name = (_optional(config, "tokenizer_class", str, str(config_path)) or "").removesuffix("Fast")
     if class_name in _BOS_BY_DEFAULT_CLASSES:
         bos = _token_content(config.get("bos_token"), f"{config_path} 'bos_token'") or defaults.get("bos_token")
         if bos is None or bos not in model.vocab:
@@ -544,7 +582,7 @@ def _post_processor_ids(
     ids = {t.content: t.id for t in added_tokens}
     prefix, suffix = [], []
     for flag, name, target in (("add_bos_token", "bos_token", prefix), ("add_eos_token", "eos_token", suffix)):
-        if config.get(flag):
+        if _optional(config, flag, bool, str(config_path), False):
             content = special_tokens.get(name)
             if content is None:
                 raise TokenizerError(f"{config_path}: {flag} is true but no {name} is named")

@@ -46,7 +46,10 @@ def build_normalizer(spec: Any, source: str) -> Normalizer | None:
     if kind in _UNICODE_FORMS:
         return lambda text: unicodedata.normalize(kind, text)
     if kind == "Sequence":
-        steps = [build_normalizer(step, source) for step in spec.get("normalizers", [])]
+        parts = spec.get("normalizers") or []
+        if not isinstance(parts, list):
+            raise TokenizerError(f"{source}: a Sequence normalizer's 'normalizers' must be a list, got {parts!r}")
+        steps = [build_normalizer(step, source) for step in parts]
         steps = [step for step in steps if step is not None]
         if not steps:
             return None

@@ -162,6 +162,17 @@ def build_pre_tokenizer(spec: Any, source: str) -> PreTokenizer:
     return PreTokenizer(_build_steps(spec, source))
 
 
+def _flag(spec: dict, key: str, default: bool, source: str) -> bool:
+    """A true/false switch of a pre-tokenizer step (absent or null: ``default``); a string such as
+    ``"false"`` is refused, never read as true."""
+    value = spec.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TokenizerError(f"{source}: {spec.get('type')} pre-tokenizer {key!r} must be true or false, got {value!r}")
+    return value
+
+
 def _build_steps(spec: Any, source: str) -> list:
     if spec is None:
         return []
@@ -169,8 +180,11 @@ def _build_steps(spec: Any, source: str) -> list:
         raise TokenizerError(f"{source}: 'pre_tokenizer' must be null or an object with a 'type', got {spec!r}")
     kind = spec["type"]
     if kind == "Sequence":
+        parts = spec.get("pretokenizers") or []
+        if not isinstance(parts, list):
+            raise TokenizerError(f"{source}: a Sequence pre-tokenizer's 'pretokenizers' must be a list, got {parts!r}")
         steps: list = []
-        for sub in spec.get("pretokenizers", []):
+        for sub in parts:
             steps.extend(_build_steps(sub, source))
         return steps
     if kind == "Split":
@@ -182,12 +196,12 @@ def _build_steps(spec: Any, source: str) -> list:
         else:
             raise TokenizerError(f"{source}: Split pre-tokenizer has no 'pattern' {{'Regex'|'String': ...}}: {spec!r}")
         behavior = spec.get("behavior", "Isolated")
-        return [RegexSplit(text, behavior=behavior, invert=bool(spec.get("invert", False)), source=source)]
+        return [RegexSplit(text, behavior=behavior, invert=_flag(spec, "invert", False, source), source=source)]
     if kind == "ByteLevel":
         return [
             ByteLevel(
-                add_prefix_space=bool(spec.get("add_prefix_space", True)),
-                use_regex=bool(spec.get("use_regex", True)),
+                add_prefix_space=_flag(spec, "add_prefix_space", True, source),
+                use_regex=_flag(spec, "use_regex", True, source),
                 source=source,
             )
         ]

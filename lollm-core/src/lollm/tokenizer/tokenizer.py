@@ -39,6 +39,34 @@ from lollm.tokenizer.pretokenize import PreTokenizer
 from lollm.tokenizer.stream import StreamDecoder
 
 
+#: Code points that are not Unicode scalar values, so they have no UTF-8 bytes.
+_SURROGATE = regex.compile(r"[\ud800-\udfff]")
+
+
+def _refuse_surrogates(text: str) -> None:
+    """TokenizerError when ``text`` holds a surrogate code point (U+D800..U+DFFF), saying what it is.
+
+    U+DC80..U+DCFF is how Python keeps a byte that is not valid UTF-8 in a ``str`` (the
+    ``surrogateescape`` error handler, which decodes command-line arguments): such a text was
+    invalid UTF-8, and the message gives the byte and its offset in the original bytes. Other
+    surrogates are lone halves of a UTF-16 pair (JSON's ``"\\ud800"``).
+    """
+    found = _SURROGATE.search(text)
+    if found is None:
+        return
+    code = ord(found.group())
+    offset = len(text[: found.start()].encode("utf-8"))  # nothing before it is a surrogate
+    if 0xDC80 <= code <= 0xDCFF:
+        raise TokenizerError(
+            f"the text is not valid UTF-8: byte 0x{code - 0xDC00:02X} at byte offset {offset} is not part of a valid UTF-8 "
+            f"sequence (Python keeps such a byte as U+{code:04X}); give the text as UTF-8"
+        )
+    raise TokenizerError(
+        f"the text holds the lone surrogate U+{code:04X} at character {found.start()} (byte offset {offset}): half of "
+        "a UTF-16 pair, which is not valid Unicode and has no UTF-8 bytes"
+    )
+
+
 class Model(Protocol):
     """What the tokenizer needs from its model: the vocabulary and a way to encode one word."""
 
@@ -136,6 +164,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        _refuse_surrogates(text)
         ids: list[int] = []
         for piece, added_id in self._added.split(text, self._normalizer, special=parse_special):
             if added_id is not None:
@@ -148,13 +177,7 @@ class Tokenizer:
 
     def _encode_plain(self, piece: str) -> list[int]:
         """Pre-tokenize and BPE-encode ordinary (already normalized) text."""
-        try:
-            words = self._pre_tokenizer.pre_tokenize(piece)
-        except UnicodeEncodeError:
-            raise TokenizerError(
-                "the text contains a lone surrogate code point (U+D800..U+DFFF), which is not valid Unicode "
-                "and has no UTF-8 bytes"
-            ) from None
+        words = self._pre_tokenizer.pre_tokenize(piece)  # encode() refused surrogates, which have no bytes
         ids: list[int] = []
         for word in words:
             ids.extend(self._model.encode_word(word))

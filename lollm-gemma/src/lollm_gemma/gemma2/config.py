@@ -261,11 +261,11 @@ def _read_rope(read: ConfigReader) -> RopeConfig:
     hub_type = rope.string("type", default="default", choices=tuple(ROPE_TYPES))  # the hub's spelling of rope_type
     rope_type = rope.string("rope_type", default=hub_type, choices=tuple(ROPE_TYPES))
     rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
-    theta = rope.number("rope_theta", default=None, above=1.0)  # the dict's theta first, then the top level's
+    theta = rope.rope_theta("rope_theta", default=None)  # the dict's theta first, then the top level's
     return RopeConfig(
         rope_type=rope_type,
-        theta=read.number("rope_theta", above=1.0) if theta is None else theta,
-        factor=rope.number("factor", above=0.0) if rope_type == "linear" else None,
+        theta=read.rope_theta("rope_theta") if theta is None else theta,
+        factor=rope.rope_factor("factor") if rope_type == "linear" else None,
     )
 
 
@@ -338,7 +338,7 @@ def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddin
         query_pre_attn_scalar=float(scalar),
         sliding_window=read.positive_int(key("attention.sliding_window"), at_most=MAX_CONTEXT),
         layer_types=tuple(SLIDING if i % GGUF_SWA_PATTERN < GGUF_SWA_PATTERN - 1 else FULL for i in range(num_layers)),
-        rope=RopeConfig("default", read.number(key("rope.freq_base"), default=GGUF_ROPE_BASE, above=1.0)),
+        rope=RopeConfig("default", read.rope_theta(key("rope.freq_base"), default=GGUF_ROPE_BASE)),
         attn_logit_softcapping=read.number(key("attn_logit_softcapping"), above=0.0),
         final_logit_softcapping=read.number(key("final_logit_softcapping"), above=0.0),
         tie_word_embeddings=tie_word_embeddings,

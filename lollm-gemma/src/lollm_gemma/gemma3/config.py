@@ -328,8 +328,8 @@ def _read_rope(read: ConfigReader) -> tuple[RopeConfig, RopeConfig]:
     else:
         local, glob = {}, scaling or {}
         name_local, name_global = "rope_local_base_freq", "rope_scaling"
-    local_base = read.number("rope_local_base_freq", above=1.0)
-    global_base = read.number("rope_theta", above=1.0)
+    local_base = read.rope_theta("rope_local_base_freq")
+    global_base = read.rope_theta("rope_theta")
     return (_rope(ConfigReader(local, f"{read.where} {name_local!r}"), local_base),
             _rope(ConfigReader(glob, f"{read.where} {name_global!r}"), global_base))
 
@@ -340,8 +340,8 @@ def _rope(rope: ConfigReader, default_theta: float) -> RopeConfig:
     rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
     return RopeConfig(
         rope_type=rope_type,
-        theta=rope.number("rope_theta", default=default_theta, above=1.0),
-        factor=rope.number("factor", above=0.0) if rope_type == "linear" else None,
+        theta=rope.rope_theta("rope_theta", default=default_theta),
+        factor=rope.rope_factor("factor") if rope_type == "linear" else None,
     )
 
 
@@ -441,12 +441,12 @@ def _from_gguf(cls, metadata: dict[str, Any], vocab_size: int, tie_word_embeddin
 
     # RoPE: the global layers read rope.freq_base and any linear scaling; the sliding ones use 10000
     scaling = read.string(key("rope.scaling.type"), default="none", choices=("none", "linear"))
-    factor = read.number(key("rope.scaling.factor"), default=None, above=0.0)
+    factor = read.rope_factor(key("rope.scaling.factor"), default=None)
     read.check(scaling == "none" or factor is not None, f"{key('rope.scaling.type')!r} is 'linear' but {key('rope.scaling.factor')!r} is missing")
     read.check(scaling == "linear" or factor in (None, 1.0), f"{key('rope.scaling.factor')!r} is {factor} but {key('rope.scaling.type')!r} is not 'linear'")
-    base = read.number(key("rope.freq_base"), above=1.0)
+    base = read.rope_theta(key("rope.freq_base"))
     rope_global = RopeConfig("linear", base, factor) if scaling == "linear" else RopeConfig("default", base)
-    rope_local = RopeConfig("default", read.number(key("rope.freq_base_swa"), default=GGUF_ROPE_BASE_SWA, above=1.0))
+    rope_local = RopeConfig("default", read.rope_theta(key("rope.freq_base_swa"), default=GGUF_ROPE_BASE_SWA))
 
     eos = [read.token_ids(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return cls(

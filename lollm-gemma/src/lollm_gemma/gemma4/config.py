@@ -454,8 +454,8 @@ def _rope(rope: ConfigReader) -> RopeConfig:
     rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
     return RopeConfig(
         rope_type=rope_type,
-        theta=rope.number("rope_theta", above=1.0),
-        factor=rope.number("factor", default=REQUIRED if rope_type == "linear" else 1.0, above=0.0),
+        theta=rope.rope_theta("rope_theta"),
+        factor=rope.rope_factor("factor", default=REQUIRED if rope_type == "linear" else 1.0),
         rotary_fraction=rope.number("partial_rotary_factor", default=1.0, at_least=0.0, at_most=1.0),
     )
 
@@ -581,8 +581,8 @@ def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int
     for name, expected in (("rope.dimension_count", global_dim), ("rope.dimension_count_swa", swa_dim)):
         value = read.positive_int(key(name), default=expected, at_most=MAX_WIDTH)
         read.check(value == expected, f"{key(name)!r} ({value}) is not the head width ({expected}); partial RoPE there is not implemented")
-    rope_local = RopeConfig("default", read.number(key("rope.freq_base_swa"), above=1.0))
-    rope_global = RopeConfig("proportional", read.number(key("rope.freq_base"), above=1.0),
+    rope_local = RopeConfig("default", read.rope_theta(key("rope.freq_base_swa")))
+    rope_global = RopeConfig("proportional", read.rope_theta(key("rope.freq_base")),
                              rotary_fraction=_rotary_fraction(rope_freqs, global_dim))
 
     # per-layer embeddings

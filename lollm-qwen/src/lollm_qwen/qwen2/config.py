@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from lollm.checks import (
-    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
+    MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_ROPE_SCALE, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
 )
 from lollm.errors import ConfigError, WeightsError
 
@@ -243,14 +243,14 @@ def _read_rope(read: ConfigReader, max_position_embeddings: int) -> RopeConfig:
     rope = ConfigReader(params if params is not None else scaling or {}, f"qwen2: config.json {where!r}")
 
     # transformers looks for theta in the RoPE dict first, then at the top level.
-    theta = rope.number("rope_theta", default=None, above=1.0)
+    theta = rope.rope_theta("rope_theta", default=None)
     if theta is None:
-        theta = read.number("rope_theta", above=1.0)
+        theta = read.rope_theta("rope_theta")
     hub_type = rope.string("type", default="default", choices=tuple(ROPE_TYPES))  # the hub's spelling of rope_type
     rope_type = rope.string("rope_type", default=hub_type, choices=tuple(ROPE_TYPES))
     rope.refuse_unknown(ROPE_TYPES[rope_type], f"RoPE type {rope_type!r}")
 
-    factor = rope.number("factor", default=REQUIRED if rope_type != "default" else None, above=0.0)
+    factor = rope.rope_factor("factor", default=REQUIRED if rope_type != "default" else None)
     original = None
     if rope_type == "yarn":
         # transformers' rule: a top-level key wins, else the dict's, else max_position_embeddings.
@@ -261,11 +261,11 @@ def _read_rope(read: ConfigReader, max_position_embeddings: int) -> RopeConfig:
         theta=theta,
         factor=factor,
         original_max_position_embeddings=original,
-        attention_factor=rope.number("attention_factor", default=None, above=0.0),
-        beta_fast=rope.number("beta_fast", default=None, above=0.0),
-        beta_slow=rope.number("beta_slow", default=None, above=0.0),
-        mscale=rope.number("mscale", default=None, above=0.0),
-        mscale_all_dim=rope.number("mscale_all_dim", default=None, above=0.0),
+        attention_factor=rope.rope_knob("attention_factor", at_most=MAX_ROPE_SCALE),
+        beta_fast=rope.rope_knob("beta_fast"),
+        beta_slow=rope.rope_knob("beta_slow"),
+        mscale=rope.rope_knob("mscale", at_most=MAX_ROPE_SCALE),
+        mscale_all_dim=rope.rope_knob("mscale_all_dim", at_most=MAX_ROPE_SCALE),
         truncate=rope.boolean("truncate", default=True),
     )
 
@@ -347,7 +347,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
     # RoPE: plain unless rope.scaling.type says otherwise.
     scaling = read.string(key("rope.scaling.type"), default="none", choices=tuple(GGUF_ROPE_TYPES))
     rope_type = GGUF_ROPE_TYPES[scaling]
-    factor = read.number(key("rope.scaling.factor"), default=None, above=0.0)
+    factor = read.rope_factor(key("rope.scaling.factor"), default=None)
     original = read.positive_int(key("rope.scaling.original_context_length"), default=None, at_most=MAX_CONTEXT)
     read.check(rope_type != "default" or (factor in (None, 1.0) and original is None),
                f"has rope.scaling factor/original_context_length but {key('rope.scaling.type')!r} is {scaling!r}")
@@ -356,7 +356,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
         original = max_pos  # llama.cpp and transformers: the training context
     rope = RopeConfig(
         rope_type=rope_type,
-        theta=read.number(key("rope.freq_base"), above=1.0),
+        theta=read.rope_theta(key("rope.freq_base")),
         factor=None if rope_type == "default" else factor,
         original_max_position_embeddings=original if rope_type == "yarn" else None,
     )

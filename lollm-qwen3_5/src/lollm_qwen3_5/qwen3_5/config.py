@@ -274,10 +274,10 @@ def _read_rope(read: ConfigReader) -> tuple[float, float]:
     rope.string("rope_type", default=hub_type, choices=("default",))
     rope.refuse_unknown(ROPE_KEYS, "this family")
 
-    theta = rope.number("rope_theta", default=None, above=1.0)
+    theta = rope.rope_theta("rope_theta", default=None)
     inner = rope.number("partial_rotary_factor", default=None, above=0.0, at_most=1.0)
     outer = read.number("partial_rotary_factor", default=None, above=0.0, at_most=1.0)
     read.check(inner is None or outer is None or inner == outer,
                f"'partial_rotary_factor' is {outer} at the top level but {inner} in {where!r}; cannot tell which one holds")
     factor = inner if inner is not None else outer if outer is not None else 0.25
-    return (read.number("rope_theta", above=1.0) if theta is None else theta), factor
+    return (read.rope_theta("rope_theta") if theta is None else theta), factor
