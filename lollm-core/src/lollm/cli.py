@@ -278,10 +278,67 @@ def _check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devi
             raise LollmError(f"--seed: {exc}") from None
     if not _DEVICE.match(device):
         raise LollmError(f"unknown device {device!r} (use auto, cpu, cuda, cuda:N or mps)")
-    if threads is not None and threads < 1:
-        raise LollmError(f"--threads must be >= 1, got {threads}")
+    _check_threads(threads)
     if mtp and draft_tokens < 1:
         raise LollmError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+    _check_ctx_size(_flag_value("ctx_size"))
+
+
+#: ``--threads`` is refused above this many threads per core the process may run on.
+THREADS_PER_CORE = 4
+
+
+def threads_limit() -> int:
+    """The most ``--threads`` accepted: :data:`THREADS_PER_CORE` times the cores this process may run on.
+
+    The cores are those of ``os.sched_getaffinity`` where the system has it (a
+    container or ``taskset`` may allow fewer than the machine has), else
+    ``os.cpu_count()``. More threads than cores only adds switching; a million
+    exhausts the machine's thread limit before torch ever computes.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return THREADS_PER_CORE * max(cores, 1)
+
+
+def _check_threads(threads: Optional[int]) -> None:
+    """``--threads`` between 1 and :func:`threads_limit`, before torch sees it; LollmError naming the flag otherwise."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise LollmError(f"--threads must be >= 1, got {threads}")
+    limit = threads_limit()
+    if threads > limit:
+        raise LollmError(f"--threads {threads} is more than lollm allows here: at most {limit} ({THREADS_PER_CORE} per "
+                         f"core, {limit // THREADS_PER_CORE} cores); leave it out for torch's default (one per core)")
+
+
+def _check_ctx_size(ctx_size: Optional[int]) -> None:
+    """``--ctx-size``: None (the default) or at least 2 positions (a prompt token and one to generate).
+
+    A value above the model's context is lowered to it (as the help says); 0 or
+    a negative number is an error naming the flag, never a silent default.
+    """
+    if ctx_size is not None and ctx_size < 2:
+        raise LollmError(f"--ctx-size must be at least 2 positions (a prompt token and one generated), got {ctx_size}; "
+                         f"leave it out for the default (4096, at most the model's context)")
+
+
+def _flag_value(name: str) -> Any:
+    """The value of the running command's parameter ``name`` (None when it has none, or outside a command).
+
+    Read from click's context, so a check reaches every command that declares the
+    flag (``--ctx-size`` of ``chat`` and ``serve``) through the one call they share.
+    """
+    try:
+        from typer._click.globals import get_current_context  # typer >= 0.2x runs on its own copy of click
+    except ImportError:
+        from click import get_current_context
+
+    context = get_current_context(silent=True)
+    return None if context is None else context.params.get(name)
 
 
 def _check_attn(attn: Optional[str]) -> None:
@@ -765,11 +822,12 @@ def bench(
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model)
+    if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
+        raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
+    _check_threads(threads)  # before torch is imported
     from lollm.attention import resolve_backend
     from lollm.bench import run_bench
 
-    if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
-        raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     if tp != 1:  # --tp N: torchrun's environment, before anything loads
         from lollm.tensor_parallel import check_launch
 

@@ -1,0 +1,110 @@
+"""Hostile flags, files and prompts on the command line (issue 22, classes 2, 3, 8 and 10).
+
+Each must end in one ``error:`` line (exit status 2) naming the flag, file or
+limit, or in a correct result:
+
+* numbers: ``--threads`` above :func:`lollm.cli.threads_limit` (a million exhausted the
+  machine's threads) and ``--ctx-size`` of 0 or less (silently the default) are
+  refused before torch is imported, on every command that takes them;
+* special files: ``--prompts-file`` and ``tokenize --file`` refuse a folder, a FIFO
+  and ``/dev/zero`` before reading a byte, and every input (stdin too) is bounded;
+  ``trace -o`` never replaces a symlink, a FIFO or a device node, ``-o ''`` is one
+  line, and a failed write leaves what was there and no temporary file;
+* ``lollm trace`` refuses a prompt longer than the model's context or whose capture
+  would not fit the memory free, before it captures;
+* ``lollm chat`` goes on once the context is full (the oldest turns leave, with a
+  note), or with ``--no-context-shift`` says how to go on (``/drop N``, ``/reset``).
+
+The children that read what never ends run under an address-space and a
+CPU-time limit, so a regression fails here instead of taking the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _core_helpers import child_env
+from test_cli_run import PROBE, ckpt, invoke, lollm, ok, toy_site  # noqa: F401  (fixtures)
+
+STATS = re.compile(r"^\[\d+ tokens · prompt \d+: \d+ reused", re.M)
+
+
+def _bounded() -> None:
+    """In the child: 1 GiB of address space and 60 s of CPU time (what the probes below need is a fraction)."""
+    resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+    resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
+
+
+def probe(*args: str, site: Path, stdin: str | Path = "") -> subprocess.CompletedProcess:
+    """``lollm ARGS`` in a bounded child that reports whether torch was imported; ``stdin``: text, or a file to read."""
+    command = [sys.executable, "-c", PROBE, *map(str, args)]
+    kwargs = dict(capture_output=True, env=child_env(site), timeout=120, preexec_fn=_bounded)
+    if isinstance(stdin, Path):
+        with open(stdin, "rb") as source:
+            done = subprocess.run(command, stdin=source, **kwargs)
+    else:
+        done = subprocess.run(command, input=stdin.encode(), **kwargs)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
+                                       done.stderr.decode(errors="replace"))
+
+
+def one_error_line(done, *needles: str, torch: bool = False) -> str:
+    """The single ``error:`` line of a run that exited 2 (asserting the needles are in it)."""
+    lines = done.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    if not torch:
+        assert lines[-1] == "torch not imported", done.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def toy_visible(toy_site, monkeypatch):
+    """The toy family visible to this process (as the CliRunner tests see it)."""
+    import lollm.plugins as plugins
+
+    monkeypatch.syspath_prepend(str(toy_site))
+    monkeypatch.setattr(plugins, "_REGISTRY", None)
+
+
+# -- class 2: bounded numbers ----------------------------------------------------------------------
+
+
+def test_the_threads_limit_is_cores_times_a_small_factor():
+    from lollm.cli import THREADS_PER_CORE, _check_threads, threads_limit
+    from lollm.errors import LollmError
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert threads_limit() == THREADS_PER_CORE * cores and 2 <= THREADS_PER_CORE <= 8
+    _check_threads(threads_limit())  # the limit itself is allowed
+    for bad in (threads_limit() + 1, 10**6, 10**30):
+        with pytest.raises(LollmError, match=rf"--threads {bad} is more than .* at most {threads_limit()}"):
+            _check_threads(bad)
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve", "bench"])
+def test_too_many_threads_is_refused_before_torch_on_every_command(toy_site, ckpt, command):
+    from lollm.cli import threads_limit
+
+    # (one more than the limit: harmless even where the check is missing, unlike the million of the report)
+    extra = ["-p", "hi"] if command == "run" else ["--port", "1"] if command == "serve" else []
+    done = probe(command, ckpt, "--threads", threads_limit() + 1, *extra, site=toy_site)
+    one_error_line(done, "--threads", f"at most {threads_limit()}")
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+@pytest.mark.parametrize("size", ["0", "-5", "1"])
+def test_a_ctx_size_below_two_is_refused_before_torch(toy_site, ckpt, command, size):
+    extra = ["--port", "1"] if command == "serve" else []  # (a port no one serves, should the check be missing)
+    done = probe(command, ckpt, "--ctx-size", size, *extra, site=toy_site)
+    one_error_line(done, "--ctx-size must be at least 2 positions", f"got {size}")
