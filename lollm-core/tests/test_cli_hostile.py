@@ -108,3 +108,60 @@ def test_a_ctx_size_below_two_is_refused_before_torch(toy_site, ckpt, command, s
     extra = ["--port", "1"] if command == "serve" else []  # (a port no one serves, should the check be missing)
     done = probe(command, ckpt, "--ctx-size", size, *extra, site=toy_site)
     one_error_line(done, "--ctx-size must be at least 2 positions", f"got {size}")
+
+
+# -- class 3: special files and bounded inputs ---------------------------------------------------------
+
+
+@pytest.fixture
+def fifo(tmp_path) -> Path:
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("kind, needle", [("dev_zero", "a character device"), ("fifo", "a named pipe (FIFO)"),
+                                          ("folder", "a folder")])
+@pytest.mark.parametrize("command", ["run", "tokenize"])
+def test_an_input_file_that_is_not_regular_is_refused_unread(toy_site, ckpt, tmp_path, fifo, command, kind, needle):
+    path = {"dev_zero": Path("/dev/zero"), "fifo": fifo, "folder": tmp_path}[kind]
+    args = ("run", ckpt, "--prompts-file", path) if command == "run" else ("tokenize", ckpt, "--file", path)
+    done = probe(*args, site=toy_site)
+    one_error_line(done, str(path), needle, "not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # left as it was
+
+
+@pytest.mark.parametrize("args", [("run", "{ckpt}"), ("run", "{ckpt}", "--prompts-file", "-"), ("tokenize", "{ckpt}", "-")])
+def test_stdin_is_bounded(toy_site, ckpt, args):
+    done = probe(*(a.format(ckpt=ckpt) for a in args), site=toy_site, stdin=Path("/dev/zero"))
+    one_error_line(done, "stdin holds more than 16 MiB")
+
+
+def test_every_input_is_bounded_by_the_documented_limit(invoke, ckpt, tmp_path, monkeypatch):
+    import lollm.cli as cli
+    from lollm.errors import LollmError
+
+    assert cli.MAX_INPUT_BYTES == 16 * 2**20
+    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 100)
+    path = tmp_path / "prompts.txt"
+    path.write_text("hello\n" * 17)  # 102 bytes
+    for args, stdin, needle in [
+        (("run", ckpt, "--prompts-file", path), None, f"--prompts-file {path}: larger than"),
+        (("tokenize", ckpt, "--file", path), None, f"--file {path}: larger than"),
+        (("run", ckpt, "--prompts-file", "-"), "hello\n" * 17, "stdin holds more than"),
+        (("run", ckpt), "x" * 101, "stdin holds more than"),
+    ]:
+        done = invoke(*args, stdin=stdin)
+        assert isinstance(done.exception, LollmError) and needle in str(done.exception), done.exception
+    path.write_text("hello\n" * 16)  # 96 bytes: within the limit
+    ok(invoke("tokenize", ckpt, "--file", path, "--json"))
+
+
+def test_a_file_is_read_exactly_as_it_is(invoke, ckpt, tmp_path):
+    import json
+
+    path = tmp_path / "crlf.txt"
+    path.write_bytes(b"one\r\ntwo\n")
+    assert json.loads(ok(invoke("tokenize", ckpt, "--file", path, "--json")).stdout)["text"] == "one\r\ntwo\n"
+    path.write_bytes(b"\xff\xfe")
+    assert "not UTF-8 text" in str(invoke("tokenize", ckpt, "--file", path).exception)

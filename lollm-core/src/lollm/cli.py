@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -418,22 +419,72 @@ def _check_model_exists(spec: str) -> None:
     )
 
 
+#: The most bytes one input may hold: a ``--prompts-file``, ``tokenize --file``, or a prompt or text piped on stdin.
+MAX_INPUT_BYTES = 16 * 2**20
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB"
+
+
 def _read_stdin(what: str) -> str:
+    """Everything piped on stdin, as UTF-8 text (bytes as they come, no newline translation).
+
+    Raises LollmError when stdin is a terminal (nothing was piped: give ``what``), holds
+    more than :data:`MAX_INPUT_BYTES` (``lollm run < /dev/zero`` ends there), or is not UTF-8.
+    """
     if sys.stdin is None or sys.stdin.isatty():
         raise LollmError(f"give {what}, or pipe it on stdin")
+    stream = getattr(sys.stdin, "buffer", None)
     try:
-        return sys.stdin.read()
+        data = (sys.stdin if stream is None else stream).read(MAX_INPUT_BYTES + 1)
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
         raise LollmError(f"stdin is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise LollmError(f"cannot read stdin: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise LollmError(f"stdin holds more than {_mib(MAX_INPUT_BYTES)}, the most lollm reads from one input")
+    return text
+
+
+def _file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` is, in words (for the error that refuses it)."""
+    for test, words in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
 
 
 def _read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of the regular file ``path``, read exactly as it is (a ``\\r\\n`` stays).
+
+    ``what`` names the flag in the errors. Raises LollmError when the file cannot be
+    opened, is anything but a regular file (a folder, a FIFO, ``/dev/zero``: opened
+    without blocking and refused before a byte is read; ``-`` reads stdin instead),
+    holds more than :data:`MAX_INPUT_BYTES`, or is not UTF-8.
+    """
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise LollmError(f"{what} {path}: not UTF-8 text: {exc}") from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would wait for a writer
     except OSError as exc:
         raise LollmError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LollmError(f"{what} {path}: is {_file_kind(mode)}, not a regular file (give '-' to read stdin)")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(MAX_INPUT_BYTES + 1)  # a file that grows, or /proc's, is bounded all the same
+        except OSError as exc:
+            raise LollmError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise LollmError(f"{what} {path}: larger than {_mib(MAX_INPUT_BYTES)}, the most lollm reads from one input file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LollmError(f"{what} {path}: not UTF-8 text: {exc}") from None
 
 
 def _read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> list[str]:
