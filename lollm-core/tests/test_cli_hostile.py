@@ -165,3 +165,119 @@ def test_a_file_is_read_exactly_as_it_is(invoke, ckpt, tmp_path):
     assert json.loads(ok(invoke("tokenize", ckpt, "--file", path, "--json")).stdout)["text"] == "one\r\ntwo\n"
     path.write_bytes(b"\xff\xfe")
     assert "not UTF-8 text" in str(invoke("tokenize", ckpt, "--file", path).exception)
+
+
+# -- class 3: what `lollm trace -o` writes -----------------------------------------------------------
+
+
+def test_an_empty_output_is_one_error_line_before_torch(toy_site, ckpt):
+    done = probe("trace", ckpt, "-p", "hi", "-o", "", site=toy_site)
+    one_error_line(done, "-o/--output is empty")
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "fifo", "folder"])
+def test_trace_never_replaces_what_is_not_a_regular_file(invoke, ckpt, tmp_path, kind):
+    from lollm.errors import LollmError
+
+    target = tmp_path / "target.html"
+    target.write_text("keep me")
+    out = tmp_path / "out.html"
+    if kind == "symlink":
+        out.symlink_to(target)
+    elif kind == "dangling symlink":
+        out.symlink_to(tmp_path / "nowhere.html")
+    elif kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out.mkdir()
+    before = os.lstat(out)
+    done = invoke("trace", ckpt, "-p", "hello", "-o", out)
+    words = {"symlink": "a symbolic link", "dangling symlink": "a symbolic link", "fifo": "a named pipe (FIFO)",
+             "folder": "a folder"}[kind]
+    assert isinstance(done.exception, LollmError), done.output
+    assert f"{out} is {words}; the page replaces only a regular file" in str(done.exception)
+    after = os.lstat(out)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert target.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["target.html", "out.html"])  # nothing else written
+
+
+def test_a_device_node_is_refused():
+    # checked on /dev/null without writing anything (the tests may run as root, where the old code replaced it)
+    from lollm.errors import LollmError
+    from lollm.trace.page import check_output
+
+    with pytest.raises(LollmError, match=r"/dev/null is a character device; the page replaces only a regular file"):
+        check_output("/dev/null")
+    with pytest.raises(LollmError, match="-o/--output is empty"):
+        check_output("")
+
+
+def test_the_page_replaces_a_regular_file_whole_or_not_at_all(invoke, ckpt, tmp_path, monkeypatch):
+    from lollm.errors import LollmError
+
+    out = tmp_path / "page.html"
+    out.write_text("the old page")
+    umask = os.umask(0o027)
+    try:
+        ok(invoke("trace", ckpt, "-p", "hello", "-o", out))
+    finally:
+        os.umask(umask)
+    assert out.read_text().startswith("<!doctype html>") and stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["page.html"]
+
+    out.write_text("the old page")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    done = invoke("trace", ckpt, "-p", "hello", "-o", out)
+    assert isinstance(done.exception, LollmError) and "No space left on device" in str(done.exception)
+    assert out.read_text() == "the old page" and [p.name for p in tmp_path.iterdir()] == ["page.html"]
+
+
+# -- class 8: the trace checks the prompt before it captures ---------------------------------------------
+
+
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
+
+
+def test_a_prompt_longer_than_the_context_is_one_error_line(toy_site, ckpt, tmp_path):
+    out = tmp_path / "t.html"
+    done = lollm("trace", str(ckpt), "-p", LONG_PROMPT, "--max-tokens", "100000", "-o", str(out), site=toy_site)
+    one_error_line(done, "more than the model's context of 64 positions", "give a shorter prompt", torch=True)
+    assert not out.exists()
+
+
+def test_a_capture_that_would_not_fit_the_memory_is_refused_first(toy_visible, ckpt, tmp_path, monkeypatch):
+    import lollm.memory
+    import lollm.trace.run as trace_run
+    from lollm.errors import LollmError
+
+    captured = []
+    monkeypatch.setattr(trace_run, "capture", lambda *a, **k: captured.append(1))
+    monkeypatch.setattr(lollm.memory, "free_memory", lambda device: 20_000)
+    out = tmp_path / "t.html"
+    with pytest.raises(LollmError) as info:
+        trace_run.run_trace(str(ckpt), prompt="hello there", output=out, device="cpu")
+    message = str(info.value)
+    assert re.search(r"capturing \d+ tokens needs about [\d.]+ KiB on cpu .* but 19\.5 KiB are free: give a prompt of "
+                     r"at most about \d+ tokens", message), message
+    assert not captured and not out.exists()
+
+
+def test_the_capture_estimate_reads_the_model(toy_visible, ckpt):
+    from lollm.pipeline import open_model
+    from lollm.trace.capture import capture_shape
+
+    model = open_model(str(ckpt), device="cpu", dtype="float32").model
+    shape = capture_shape(model)
+    # the toy: 2 layers of 4 heads, hidden 32, vocabulary 320; embeddings + 2 states
+    assert (shape.heads, shape.max_heads, shape.states, shape.width, shape.vocab) == (8, 4, 3, 32, 320)
+    for budget in (0, 10_000, 123_456, 10**9, 10**12):
+        T = shape.most_tokens(budget)
+        assert shape.bytes(T) <= budget < shape.bytes(T + 1)
+    # the attention grows as T²: 10k tokens of Qwen2.5-0.5B (24 × 14 heads) would be ~0.3 TB
+    big = type(shape)(336, 14, 25, 896, 151936)
+    assert big.bytes(10_000) > 2.5 * 10**11 and big.bytes(256) < 2**30

@@ -816,14 +816,14 @@ def trace(
     family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model_opt: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
-    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
+    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page: a new file, or a regular file it replaces (never a symlink, FIFO or device)."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle)."),
     compare: bool = typer.Option(False, "--compare", help="Also run transformers on the same ids and plot each hidden state's divergence (lollm-core[parity])."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", help="float32 (the default: the numbers of the parity gate), bfloat16, float16."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
 ) -> None:
     """Run PROMPT through the model once and write a self-contained HTML page of what happens inside.
 
@@ -831,14 +831,16 @@ def trace(
     own (DeltaNet gates, MoE routing, soft-caps, per-layer embeddings) and, with --compare,
     the divergence from transformers. See docs/trace.md.
     """
-    from lollm.trace.run import run_trace
-
     spec, _ = which_model(model_opt, model_arg)
+    if not output:
+        raise LollmError("-o/--output is empty: give the path of the page to write (default trace.html)")
+    if max_tokens < 1:
+        raise LollmError(f"--max-tokens must be >= 1, got {max_tokens}")
     _check_family(family_name)
     if prompt is None:
-        if sys.stdin.isatty():
-            raise LollmError("give --prompt, or pipe the prompt on stdin")
-        prompt = sys.stdin.read().rstrip("\n")
+        prompt = _read_stdin("--prompt").rstrip("\n")
+    from lollm.trace.run import run_trace  # (imports torch: after the checks above)
+
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True,
                        family=family_name)
