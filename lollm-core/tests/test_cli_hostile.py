@@ -281,3 +281,68 @@ def test_the_capture_estimate_reads_the_model(toy_visible, ckpt):
     # the attention grows as T²: 10k tokens of Qwen2.5-0.5B (24 × 14 heads) would be ~0.3 TB
     big = type(shape)(336, 14, 25, 896, 151936)
     assert big.bytes(10_000) > 2.5 * 10**11 and big.bytes(256) < 2**30
+
+
+# -- class 10: a chat whose context is full ----------------------------------------------------------------
+
+
+CHAT = ("chat", "--temperature", "0", "-n", "8", "--ctx-size", "160")
+TURN_NOTE = re.compile(r"\(the context is full: the oldest (\d+) turn\(s\) leave the conversation; (\d+) stay\)")
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory) -> Path:
+    """The toy with 256 positions: several short turns fit a --ctx-size of 160."""
+    from test_cli_run import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("long") / "toy", max_position_embeddings=256)
+
+
+def test_a_full_context_drops_the_oldest_turns_and_goes_on(invoke, long_ckpt):
+    lines = [f"hi {n}" for n in range(12)]
+    done = ok(invoke(*CHAT, long_ckpt, stdin="\n".join(lines) + "\n"))
+    assert "error:" not in done.stderr, done.stderr
+    assert len(STATS.findall(done.stderr)) == len(lines), done.stderr  # every message answered
+    notes = [(int(gone), int(stay)) for gone, stay in TURN_NOTE.findall(done.stderr)]
+    # only the oldest go: most of the conversation stays
+    assert notes and all(gone >= 1 and stay >= 2 for gone, stay in notes), done.stderr
+
+
+def test_without_context_shift_the_error_says_how_to_go_on(invoke, long_ckpt):
+    lines = [f"hi {n}" for n in range(8)] + ["/drop 3", "/drop x", "hello again"]
+    done = ok(invoke(*CHAT, long_ckpt, "--no-context-shift", stdin="\n".join(lines) + "\n"))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors and all("the conversation is full" in e and "/drop N" in e and "/reset" in e and "--ctx-size" in e
+                          for e in errors), done.stderr
+    dropped = done.stderr.index("(dropped the oldest 3 turn(s);")
+    assert "usage: /drop N" in done.stderr[dropped:]
+    assert STATS.search(done.stderr, dropped), done.stderr  # the message after /drop is answered
+    assert not TURN_NOTE.search(done.stderr)  # nothing dropped by itself
+
+
+def test_a_message_too_long_on_its_own_is_refused_and_the_chat_goes_on(invoke, long_ckpt):
+    done = ok(invoke(*CHAT, long_ckpt, stdin="hello there " * 60 + "\nhello\n"))
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert re.search(r"this message makes a prompt of \d+ tokens, but the context holds 160 positions .* shorten it", error)
+    assert len(STATS.findall(done.stderr)) == 1, done.stderr
+
+
+def test_a_chat_session_takes_no_silent_default_context(toy_visible, ckpt):
+    from lollm.conversation import ChatSession
+    from lollm.errors import GenerationError
+    from lollm.pipeline import open_model
+    from lollm.sampling_params import SamplingParams
+
+    loaded = open_model(str(ckpt), device="cpu", dtype="float32")
+    with pytest.raises(GenerationError, match="at least 2 positions, got 0"):
+        ChatSession(loaded, sampling=SamplingParams(temperature=0.0), stop_ids=set(), context=0)
+
+
+def test_a_piped_line_is_bounded(invoke, ckpt, monkeypatch):
+    import lollm.conversation as conversation
+    from lollm.errors import LollmError
+
+    assert conversation.MAX_LINE_CHARS == 2**20
+    monkeypatch.setattr(conversation, "MAX_LINE_CHARS", 100)
+    done = invoke("chat", ckpt, stdin="x" * 150 + "\n")
+    assert isinstance(done.exception, LollmError) and "longer than 100 characters" in str(done.exception)

@@ -56,6 +56,9 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 ATTN_HELP = "Attention backend: sdpa (the default and reference), eager (scores written out), triton (lollm-core[triton]). Default: $LOLLM_ATTN, else sdpa."
 CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
 FAMILY_HELP = "The family (by name, see lollm families) that serves the model, when several installed plugins claim its type."
+CONTEXT_SHIFT_HELP = ("When the conversation outgrows the context: drop the oldest turns (the system message stays) and "
+                      "go on, as ollama and llama.cpp's context shift do; --no-context-shift stops with an error that "
+                      "says how to continue (/drop N, /reset).")
 
 
 # -- naming the model: one mechanism for every command ------------------------------
@@ -1002,6 +1005,7 @@ def chat(
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
+    context_shift: bool = typer.Option(True, "--context-shift/--no-context-shift", help=CONTEXT_SHIFT_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
@@ -1010,7 +1014,7 @@ def chat(
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
-    """Chat with MODEL in the terminal: /stats, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
+    """Chat with MODEL in the terminal: /stats, /drop N, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
     model, _ = which_model(model_opt, model_arg)
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
@@ -1035,7 +1039,7 @@ def chat(
     session = ChatSession(
         loaded, sampling=sampling, stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
         system=system, template_flags=template_flags, max_new_tokens=max_new_tokens,
-        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size,
+        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size, context_shift=context_shift,
     )
     err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
