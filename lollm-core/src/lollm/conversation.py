@@ -327,13 +327,14 @@ def _turn_line(session: ChatSession, result: GenerationResult) -> str:
     return line
 
 
-def repl(session: ChatSession, *, out: TextIO = sys.stdout, note: Callable[[str], None] = print) -> None:
-    """Read messages and commands until /quit or Ctrl-D; stream each answer to ``out``.
+def repl(session: ChatSession, *, out: TextIO | None = None, note: Callable[[str], None] = print) -> None:
+    """Read messages and commands until /quit or Ctrl-D; stream each answer to ``out`` (default: sys.stdout as it is then).
 
     ``note`` prints lines that are not part of an answer (statistics, notices). An
     error in one turn (a message longer than the context, ...) is noted and the chat
     goes on; one from reading the input (a piped line over :data:`MAX_LINE_CHARS`) ends it.
     """
+    out = sys.stdout if out is None else out
     interactive = sys.stdin.isatty() and out.isatty()
     read = _line_reader(interactive)
     note("/help for commands, Ctrl-C stops an answer, Ctrl-D quits")
