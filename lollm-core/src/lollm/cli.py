@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,9 @@ err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() el
 ATTN_HELP = "Attention backend: sdpa (the default and reference), eager (scores written out), triton (lollm-core[triton]). Default: $LOLLM_ATTN, else sdpa."
 CTX_HELP = "Positions of the cache kept across turns / requests (default: 4096, at most the model's context)."
 FAMILY_HELP = "The family (by name, see lollm families) that serves the model, when several installed plugins claim its type."
+CONTEXT_SHIFT_HELP = ("When the conversation outgrows the context: drop the oldest turns (the system message stays) and "
+                      "go on, as ollama and llama.cpp's context shift do; --no-context-shift stops with an error that "
+                      "says how to continue (/drop N, /reset).")
 
 
 # -- naming the model: one mechanism for every command ------------------------------
@@ -278,10 +282,67 @@ def _check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devi
             raise LollmError(f"--seed: {exc}") from None
     if not _DEVICE.match(device):
         raise LollmError(f"unknown device {device!r} (use auto, cpu, cuda, cuda:N or mps)")
-    if threads is not None and threads < 1:
-        raise LollmError(f"--threads must be >= 1, got {threads}")
+    _check_threads(threads)
     if mtp and draft_tokens < 1:
         raise LollmError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+    _check_ctx_size(_flag_value("ctx_size"))
+
+
+#: ``--threads`` is refused above this many threads per core the process may run on.
+THREADS_PER_CORE = 4
+
+
+def threads_limit() -> int:
+    """The most ``--threads`` accepted: :data:`THREADS_PER_CORE` times the cores this process may run on.
+
+    The cores are those of ``os.sched_getaffinity`` where the system has it (a
+    container or ``taskset`` may allow fewer than the machine has), else
+    ``os.cpu_count()``. More threads than cores only adds switching; a million
+    exhausts the machine's thread limit before torch ever computes.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return THREADS_PER_CORE * max(cores, 1)
+
+
+def _check_threads(threads: Optional[int]) -> None:
+    """``--threads`` between 1 and :func:`threads_limit`, before torch sees it; LollmError naming the flag otherwise."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise LollmError(f"--threads must be >= 1, got {threads}")
+    limit = threads_limit()
+    if threads > limit:
+        raise LollmError(f"--threads {threads} is more than lollm allows here: at most {limit} ({THREADS_PER_CORE} per "
+                         f"core, {limit // THREADS_PER_CORE} cores); leave it out for torch's default (one per core)")
+
+
+def _check_ctx_size(ctx_size: Optional[int]) -> None:
+    """``--ctx-size``: None (the default) or at least 2 positions (a prompt token and one to generate).
+
+    A value above the model's context is lowered to it (as the help says); 0 or
+    a negative number is an error naming the flag, never a silent default.
+    """
+    if ctx_size is not None and ctx_size < 2:
+        raise LollmError(f"--ctx-size must be at least 2 positions (a prompt token and one generated), got {ctx_size}; "
+                         f"leave it out for the default (4096, at most the model's context)")
+
+
+def _flag_value(name: str) -> Any:
+    """The value of the running command's parameter ``name`` (None when it has none, or outside a command).
+
+    Read from click's context, so a check reaches every command that declares the
+    flag (``--ctx-size`` of ``chat`` and ``serve``) through the one call they share.
+    """
+    try:
+        from typer._click.globals import get_current_context  # typer >= 0.2x runs on its own copy of click
+    except ImportError:
+        from click import get_current_context
+
+    context = get_current_context(silent=True)
+    return None if context is None else context.params.get(name)
 
 
 def _check_attn(attn: Optional[str]) -> None:
@@ -361,22 +422,72 @@ def _check_model_exists(spec: str) -> None:
     )
 
 
+#: The most bytes one input may hold: a ``--prompts-file``, ``tokenize --file``, or a prompt or text piped on stdin.
+MAX_INPUT_BYTES = 16 * 2**20
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB"
+
+
 def _read_stdin(what: str) -> str:
+    """Everything piped on stdin, as UTF-8 text (bytes as they come, no newline translation).
+
+    Raises LollmError when stdin is a terminal (nothing was piped: give ``what``), holds
+    more than :data:`MAX_INPUT_BYTES` (``lollm run < /dev/zero`` ends there), or is not UTF-8.
+    """
     if sys.stdin is None or sys.stdin.isatty():
         raise LollmError(f"give {what}, or pipe it on stdin")
+    stream = getattr(sys.stdin, "buffer", None)
     try:
-        return sys.stdin.read()
+        data = (sys.stdin if stream is None else stream).read(MAX_INPUT_BYTES + 1)
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:
         raise LollmError(f"stdin is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise LollmError(f"cannot read stdin: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise LollmError(f"stdin holds more than {_mib(MAX_INPUT_BYTES)}, the most lollm reads from one input")
+    return text
+
+
+def _file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` is, in words (for the error that refuses it)."""
+    for test, words in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
 
 
 def _read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of the regular file ``path``, read exactly as it is (a ``\\r\\n`` stays).
+
+    ``what`` names the flag in the errors. Raises LollmError when the file cannot be
+    opened, is anything but a regular file (a folder, a FIFO, ``/dev/zero``: opened
+    without blocking and refused before a byte is read; ``-`` reads stdin instead),
+    holds more than :data:`MAX_INPUT_BYTES`, or is not UTF-8.
+    """
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise LollmError(f"{what} {path}: not UTF-8 text: {exc}") from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open would wait for a writer
     except OSError as exc:
         raise LollmError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise LollmError(f"{what} {path}: is {_file_kind(mode)}, not a regular file (give '-' to read stdin)")
+    with os.fdopen(fd, "rb") as file:
+        try:
+            data = file.read(MAX_INPUT_BYTES + 1)  # a file that grows, or /proc's, is bounded all the same
+        except OSError as exc:
+            raise LollmError(f"{what} {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise LollmError(f"{what} {path}: larger than {_mib(MAX_INPUT_BYTES)}, the most lollm reads from one input file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LollmError(f"{what} {path}: not UTF-8 text: {exc}") from None
 
 
 def _read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> list[str]:
@@ -709,14 +820,14 @@ def trace(
     family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
     model_opt: Optional[str] = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
-    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page."),
+    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page: a new file, or a regular file it replaces (never a symlink, FIFO or device)."),
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle)."),
     compare: bool = typer.Option(False, "--compare", help="Also run transformers on the same ids and plot each hidden state's divergence (lollm-core[parity])."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("float32", help="float32 (the default: the numbers of the parity gate), bfloat16, float16."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
 ) -> None:
     """Run PROMPT through the model once and write a self-contained HTML page of what happens inside.
 
@@ -724,14 +835,16 @@ def trace(
     own (DeltaNet gates, MoE routing, soft-caps, per-layer embeddings) and, with --compare,
     the divergence from transformers. See docs/trace.md.
     """
-    from lollm.trace.run import run_trace
-
     spec, _ = which_model(model_opt, model_arg)
+    if not output:
+        raise LollmError("-o/--output is empty: give the path of the page to write (default trace.html)")
+    if max_tokens < 1:
+        raise LollmError(f"--max-tokens must be >= 1, got {max_tokens}")
     _check_family(family_name)
     if prompt is None:
-        if sys.stdin.isatty():
-            raise LollmError("give --prompt, or pipe the prompt on stdin")
-        prompt = sys.stdin.read().rstrip("\n")
+        prompt = _read_stdin("--prompt").rstrip("\n")
+    from lollm.trace.run import run_trace  # (imports torch: after the checks above)
+
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True,
                        family=family_name)
@@ -766,11 +879,12 @@ def bench(
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model)
+    if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
+        raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
+    _check_threads(threads)  # before torch is imported
     from lollm.attention import resolve_backend
     from lollm.bench import run_bench
 
-    if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
-        raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     if tp != 1:  # --tp N: torchrun's environment, before anything loads
         from lollm.tensor_parallel import check_launch
 
@@ -892,6 +1006,7 @@ def chat(
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
     draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
     ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
+    context_shift: bool = typer.Option(True, "--context-shift/--no-context-shift", help=CONTEXT_SHIFT_HELP),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
@@ -900,7 +1015,7 @@ def chat(
     group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
-    """Chat with MODEL in the terminal: /stats, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
+    """Chat with MODEL in the terminal: /stats, /drop N, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
     model, _ = which_model(model_opt, model_arg)
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
@@ -925,7 +1040,7 @@ def chat(
     session = ChatSession(
         loaded, sampling=sampling, stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
         system=system, template_flags=template_flags, max_new_tokens=max_new_tokens,
-        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size,
+        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size, context_shift=context_shift,
     )
     err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)

@@ -21,12 +21,13 @@ page builder (:mod:`lollm.trace.page`) decides what to round and how.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from lollm import attention
+from lollm import attention, memory
 from lollm.errors import LollmError
 from lollm.trace import Internal, recording_internals
 
@@ -185,6 +186,96 @@ def capture(model: Any, ids: list[int], *, pieces: Callable[[list[int]], list[st
     vocab = _texts(sorted(named), to_text)
     return Trace(ids=list(ids), pieces=to_text(list(ids)), num_layers=num_layers, logits=logits, hidden=hidden_cpu,
                  lens=lens, lens_missing=missing, attention=layers, internals=own.records, vocab=vocab)
+
+
+@dataclass
+class CaptureShape:
+    """What a capture of T tokens holds per token, measured on a one-token forward (:func:`capture_shape`).
+
+    heads:     attention heads over all recorded layers (each keeps a T x T grid);
+    max_heads: the most heads of one layer (its scores exist twice while it runs);
+    states:    hidden states (L+1), each T x ``width``;
+    vocab:     the logits' width (the lens reads every state through it, one at a time).
+    """
+
+    heads: int
+    max_heads: int
+    states: int
+    width: int
+    vocab: int
+
+    def bytes(self, T: int) -> int:
+        """About the most bytes a capture of T tokens and its page hold at once (float32 everywhere).
+
+        Attention: each weight recorded, then placed on the position grid (8 bytes), plus
+        the running layer's scores and softmax (8 bytes a weight) and the page's index
+        tables (16 bytes per grid cell); hidden states on the device and their CPU copies;
+        the model's logits and, per lens row, its logits, softmax and comparison (16 bytes a logit).
+        """
+        return 8 * self.heads * T * T + 8 * self.max_heads * T * T + 16 * T * T \
+            + 8 * self.states * T * self.width + 16 * T * self.vocab
+
+    def most_tokens(self, budget: int) -> int:
+        """The longest prompt whose :meth:`bytes` stays within ``budget`` (0 when none does)."""
+        a = 8 * self.heads + 8 * self.max_heads + 16
+        b = 8 * self.states * self.width + 16 * self.vocab
+        T = int((-b + math.sqrt(b * b + 4 * a * max(budget, 0))) / (2 * a))
+        while T > 0 and self.bytes(T) > budget:  # float rounding, either way
+            T -= 1
+        while self.bytes(T + 1) <= budget:
+            T += 1
+        return T
+
+
+def capture_shape(model: Any, device: torch.device | str = "cpu") -> CaptureShape:
+    """Run one token through ``model`` (no cache) and read off what a longer capture would keep per token."""
+    hidden: list[torch.Tensor] = []
+    with torch.inference_mode(), attention.recording() as attn:
+        model(torch.zeros(1, 1, dtype=torch.long, device=device), None, hidden_states=hidden)
+    heads = [int(r.probs.shape[1]) for r in attn.records]
+    width = int(hidden[0].shape[-1]) if hidden else 0
+    return CaptureShape(sum(heads), max(heads, default=0), len(hidden), width, int(model.vocab_size))
+
+
+def _size(n: float) -> str:
+    """Bytes in words: ``1.5 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def check_capture(model: Any, ids: list[int], *, max_tokens: int, device: torch.device | str = "cpu") -> None:
+    """Refuse, before :func:`capture` runs, a prompt the trace cannot take. Raises LollmError naming the limit:
+
+    1. more tokens than the model's context (``model.max_context`` positions);
+    2. more than ``max_tokens`` (``--max-tokens``: the page keeps T² attention weights per head);
+    3. a capture whose memory (:meth:`CaptureShape.bytes`, measured on a one-token forward)
+       is more than the memory free on the CPU, where everything captured is kept
+       (:func:`lollm.memory.free_memory`); on a GPU also the attention the forward
+       records there (4 bytes a weight) against that device's free memory.
+    """
+    T = len(ids)
+    if T > model.max_context:
+        raise LollmError(f"lollm trace: the prompt is {T} tokens, more than the model's context of "
+                         f"{model.max_context} positions: give a shorter prompt")
+    if T > max_tokens:
+        raise LollmError(f"lollm trace: the prompt is {T} tokens, more than --max-tokens {max_tokens} "
+                         f"(the page stores every attention weight, T² per head): shorten it or raise --max-tokens")
+    device = torch.device(device)
+    shape = capture_shape(model, device)
+    cpu = torch.device("cpu")
+    per_weight = 4 * (shape.heads + 2 * shape.max_heads)  # bytes per T² on a GPU: records, scores and softmax
+    budgets = [(cpu, shape.bytes(T), shape.most_tokens)]
+    if device.type != "cpu":
+        budgets.append((device, per_weight * T * T, lambda free: int(math.sqrt(free / max(per_weight, 1)))))
+    for where, need, most in budgets:
+        free = memory.free_memory(where)
+        if free is not None and need > free:
+            fit = most(free)
+            raise LollmError(f"lollm trace: capturing {T} tokens needs about {_size(need)} on {where} (attention: "
+                             f"{shape.heads} heads × {T}² weights in float32), but {_size(free)} are free: give a "
+                             f"prompt of at most about {fit} tokens (--max-tokens {max(fit, 1)} refuses longer ones)")
 
 
 def compare(trace: Trace, reference: Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]], *,

@@ -25,6 +25,9 @@ import gzip
 import html
 import json
 import math
+import os
+import secrets
+import stat
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -140,20 +143,65 @@ def render(trace: Trace) -> str:
     return "".join(out)
 
 
-def write_page(trace: Trace, path: str | Path) -> int:
-    """Write the page to ``path`` (parent folders must exist); return its size in bytes.
+def _kind(mode: int) -> str:
+    """What a file of ``st_mode`` is, in words (for the error that refuses to replace it)."""
+    for test, words in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
+                        (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
 
-    Written to a temporary name first and renamed, so a failure never leaves half a page.
-    Raises LollmError when the folder does not exist or cannot be written.
+
+def check_output(path: str | Path) -> Path:
+    """The page's path, checked before anything is computed (and again just before the page replaces it).
+
+    The page is written as a new file, or replaces a *regular* file. Raises
+    LollmError for an empty path, a folder that does not exist, or a path that
+    exists as anything else: a symbolic link (the page would not land where the
+    link points, and never writes through one), a folder, a FIFO, a device node
+    (``-o /dev/null`` as root would replace the device), a socket.
     """
+    if str(path) == "":
+        raise LollmError("lollm trace: -o/--output is empty: give the path of the page to write")
     path = Path(path)
-    if not path.parent.exists():
-        raise LollmError(f"lollm trace: the folder {path.parent} does not exist")
-    text = render(trace).encode("utf-8")
-    tmp = path.with_name(path.name + ".part")
+    if not path.parent.is_dir():
+        raise LollmError(f"lollm trace: the folder {path.parent} of --output does not exist")
     try:
-        tmp.write_bytes(text)
-        tmp.replace(path)
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
     except OSError as exc:
         raise LollmError(f"lollm trace: cannot write {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise LollmError(f"lollm trace: {path} is {_kind(mode)}; the page replaces only a regular file: "
+                         f"remove it or give another path with -o")
+    return path
+
+
+def write_page(trace: Trace, path: str | Path) -> int:
+    """Write the page to ``path`` (its folder must exist); return its size in bytes.
+
+    The page goes to a new temporary file beside ``path`` (a random name, created
+    exclusively: never an existing file or link) and is renamed into place, so a
+    failure never leaves half a page and never touches what was there.
+    Raises LollmError when :func:`check_output` refuses ``path`` or the folder cannot be written.
+    """
+    path = check_output(path)
+    text = render(trace).encode("utf-8")
+    tmp = path.parent / f".{secrets.token_hex(8)}.lollm-trace.part"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError as exc:
+        raise LollmError(f"lollm trace: cannot write {path}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(text)
+        check_output(path)  # what may have appeared there while the page was rendered
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise LollmError(f"lollm trace: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.lexists(tmp):
+            tmp.unlink()
     return len(text)

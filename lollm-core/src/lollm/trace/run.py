@@ -19,8 +19,8 @@ import torch
 import lollm
 from lollm.errors import LollmError
 from lollm.pipeline import LoadedModel, open_model
-from lollm.trace.capture import Trace, capture, compare
-from lollm.trace.page import write_page
+from lollm.trace.capture import Trace, capture, check_capture, compare
+from lollm.trace.page import check_output, write_page
 
 #: The longest prompt a trace takes unless told otherwise: attention grows with T² per head.
 MAX_TOKENS = 256
@@ -75,16 +75,14 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
                        divergence of every hidden state (our model is freed first).
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
     family:            the family's name (``--family``) when several installed plugins claim the type.
-    Raises LollmError subclasses (bad checkpoint, prompt too long, no transformers for a comparison).
+    Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
+    longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
+    (:func:`lollm.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
     """
-    output = Path(output)
-    if not output.parent.exists():
-        raise LollmError(f"lollm trace: the folder {output.parent} of --output does not exist")
+    output = check_output(output)  # before anything loads
     loaded = open_model(spec, device=device, dtype=dtype, progress=progress, family=family)
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
-    if len(ids) > max_tokens:
-        raise LollmError(f"lollm trace: the prompt is {len(ids)} tokens, more than --max-tokens {max_tokens} "
-                         f"(the page stores every attention weight, T² per head): shorten it or raise --max-tokens")
+    check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
     trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
     trace.meta = {
         "model": str(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
