@@ -398,7 +398,7 @@ def _hangs_path() -> Path | None:
     """Where the memory lives; None when there is no home folder to find it in."""
     try:
         return Path(os.environ.get("LOLLM_CACHE") or Path.home() / ".cache" / "lollm") / HANGS_FILE
-    except RuntimeError:  # Path.home() without  or a password entry
+    except RuntimeError:  # Path.home() without $HOME or a password entry
         return None
 
 
