@@ -108,7 +108,11 @@ def test_a_family_load_that_raises_is_one_line_naming_the_plugin(raising_site, t
                    "KeyError: 'layers'", "lollm_toy_raises/model.py:4, in load", "LOLLM_DEBUG=1"):
         assert needle in line, (needle, line)
 
-    monkeypatch.setenv("LOLLM_DEBUG", "1")  # the traceback, for the plugin's author
+    done = run_lollm("--debug", *args, sites=(raising_site,))  # the traceback, for the plugin's author
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr, done.stderr
+    assert "KeyError: 'layers'" in done.stderr and 'model.py", line 4, in load' in done.stderr
+
+    monkeypatch.setenv("LOLLM_DEBUG", "1")  # the same through the environment
     done = run_lollm(*args, sites=(raising_site,))
     assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr, done.stderr
     assert "KeyError: 'layers'" in done.stderr and 'model.py", line 4, in load' in done.stderr

@@ -119,8 +119,14 @@ def _version(value: bool) -> None:
 @app.callback()
 def _options(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version of lollm and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Let a plugin's exception through with its traceback instead of one error line (as LOLLM_DEBUG=1)."),
 ) -> None:
     """lollm: a study-first LLM inference engine."""
+    if debug:
+        from lollm.family import DEBUG_ENV
+
+        # an environment variable, not a global: the plugin guard reads it, and torchrun's ranks inherit it
+        os.environ[DEBUG_ENV] = "1"
 
 
 def _messages(prompt: str, system: Optional[str]) -> list[dict[str, str]]:
