@@ -183,3 +183,19 @@ def write_site(site: Path, dist: str, version: str, entry_points: dict[str, str]
             for file, source in content.items():
                 (site / name / file).write_text(textwrap.dedent(source))
     return site
+
+
+def write_toy_checkpoint(folder: Path) -> Path:
+    """A tiny lollm-toy checkpoint in ``folder/toy`` (the example plugin's config and weights, a tiny tokenizer)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from test_example_plugin import CONFIG, toy_tensors
+
+    checkpoint = folder / "toy"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(CONFIG))
+    save_file(toy_tensors(CONFIG), str(checkpoint / "model.safetensors"))
+    write_tiny_tokenizer(checkpoint, vocab_size=CONFIG["vocab_size"], chat_template=False)
+    return checkpoint

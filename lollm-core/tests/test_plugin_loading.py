@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _core_helpers import run_lollm, write_site, write_tiny_tokenizer
+from _core_helpers import run_lollm, write_site, write_toy_checkpoint
 from lollm import hookspecs
 from lollm.errors import DuplicateModelType, PluginError, UnknownFamily, UnknownModelType
 from lollm.family import CONTRACT_VERSION, Family
@@ -383,16 +383,7 @@ def toy_sites(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def toy_ckpt(tmp_path_factory) -> Path:
-    from safetensors.torch import save_file
-
-    from test_example_plugin import CONFIG, toy_tensors
-
-    folder = tmp_path_factory.mktemp("ckpt") / "toy"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    save_file(toy_tensors(CONFIG), str(folder / "model.safetensors"))
-    write_tiny_tokenizer(folder, vocab_size=CONFIG["vocab_size"], chat_template=False)
-    return folder
+    return write_toy_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_run_with_two_claimants_needs_family_and_obeys_it(toy_sites, toy_ckpt):

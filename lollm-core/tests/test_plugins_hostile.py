@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from _core_helpers import child_env, run_lollm, write_site, write_tiny_tokenizer
+from _core_helpers import child_env, run_lollm, write_site, write_toy_checkpoint
 from lollm import hookspecs
 from lollm.errors import GenerationError, PluginError
 from lollm.family import CONTRACT_VERSION, Family
@@ -83,16 +83,7 @@ def raising_site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def toy_ckpt(tmp_path_factory) -> Path:
-    from safetensors.torch import save_file
-
-    from test_example_plugin import CONFIG, toy_tensors
-
-    folder = tmp_path_factory.mktemp("ckpt") / "toy"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    save_file(toy_tensors(CONFIG), str(folder / "model.safetensors"))
-    write_tiny_tokenizer(folder, vocab_size=CONFIG["vocab_size"], chat_template=False)
-    return folder
+    return write_toy_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_a_family_load_that_raises_is_one_line_naming_the_plugin(raising_site, toy_ckpt, monkeypatch):

@@ -61,10 +61,11 @@ module is built, even on the meta device, that the weight files do not back.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from lollm.errors import ConfigError, WeightsError
+from lollm.errors import ConfigError, LollmError, WeightsError
 
 MAX_LAYERS = 4096
 MAX_WIDTH = 1 << 20
@@ -84,6 +85,27 @@ def show(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (a bad value may be a megabyte of junk)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def seconds_from_env(name: str, default: float, maximum: float, *, error: type[LollmError] = LollmError,
+                     environ: Mapping[str, str] | None = None) -> float:
+    """A duration in seconds from the environment variable ``name`` (``default`` when unset or empty).
+
+    ``environ`` defaults to ``os.environ``. Raises ``error`` naming the variable
+    for text that is not a number, and for a number outside (0, ``maximum``]:
+    ``nan``, ``inf`` (``1e309`` reads as inf), zero and negative values included.
+    Used for ``LOLLM_PLUGIN_IMPORT_TIMEOUT`` and the tensor-parallel timeouts.
+    """
+    text = (os.environ if environ is None else environ).get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise error(f"{name} must be a number of seconds, got {text!r}") from None
+    if not 0 < value <= maximum:  # False for nan too
+        raise error(f"{name} must be more than 0 and at most {maximum:g} seconds, got {text!r}")
+    return value
 
 
 def _is_int(value: Any) -> bool:

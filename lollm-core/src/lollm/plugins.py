@@ -375,17 +375,9 @@ def _timeout() -> float:
     for a number outside (0, :data:`MAX_IMPORT_TIMEOUT_SECONDS`]: ``nan``,
     ``inf`` (``1e309`` reads as inf), zero and negative values included.
     """
-    text = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
-    if not text:
-        return IMPORT_TIMEOUT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        raise PluginError(f"{IMPORT_TIMEOUT_ENV} must be a number of seconds, got {text!r}") from None
-    if not 0 < value <= MAX_IMPORT_TIMEOUT_SECONDS:  # False for nan too
-        raise PluginError(f"{IMPORT_TIMEOUT_ENV} must be more than 0 and at most {MAX_IMPORT_TIMEOUT_SECONDS:g} "
-                          f"seconds, got {text!r}")
-    return value
+    from lollm.checks import seconds_from_env
+
+    return seconds_from_env(IMPORT_TIMEOUT_ENV, IMPORT_TIMEOUT_SECONDS, MAX_IMPORT_TIMEOUT_SECONDS, error=PluginError)
 
 
 # -- plugins that hung: remembered, so that one hanging import does not cost every command -------

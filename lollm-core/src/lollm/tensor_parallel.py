@@ -226,17 +226,9 @@ def env_seconds(name: str, default: float, environ: Mapping[str, str] | None = N
     number, and for a number outside (0, :data:`MAX_TIMEOUT_SECONDS`] (``nan``,
     ``inf``, zero and negative values included).
     """
-    env = os.environ if environ is None else environ
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise TensorParallelError(f"{name} must be a number of seconds, got {text!r}") from None
-    if not 0 < value <= MAX_TIMEOUT_SECONDS:  # False for nan too
-        raise TensorParallelError(f"{name} must be more than 0 and at most {MAX_TIMEOUT_SECONDS:g} seconds, got {text!r}")
-    return value
+    from lollm.checks import seconds_from_env
+
+    return seconds_from_env(name, default, MAX_TIMEOUT_SECONDS, error=TensorParallelError, environ=environ)
 
 
 def backend_for(device: torch.device) -> str:
