@@ -42,11 +42,45 @@ from rich.table import Table
 
 from lollm.errors import LollmError
 
-app = typer.Typer(
+class _Command(typer.core.TyperCommand):
+    """A command whose help names each argument by its metavar alone (MODEL, TEXT), without typer's ``<str>``."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        """The Arguments and Options sections of ``--help``, as click writes them (plain text, never rich markup).
+
+        An option's row is click's own (``-n, --max-new-tokens N``: every valued option
+        declares its metavar; a flag shows none); an argument's row is its metavar and help.
+        """
+        rows: dict[str, list[tuple[str, str]]] = {"argument": [], "option": []}
+        for param in self.get_params(ctx):
+            if getattr(param, "hidden", False):
+                continue
+            if param.param_type_name == "argument":
+                rows["argument"].append((param.metavar or param.name.upper(), getattr(param, "help", None) or ""))
+            else:
+                record = param.get_help_record(ctx)
+                if record is not None:
+                    rows["option"].append(record)
+        for title, kind in (("Arguments", "argument"), ("Options", "option")):
+            if rows[kind]:
+                with formatter.section(title):
+                    formatter.write_dl(rows[kind])
+
+
+class _App(typer.Typer):
+    """typer.Typer whose commands are :class:`_Command` (a command added later gets the same help for free)."""
+
+    def command(self, *args: Any, cls: Any = None, **kwargs: Any) -> Any:
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+# rich_markup_mode=None: click's plain help, read literally ("lollm-core[triton]" stays as written; rich markup ate it)
+app = _App(
     help="lollm: a study-first LLM inference engine.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 # Piped output (CI logs, files) gets wide lines instead of rich's 80-column default.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -165,34 +199,34 @@ def _weights_summary(loaded) -> None:
 @app.command()
 def run(
     model_arg: Optional[str] = model_argument(),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
     model: Optional[str] = model_option(),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
-    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (0 .. 2**64-1)."),
-    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="The prompt; read from stdin when omitted."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", metavar="TEXT", help="System message (chat mode only)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", metavar="N", help="Most tokens to generate."),
+    temperature: Optional[float] = typer.Option(None, metavar="X", help="0 = greedy. Default: generation_config, then the family's."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", metavar="N", help="Keep the k most likely tokens (0 = off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", metavar="X", help="Nucleus sampling mass (1 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", metavar="X", help="Drop tokens below min_p × the top probability."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", metavar="X", help="> 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="Random seed for sampling (0 .. 2**64-1)."),
+    stop: List[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (templates that read it). Default: the template's own default."),
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted."),
-    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
-    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", help="Generate for every prompt of this file, one per line (a .jsonl file: one JSON string per line; '-': stdin); the model loads once."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", metavar="FILE", help="Generate for every prompt of this file, one per line (a .jsonl file: one JSON string per line; '-': stdin); the model loads once."),
     parse_special: bool = typer.Option(True, "--parse-special/--no-parse-special", help="Whether special-token text written in the prompt or system message (e.g. <|im_end|>) becomes control tokens (the default, as in transformers) or stays plain text."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt (text, ids, timings, stop reason, sampling) instead of streaming the text."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every sampling setting and where it came from, not only those that change something."),
-    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
-    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4: 32 or 128 (64, 256 also work)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm run --tp N …` (float weights; docs/tensor-parallel.md)."),
+    attn: Optional[str] = typer.Option(None, "--attn", metavar="BACKEND", help=ATTN_HELP),
+    weights: str = typer.Option("auto", "--weights", metavar="MODE", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="KIND", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", metavar="N", help="int4 group size for --quantize int4: 32 or 128 (64, 256 also work)."),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm run --tp N …` (float weights; docs/tensor-parallel.md)."),
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
     model, _ = which_model(model, model_arg)
@@ -606,8 +640,8 @@ def _report(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bo
 def new_family(
     name: str = typer.Argument(..., metavar="NAME", help="The new family's name: a lowercase Python identifier."),
     like: str = typer.Option(..., "--like", metavar="FAMILY", help="The installed family to copy (qwen2 the usual start)."),
-    model_type: Optional[str] = typer.Option(None, "--model-type", help="The config.json model_type the family claims (default: the reference's, renamed; NAME for --like qwen2)."),
-    into: Path = typer.Option(Path("."), "--into", help="Where to write the folder lollm-NAME."),
+    model_type: Optional[str] = typer.Option(None, "--model-type", metavar="TYPE", help="The config.json model_type the family claims (default: the reference's, renamed; NAME for --like qwen2)."),
+    into: Path = typer.Option(Path("."), "--into", metavar="PATH", help="Where to write the folder lollm-NAME."),
 ) -> None:
     """Write a new family distribution lollm-NAME, copied from an installed family, that installs and passes its own tests."""
     from lollm.new_family import describe, render
@@ -679,10 +713,10 @@ def tokenize(
     model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id (only the tokenizer is read)."),
     text: Optional[str] = typer.Argument(None, metavar="TEXT", show_default=False, help="The text to tokenize; '-' (or nothing, when piped) reads stdin."),
     chat: bool = typer.Option(False, "--chat", help="Wrap TEXT as a user message with the chat template."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for --chat."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", help="System message for --chat."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag, for --chat (templates that read it)."),
     as_json: bool = typer.Option(False, "--json", help="Print {ids, pieces} as JSON."),
-    file: Optional[str] = typer.Option(None, "--file", "-f", help="Read the text from this file (UTF-8, exactly as it is: a final newline counts)."),
+    file: Optional[str] = typer.Option(None, "--file", "-f", metavar="FILE", help="Read the text from this file (UTF-8, exactly as it is: a final newline counts)."),
     parse_special: bool = typer.Option(True, "--parse-special/--no-parse-special", help="Whether special-token text in TEXT (e.g. <|im_end|>) becomes control tokens (the default, as in transformers) or stays plain text."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
@@ -739,18 +773,18 @@ def _read_tokenize_text(text: Optional[str], file: Optional[str]) -> str:
 @app.command()
 def parity(
     model: Optional[str] = model_argument("Checkpoint folder or repo id."),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (default: a paragraph of about 60 tokens)."),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="Prompt text (default: a paragraph of about 60 tokens)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
-    dtype: str = typer.Option("float32", help="float32 (the gate's standard), bfloat16 or float16."),
-    device: str = typer.Option("cpu", help="Device for both models."),
-    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Required cosine (default 0.99999 at float32; 0.98 with packed weights)."),
+    dtype: str = typer.Option("float32", metavar="DTYPE", help="float32 (the gate's standard), bfloat16 or float16."),
+    device: str = typer.Option("cpu", metavar="DEVICE", help="Device for both models."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", metavar="X", help="Required cosine (default 0.99999 at float32; 0.98 with packed weights)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
-    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
-    weights: Optional[str] = typer.Option(None, "--weights", help="float (the default, the gate's standard; auto with --quantize), or quantized / auto: our packed weights against transformers' float32 (a looser gate)."),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
-    tp: int = typer.Option(1, "--tp", help="Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md)."),
+    attn: Optional[str] = typer.Option(None, "--attn", metavar="BACKEND", help=ATTN_HELP),
+    weights: Optional[str] = typer.Option(None, "--weights", metavar="MODE", help="float (the default, the gate's standard; auto with --quantize), or quantized / auto: our packed weights against transformers' float32 (a looser gate)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="KIND", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", metavar="N", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
@@ -823,17 +857,17 @@ def _print_parity(report: Any, as_json: bool) -> None:
 @app.command()
 def trace(
     model_arg: Optional[str] = model_argument(),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
     model_opt: Optional[str] = model_option(),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt; read from stdin when omitted."),
-    output: str = typer.Option("trace.html", "--output", "-o", help="Where to write the page: a new file, or a regular file it replaces (never a symlink, FIFO or device)."),
-    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message (chat mode only)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", help="The prompt; read from stdin when omitted."),
+    output: str = typer.Option("trace.html", "--output", "-o", metavar="FILE", help="Where to write the page: a new file, or a regular file it replaces (never a symlink, FIFO or device)."),
+    system: Optional[str] = typer.Option(None, "--system", "-s", metavar="TEXT", help="System message (chat mode only)."),
     no_chat: bool = typer.Option(False, "--no-chat", help="Use the prompt as raw text, without the chat template."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (families with a thinking toggle)."),
     compare: bool = typer.Option(False, "--compare", help="Also run transformers on the same ids and plot each hidden state's divergence (lollm-core[parity])."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", help="float32 (the default: the numbers of the parity gate), bfloat16, float16."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("float32", metavar="DTYPE", help="float32 (the default: the numbers of the parity gate), bfloat16, float16."),
+    max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
 ) -> None:
     """Run PROMPT through the model once and write a self-contained HTML page of what happens inside.
 
@@ -868,19 +902,19 @@ def trace(
 @app.command()
 def bench(
     model: Optional[str] = model_argument("Checkpoint folder, .gguf file or repo id."),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
-    prompt_tokens: int = typer.Option(512, help="Prefill length."),
-    new_tokens: int = typer.Option(64, help="Decode steps."),
-    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's)."),
-    rounds: int = typer.Option(3, "--rounds", help="Alternating rounds (A B A B ...); medians are reported."),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
+    dtype: str = typer.Option("float32", metavar="DTYPE", help="float32 or bfloat16."),
+    prompt_tokens: int = typer.Option(512, metavar="N", help="Prefill length."),
+    new_tokens: int = typer.Option(64, metavar="N", help="Decode steps."),
+    threads: Optional[int] = typer.Option(None, metavar="N", help="torch threads (default: torch's)."),
+    rounds: int = typer.Option(3, "--rounds", metavar="N", help="Alternating rounds (A B A B ...); medians are reported."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
-    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    weights: str = typer.Option("auto", "--weights", metavar="MODE", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="KIND", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", metavar="N", help="int4 group size for --quantize int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
-    attn: Optional[str] = typer.Option(None, "--attn", help=ATTN_HELP),
-    tp: int = typer.Option(1, "--tp", help="Our model split over N CPU processes started by torchrun: `torchrun --nproc-per-node N -m lollm bench --tp N --no-reference …`; every rank runs the rounds, rank 0 prints (docs/tensor-parallel.md)."),
+    attn: Optional[str] = typer.Option(None, "--attn", metavar="BACKEND", help=ATTN_HELP),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="Our model split over N CPU processes started by torchrun: `torchrun --nproc-per-node N -m lollm bench --tp N --no-reference …`; every rank runs the rounds, rank 0 prints (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
@@ -999,26 +1033,26 @@ def inspect(
 @app.command()
 def chat(
     model_arg: Optional[str] = model_argument(),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
-    system: Optional[str] = typer.Option(None, "--system", "-s", help="System message, kept across /reset."),
-    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", help="Most tokens per answer."),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy. Default: generation_config, then the family's."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p × the top probability."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="> 1 discourages repeats."),
-    seed: Optional[int] = typer.Option(None, help="Random seed for sampling (0 .. 2**64-1)."),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
+    system: Optional[str] = typer.Option(None, "--system", "-s", metavar="TEXT", help="System message, kept across /reset."),
+    max_new_tokens: int = typer.Option(1024, "--max-new-tokens", "-n", metavar="N", help="Most tokens per answer."),
+    temperature: Optional[float] = typer.Option(None, metavar="X", help="0 = greedy. Default: generation_config, then the family's."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", metavar="N", help="Keep the k most likely tokens (0 = off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", metavar="X", help="Nucleus sampling mass (1 = off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", metavar="X", help="Drop tokens below min_p × the top probability."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", metavar="X", help="> 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, metavar="N", help="Random seed for sampling (0 .. 2**64-1)."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The chat template's enable_thinking flag (templates that read it)."),
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
-    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
-    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", metavar="N", help=CTX_HELP),
     context_shift: bool = typer.Option(True, "--context-shift/--no-context-shift", help=CONTEXT_SHIFT_HELP),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
-    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    weights: str = typer.Option("auto", "--weights", metavar="MODE", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="KIND", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", metavar="N", help="int4 group size for --quantize int4."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Chat with MODEL in the terminal: /stats, /drop N, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
@@ -1056,27 +1090,27 @@ def chat(
 @app.command()
 def serve(
     model_arg: Optional[str] = model_argument(),
-    family_name: Optional[str] = typer.Option(None, "--family", help=FAMILY_HELP),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
-    port: int = typer.Option(8000, help="TCP port."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
-    model_name: Optional[str] = typer.Option(None, "--model-name", help="The model id clients send (default: the checkpoint's folder or file name)."),
-    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", help=CTX_HELP),
-    temperature: Optional[float] = typer.Option(None, help="Default for requests that give none (then generation_config, then the family's)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Default top-k for requests."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Default top-p for requests."),
-    min_p: Optional[float] = typer.Option(None, "--min-p", help="Default min-p for requests."),
-    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Default repetition penalty."),
+    family_name: Optional[str] = typer.Option(None, "--family", metavar="FAMILY", help=FAMILY_HELP),
+    host: str = typer.Option("127.0.0.1", metavar="HOST", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
+    port: int = typer.Option(8000, metavar="PORT", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", metavar="NAME", help="The model id clients send (default: the checkpoint's folder or file name)."),
+    ctx_size: Optional[int] = typer.Option(None, "--ctx-size", "-c", metavar="N", help=CTX_HELP),
+    temperature: Optional[float] = typer.Option(None, metavar="X", help="Default for requests that give none (then generation_config, then the family's)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", metavar="N", help="Default top-k for requests."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", metavar="X", help="Default top-p for requests."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", metavar="X", help="Default min-p for requests."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", metavar="X", help="Default repetition penalty."),
     think: Optional[bool] = typer.Option(None, "--think/--no-think", help="Default enable_thinking (a request's chat_template_kwargs wins)."),
     mtp: bool = typer.Option(False, "--mtp", help="Self-speculative decoding with the checkpoint's MTP head."),
-    draft_tokens: int = typer.Option(3, "--draft-tokens", help="Tokens drafted per step with --mtp."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
-    weights: str = typer.Option("auto", "--weights", help=WEIGHTS_HELP),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
-    group_size: int = typer.Option(32, "--group-size", help="int4 group size for --quantize int4."),
-    tp: int = typer.Option(1, "--tp", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md)."),
+    draft_tokens: int = typer.Option(3, "--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp."),
+    device: str = typer.Option("auto", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option("auto", metavar="DTYPE", help="auto (float32 on CPU, the checkpoint's dtype elsewhere), float32, bfloat16, float16."),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N", help="CPU threads torch computes with (default: torch's choice, usually one per core)."),
+    weights: str = typer.Option("auto", "--weights", metavar="MODE", help=WEIGHTS_HELP),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="KIND", help=QUANTIZE_HELP),
+    group_size: int = typer.Option(32, "--group-size", metavar="N", help="int4 group size for --quantize int4."),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
