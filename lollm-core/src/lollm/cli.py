@@ -10,7 +10,7 @@ Commands::
     lollm parity    MODEL                    our logits against transformers'
     lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
-    lollm inspect   MODEL                    metadata and tensor table of a GGUF file or safetensors folder
+    lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
     lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
 
 Every command that takes a model accepts it either way: ``lollm CMD MODEL``
@@ -990,44 +990,61 @@ def _print_bench(result: Any, *, model: str, dtype: str, new_tokens: int, rounds
 def inspect(
     model: Optional[str] = model_argument("A .gguf file or a safetensors checkpoint folder."),
     tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Print the tensor table."),
+    pattern: Optional[str] = typer.Option(None, "--filter", metavar="PATTERN", help="Only the tensors whose name holds PATTERN (attn_q), or, when it has * ? or [, matches it as a glob (blk.1.*); an error when none does."),
     as_json: bool = typer.Option(False, "--json", help="Print everything as JSON (arrays summarized)."),
     model_opt: Optional[str] = model_option(),
 ) -> None:
-    """Show what is inside a checkpoint: metadata, tensors (name, shape, type, bytes), totals per type."""
+    """Show what is inside a checkpoint: a summary (format, architecture, parameters, bytes, tensors per type), its metadata, then its tensors (name, shape, type, bytes) in natural order (blk.2 before blk.10)."""
     model, _ = which_model(model_opt, model)
     from lollm.inventory import inspect_checkpoint, summarize
 
     inv = inspect_checkpoint(model)
-    totals = inv.totals()
+    rows = inv.select(pattern)
     if as_json:
+        totals = inv.totals()
         print(json.dumps({
-            "path": str(inv.path), "format": inv.fmt,
+            "path": str(inv.path), "format": inv.fmt, "summary": inv.summary(), "filter": pattern,
             "metadata": {k: summarize(v) for k, v in inv.metadata.items()},
-            "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.type, "bytes": t.nbytes} for t in inv.tensors],
+            "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.type, "bytes": t.nbytes} for t in rows],
             "totals": {k: {"tensors": n, "bytes": b} for k, (n, b) in totals.items()},
             "total_bytes": inv.total_bytes,
         }, indent=2, ensure_ascii=False))
         return
-    meta = Table(title=f"{inv.path} ({inv.fmt}): metadata")
+    _print_summary(inv)
+    meta = Table(title="metadata")
     meta.add_column("key")
     meta.add_column("value")
     for key, value in inv.metadata.items():
         meta.add_row(escape(str(key)), escape(summarize(value)))
     out.print(meta)
     if tensors:
-        table = Table(title=f"{len(inv.tensors)} tensors")
+        title = f"{len(rows)} tensors" + ("" if pattern is None else f" of {len(inv.tensors)} matching {pattern!r}")
+        table = Table(title=escape(title))
         for col, justify in (("name", "left"), ("shape", "left"), ("type", "left"), ("bytes", "right")):
             table.add_column(col, justify=justify)
-        for t in inv.tensors:
+        for t in rows:
             table.add_row(escape(t.name), "×".join(map(str, t.shape)) or "scalar", t.type, f"{t.nbytes:,}")
         out.print(table)
-    summary = Table(title="totals per type")
-    for col in ("type", "tensors", "bytes"):
-        summary.add_column(col, justify="right")
-    for kind, (n, b) in totals.items():
-        summary.add_row(kind, str(n), f"{b:,}")
-    summary.add_row("all", str(len(inv.tensors)), f"{inv.total_bytes:,}")
-    out.print(summary)
+
+
+def _print_summary(inv: Any) -> None:
+    """The first table of ``inspect``: the checkpoint at a glance (lollm.inventory.Inventory.summary)."""
+    s = inv.summary()
+    table = Table(title=escape(f"{inv.path} ({inv.fmt})"), show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("format", s["format"])
+    table.add_row("architecture", escape(s["architecture"] or "(not named)"))
+    table.add_row("tensors", f"{s['tensors']:,}")
+    table.add_row("parameters", f"{s['parameters']:,}" + (f" ({s['parameters'] / 1e6:,.1f} M)" if s["parameters"] >= 1e6 else ""))
+    table.add_row("bytes", _size(s["bytes"]))
+    table.add_row("types", escape(", ".join(f"{kind} {n} ({_size(b)})" for kind, (n, b) in inv.totals().items()) or "-"))
+    out.print(table)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes for a person: ``1,432 B`` below one MiB, else ``300.2 MiB``."""
+    return f"{nbytes:,} B" if nbytes < 2**20 else f"{nbytes / 2**20:,.1f} MiB"
 
 
 @app.command()

@@ -9,12 +9,14 @@ vocabulary) are summarized, not printed.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lollm.errors import CheckpointError
+from lollm.errors import CheckpointError, LollmError
 
 #: Bytes per element of the safetensors dtypes.
 SAFETENSORS_ELEMENT_BYTES = {
@@ -52,6 +54,55 @@ class Inventory:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def summary(self) -> dict[str, Any]:
+        """The checkpoint at a glance: format, architecture, tensor count, parameters (elements), bytes, tensors per type.
+
+        The architecture is GGUF's ``general.architecture``, or config.json's
+        ``model_type`` (None when the file names none); types are ordered as
+        :meth:`totals` (most bytes first).
+        """
+        key = "general.architecture" if self.fmt == "gguf" else "model_type"
+        architecture = self.metadata.get(key)
+        parameters = 0
+        for t in self.tensors:
+            n = 1
+            for d in t.shape:
+                n *= d
+            parameters += n
+        return {"format": self.fmt, "architecture": architecture if isinstance(architecture, str) else None,
+                "tensors": len(self.tensors), "parameters": parameters, "bytes": self.total_bytes,
+                "types": {k: n for k, (n, _) in self.totals().items()}}
+
+    def select(self, pattern: str | None) -> list[TensorRow]:
+        """The tensors whose name matches ``pattern``, in natural order (``blk.2`` before ``blk.10``).
+
+        ``pattern`` is a shell glob matched against the whole name (case-sensitive,
+        as :func:`fnmatch.fnmatchcase`) when it holds ``*``, ``?`` or ``[``, else a
+        substring of the name; None selects every tensor. Raises LollmError naming
+        the pattern when it matches no tensor (or is empty).
+        """
+        rows = sorted(self.tensors, key=lambda t: natural_key(t.name))
+        if pattern is None:
+            return rows
+        if not pattern:
+            raise LollmError("--filter is empty: give a substring of tensor names (attn_q) or a glob (blk.1.*)")
+        glob = any(c in pattern for c in "*?[")
+        chosen = [t for t in rows if (fnmatchcase(t.name, pattern) if glob else pattern in t.name)]
+        if not chosen:
+            how = "the glob" if glob else "the substring"
+            raise LollmError(f"--filter {pattern!r}: {how} matches none of the {len(rows)} tensors of {self.path}"
+                             + ("" if glob else " (a glob such as 'blk.1.*' must match the whole name)"))
+        return chosen
+
+
+def natural_key(name: str) -> list[Any]:
+    """A sort key that orders the numbers inside a name by value: ``blk.2.x`` before ``blk.10.x``.
+
+    The name is split into text and runs of digits (``["blk.", 10, ".x"]``); text
+    sits at even positions and numbers at odd ones, so two keys always compare.
+    """
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
 
 
 def summarize(value: Any, max_items: int = 8, max_chars: int = 120) -> str:
