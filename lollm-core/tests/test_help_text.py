@@ -50,10 +50,11 @@ def test_every_valued_option_declares_its_metavar_and_flags_declare_none():
     missing = []
     for name, command in _commands().items():
         for param in command.params:
-            if param.param_type_name == "option" and not getattr(param, "is_flag", False) and param.metavar is None:
+            flag = getattr(param, "is_flag", False)
+            if param.param_type_name == "option" and (param.metavar is None) != flag:
                 missing.append(f"{name} {param.opts[0]}")
-            if param.param_type_name == "argument" and not (param.metavar or "").isupper():
-                missing.append(f"{name} argument {param.name}")
+            if param.param_type_name == "argument" and not (param.metavar or param.name.upper()).isupper():
+                missing.append(f"{name} argument {param.name}")  # shown as its metavar, else its name in capitals
     assert not missing, missing
 
 
