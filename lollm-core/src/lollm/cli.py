@@ -42,6 +42,7 @@ from rich.table import Table
 
 from lollm.errors import LollmError
 
+
 class _Command(typer.core.TyperCommand):
     """A command whose help names each argument by its metavar alone (MODEL, TEXT), without typer's ``<str>``."""
 
