@@ -69,12 +69,17 @@ def run_lollm(tmp_path: Path, hub: Path, lollm_cache: Path, *args: str) -> subpr
 
 @pytest.fixture
 def caches(tmp_path):
-    """A hub cache holding a safetensors repo (qwen2) and a GGUF repo; lollm's cache holding a GGUF of an unknown architecture."""
+    """A hub cache holding a safetensors repo (qwen2) and a GGUF repo; lollm's cache holding a GGUF of an unknown
+    architecture and two work folders."""
     hub, own = tmp_path / "hub", tmp_path / "lollm"
     size = write_safetensors_checkpoint(hub_repo(hub, "lollm-test-org/tiny-model"), "qwen2")
     gguf_repo = hub_repo(hub, "lollm-test-org/tiny-GGUF")
     write_tiny_gguf(gguf_repo / "tiny-Q8_0.gguf", "qwen2")
     write_tiny_gguf(own / "made-up" / "made-up.gguf", "nonesuch")
+    # work folders of real_models (a join, a conversion under way) are not models yet
+    write_tiny_gguf(own / "made-up" / "tmpab12" / "half.gguf", "qwen2")
+    (own / "made-up" / "safetensors-x1y2").mkdir()
+    write_safetensors_checkpoint(own / "made-up" / "safetensors-x1y2", "qwen2")
     return hub, own, size
 
 

@@ -28,8 +28,9 @@ from typing import Any, Iterable
 
 from lollm.errors import CheckpointError, LollmError
 
-#: Folders of lollm's cache that hold no model worth listing (the plugin timeouts file, work files).
-SKIP_PARTS = ("tmp", ".locks")
+#: Name prefixes of the work folders in lollm's cache that are never listed: hidden ones, tempfile's
+#: ``tmp…`` (real_models joins the chunk wheels there) and ``safetensors-…`` (a conversion under way).
+SKIP_PREFIXES = (".", "tmp", "safetensors-")
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def _lollm_rows(root: Path, registry: Any) -> Iterable[ModelRow]:
     found = [p for p in root.rglob("*.gguf") if p.is_file()]
     found += [p.parent for p in root.rglob("config.json") if any(p.parent.glob("*.safetensors"))]
     for path in sorted(set(found)):
-        if any(part in SKIP_PARTS for part in path.relative_to(root).parts):
+        rel = path.relative_to(root).parts
+        if any(part.startswith(SKIP_PREFIXES) for part in (rel if path.is_dir() else rel[:-1])):
             continue
         files = [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]
         fmt, quant, family = describe(path, registry)
