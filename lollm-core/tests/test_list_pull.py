@@ -117,6 +117,20 @@ def test_list_with_empty_caches_says_how_to_fetch(tmp_path):
     assert "No model" in done.stdout and "lollm pull" in done.stdout
 
 
+def test_list_reports_an_unreadable_file_and_a_cache_that_is_a_file(tmp_path):
+    own = tmp_path / "lollm"
+    own.mkdir()
+    (own / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00truncated")
+    done = run_lollm(tmp_path, tmp_path / "no-hub", own, "list", "--json")
+    assert done.returncode == 0, done.stderr
+    [row] = json.loads(done.stdout)
+    assert row["name"] == "broken.gguf" and row["quant"].startswith("unreadable: ") and "broken.gguf" in row["quant"]
+    (tmp_path / "hub-file").write_text("not a folder")
+    done = run_lollm(tmp_path, tmp_path / "hub-file", own, "list")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: the Hugging Face cache cannot be read") and "hub-file" in done.stderr
+
+
 # -- pull ------------------------------------------------------------------------------
 
 

@@ -99,7 +99,10 @@ def describe(path: Path, registry: Any) -> tuple[str, str, str]:
 
 
 def _hf_rows(registry: Any) -> Iterable[ModelRow]:
-    """One row per safetensors checkpoint and per ``.gguf`` file in the newest snapshot of each cached model repo."""
+    """One row per safetensors checkpoint and per ``.gguf`` file in the newest snapshot of each cached model repo.
+
+    Raises CheckpointError when the cache path ($HF_HUB_CACHE) is a file; a missing cache lists nothing.
+    """
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
@@ -107,6 +110,8 @@ def _hf_rows(registry: Any) -> Iterable[ModelRow]:
         info = scan_cache_dir()
     except CacheNotFound:
         return
+    except ValueError as exc:  # the cache path is a file
+        raise CheckpointError(f"the Hugging Face cache cannot be read: {exc}") from None
     for repo in sorted(info.repos, key=lambda r: r.repo_id):
         if repo.repo_type != "model" or not repo.revisions:
             continue
