@@ -12,6 +12,8 @@ Commands::
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
     lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
     lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
+    lollm list      [--json]                 the models in the Hugging Face cache and lollm's cache
+    lollm pull      REPO[:QUANT]             download a model through huggingface_hub
 
 Every command that takes a model accepts it either way: ``lollm CMD MODEL``
 or ``lollm CMD -m MODEL`` (see :func:`which_model`).
@@ -1184,6 +1186,46 @@ def serve(
 
 #: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
 SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
+
+
+@app.command("list")
+def list_(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output (size in bytes)."),
+) -> None:
+    """The models on this machine: the Hugging Face cache and lollm's cache ($LOLLM_CACHE), with the family that runs each."""
+    from lollm.models import list_models, rows_json
+    from lollm.testing.real_models import cache_dir
+
+    rows = list_models()
+    if as_json:
+        print(rows_json(rows))
+        return
+    if not rows:
+        out.print(f"No model in the Hugging Face cache or in {escape(str(cache_dir()))}. "
+                  f"Fetch one: lollm pull org/name (or org/name:Q4_K_M for a GGUF repo).")
+        return
+    table = Table(title="Models on this machine (run one: lollm run SPEC --prompt TEXT)")
+    for col, justify in (("model", "left"), ("format", "left"), ("quant", "left"), ("size", "right"),
+                         ("family", "left"), ("cache", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for r in rows:
+        table.add_row(escape(r.spec if r.source == "hf" and r.fmt == "safetensors" else r.name), r.fmt,
+                      escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
+    out.print(table)
+    out.print("A hub repo id runs as shown; a GGUF file by its path (lollm list --json gives each spec in full).", style="dim")
+
+
+@app.command()
+def pull(
+    spec: str = typer.Argument(..., metavar="REPO[:QUANT]", show_default=False,
+                               help="A Hugging Face repo id (org/name), or org/name:QUANT for the one .gguf file of that quant."),
+) -> None:
+    """Download a model into the Hugging Face cache (huggingface_hub's progress bar), then print its path and how to run it."""
+    from lollm.models import pull as fetch
+
+    path = fetch(spec)
+    out.print(f"pulled {escape(spec)} to {escape(str(path))}", soft_wrap=True)
+    out.print(f"run it: lollm run {escape(spec)} --prompt 'Hello'", soft_wrap=True)
 
 
 class _WatchedStdout:
