@@ -71,6 +71,7 @@ def test_page_streams_an_answer_with_its_statistics(loaded, browser):  # noqa: F
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
         assert browser.texts("#model") == [NAME]
+        assert browser.js("return getComputedStyle(document.getElementById('key-box')).display") == "none"  # no key asked
         browser.js("document.getElementById('max_tokens').value = '5'; document.getElementById('temperature').value = '0'")
         _say(browser, "hello")
         assert browser.texts(".msg.error") == []
@@ -108,7 +109,7 @@ def test_page_asks_for_the_api_key(loaded, browser):  # noqa: F811
     server = ModelServer(loaded, name=NAME, context=64, api_key="sesame")
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
-        assert browser.js("return document.getElementById('key-box').hidden") is False
+        assert browser.js("return getComputedStyle(document.getElementById('key-box')).display") != "none"
         assert "API key" in browser.texts("#model")[0]
         browser.driver.find_element("id", "api_key").send_keys("sesame")
         browser.js("document.getElementById('max_tokens').value = '3'")
