@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.trace import record_choice, record_series, record_softcap, recording_internals, tracing
 from lollm.trace.capture import Trace, capture, compare
-from lollm.trace.page import decode_attention, encode_attention, page_data, render, write_page
+from lollm.trace.page import decode_attention, encode_attention, page_data, render, visible, write_page
+from lollm.trace.run import model_label
 
 VENDOR = Path(__import__("lollm.trace", fromlist=["x"]).__file__).parent / "vendor"
 CAP = 5.0
@@ -95,7 +97,7 @@ class NoLens(FakeLM):
         raise AttributeError("this family has no logit_lens")
 
 
-PIECES = {0: "<s>", 1: " the", 2: "\n", 3: "</script><script>window.pwned=1</script>", 4: "é"}
+PIECES = {0: "<s>", 1: " the", 2: "\n", 3: "</script><script>window.pwned=1</script>", 4: "é", 5: "中文"}
 
 
 def pieces(ids):
@@ -241,3 +243,83 @@ def test_the_browser_check_can_fail(fake_trace, tmp_path, browser):
     path.write_text(render(fake_trace).replace("renderTokens();\n", "renderTokens(); undefinedFunction();\n", 1))
     with pytest.raises(AssertionError, match="console errors|never finished"):
         trace_checks.check_page(browser, path, fake_trace)
+
+
+# -- the first view, the model's name, the fonts (issue 24, item 7) ----------------------------
+
+
+def test_the_first_view_needs_no_script(fake_trace, tmp_path, browser):
+    """With every script removed the page still shows its header, every token and the selected one."""
+    html = re.sub(r"<script\b.*?</script>", "", render(fake_trace), flags=re.S)
+    assert "<script" not in html
+    path = tmp_path / "no-script.html"
+    path.write_text(html, encoding="utf-8")
+    browser.open(path, timeout=0.5)  # nothing will say it is ready: no script runs
+    T = len(fake_trace.ids)
+    assert browser.js("return document.body.dataset.ready") is None
+    assert browser.texts(".tok .piece") == [visible(p) for p in pieces(IDS)]
+    assert browser.texts(".tok sub") == [str(i) for i in IDS]
+    assert browser.js("return document.querySelector('.tok.selected').dataset.pos") == str(T - 1)
+    assert browser.texts("#meta")[0].split() == ["model", "fake", "family", "fake", "format", "safetensors", "dtype",
+                                                 "float32", "tokens", str(T), "layers", str(fake_trace.num_layers)]
+    assert browser.texts("#selected")[0].startswith(f"Selected: position {T - 1}, id {IDS[-1]}, ")
+    assert browser.js("return window.pwned === undefined"), "a token's text became a script"
+
+
+def test_the_script_keeps_the_first_view(fake_trace, tmp_path, browser):
+    """Scripts on: the boxes Python wrote are the ones clicked (no second set), and the header is unchanged."""
+    path = tmp_path / "t.html"
+    write_page(fake_trace, path)
+    first = re.search(r'<div id="meta">(.*?)</div>', render(fake_trace), re.S).group(1)
+    browser.open(path)
+    assert len(browser.texts(".tok")) == len(IDS)
+    assert browser.js("return document.getElementById('meta').innerHTML") == first
+    browser.click('.tok[data-pos="2"]')
+    assert browser.js("return Array.from(document.querySelectorAll('.tok.selected'), n => n.dataset.pos)") == ["2"]
+
+
+def test_the_page_names_the_model_by_its_folder_or_file(tmp_path):
+    folder = tmp_path / "Qwen2.5-0.5B-Instruct"
+    folder.mkdir()
+    (tmp_path / "m.Q4_K_M.gguf").write_bytes(b"")
+    assert model_label(folder) == "Qwen2.5-0.5B-Instruct"
+    assert model_label(f"{folder}/") == "Qwen2.5-0.5B-Instruct"
+    assert model_label(tmp_path / "m.Q4_K_M.gguf") == "m.Q4_K_M.gguf"
+    assert model_label("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"  # a Hub repo id, not a path
+
+
+def test_a_chinese_token_is_drawn(fake_trace, tmp_path, browser):
+    """The token "中文" is drawn with real glyphs in the page's own font stack, not as boxes.
+
+    The CJK font comes from Debian's fonts-wqy-zenhei (.ci/run installs it). The
+    check draws the token's text on a canvas with the token's computed font and
+    compares it with a code point that no font has (U+0378, unassigned): a missing
+    glyph draws the same box for both; a CJK font draws two different shapes.
+    """
+    path = tmp_path / "t.html"
+    write_page(fake_trace, path)
+    browser.open(path)
+    stack = browser.js("return getComputedStyle(document.querySelector('.tok .piece')).fontFamily")
+    for family in ("WenQuanYi Zen Hei", "Noto Sans CJK SC", "Noto Color Emoji"):
+        assert family in stack, f"the tokens' font stack lacks {family}: {stack}"
+    fonts = subprocess.run(["fc-list", ":lang=zh", "family"], capture_output=True, text=True, check=True).stdout
+    assert fonts.strip(), "no CJK font here: apt-get install fonts-wqy-zenhei (as .ci/run does)"
+    assert browser.texts('.tok[data-pos="2"] .piece') == ["中文"]
+    drawn = browser.js(_DRAW, '.tok[data-pos="2"] .piece', "中文", "\u0378\u0378")
+    assert drawn["inked"] > 0, "the Chinese token draws nothing"
+    assert drawn["differs"], "the Chinese token draws as missing-glyph boxes"
+
+
+# draw the text of arguments[1] and arguments[2] with the computed font of the element arguments[0]: ink and difference
+_DRAW = """
+const font = getComputedStyle(document.querySelector(arguments[0])).font;
+function pixels(text) {
+  const c = document.createElement("canvas"); c.width = 120; c.height = 40;
+  const g = c.getContext("2d"); g.font = font; g.fillStyle = "#000"; g.textBaseline = "top"; g.fillText(text, 2, 4);
+  return g.getImageData(0, 0, c.width, c.height).data;
+}
+const a = pixels(arguments[1]), b = pixels(arguments[2]);
+let inked = 0, differs = false;
+for (let k = 3; k < a.length; k += 4) { if (a[k] > 0) inked++; if (a[k] !== b[k]) differs = true; }
+return { inked, differs };
+"""

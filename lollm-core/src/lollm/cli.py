@@ -1174,11 +1174,8 @@ def serve(
         _tp_finish()
         return
     split = "" if loaded.tp is None else f", --tp {tp}"
-    err.print(f"lollm serve: {escape(name)} ({family.name} on {loaded.device}{split}, context "
-              f"{server.cache.max_tokens}) at http://{host}:{port}/v1"
-              + (" (API key required)" if api_key else ""), soft_wrap=True)
-    try:
-        run_server(server, host=host, port=port)
+    try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
+        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}")
     finally:
         if loaded.tp is not None and server.stop_followers():
             _tp_finish()

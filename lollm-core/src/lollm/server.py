@@ -11,6 +11,11 @@
     GET  /v1/models             the one model served
     GET  /health                {"status": "ok", ...} and request counters
     GET  /openapi.json          the OpenAPI 3.0 description of the endpoints above
+    GET  /                      a chat page (lollm/static/chat.html) that streams through /v1/chat/completions
+
+Once it listens, :func:`serve` logs a banner (URL, model, family, context, a curl
+line, the chat page) and every generation logs one line (:func:`request_line`:
+endpoint, prompt / cached / generated tokens, time to first token, tok/s, finish).
 
 Requests and answers follow OpenAI's API, so its clients (the ``openai``
 package, editors, agent tools) talk to it unchanged; see docs/serving.md.
@@ -58,12 +63,14 @@ import logging
 import math
 import reprlib
 import secrets
+import shlex
 import threading
 import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
@@ -340,6 +347,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     on_text: Callable[[str], None] | None = None
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
+    endpoint: str = ""  # the path it came in on, for its log line
 
 
 @dataclass
@@ -525,6 +533,7 @@ class ModelServer:
             log.info("client went away: generation cancelled after %d tokens", len(result.new_ids))
         else:
             self.counts["completed"] += 1
+        log.info("%s", request_line(job.endpoint, result))
         return result
 
     def _generate(self, job: Job) -> GenerationResult:
@@ -856,6 +865,34 @@ def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, A
 # -- the answers' shapes (OpenAI's) -------------------------------------------------------------
 
 
+def request_line(endpoint: str, result: GenerationResult) -> str:
+    """One request's log line: endpoint, prompt / cached / generated tokens, time to first token, tok/s, finish.
+
+    Time to first token is the prefill (the uncached part of the prompt's
+    forward plus the first sample), in milliseconds; tok/s counts the tokens
+    after the first over the decode time (``-`` when there were none).
+    """
+    new = len(result.new_ids)
+    speed = f"{(new - 1) / result.decode_seconds:.1f}" if new > 1 and result.decode_seconds > 0 else "-"
+    finish = FINISH_REASON[result.stop_reason] if result.stop_reason != "cancelled" else "cancelled"
+    return (f"{endpoint or '-'}: prompt {len(result.prompt_ids)} tokens (cached {result.reused_tokens}), "
+            f"generated {new}, first token {1000 * result.prefill_seconds:.0f} ms, {speed} tok/s, finish {finish}")
+
+
+def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
+    """The lines ``lollm serve`` prints once it listens: where, what, and a curl line to paste."""
+    shown = f"[{host}]" if ":" in host else host
+    if host in ("0.0.0.0", "::"):
+        shown = "127.0.0.1"
+    root = f"http://{shown}:{port}"
+    body = json.dumps({"model": server.name, "messages": [{"role": "user", "content": "Hello!"}]})
+    key = ' -H "Authorization: Bearer $LOLLM_API_KEY"' if server.api_key else ""  # the key itself is never printed
+    return [f"lollm serve: {server.name} ({family}, context {server.cache.max_tokens}) at {root}/v1"
+            + (" (API key required)" if server.api_key else ""),
+            f"chat page: {root}/",
+            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"]
+
+
 def _base(server: ModelServer, kind: str) -> dict[str, Any]:
     """The fields every answer (and every streamed chunk) of one request shares."""
     if kind == "chat":
@@ -902,6 +939,16 @@ def _completion_answer(server: ModelServer, base: dict[str, Any], job: Job, resu
             "usage": server.usage(result)}
 
 
+#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames).
+CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+
+
+def chat_page_html() -> str:
+    """The chat page served at ``/``: ``lollm/static/chat.html``, one file with its style and script (no network)."""
+    return resources.files("lollm").joinpath("static", "chat.html").read_text(encoding="utf-8")
+
+
 CHUNKS = {"chat": _chat_chunks, "completion": _completion_chunks}
 ANSWERS = {"chat": _chat_answer, "completion": _completion_answer}
 
@@ -912,7 +959,7 @@ def create_app(server: ModelServer):
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import JSONResponse, Response
+    from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
     def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -940,6 +987,7 @@ def create_app(server: ModelServer):
             server.check_auth(request.headers.get("authorization"))
             raw = await read_limited(request, server.max_body_bytes)
             plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
+            plan.job.endpoint = request.url.path
             base = _base(server, kind)
             if plan.streaming:
                 return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
@@ -955,6 +1003,9 @@ def create_app(server: ModelServer):
         return JSONResponse({"object": "list", "data": [
             {"id": server.name, "object": "model", "created": server.created, "owned_by": "lollm"}]})
 
+    async def chat_page(request: Request):  # the page asks for the key itself: no auth here, it holds no data
+        return HTMLResponse(chat_page_html(), headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP})
+
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts)})
 
@@ -969,6 +1020,7 @@ def create_app(server: ModelServer):
         return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
 
     routes = [
+        Route("/", guarded(chat_page), methods=["GET"]),
         Route("/v1/chat/completions", generation("chat"), methods=["POST"]),
         Route("/v1/completions", generation("completion"), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
@@ -978,14 +1030,27 @@ def create_app(server: ModelServer):
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
-def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until Ctrl-C (uvicorn)."""
+def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "") -> None:
+    """Serve until Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line)."""
     try:
         import uvicorn
     except ImportError:
         raise LollmError("lollm serve needs the serve extra: pip install 'lollm-core[serve]' (starlette, uvicorn)") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    runner = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="info"))
+    lines = banner(server, family, host, port)
+    threading.Thread(target=announce, args=(runner, lines), name="lollm-banner", daemon=True).start()
+    runner.run()
+
+
+def announce(runner: Any, lines: list[str]) -> None:
+    """Log ``lines`` (the :func:`banner`) once the uvicorn ``runner`` listens (its ``started`` flag); nothing if it stops first."""
+    while not runner.started:
+        if runner.should_exit:
+            return
+        time.sleep(0.05)
+    for line in lines:
+        log.info("%s", line)
 
 
 def require_serve_extra() -> None:

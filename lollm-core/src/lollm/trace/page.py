@@ -1,5 +1,11 @@
 """A recorded trace as one self-contained HTML page: no server, no network.
 
+Its first view (the header line, the token boxes, the selected token) is
+written into the HTML here (:func:`first_view`), so the page shows it before
+any script runs (a plain headless screenshot, a reader with scripts off);
+trace.js then makes the tokens clickable and draws the lens, attention and the
+family's panels.
+
 The page is ``static/page.html`` with its style (``trace.css``), its script
 (``trace.js``), the vendored charting library (``vendor/``: Chart.js and its
 matrix plugin, see vendor/README.md) and the trace's data inlined, so that it
@@ -37,7 +43,9 @@ import torch
 from lollm.errors import LollmError
 from lollm.trace.capture import Trace
 
-_MARKERS = ("/*@CSS@*/", "/*@VENDOR@*/", "/*@SCRIPT@*/", "@DATA@", "@TITLE@")
+_MARKERS = ("/*@CSS@*/", "/*@VENDOR@*/", "/*@SCRIPT@*/", "@DATA@", "@TITLE@", "@META@", "@TOKENS@", "@SELECTED@")
+#: how a token's whitespace is shown (as trace.js shows it in its tables): a space, a line break, a tab, a return
+_VISIBLE = str.maketrans({" ": "·", "\n": "↵", "\t": "⇥", "\r": "␍"})
 VENDOR_FILES = ("chart.umd.min.js", "chartjs-chart-matrix.min.js")
 
 
@@ -121,6 +129,37 @@ def page_data(trace: Trace) -> dict[str, Any]:
     return data
 
 
+def visible(piece: str) -> str:
+    """A token's text with its whitespace made visible (``∅`` for an empty one), as the page shows it."""
+    return piece.translate(_VISIBLE) or "∅"
+
+
+def _js(value: Any) -> str:
+    """``value`` as JavaScript's ``JSON.stringify`` writes it (the page's own script uses the same form)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def first_view(trace: Trace) -> dict[str, str]:
+    """The HTML of what the page shows before any script runs: the header line, the token boxes
+    (the last one selected) and the line about the selected token. Every text is escaped here.
+    """
+    meta = trace.meta or {}
+    bits = [("model", meta.get("model")), ("family", meta.get("family")), ("format", meta.get("format")),
+            ("dtype", meta.get("dtype")), ("tokens", str(len(trace.ids))), ("layers", str(trace.num_layers))]
+    header = "   ".join(f"{k} <b>{html.escape(str(v))}</b>" for k, v in bits if v)
+    last = len(trace.ids) - 1
+    boxes = []
+    for i, (token, piece) in enumerate(zip(trace.ids, trace.pieces)):
+        title = html.escape(f"position {i} · id {token} · {_js(piece)}")
+        boxes.append(f'<span class="tok{" selected" if i == last else ""}" data-pos="{i}" title="{title}">'
+                     f'<span class="piece">{html.escape(visible(piece))}</span><sub>{token}</sub></span>')
+    selected = ""
+    if last >= 0:
+        selected = html.escape(f"Selected: position {last}, id {trace.ids[last]}, {_js(trace.pieces[last])}; "
+                               "the last token of the prompt.")
+    return {"@META@": header, "@TOKENS@": "".join(boxes), "@SELECTED@": selected}
+
+
 def render(trace: Trace) -> str:
     """The whole page as a string."""
     data = json.dumps(page_data(trace), ensure_ascii=True, separators=(",", ":"), allow_nan=False)
@@ -133,7 +172,7 @@ def render(trace: Trace) -> str:
             raise LollmError(f"lollm trace: the page template must hold {marker} exactly once")
     vendor = "\n".join(_vendor(name) for name in VENDOR_FILES)
     parts = {"/*@CSS@*/": _static("trace.css"), "/*@VENDOR@*/": vendor, "/*@SCRIPT@*/": _static("trace.js"),
-             "@DATA@": data, "@TITLE@": title}
+             "@DATA@": data, "@TITLE@": title, **first_view(trace)}
     # one pass, in the order the markers sit, so no inserted text is searched again
     out, rest = [], page
     for marker in sorted(parts, key=page.index):

@@ -26,6 +26,15 @@ from lollm.trace.page import check_output, write_page
 MAX_TOKENS = 256
 
 
+def model_label(spec: str | Path) -> str:
+    """How the page names the model: a local checkpoint by its folder or file name (never its absolute
+    path, which says where the user keeps files, not what ran), anything else (a Hub repo id) as given."""
+    text = str(spec)
+    if Path(text).expanduser().exists():
+        return Path(text.rstrip("/\\")).expanduser().name or text
+    return text
+
+
 @dataclass
 class TraceResult:
     trace: Trace
@@ -85,7 +94,7 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
     trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
     trace.meta = {
-        "model": str(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
+        "model": model_label(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
         "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),
         "lollm_version": lollm.__version__,
         "prompt_note": "prompt wrapped in the chat template" if templated else "prompt used as raw text",

@@ -74,20 +74,14 @@
 
   // ---------------------------------------------------------------- header and tokens
   function renderMeta() {
-    const m = D.meta || {};
-    const bits = [["model", m.model], ["family", m.family], ["format", m.format], ["dtype", m.dtype],
-      ["tokens", String(T)], ["layers", String(D.num_layers)]];
-    $("meta").replaceChildren(...bits.filter(([, v]) => v).flatMap(([k, v]) => [k + " ", el("b", { text: v }), "   "]));
+    const m = D.meta || {};  // the header line (#meta) is in the page already: page.py writes it
     $("footer").textContent = `Made by lollm ${m.lollm_version || ""} · charts: Chart.js ${Chart.version} with chartjs-chart-matrix (MIT)` +
       (m.prompt_note ? " · " + m.prompt_note : "");
   }
+  // the token boxes are in the page already (page.py writes them, so the first view needs no script): add the clicks
   function renderTokens() {
-    const box = $("tokens");
-    D.tokens.forEach((t, i) => {
-      const node = el("span", { class: "tok", "data-pos": String(i), title: `position ${i} · id ${t.id} · ${JSON.stringify(t.piece)}` },
-        el("span", { class: "piece", text: visible(t.piece) }), el("sub", { text: String(t.id) }));
-      node.addEventListener("click", () => select(i));
-      box.append(node);
+    document.querySelectorAll("#tokens .tok").forEach((node) => {
+      node.addEventListener("click", () => select(Number(node.dataset.pos)));
     });
   }
 
