@@ -230,6 +230,9 @@ def _rank_main(rank: int, world: int, store: str, ids: torch.Tensor, out: str) -
         logits = model(ids)
     if rank == 0:
         torch.save(logits, out)
+    # both ranks leave together: a rank that tears down gloo while its peer is still inside a collective
+    # can make both abort at exit ("terminate called without an active exception", seen once in CI)
+    dist.barrier()
     dist.destroy_process_group()
 
 
