@@ -110,6 +110,19 @@ def test_a_ctx_size_below_two_is_refused_before_torch(toy_site, ckpt, command, s
     one_error_line(done, "--ctx-size must be at least 2 positions", f"got {size}")
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_outside_tcp_is_refused_before_the_model_loads(toy_site, ckpt, port):
+    """Seen by a new user: --port 99999 loaded the model, then ended in uvicorn's 99-line traceback."""
+    done = probe("serve", ckpt, "--port", port, site=toy_site)
+    one_error_line(done, "--port must be a TCP port from 0 to 65535", f"got {port}")
+
+
+def test_inspect_of_a_missing_file_says_so(toy_site, tmp_path):
+    """A missing ``nope.gguf`` is "no such file", not "not a .gguf file" (its name ends in .gguf)."""
+    done = probe("inspect", tmp_path / "nope.gguf", site=toy_site)
+    one_error_line(done, "nope.gguf: no such file or folder", torch=True)
+
+
 # -- class 3: special files and bounded inputs ---------------------------------------------------------
 
 

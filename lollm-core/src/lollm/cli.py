@@ -1138,6 +1138,8 @@ def serve(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                      sampling=user)
+    if not 0 <= port <= 65535:  # before the model loads, not a traceback from the socket after it
+        raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
     if tp != 1:  # --tp N: torchrun's environment, before anything loads
         from lollm.tensor_parallel import check_launch
 
@@ -1206,10 +1208,10 @@ def list_(
                          ("family", "left"), ("cache", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
-        table.add_row(escape(r.spec if r.source == "hf" and r.fmt == "safetensors" else r.name), r.fmt,
-                      escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
+        # the spec itself (a repo id, or the full path of a file or folder): what is shown is what runs
+        table.add_row(escape(r.spec), r.fmt, escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
     out.print(table)
-    out.print("A hub repo id runs as shown; a GGUF file by its path (lollm list --json gives each spec in full).", style="dim")
+    out.print("Each model runs as shown: lollm run MODEL --prompt TEXT (lollm list --json for scripts).", style="dim")
 
 
 @app.command()

@@ -165,4 +165,6 @@ def inspect_checkpoint(spec: str) -> Inventory:
         path = path.parent
     if path.is_dir():
         return _inspect_folder(path)
+    if not path.exists():
+        raise CheckpointError(f"{spec}: no such file or folder")
     raise CheckpointError(f"{spec}: not a .gguf file or a checkpoint folder")
