@@ -1208,10 +1208,11 @@ def list_(
                          ("family", "left"), ("cache", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
-        # the spec itself (a repo id, or the full path of a file or folder): what is shown is what runs
-        table.add_row(escape(r.spec), r.fmt, escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
+        table.add_row(escape(r.spec if r.source == "hf" and r.fmt == "safetensors" else r.name), r.fmt,
+                      escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
     out.print(table)
-    out.print("Each model runs as shown: lollm run MODEL --prompt TEXT (lollm list --json for scripts).", style="dim")
+    out.print("A hub repo id runs as shown; a file of lollm's cache runs by its full path, its spec in "
+              "lollm list --json.", style="dim")
 
 
 @app.command()
