@@ -328,7 +328,6 @@ def _check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devi
     _check_threads(threads)
     if mtp and draft_tokens < 1:
         raise LollmError(f"--draft-tokens must be >= 1, got {draft_tokens}")
-    _check_ctx_size(_flag_value("ctx_size"))
 
 
 #: ``--threads`` is refused above this many threads per core the process may run on.
@@ -371,21 +370,6 @@ def _check_ctx_size(ctx_size: Optional[int]) -> None:
     if ctx_size is not None and ctx_size < 2:
         raise LollmError(f"--ctx-size must be at least 2 positions (a prompt token and one generated), got {ctx_size}; "
                          f"leave it out for the default (4096, at most the model's context)")
-
-
-def _flag_value(name: str) -> Any:
-    """The value of the running command's parameter ``name`` (None when it has none, or outside a command).
-
-    Read from click's context, so a check reaches every command that declares the
-    flag (``--ctx-size`` of ``chat`` and ``serve``) through the one call they share.
-    """
-    try:
-        from typer._click.globals import get_current_context  # typer >= 0.2x runs on its own copy of click
-    except ImportError:
-        from click import get_current_context
-
-    context = get_current_context(silent=True)
-    return None if context is None else context.params.get(name)
 
 
 def _check_attn(attn: Optional[str]) -> None:
@@ -1080,6 +1064,7 @@ def chat(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
                      draft_tokens=draft_tokens, sampling=user)
+    _check_ctx_size(ctx_size)
     _check_family(family_name)
     _check_model_exists(model)
 
@@ -1138,6 +1123,7 @@ def serve(
     user = _sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     _check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                      sampling=user)
+    _check_ctx_size(ctx_size)
     if not 0 <= port <= 65535:  # before the model loads, not a traceback from the socket after it
         raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
     if tp != 1:  # --tp N: torchrun's environment, before anything loads
