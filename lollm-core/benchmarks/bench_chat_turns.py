@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from lollm.options import LoadOptions
 
 USER_TURNS = [
     "Write a Python function that checks whether a number is prime.",
@@ -55,7 +56,7 @@ def main() -> None:
         from lollm.testing.real_models import derive_safetensors
 
         args.model = str(derive_safetensors("qwen2.5-coder-0.5b-instruct"))
-    loaded = open_model(args.model, device="cpu", dtype="float32")
+    loaded = open_model(args.model, LoadOptions(device="cpu", dtype="float32"))
     tok, model = loaded.tokenizer, loaded.model
     stops = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, tok)
     greedy = SamplingParams(temperature=0.0)  # no repetition penalty: the same work in both runs

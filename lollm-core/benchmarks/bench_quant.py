@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from lollm.options import LoadOptions
 from lollm.bench import LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids, reset_peak, rss_bytes
 from lollm.testing.real_models import fetch_gguf
 
@@ -94,7 +95,7 @@ def accuracy(path: str) -> None:
     greedy = SamplingParams(temperature=0.0)
     texts, logits = {}, {}
     for weights in ("float", "quantized"):
-        loaded = open_model(path, device="cpu", dtype="float32", weights=weights)
+        loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights=weights))
         ids = loaded.tokenizer.encode(EVAL_TEXT)
         logits[weights] = logits_of(loaded.model, ids)
         prompt = loaded.tokenizer.encode(GREEDY_PROMPT)

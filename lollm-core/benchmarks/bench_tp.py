@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from lollm.options import LoadOptions
 
 SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
          "intermediate_size": 512, "vocab_size": 8192}
@@ -76,7 +77,7 @@ def worker(folder: str, nproc: int, steps: int, out: str) -> None:
     from lollm.tensor_parallel import shutdown
 
     torch.manual_seed(0)
-    loaded = open_model(folder, device="cpu", dtype="float32", tp=nproc)
+    loaded = open_model(folder, LoadOptions(device="cpu", dtype="float32", tp=nproc))
     model, group = loaded.model, loaded.tp
     prompt = torch.randint(0, 8192, (1, 32))
     with torch.inference_mode():

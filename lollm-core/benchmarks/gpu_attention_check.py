@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from lollm.options import LoadOptions
 
 REPO = Path(__file__).resolve().parents[2]
 for tests in ("lollm-qwen/tests", "lollm-gemma/tests", "lollm-qwen3_5/tests"):
@@ -140,7 +141,7 @@ def parity_rows(name: str, folder: Path, kind: str, device: str, dtype: str, ids
         row = dict(step="parity", model=name, kind=kind, dtype=dtype, attn=attn)
         try:
             start = time.perf_counter()
-            report = run_parity(str(folder), ids=ids, dtype=dtype, device=device, attn=attn)
+            report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype=dtype, device=device, attn=attn))
             row.update(gate="PASS" if report.passed else "FAIL", argmax=f"{report.argmax_matches}/{report.num_tokens}",
                        min_cosine=report.min_cosine, max_abs_diff=report.max_abs_diff,
                        seconds=time.perf_counter() - start)
@@ -167,7 +168,7 @@ def ours_against_ours(name: str, folder: Path, kind: str, device: str, dtype: st
 
     row = dict(step="triton vs sdpa", model=name, kind=kind, dtype=dtype, attn="triton")
     try:
-        loaded = open_model(str(folder), device=device, dtype=dtype)
+        loaded = open_model(str(folder), LoadOptions(device=device, dtype=dtype))
         model = loaded.model
         if ids is None:
             ids = random_ids(folder, 60)
@@ -190,7 +191,7 @@ def ours_against_ours(name: str, folder: Path, kind: str, device: str, dtype: st
         if dtype == "float32" and kind == "tiny":  # the tests' gate; bf16 and real shapes are figures
             # How far each backend is from the same model run in float64 (on the CPU): where float32 itself
             # is noisier than the bound (gemma4's 512-wide heads at scale 1), triton must be no worse than sdpa.
-            exact = open_model(str(folder), device="cpu", dtype="float32").model.double()
+            exact = open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model.double()
             with torch.inference_mode(), use_backend("sdpa"):
                 exact = exact(x.cpu())[0]
             for attn in BACKENDS:
@@ -215,7 +216,7 @@ def bench_rows(name: str, folder: Path, kind: str, device: str, dtype: str, prom
 
     rows = []
     try:
-        model = open_model(str(folder), device=device, dtype=dtype).model
+        model = open_model(str(folder), LoadOptions(device=device, dtype=dtype)).model
     except Exception as exc:
         return [dict(step="bench", model=name, kind=kind, dtype=dtype, passed=False, error=f"{type(exc).__name__}: {exc}")]
     greedy = SamplingParams(temperature=0.0)

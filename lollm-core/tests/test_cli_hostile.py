@@ -33,6 +33,7 @@ import pytest
 
 from _core_helpers import child_env
 from test_cli_run import PROBE, ckpt, invoke, lollm, ok, toy_site  # noqa: F401  (fixtures)
+from lollm.options import LoadOptions
 
 STATS = re.compile(r"^\[\d+ tokens · prompt \d+: \d+ reused", re.M)
 
@@ -284,7 +285,7 @@ def test_the_capture_estimate_reads_the_model(toy_visible, ckpt):
     from lollm.pipeline import open_model
     from lollm.trace.capture import capture_shape
 
-    model = open_model(str(ckpt), device="cpu", dtype="float32").model
+    model = open_model(str(ckpt), LoadOptions(device="cpu", dtype="float32")).model
     shape = capture_shape(model)
     # the toy: 2 layers of 4 heads, hidden 32, vocabulary 320; embeddings + 2 states
     assert (shape.heads, shape.max_heads, shape.states, shape.width, shape.vocab) == (8, 4, 3, 32, 320)
@@ -346,7 +347,7 @@ def test_a_chat_session_takes_no_silent_default_context(toy_visible, ckpt):
     from lollm.pipeline import open_model
     from lollm.sampling_params import SamplingParams
 
-    loaded = open_model(str(ckpt), device="cpu", dtype="float32")
+    loaded = open_model(str(ckpt), LoadOptions(device="cpu", dtype="float32"))
     with pytest.raises(GenerationError, match="at least 2 positions, got 0"):
         ChatSession(loaded, sampling=SamplingParams(temperature=0.0), stop_ids=set(), context=0)
 

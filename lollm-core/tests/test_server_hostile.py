@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lollm.plugins as plugins
+from lollm.options import LoadOptions
 from lollm.sampling import Sampler, SamplingParams, top_p_filter
 from lollm.server import MAX_JSON_DEPTH, ModelServer, body_limit, create_app
 from lollm.testing import serving
@@ -52,7 +53,7 @@ def loaded(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(site))
         patch.setattr(plugins, "_REGISTRY", None)
-        model = open_model(str(folder), device="cpu", dtype="float32")
+        model = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
         assert model.tokenizer.chat_template is not None
     return model
 

@@ -27,6 +27,7 @@ import json
 import subprocess
 import sys
 import time
+from lollm.options import LoadOptions
 
 TEXT = (
     "In the beginning of computing, programs were written as sequences of numbers that a machine would read "
@@ -57,7 +58,7 @@ def worker(engine: str, folder: str, ids: list[int], new_tokens: int, threads: i
             from lollm.pipeline import open_model
             from lollm.sampling import SamplingParams
 
-            model = open_model(folder, device="cpu", dtype="float32").model
+            model = open_model(folder, LoadOptions(device="cpu", dtype="float32")).model
             greedy = SamplingParams(temperature=0.0)
             generate(model, ids[:16], max_new_tokens=4, sampling=greedy)  # warm-up
             result = generate(model, ids, max_new_tokens=new_tokens, sampling=greedy)

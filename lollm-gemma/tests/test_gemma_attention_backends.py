@@ -13,6 +13,7 @@ from _gemma_testing import WINDOW, load_ours, prompt_ids
 from lollm import attention
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
+from lollm.options import LoadOptions
 
 FAMILIES = ["gemma2", "gemma3-270m", "gemma4-e2b-text"]  # soft-cap; sliding/global; 512-wide heads + shared KV
 
@@ -36,7 +37,7 @@ def test_parity_gate_with_eager_attention(tiny, name, eager_calls):
 
     folder = tiny(name, "transformers5")
     ids = prompt_ids(4 * WINDOW + 3)
-    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu", attn="eager")
+    report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype="float32", device="cpu", attn="eager"))
     assert report.attn == "eager" and report.passed, report.min_cosine
     assert report.argmax_matches == report.num_tokens
     assert eager_calls and set(eager_calls) == {len(ids)}  # every layer attended through eager

@@ -34,6 +34,7 @@ from _gemma_testing import (
     write_gemma4_gguf,
 )
 
+from lollm.options import LoadOptions
 from lollm.errors import ConfigError
 
 RUN_PROMPT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to 753 BC. Write a short summary:"
@@ -282,7 +283,7 @@ def test_gemma4_gguf_unknown_key_refused_through_open_model(tiny, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ConfigError, match=r"unverified GGUF key 'gemma4\.attention\.new_thing'"):
-        open_model(str(bad), device="cpu", dtype="float32")
+        open_model(str(bad), LoadOptions(device="cpu", dtype="float32"))
 
 
 @pytest.mark.parametrize("name", ["gemma4-e2b-text", "gemma4-k-eq-v"])

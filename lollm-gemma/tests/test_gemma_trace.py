@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from _gemma_testing import write_gemma2_gguf
+from lollm.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.testing.tiny import write_tiny_tokenizer
@@ -48,7 +49,7 @@ def browser():
 def _open(folder: Path):
     from lollm.pipeline import open_model
 
-    loaded = open_model(str(folder), device="cpu", dtype="float32")
+    loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     return loaded, loaded.tokenizer.encode(PROMPT)
 
 

@@ -12,6 +12,7 @@ from _gemma_testing import load_ours
 from safetensors.torch import load_file, save_file
 
 from lollm.errors import ConfigError, WeightsError
+from lollm.testing.loading import load_with
 
 
 def _edited_copy(src: Path, dst: Path, *, drop: str | None = None, add: dict[str, torch.Tensor] | None = None,
@@ -92,7 +93,7 @@ def test_gemma4_gguf_checks_the_architecture():
             return []
 
     with pytest.raises(ConfigError, match=r"gemma4: GGUF general.architecture is 'gemma3', expected 'gemma4'"):
-        load({"general.architecture": "gemma3"}, NoTensors(), "gguf", "cpu", torch.float32)
+        load_with(load, {"general.architecture": "gemma3"}, NoTensors(), "gguf")
 
 
 def test_tied_output_head(tiny):

@@ -4,6 +4,7 @@ packed (accuracy against our float32 path, memory)."""
 from __future__ import annotations
 
 import pytest
+from lollm.options import LoadOptions
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3-270m", "gemma4-e2b-text"])
@@ -27,12 +28,12 @@ def test_real_gguf_quantized_agrees_with_float32():
     from lollm.testing.real_models import fetch_gguf
 
     path = str(fetch_gguf("gemma-3-270m"))
-    floats = open_model(path, device="cpu", weights="float")
+    floats = open_model(path, LoadOptions(device="cpu", weights="float"))
     ids = floats.tokenizer.encode(EVAL_TEXT)[:256]
     reference = logits_of(floats.model, ids)
     del floats
     gc.collect()
-    packed = open_model(path, device="cpu", weights="auto")
+    packed = open_model(path, LoadOptions(device="cpu", weights="auto"))
     model, summary = packed.model, packed.model.weights_summary
     agreement = compare(reference, logits_of(model, ids), ids)
     print(summary.line(), f"top-1 {agreement.top1_rate:.3f}, perplexity ratio {agreement.perplexity_ratio:.4f}")

@@ -17,6 +17,7 @@ import gc
 import pytest
 import torch
 from _gemma_testing import assert_close_logits, long_text
+from lollm.options import LoadOptions
 
 SHORT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to 753 BC. Write a short summary:"
 NEW_TOKENS = 64
@@ -46,7 +47,7 @@ def runs(gemma3_dir):
     tok = AutoTokenizer.from_pretrained(str(gemma3_dir))
     prompts = {"short": tok(SHORT)["input_ids"], "long": tok(_long_text())["input_ids"]}
 
-    loaded = open_model(str(gemma3_dir), device="cpu", dtype="float32")
+    loaded = open_model(str(gemma3_dir), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.family.family.name == "gemma3"
     ours: dict = {}
     with torch.inference_mode():

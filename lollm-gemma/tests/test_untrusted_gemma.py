@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from lollm.errors import ConfigError, WeightsError
 from lollm.generate import GenerationResult
 from lollm.testing.fuzz import check_clean, fuzz_settings, load_and_generate, mutated
+from lollm.testing.loading import load_with
 
 from _gemma_testing import TINY, write_gemma2_gguf, write_gemma4_gguf
 from test_gemma_gguf import _gemma3_metadata
@@ -75,7 +76,7 @@ def load_mutated(sources, family: str, fmt: str, change, weights=None):
     raw, tensors = sources[family, fmt]
     raw = copy.deepcopy(raw)
     change(raw)
-    return family_load(family)(raw, weights or tensors, "gguf" if fmt == "gguf" else "safetensors", "cpu", torch.float32)
+    return load_with(family_load(family), raw, weights or tensors, "gguf" if fmt == "gguf" else "safetensors")
 
 
 def decoder(raw: dict) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import torch
+from lollm.testing.loading import load_with
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,7 @@ def load_ours(folder: Path, family: str):
     from lollm.loader import load_checkpoint
 
     ckpt = load_checkpoint(folder)
-    return family_load(family)(ckpt.config, ckpt.weights, ckpt.fmt, "cpu", torch.float32, False)
+    return load_with(family_load(family), ckpt.config, ckpt.weights, ckpt.fmt)
 
 
 def load_reference(folder: Path):

@@ -12,6 +12,7 @@ from _qwen_tiny import family, load_ours, prompt, tiny_checkpoint, torch  # noqa
 from lollm import attention
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
+from lollm.options import LoadOptions
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def test_parity_gate_with_eager_attention(tiny_checkpoint, family, eager_calls):
 
     folder = tiny_checkpoint(family, "hub")
     ids = prompt(512)[0].tolist()
-    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu", attn="eager")
+    report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype="float32", device="cpu", attn="eager"))
     assert report.attn == "eager" and report.passed, report.min_cosine
     assert report.argmax_matches == report.num_tokens
     assert eager_calls and set(eager_calls) == {len(ids)}  # every layer attended through eager

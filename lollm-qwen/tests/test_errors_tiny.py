@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from lollm.errors import ConfigError, WeightsError
+from lollm.testing.loading import load_with
 from safetensors.torch import load_file, save_file
 
 from _qwen_tiny import family, family_load, load_ours, tiny_checkpoint, torch  # noqa: F401
@@ -143,4 +144,4 @@ def test_gguf_format_needs_gguf_metadata(folder, family):
 
     ckpt = load_checkpoint(folder)
     with pytest.raises(ConfigError, match="general.architecture"):
-        family_load(family)(ckpt.config, ckpt.weights, "gguf", "cpu", torch.float32, False)
+        load_with(family_load(family), ckpt.config, ckpt.weights, "gguf")

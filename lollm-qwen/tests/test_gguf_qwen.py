@@ -32,7 +32,9 @@ import torch
 
 from _qwen_tiny import real_config
 
+from lollm.options import LoadOptions
 from lollm.errors import ConfigError, WeightsError
+from lollm.testing.loading import load_with
 
 PROMPT_RAW = "def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
 PROMPT_CHAT = "Write a Python function that parses a CSV file and returns the rows as dictionaries. Explain each step."
@@ -142,7 +144,7 @@ def test_tiny_gguf_parity_against_transformers(tiny_gguf, family, tied):
 def test_tiny_gguf_model_shapes(tiny_gguf):
     from lollm.pipeline import open_model
 
-    loaded = open_model(str(tiny_gguf("qwen3", True)), device="cpu", dtype="float32")
+    loaded = open_model(str(tiny_gguf("qwen3", True)), LoadOptions(device="cpu", dtype="float32"))
     cfg = loaded.model.config
     assert (cfg.head_dim, cfg.num_attention_heads, cfg.hidden_size, cfg.vocab_size) == (128, 4, 64, 512)
     assert cfg.tie_word_embeddings and loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
@@ -152,7 +154,7 @@ def test_tiny_gguf_model_shapes(tiny_gguf):
 def test_tiny_gguf_loads_in_bfloat16(tiny_gguf):
     from lollm.pipeline import open_model
 
-    loaded = open_model(str(tiny_gguf("qwen2", False)), device="cpu", dtype="bfloat16")
+    loaded = open_model(str(tiny_gguf("qwen2", False)), LoadOptions(device="cpu", dtype="bfloat16"))
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
 
 
@@ -255,7 +257,7 @@ def test_unknown_tensor_is_named(tiny_gguf, tmp_path):
             return torch.ones(16) if name == "rope_freqs.weight" else src.read(name)
 
     with pytest.raises(WeightsError, match=r"rope_freqs\.weight"):
-        load(src.metadata, WithExtra(), "gguf", "cpu", torch.float32)
+        load_with(load, src.metadata, WithExtra(), "gguf")
 
 
 def test_wrong_architecture_is_refused(tiny_gguf):
@@ -315,7 +317,7 @@ def real_greedy_pairs(real_gguf):
     from lollm.pipeline import open_model
     from lollm.sampling import SamplingParams
 
-    loaded = open_model(str(real_gguf), device="cpu", dtype="float32")
+    loaded = open_model(str(real_gguf), LoadOptions(device="cpu", dtype="float32"))
     tok = loaded.tokenizer
     prompts = {
         "raw": tok.encode(PROMPT_RAW),
@@ -345,10 +347,10 @@ MEMORY_SCRIPT = textwrap.dedent("""
     def hwm():
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
     import torch
-    import lollm.pipeline, lollm.gguf, lollm.weights
+    import lollm.pipeline, lollm.gguf, lollm.weights, lollm.options
     import lollm_qwen.qwen2.weights, lollm_qwen.qwen2.modeling_qwen2
     before = hwm()
-    loaded = lollm.pipeline.open_model(sys.argv[1], device="cpu", dtype="float32")
+    loaded = lollm.pipeline.open_model(sys.argv[1], lollm.options.LoadOptions(device="cpu", dtype="float32"))
     after = hwm()
     params = {id(p): p.numel() * p.element_size() for p in loaded.model.parameters()}
     print(json.dumps({"before": before, "after": after, "model_bytes": sum(params.values())}))

@@ -13,6 +13,8 @@ import json
 import pytest
 from safetensors import safe_open
 
+from lollm.options import LoadOptions
+
 from _qwen_tiny import (  # noqa: F401  (family and tiny_checkpoint are fixtures)
     assert_logits_close,
     family,
@@ -147,7 +149,7 @@ def test_parity_gate_passes_on_random_checkpoints(tiny_checkpoint, family, schem
 
     folder = tiny_checkpoint(family, schema)
     ids = prompt(512)[0].tolist()  # tiny checkpoints have no tokenizer: the gate takes ids directly
-    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu")
+    report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype="float32", device="cpu"))
     assert report.family == family and report.num_tokens == len(ids) >= 30
     assert report.argmax_matches == report.num_tokens
     assert report.min_cosine >= 0.99999 and report.passed

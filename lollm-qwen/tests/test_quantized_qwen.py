@@ -10,6 +10,7 @@ import torch
 
 from _qwen_tiny import family, tiny_checkpoint  # noqa: F401  (fixtures)
 from test_gguf_qwen import tiny_gguf  # noqa: F401  (fixture)
+from lollm.options import LoadOptions
 from lollm.errors import LollmError
 
 
@@ -68,12 +69,12 @@ def test_real_gguf_quantized_agrees_with_float32():
     from lollm.testing.real_models import fetch_gguf
 
     path = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
-    floats = open_model(path, device="cpu", weights="float")
+    floats = open_model(path, LoadOptions(device="cpu", weights="float"))
     ids = floats.tokenizer.encode(EVAL_TEXT)[:256]
     reference = logits_of(floats.model, ids)
     del floats
     gc.collect()
-    packed = open_model(path, device="cpu", weights="auto")  # GGUF: packed (the CLI's default)
+    packed = open_model(path, LoadOptions(device="cpu", weights="auto"))  # GGUF: packed (the CLI's default)
     summary = packed.model.weights_summary
     agreement = compare(reference, logits_of(packed.model, ids), ids)
     print(summary.line(), f"top-1 {agreement.top1_rate:.3f}, perplexity ratio {agreement.perplexity_ratio:.4f}")
@@ -88,7 +89,7 @@ def test_parity_with_quantized_weights_uses_the_looser_gate(tiny_checkpoint):
     from lollm.parity import QUANTIZED_MIN_COSINE, QUANTIZED_MIN_TOP1, run_parity
 
     folder = tiny_checkpoint("qwen2", hidden_size=128, intermediate_size=256)
-    report = run_parity(str(folder), ids=list(range(3, 40)), quantize="int8")
+    report = run_parity(str(folder), ids=list(range(3, 40)), options=LoadOptions(quantize="int8"))
     assert report.weights == "int8"
     assert report.min_top1_required == QUANTIZED_MIN_TOP1 and report.min_cosine_required == QUANTIZED_MIN_COSINE
     assert report.to_json()["weights"] == "int8"
@@ -105,12 +106,12 @@ def test_tiny_gguf_runs_packed_and_passes_the_quantized_gate(tiny_gguf, family, 
     from lollm.quantized import Int8Embedding, Int8Linear
 
     path = str(tiny_gguf(family, tied))
-    model = open_model(path, device="cpu", weights="quantized").model
+    model = open_model(path, LoadOptions(device="cpu", weights="quantized")).model
     summary = model.weights_summary
     assert isinstance(model.model.layers[0].mlp.up_proj, Int8Linear)  # Q8_0 ffn_up
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # F16 attn_q stays float
     if tied:  # the Q8_0 embedding and the head share one int8 matrix in groups of 32
         assert isinstance(model.model.embed_tokens, Int8Embedding) and model.model.embed_tokens.codes is model.lm_head.codes
     assert summary.counts[("F16", "float32")] > 0 and summary.packed > 0
-    report = run_parity(path, weights="quantized")
+    report = run_parity(path, options=LoadOptions(weights="quantized"))
     assert report.weights == "gguf" and report.passed, report.to_json()

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from lollm.options import LoadOptions
 
 PROMPT_RAW = "def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
 PROMPT_CHAT = "Write a Python function that parses a CSV file and returns the rows as dictionaries. Explain each step."
@@ -64,7 +65,7 @@ def greedy_pairs(qwen25_dir):
     from lollm.pipeline import open_model
     from lollm.sampling import SamplingParams
 
-    loaded = open_model(str(qwen25_dir), device="cpu", dtype="float32")
+    loaded = open_model(str(qwen25_dir), LoadOptions(device="cpu", dtype="float32"))
     tok = loaded.tokenizer
     prompts = {
         "raw": tok.encode(PROMPT_RAW),

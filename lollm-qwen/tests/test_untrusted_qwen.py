@@ -29,6 +29,7 @@ from lollm.errors import ConfigError, GenerationError, WeightsError
 from lollm.generate import GenerationResult, generate
 from lollm.sampling import SamplingParams
 from lollm.testing.fuzz import check_clean, fuzz_settings, load_and_generate, mutated
+from lollm.testing.loading import load_with
 
 from _qwen_tiny import FAMILIES, family_load, real_config
 from test_gguf_qwen import hf_folder_to_gguf
@@ -83,7 +84,7 @@ def load_mutated(sources, family: str, fmt: str, change, weights=None):
     raw, tensors = sources[family][fmt]
     raw = copy.deepcopy(raw)
     change(raw)
-    return family_load(family)(raw, weights or tensors, "gguf" if fmt == "gguf" else "safetensors", "cpu", torch.float32)
+    return load_with(family_load(family), raw, weights or tensors, "gguf" if fmt == "gguf" else "safetensors")
 
 
 def put(key, value):

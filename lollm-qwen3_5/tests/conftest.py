@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qwen3_5_tiny as tiny  # noqa: E402
+from lollm.options import LoadOptions
 
 # --attn triton in these tests runs Triton's kernels in its CPU interpreter. Triton reads the
 # variable when a kernel is defined (when lollm.kernels is imported), so it is set here, first.
@@ -46,7 +47,7 @@ def load_ours():
     from lollm.pipeline import open_model
 
     def load(folder: Path):
-        return open_model(str(folder), device="cpu", dtype="float32").model
+        return open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model
 
     return load
 

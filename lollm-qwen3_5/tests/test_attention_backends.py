@@ -13,6 +13,7 @@ import qwen3_5_tiny as tiny
 from lollm import attention
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
+from lollm.options import LoadOptions
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 
@@ -36,7 +37,7 @@ def test_parity_gate_with_eager_attention(family, tiny_checkpoint, eager_calls):
 
     folder = tiny_checkpoint(family, "text")
     ids = tiny.random_ids(70, tiny.TINY_TEXT["vocab_size"], seed=5)
-    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu", attn="eager")
+    report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype="float32", device="cpu", attn="eager"))
     assert report.attn == "eager" and report.passed, report.min_cosine
     assert report.argmax_matches == report.num_tokens
     assert eager_calls and set(eager_calls) == {len(ids)}  # every attention layer went through eager

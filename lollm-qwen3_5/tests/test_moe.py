@@ -16,6 +16,7 @@ from lollm.loader import load_checkpoint
 from lollm_qwen3_5.qwen3_5_moe.blocks import Qwen3_5MoeRouter
 from lollm_qwen3_5.qwen3_5_moe.config import Qwen3_5MoeConfig
 from lollm_qwen3_5.qwen3_5_moe.weights import load
+from lollm.testing.loading import load_with
 
 
 @pytest.mark.parametrize("hub_name", ["Qwen__Qwen3.5-35B-A3B", "Qwen__Qwen3.6-35B-A3B", "Qwen__Qwen3.5-122B-A10B"])
@@ -86,7 +87,7 @@ def test_a_missing_expert_is_named(tiny_checkpoint, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     ckpt = load_checkpoint(broken)
     with pytest.raises(WeightsError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
-        load(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+        load_with(load, ckpt.config, ckpt.weights, "safetensors")
 
 
 def test_a_dense_config_is_refused_by_the_moe_family():

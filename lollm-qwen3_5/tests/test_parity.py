@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import qwen3_5_tiny as tiny
+from lollm.options import LoadOptions
 
 PROMPT_TOKENS = 150  # > 2 chunks of 64; not a multiple of 64
 MIN_COSINE = 0.99999
@@ -60,7 +61,7 @@ def test_parity_gate_passes(tiny_checkpoint, qwen_tokenizer_files, tmp_path):
     for f in qwen_tokenizer_files:
         shutil.copy(f, folder)
     ids = tiny.random_ids(PROMPT_TOKENS, tiny.TINY_TEXT["vocab_size"], seed=2)
-    report = run_parity(str(folder), ids=ids, dtype="float32", device="cpu")
+    report = run_parity(str(folder), ids=ids, options=LoadOptions(dtype="float32", device="cpu"))
     assert report.family == "qwen3_5_moe"
     assert report.passed, report.to_json()
     assert report.argmax_matches == PROMPT_TOKENS and report.min_cosine >= 0.9999

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lollm.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.testing.hub_configs import hub_file
@@ -54,7 +55,7 @@ def browser():
 def _open(folder: Path):
     from lollm.pipeline import open_model
 
-    loaded = open_model(str(folder), device="cpu", dtype="float32")
+    loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     return loaded, loaded.tokenizer.encode(PROMPT)
 
 

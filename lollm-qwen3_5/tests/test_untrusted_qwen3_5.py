@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from lollm.errors import ConfigError, WeightsError
 from lollm.generate import GenerationResult
 from lollm.testing.fuzz import check_clean, fuzz_settings, load_and_generate, mutated
+from lollm.testing.loading import load_with
 
 #: The multimodal configs' towers: never read by a text family, so no example spends a change there.
 TOWERS = ("vision_config", "audio_config")
@@ -62,7 +63,7 @@ def load_mutated(sources, family: str, change, weights=None):
     raw, tensors = sources[family]
     raw = copy.deepcopy(raw)
     change(raw)
-    return family_load(family)(raw, weights or tensors, "safetensors", "cpu", torch.float32)
+    return load_with(family_load(family), raw, weights or tensors, "safetensors")
 
 
 def put(*path, value, top=False):

@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lollm.options import LoadOptions
 from lollm.errors import ConfigError, WeightsError
 from lollm.loader import load_checkpoint
 from lollm.plugins import get_registry
+from lollm.testing.loading import load_with
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 
@@ -25,7 +27,7 @@ def test_gguf_is_refused_naming_the_architecture(family, arch):
     installed = get_registry().route(gguf_architecture=arch)
     assert installed.family.name == family
     with pytest.raises(ConfigError, match=rf"GGUF architecture '{arch}' is not supported yet"):
-        installed.family.resolve("load")({"general.architecture": arch}, None, "gguf", torch.device("cpu"), torch.float32, False)
+        load_with(installed.family.resolve("load"), {"general.architecture": arch}, None, "gguf")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -38,7 +40,7 @@ def test_an_unknown_tensor_is_named(family, tiny_checkpoint, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     ckpt = load_checkpoint(broken)
     with pytest.raises(WeightsError, match=r"model\.language_model\.layers\.1\.linear_attn\.extra_bias"):
-        _load(family)(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+        load_with(_load(family), ckpt.config, ckpt.weights, "safetensors")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -52,7 +54,7 @@ def test_a_tensor_on_the_wrong_kind_of_layer_is_named(family, tiny_checkpoint, t
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     ckpt = load_checkpoint(broken)
     with pytest.raises(WeightsError, match=r"model\.layers\.3\.linear_attn\.A_log"):
-        _load(family)(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+        load_with(_load(family), ckpt.config, ckpt.weights, "safetensors")
 
 
 def test_a_missing_output_head_is_an_error_when_not_tied(tiny_checkpoint, tmp_path):
@@ -64,7 +66,7 @@ def test_a_missing_output_head_is_an_error_when_not_tied(tiny_checkpoint, tmp_pa
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     ckpt = load_checkpoint(broken)
     with pytest.raises(WeightsError, match="lm_head.weight"):
-        _load("qwen3_5_moe")(ckpt.config, ckpt.weights, "safetensors", torch.device("cpu"), torch.float32)
+        load_with(_load("qwen3_5_moe"), ckpt.config, ckpt.weights, "safetensors")
 
 
 def test_tied_output_head_shares_the_embedding(tiny_checkpoint, load_ours):
@@ -90,4 +92,4 @@ def test_a_gguf_file_is_refused_end_to_end(family, arch, tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ConfigError, match=rf"{family}: GGUF architecture '{arch}' is not supported yet"):
-        open_model(str(path), device="cpu", dtype="float32")
+        open_model(str(path), LoadOptions(device="cpu", dtype="float32"))

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lollm.errors import LollmError
+
 BENCH_TEXT = (
     "In the beginning of computing, programs were written as sequences of numbers that a machine would read "
     "and execute one after the other. Over the decades people invented assemblers, then compilers, then whole "
@@ -109,20 +111,20 @@ class Engine(Protocol):
 
 
 class LollmEngine:
-    """lollm through :func:`lollm.pipeline.open_model`; ``options`` go to it (weights, quantize, attn ...).
+    """lollm through :func:`lollm.pipeline.open_model` with ``options`` (a :class:`lollm.options.LoadOptions`).
 
     Every generation runs with the attention backend the load chose (``LoadedModel.attn``).
     """
 
-    def __init__(self, spec: str, dtype: str = "float32", name: str = "lollm", **options: Any):
-        self.spec, self.dtype, self.name, self.options = spec, dtype, name, options
+    def __init__(self, spec: str, options: Any, name: str = "lollm"):
+        self.spec, self.options, self.name = spec, options, name
         self.weights_bytes = 0
 
     def load(self) -> None:
         from lollm.pipeline import open_model
         from lollm.quantized import model_bytes
 
-        self.loaded = open_model(self.spec, device="cpu", dtype=self.dtype, **self.options)
+        self.loaded = open_model(self.spec, self.options)
         self.model = self.loaded.model
         self.weights_bytes = model_bytes(self.model)
 
@@ -270,13 +272,14 @@ def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int
                     f"decode {fig.decode_tok_s[-1]:.2f} tok/s")
 
 
-def run_bench(spec: str, *, dtype: str = "float32", prompt_tokens: int = 512, new_tokens: int = 64,
+def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_tokens: int = 64,
               reference: bool = True, threads: int | None = None, rounds: int = 3, log=None,
-              ids: list[int] | None = None, attn: str | None = None, **load_options: Any) -> BenchResult:
-    """lollm (with ``load_options`` for :func:`~lollm.pipeline.open_model`: weights, quantize ...) beside transformers.
+              ids: list[int] | None = None) -> BenchResult:
+    """lollm (loaded with ``options``, a :class:`lollm.options.LoadOptions`) beside transformers.
 
-    ``attn``: the attention backend of our engine (lollm.attention; None: ``LOLLM_ATTN``, else
-    sdpa), checked before anything loads; transformers runs its own attention.
+    ``options``: None means float32 float weights on the CPU (``lollm bench`` passes ``weights="auto"``).
+    Its attention backend is checked before anything loads; transformers runs its own attention
+    at the same dtype. The benchmark runs on the CPU: another device is refused.
 
     Both are loaded in this process and measured in ``rounds`` alternating
     rounds, on ``ids`` when given (else ``prompt_tokens`` ids of :data:`BENCH_TEXT`). Without transformers installed the reference is skipped and
@@ -289,7 +292,12 @@ def run_bench(spec: str, *, dtype: str = "float32", prompt_tokens: int = 512, ne
     from lollm.loader import load_checkpoint
     from lollm.pipeline import pick_dtype
 
-    attn = resolve_backend(attn)
+    from lollm.options import LoadOptions
+
+    options = options or LoadOptions(device="cpu", dtype="float32")
+    if options.device not in ("auto", "cpu"):
+        raise LollmError(f"lollm bench measures on the CPU; --device {options.device} is not supported here")
+    options = options.replace(device="cpu", attn=resolve_backend(options.attn))
     if threads:
         torch.set_num_threads(threads)
     note = ""
@@ -301,9 +309,9 @@ def run_bench(spec: str, *, dtype: str = "float32", prompt_tokens: int = 512, ne
 
         reference_weights(checkpoint)  # refuse before loading anything when transformers would read other files
     ids = ids if ids is not None else prompt_ids(checkpoint.tokenizer, prompt_tokens)
-    engines: list[Engine] = [LollmEngine(spec, dtype, attn=attn, **load_options)]
+    engines: list[Engine] = [LollmEngine(spec, options)]
     if reference:
-        engines.append(TransformersEngine(checkpoint, pick_dtype(dtype, torch.device("cpu"), checkpoint.config)))
+        engines.append(TransformersEngine(checkpoint, pick_dtype(options.dtype, torch.device("cpu"), checkpoint.config)))
     figures = [measure_load(engine) for engine in engines]
     alternate(engines, figures, ids, new_tokens, rounds, log)
     return BenchResult(figures, len(ids), new_tokens, torch.get_num_threads(), note)

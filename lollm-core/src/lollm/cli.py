@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from lollm.options import LoadOptions
 from lollm.errors import LollmError
 
 
@@ -270,8 +271,7 @@ def run(
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
 
     # 3. The weights, then one generation per prompt.
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size, tp=tp, family=family_name)
+    loaded = open_model(checkpoint, LoadOptions(device=device, dtype=dtype, progress=True, attn=attn, weights=weights, quantize=quantize, group_size=group_size, tp=tp, family=family_name))
     if loaded.tp is not None and loaded.tp.rank != 0:
         _silence_this_rank()  # --tp: every rank computes, rank 0 alone prints
     _weights_summary(loaded)
@@ -416,7 +416,7 @@ def _open_checkpoint(model: str, *, device: str, attn: Optional[str], threads: O
     dev = pick_device(device)
     resolve_backend(attn, dev)
     checkpoint = load_checkpoint(model)
-    pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
+    pick_quantization(LoadOptions(weights=weights, quantize=quantize, group_size=group_size), checkpoint.fmt, dev)
     family = route(checkpoint, family_name).family
     if mtp and not family.capabilities.speculative_head:
         raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
@@ -783,8 +783,9 @@ def parity(
         check_launch(tp, command="parity")
     from lollm.parity import DEFAULT_PROMPT, run_parity
 
-    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, dtype=dtype, device=device, min_cosine=min_cosine,
-                        attn=attn, weights=weights, quantize=quantize, group_size=group_size, family=family_name, tp=tp)
+    options = LoadOptions(device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
+                          group_size=group_size, family=family_name, tp=tp)
+    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine)
     if tp != 1 and _tp_rank() != 0:
         _silence_this_rank()  # every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict
     _print_parity(report, as_json)
@@ -924,9 +925,10 @@ def bench(
             _silence_this_rank()  # every rank runs the same rounds; rank 0 alone prints its figures
     attn = resolve_backend(attn)
     _check_family(family_name)
-    result = run_bench(model, dtype=dtype, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
-                       threads=threads, rounds=rounds, weights=weights, quantize=quantize, group_size=group_size, attn=attn,
-                       family=family_name, tp=tp,
+    options = LoadOptions(device="cpu", dtype=dtype, attn=attn, weights=weights, quantize=quantize,
+                          group_size=group_size, family=family_name, tp=tp)
+    result = run_bench(model, options, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
+                       threads=threads, rounds=rounds,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
     _print_bench(result, model=model, dtype=dtype, new_tokens=new_tokens, rounds=rounds, weights=weights,
                  quantize=quantize, attn=attn, tp=tp, as_json=as_json)
@@ -1078,8 +1080,7 @@ def chat(
                                                           family_name=family_name)
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family_name)
+    loaded = open_model(checkpoint, LoadOptions(device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize, group_size=group_size, family=family_name))
     _weights_summary(loaded)
     _check_draft_head(loaded, model, mtp)
     session = ChatSession(
@@ -1146,8 +1147,7 @@ def serve(
         from lollm.tensor_parallel import init
 
         init(tp, pick_device(device), timeout=SERVE_TP_TIMEOUT)
-    loaded = open_model(checkpoint, device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family_name, tp=tp)
+    loaded = open_model(checkpoint, LoadOptions(device=device, dtype=dtype, progress=True, weights=weights, quantize=quantize, group_size=group_size, family=family_name, tp=tp))
     if loaded.tp is not None and loaded.tp.rank != 0:
         _silence_this_rank()
     _weights_summary(loaded)

@@ -28,10 +28,23 @@ from lollm.sampling_params import check_sampling_value
 
 #: The version of the plugin contract this lollm-core speaks. A family records
 #: the version it was written for in ``Family.contract``; core refuses a family
-#: whose version it does not speak, naming both. Bump it only when a change
-#: would break existing plugins (a renamed hook argument, a changed ``load``
-#: signature); adding optional fields or hook arguments does not need a bump.
-CONTRACT_VERSION = 1
+#: whose version it does not speak, naming both and what to change. Bump it only
+#: when a change would break existing plugins (a renamed hook argument, a changed
+#: ``load`` signature); adding optional fields or hook arguments does not need a bump.
+#:
+#: Contract 2 (this one): ``load(checkpoint, options)`` with a :class:`lollm.options.LoadOptions`.
+#: Contract 1 was ``load(raw_config, weights, fmt, device, dtype, progress)``, with the
+#: quantization and the tensor-parallel group set as attributes on ``weights``.
+CONTRACT_VERSION = 2
+
+#: What a plugin written for an older contract must change, by the version it speaks.
+CONTRACT_CHANGES = {
+    1: ("contract 2 calls load(checkpoint, options): read config, weights and fmt from the "
+        "lollm.loader.Checkpoint, and device, dtype, quantization and tensor_parallel from the "
+        "lollm.options.LoadOptions (nothing is set on the weights any more); lollm.build.build_model "
+        "does the meta build, the --tp share and the streaming load. Then set contract=2. "
+        "See docs/plugins.md, 'Moving a family to contract 2'"),
+}
 
 #: Sampling settings a family may give defaults for, with their types.
 SAMPLING_KEYS = {
@@ -66,13 +79,14 @@ class Family:
       contract:           the plugin-contract version this family was written for
                           (:data:`CONTRACT_VERSION` of the lollm-core it was built against).
       model_types:        the ``model_type`` values of config.json it serves, e.g. ``("qwen2",)``.
-      load:               ``"module:function"`` of the loader, called as
-                          ``load(raw_config, weights, fmt, device, dtype, progress)``:
-                          ``raw_config`` is config.json as a dict (or GGUF metadata),
-                          ``weights`` a :class:`lollm.loader.TensorSource` keyed by the
-                          file's own tensor names, ``fmt`` ``"safetensors"`` or ``"gguf"``,
-                          ``device``/``dtype`` torch objects, ``progress`` a bool;
-                          it returns a model following :class:`lollm.model.CausalLM`.
+      load:               ``"module:function"`` of the loader, called as ``load(checkpoint, options)``:
+                          ``checkpoint`` a :class:`lollm.loader.Checkpoint` (``.config``: config.json
+                          as a dict or the GGUF metadata; ``.weights``: a TensorSource keyed by the
+                          file's own tensor names; ``.fmt``: ``"safetensors"`` or ``"gguf"``),
+                          ``options`` the resolved :class:`lollm.options.LoadOptions` (device,
+                          dtype, quantization, tensor_parallel, progress); it returns a model
+                          following :class:`lollm.model.CausalLM`, usually through
+                          :func:`lollm.build.build_model`.
       gguf_architectures: the GGUF ``general.architecture`` values it serves.
       sampling_defaults:  defaults for keys of :data:`SAMPLING_KEYS`; generation_config.json
                           and user flags take precedence over them.
@@ -214,10 +228,10 @@ def validate_family(family: Any, *, plugin: str) -> Family:
     if isinstance(family.contract, bool) or not isinstance(family.contract, int):
         raise PluginError(f"{where}: contract must be an int (lollm.family.CONTRACT_VERSION), got {family.contract!r}")
     if family.contract != CONTRACT_VERSION:
+        change = CONTRACT_CHANGES.get(family.contract, f"install versions of lollm-core and {plugin!r} that match")
         raise PluginError(
             f"plugin {plugin!r}: family {name!r} was written for lollm plugin contract "
-            f"{family.contract}, but this lollm-core speaks contract {CONTRACT_VERSION}; "
-            f"install versions of lollm-core and {plugin!r} that match"
+            f"{family.contract}, but this lollm-core speaks contract {CONTRACT_VERSION}: {change}"
         )
     model_types = _names(family.model_types, "model_types", where)
     gguf_architectures = _names(family.gguf_architectures, "gguf_architectures", where)

@@ -47,6 +47,8 @@ import torch
 from lollm.errors import LollmError
 from lollm.attention import use_backend
 from lollm.generate import check_prompt_ids
+from lollm.options import LoadOptions
+from lollm.ranks import leader_decides
 from lollm.pipeline import open_model
 
 DEFAULT_PROMPT = (
@@ -226,31 +228,27 @@ def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor]
     return run
 
 
+#: The gate's standard load: float32, float weights, on the CPU.
+PARITY_OPTIONS = LoadOptions(device="cpu", dtype="float32", weights="float")
+
+
 def run_parity(
     spec: str,
     *,
     prompt: str = DEFAULT_PROMPT,
     ids: list[int] | None = None,
     chat: bool = False,
-    dtype: str = "float32",
-    device: str = "cpu",
+    options: LoadOptions = PARITY_OPTIONS,
     min_cosine: float | None = None,
-    attn: str | None = None,
-    weights: str | None = None,
-    quantize: str | None = None,
-    group_size: int = 32,
-    family: str | None = None,
-    tp: int = 1,
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
-    ``attn``: the attention backend ours runs with (lollm.attention; None: ``LOLLM_ATTN``, else sdpa).
-    ``weights``/``quantize``/``group_size`` choose our weights as in
-    :func:`lollm.pipeline.open_model` (default: float, the gate's standard, unless ``quantize`` is given);
-    the reference is always transformers' own load of the same file. ``family``: the family's
-    name (``--family``) when several installed plugins claim the checkpoint's type.
+    ``options``: how ours loads (:class:`lollm.options.LoadOptions`; default :data:`PARITY_OPTIONS`,
+    float32 float weights on the CPU, the gate's standard): the attention backend ours runs with,
+    packed weights, ``--family``. The reference is always transformers' own load of the same file,
+    at the same dtype and device.
 
-    ``tp``: tensor-parallel degree; above 1 this process is one of ``tp`` ranks
+    ``options.tp``: tensor-parallel degree; above 1 this process is one of ``tp`` ranks
     started by torchrun (:func:`lollm.tensor_parallel.init`). Every rank runs
     our sharded forward; rank 0 alone builds the reference and compares, then
     broadcasts the report (or its error) so that every rank returns the same
@@ -261,14 +259,13 @@ def run_parity(
     from lollm.loader import load_checkpoint
     from lollm.pipeline import pick_device, route
 
-    resolve_backend(attn, pick_device(device))
+    resolve_backend(options.attn, pick_device(options.device))
     checkpoint = load_checkpoint(spec)
-    if not route(checkpoint, family).family.parity_reference:
+    if not route(checkpoint, options.family).family.parity_reference:
         reference_weights(checkpoint)
 
     # 1. Ours: load, run every position, keep logits and hidden states, free the model.
-    loaded = open_model(checkpoint, device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
-                        group_size=group_size, family=family, tp=tp)
+    loaded = open_model(checkpoint, options)
     del checkpoint
     summary = getattr(loaded.model, "weights_summary", None)
     packed = summary is not None and summary.packed > 0
@@ -287,30 +284,8 @@ def run_parity(
     gc.collect()
     reference_and_compare = functools.partial(
         _reference_and_compare, spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,
-        min_cosine, packed, summary, tp)
-    if group is None:
-        return reference_and_compare()
-    return _on_rank_zero(group, reference_and_compare)
-
-
-def _on_rank_zero(group, work: Callable[[], ParityReport]) -> ParityReport:
-    """Under --tp: ``work()`` on rank 0 only, its report (or its error) broadcast to every rank.
-
-    Raises LollmError on every rank with rank 0's message when ``work`` raised one there.
-    """
-    import torch.distributed as dist
-
-    outcome: list[Any] = [None]
-    if group.rank == 0:
-        try:
-            outcome[0] = ("report", work())
-        except LollmError as exc:  # the other ranks wait in the broadcast: tell them, then fail like them
-            outcome[0] = ("error", str(exc))
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "error":
-        raise LollmError(value)
-    return value
+        min_cosine, packed, summary, options.tp)
+    return leader_decides(group, reference_and_compare)  # --tp: rank 0 builds the reference; every rank gets the report
 
 
 def _reference_and_compare(spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,

@@ -11,7 +11,7 @@ and the one-call entry point for Python users::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError
 from lollm.loader import Checkpoint, load_checkpoint
+from lollm.options import WEIGHTS_CHOICES, LoadOptions  # noqa: F401 - WEIGHTS_CHOICES re-exported
 from lollm.plugins import InstalledFamily, get_registry
 from lollm.quantized import Quantization
 
@@ -73,6 +74,7 @@ class LoadedModel:
     load_seconds: float
     attn: str = "sdpa"  # the attention backend the commands run it with (lollm.attention)
     tp: Any = None  # the lollm.tensor_parallel.Group of this rank under --tp N, else None
+    options: LoadOptions = field(default_factory=LoadOptions)  # the resolved options it was loaded with
 
     @property
     def tokenizer(self):
@@ -91,27 +93,17 @@ def route(checkpoint: Checkpoint, family: str | None = None) -> InstalledFamily:
     return get_registry().route(checkpoint.model_type, family=family)
 
 
-#: ``--weights`` choices: ``auto`` keeps a GGUF's blocks packed and loads safetensors as float
-#: (unless ``--quantize``); ``float`` dequantizes everything; ``quantized`` insists on packing.
-WEIGHTS_CHOICES = ("auto", "float", "quantized")
+def pick_quantization(options: LoadOptions, fmt: str, device: torch.device) -> Quantization:
+    """The :class:`~lollm.quantized.Quantization` for a load, from ``options.weights`` / ``options.quantize``.
 
-
-def pick_quantization(weights: str, quantize: str | None, group_size: int, fmt: str, device: torch.device) -> Quantization:
-    """The :class:`~lollm.quantized.Quantization` for a load, from the ``--weights`` / ``--quantize`` flags.
-
-    GGUF: packed unless ``weights == "float"``; ``--quantize`` is refused (the file
-    is quantized already). safetensors: float unless ``--quantize int8|int4``;
-    ``--weights quantized`` without ``--quantize`` is refused. Packed weights run
+    GGUF: packed unless ``weights == "float"``; ``quantize`` is refused (the file
+    is quantized already). safetensors: float unless ``quantize`` is int8 or int4;
+    ``weights="quantized"`` without ``quantize`` is refused. Packed weights run
     on the CPU only (torch's packed kernels used here are CPU kernels): ``auto``
-    elsewhere loads float, an explicit request is refused.
+    elsewhere loads float, an explicit request is refused. Raises LollmError naming the flag.
     """
-    if weights not in WEIGHTS_CHOICES:
-        raise LollmError(f"--weights {weights!r}: use one of {', '.join(WEIGHTS_CHOICES)}")
-    if quantize not in (None, "int8", "int4"):
-        raise LollmError(f"--quantize {quantize!r}: use int8 or int4")
+    weights, quantize = options.weights_mode, options.quantize
     if weights == "float":
-        if quantize is not None:
-            raise LollmError("--quantize asks for packed weights, --weights float for float ones: give one of them")
         return Quantization("float")
     if fmt == "gguf":
         if quantize is not None:
@@ -128,52 +120,72 @@ def pick_quantization(weights: str, quantize: str | None, group_size: int, fmt: 
         if weights == "auto" and quantize is None:
             return Quantization("float")  # auto: the packed kernels used here are CPU kernels
         raise LollmError(f"packed (quantized) weights run on the CPU only; on {device} use --weights float")
-    return Quantization(mode, group_size)
+    return Quantization(mode, options.group_size)
 
 
-def open_model(spec: str | Checkpoint, *, device: str = "auto", dtype: str = "auto", progress: bool = False,
-               attn: str | None = None, weights: str | None = None, quantize: str | None = None,
-               group_size: int = 32, family: str | None = None, tp: int = 1) -> LoadedModel:
+def join_tensor_parallel(options: LoadOptions) -> LoadOptions:
+    """Under ``tp > 1``: join torchrun's process group; return the options with this rank's device and group.
+
+    Each rank computes on its own device (:func:`lollm.tensor_parallel.init`).
+    One process (``tp == 1``) returns the options unchanged. Raises TensorParallelError.
+    """
+    if options.tp == 1 or options.tensor_parallel is not None:
+        return options
+    from lollm.tensor_parallel import init
+
+    group = init(options.tp, pick_device(options.device))
+    return options.replace(device=str(group.device), tensor_parallel=group)
+
+
+def resolve_options(options: LoadOptions, checkpoint: Checkpoint) -> LoadOptions:
+    """``options`` with every choice core makes decided for this checkpoint: what a family's ``load`` receives.
+
+    device: ``auto`` becomes the device :func:`pick_device` picks; dtype: ``auto``
+    becomes :func:`pick_dtype`'s choice, any alias its canonical name; attn: the
+    backend :func:`lollm.attention.resolve_backend` checks; quantization: from
+    :func:`pick_quantization`. ``tensor_parallel`` must already be joined
+    (:func:`join_tensor_parallel`) when ``tp > 1``. Raises LollmError naming the option.
+    """
+    device = pick_device(options.device)
+    if options.tp != 1 and options.tensor_parallel is None:
+        raise LollmError(f"--tp {options.tp}: join the process group first (lollm.pipeline.join_tensor_parallel)")
+    dtype = pick_dtype(options.dtype, device, checkpoint.config)
+    return options.replace(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attn=resolve_backend(options.attn, device),
+        quantization=pick_quantization(options, checkpoint.fmt, device),
+    )
+
+
+def open_model(spec: str | Checkpoint, options: LoadOptions | None = None) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
-    ``spec`` may also be a :class:`Checkpoint` already opened (the CLI opens it
-    first to check flags against the family and the tokenizer before the weights load).
-    ``attn`` names the attention backend (``sdpa``, ``eager``, ``triton``; None: ``LOLLM_ATTN``,
-    else ``sdpa``). It is checked before anything loads and kept in ``LoadedModel.attn``; the
+    ``spec``: a folder, a .gguf file, a Hugging Face repo id, or a :class:`Checkpoint`
+    already opened (the CLI opens it first to check flags against the family and the
+    tokenizer before the weights load). ``options``: a :class:`lollm.options.LoadOptions`
+    (None: the defaults, float weights on the best device); every field is checked
+    before the weights load.
+
+    The attention backend (``options.attn``) is kept in ``LoadedModel.attn``; the
     commands run the model inside ``lollm.attention.use_backend(loaded.attn)`` (so does
-    ``generate(..., attn=loaded.attn)``). A direct ``loaded.model(ids)`` uses whatever backend
-    is current: wrap it in that context manager to pick one.
+    ``generate(..., attn=loaded.attn)``). A direct ``loaded.model(ids)`` uses whatever
+    backend is current: wrap it in that context manager to pick one. The model's
+    ``weights_summary`` says what was kept packed.
 
-    ``weights``/``quantize``/``group_size``: see :func:`pick_quantization`. The
-    default here is ``"float"`` (the reference path), or ``"auto"`` when
-    ``quantize`` is given; the CLI's ``run`` and ``bench`` default to ``"auto"``.
-    The model's ``weights_summary`` says what was kept packed.
-
-    ``family``: the family's name (``--family``), when several installed plugins claim the
-    checkpoint's type; see :func:`route`.
-
-    ``tp``: tensor-parallel degree (docs/tensor-parallel.md). Above 1 this process
-    must be one of ``tp`` started by torchrun: it joins the process group
-    (:func:`lollm.tensor_parallel.init`) and loads only its share of the weights.
+    ``options.tp`` above 1 (docs/tensor-parallel.md): this process must be one of ``tp``
+    started by torchrun; it joins the process group and loads only its share of the weights.
     """
-    if weights is None:
-        weights = "auto" if quantize else "float"
-    dev = pick_device(device)
-    group = None
-    if tp != 1:  # --tp N: join torchrun's process group; each rank computes on its own device
-        from lollm.tensor_parallel import init
-
-        group = init(tp, dev)
-        dev = group.device
-    backend = resolve_backend(attn, dev)
+    options = join_tensor_parallel(options or LoadOptions())
+    resolve_backend(options.attn, pick_device(options.device))  # a typo costs nothing: checked before the files open
     checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
-    installed = route(checkpoint, family)
-    dt = pick_dtype(dtype, dev, checkpoint.config)
-    checkpoint.weights.quantization = pick_quantization(weights, quantize, group_size, checkpoint.fmt, dev)
-    checkpoint.weights.tensor_parallel = group  # read by lollm.tensor_parallel.sharding in the family's load
+    installed = route(checkpoint, options.family)
+    options = resolve_options(options, checkpoint)
     load = installed.family.resolve("load")
     start = time.perf_counter()
-    model = load(checkpoint.config, checkpoint.weights, checkpoint.fmt, dev, dt, progress)
+    model = load(checkpoint, options)
+    group = options.tensor_parallel
     if group is not None and getattr(model, "tensor_parallel", None) is None:
-        raise LollmError(f"--tp {tp}: the {installed.family.name} family declares no tensor-parallel plan (TP_PLAN); run it without --tp")
-    return LoadedModel(checkpoint, installed, model, dev, dt, time.perf_counter() - start, backend, group)
+        raise LollmError(f"--tp {options.tp}: the {installed.family.name} family declares no tensor-parallel plan (TP_PLAN); run it without --tp")
+    return LoadedModel(checkpoint, installed, model, options.torch_device, options.torch_dtype,
+                       time.perf_counter() - start, options.attn, group, options)

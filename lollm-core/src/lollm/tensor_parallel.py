@@ -645,22 +645,6 @@ class Sharding:
         return split, rest
 
 
-def sharding(source, plan: Mapping[str, Any], config) -> Sharding | None:
-    """The :class:`Sharding` of ``plan`` for this load, or None on one process.
-
-    A family's ``load`` calls it with its ``TP_PLAN`` and full config; the
-    pipeline sets ``source.tensor_parallel`` (a :class:`Group`) under ``--tp``.
-    Raises TensorParallelError when the weights stay packed (``--tp`` runs float weights).
-    """
-    group = getattr(source, "tensor_parallel", None)
-    if group is None:
-        return None
-    quantization = getattr(source, "quantization", None)
-    if quantization is not None and quantization.packs:
-        raise TensorParallelError("--tp runs float weights; use --weights float (packed/quantized weights are not split)")
-    return Sharding(plan, config, group)
-
-
 class VocabParallelEmbedding(nn.Module):
     """An embedding table split by rows: this rank holds ids ``[start, stop)``.
 

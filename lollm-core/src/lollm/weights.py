@@ -13,9 +13,9 @@ match, an integer (or boolean) tensor for a floating-point parameter, and a
 parameter or buffer left without a value all raise
 :class:`lollm.errors.WeightsError` naming the tensor.
 
-Quantized weights (docs/quantized-execution.md): when the source carries a
-:class:`lollm.quantized.Quantization` that packs (``source.quantization``, set
-by :func:`lollm.pipeline.open_model` from ``--weights`` / ``--quantize``), each
+Quantized weights (docs/quantized-execution.md): when the load's
+:class:`lollm.quantized.Quantization` packs (``LoadOptions.quantization``, decided
+by :func:`lollm.pipeline.resolve_options` from ``--weights`` / ``--quantize``), each
 tensor the family's ``quantizable(model_name)`` accepts is not converted to
 float: its ``nn.Linear`` is replaced by an :class:`~lollm.quantized.Int4Linear`
 or :class:`~lollm.quantized.Int8Linear`, its ``nn.Embedding`` by a
@@ -214,6 +214,8 @@ def load_weights(
     tied: Mapping[str, str] | None = None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     quantizable: Callable[[str], bool] | None = None,
+    quantization: Quantization | None = None,
+    sharding=None,
     grouped: tuple[str, ...] = ("lm_head.weight",),
 ) -> nn.Module:
     """Fill ``model`` (built on the meta device) from ``source``, one tensor at a time.
@@ -235,15 +237,15 @@ def load_weights(
                  transforms as quantizable.
       quantizable: ``model_name -> bool``, the family's choice of the tensors that may
                  stay packed (weights of ``nn.Linear`` and ``nn.Embedding`` modules).
-                 Used only when ``source.quantization`` packs; see the module docstring.
+      quantization: the load's :class:`~lollm.quantized.Quantization` (``LoadOptions.quantization``);
+                 None or ``"float"``: nothing stays packed. See the module docstring.
+      sharding:  the :class:`lollm.tensor_parallel.Sharding` the model was built with under
+                 ``--tp`` (docs/tensor-parallel.md): each split tensor is read as this rank's
+                 slice only. None on one process.
       grouped:   model names whose 5- to 8-bit GGUF matrices keep a scale per group of 32
                  (exact for Q8_0 and Q5_0, one kernel call per group) instead of being
                  requantized per row: the output head, by far the most sensitive matrix
                  (docs/quantized-execution.md measures it).
-
-    Tensor parallel (docs/tensor-parallel.md): a model built by
-    :meth:`lollm.tensor_parallel.Sharding.build` carries its ``tensor_parallel``
-    sharding; each split tensor is then read as this rank's slice only.
 
     The model gets a ``weights_summary`` attribute (:class:`lollm.quantized.WeightsSummary`):
     per stored type, how the tensors were kept.
@@ -252,87 +254,101 @@ def load_weights(
     mismatch, an integer or boolean tensor for a floating-point slot, a name
     given twice, or a slot left empty (meta) at the end.
     """
-    sharding = getattr(model, "tensor_parallel", None)  # set by lollm.tensor_parallel.Sharding.build under --tp
-    slots: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    slots.update(dict(model.named_buffers(remove_duplicate=False)))
-    filled: set[str] = set()
-    quantization = getattr(source, "quantization", None) or Quantization()
-    summary = WeightsSummary(requested=quantization.mode)
-    packing = quantization.packs and quantizable is not None
-    packed_from: dict[str, str] = {}  # model name -> file name of the packed tensors
+    quantization = quantization or Quantization()
+    load = _Load(model, source, device, dtype, transform, sharding, WeightsSummary(requested=quantization.mode),
+                 quantization if quantization.packs and quantizable is not None else None, quantizable, grouped)
     names = source.names()
     with _progress(len(names), progress, "loading weights") as bar:
         for file_name in names:
             target = name_map(file_name)
             bar.update(1)
-            if target is None:
-                continue
-            if target not in slots:
-                raise WeightsError(
-                    f"unexpected tensor {file_name!r} in the checkpoint: the model has no slot {target!r}"
-                )
-            if target in filled:
-                raise WeightsError(f"tensor {file_name!r} fills {target!r}, which another tensor already filled")
-            # the dtype each slot needs: a float parameter takes only a floating-point tensor
-            # (GGUF's quantized types are floats; its I8..I64 types, like safetensors' I32, are not)
-            needs_float = slots[target].is_floating_point()
-            stored = source.dtype(file_name) if hasattr(source, "dtype") else None
-            if needs_float and stored in INTEGER_TYPES:
-                raise WeightsError(f"tensor {file_name!r} is stored as {stored}, an integer type, but {target!r} is a floating-point parameter")
-            if packing and quantizable(target):
-                expected = tuple(slots[target].shape)
-                if tuple(source.shape(file_name)) != expected:
-                    raise WeightsError(
-                        f"tensor {file_name!r} has shape {tuple(source.shape(file_name))}, but the model expects "
-                        f"{expected} for {target!r} (does config.json match the weights?)"
-                    )
-                if _pack(model, source, file_name, target, quantization, dtype, summary, target in grouped):
-                    filled.add(target)
-                    packed_from[target] = file_name
-                    continue
-            if sharding is not None:  # --tp: only this rank's slice (transform already applied)
-                tensor = sharding.read(source, file_name, target, transform)
-            else:
-                tensor = source.read(file_name)
-            if needs_float and not tensor.is_floating_point():
-                raise WeightsError(f"tensor {file_name!r} holds {tensor.dtype}, an integer type, but {target!r} is a floating-point parameter")
-            if transform is not None and sharding is None:
-                tensor = transform(target, tensor)
-            expected = tuple(slots[target].shape)
-            if tuple(tensor.shape) != expected:
-                raise WeightsError(
-                    f"tensor {file_name!r} has shape {tuple(tensor.shape)}, but the model expects {expected} "
-                    f"for {target!r} (does config.json match the weights?)"
-                )
-            target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
-            value = tensor.to(device=device, dtype=target_dtype)
-            del tensor  # drop the file copy before reading the next one
-            _set_tensor(model, target, value)
-            filled.add(target)
-            stored = source.dtype(file_name) if hasattr(source, "dtype") else str(value.dtype).removeprefix("torch.")
-            summary.add(stored, str(target_dtype).removeprefix("torch."))
-
+            if target is not None:
+                load.put(file_name, target)
     for target, src in (tied or {}).items():
-        for name in (target, src):
-            if name not in slots or not isinstance(slots[name], nn.Parameter):
-                raise WeightsError(f"tied {target!r} -> {src!r}: the model has no parameter {name!r}")
-        if target not in filled and src in filled:
-            if _tie_packed(model, target, src, dtype, summary, source, packed_from.get(src)):
-                filled.add(target)
-                continue
-            module_name, _, leaf = target.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
-            src_module_name, _, src_leaf = src.rpartition(".")
-            src_module = model.get_submodule(src_module_name) if src_module_name else model
-            module._parameters[leaf] = src_module._parameters[src_leaf]
-            filled.add(target)
+        load.tie(target, src)
+    _check_complete(model)
+    load.summary.model_bytes = model_bytes(model)
+    model.weights_summary = load.summary
+    return model
 
+
+class _Load:
+    """The state of one :func:`load_weights` call: the slots, what is filled, what stayed packed."""
+
+    def __init__(self, model, source, device, dtype, transform, sharding, summary, packing, quantizable, grouped):
+        self.model, self.source, self.device, self.dtype = model, source, device, dtype
+        self.transform, self.sharding, self.summary = transform, sharding, summary
+        self.packing, self.quantizable, self.grouped = packing, quantizable, grouped
+        self.slots: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self.slots.update(dict(model.named_buffers(remove_duplicate=False)))
+        self.filled: set[str] = set()
+        self.packed_from: dict[str, str] = {}  # model name -> file name of the packed tensors
+
+    def _stored(self, file_name: str) -> str | None:
+        return self.source.dtype(file_name) if hasattr(self.source, "dtype") else None
+
+    def _check_shape(self, file_name: str, shape, target: str) -> None:
+        expected = tuple(self.slots[target].shape)
+        if tuple(shape) != expected:
+            raise WeightsError(f"tensor {file_name!r} has shape {tuple(shape)}, but the model expects {expected} "
+                               f"for {target!r} (does config.json match the weights?)")
+
+    def put(self, file_name: str, target: str) -> None:
+        """Read tensor ``file_name`` and put it in slot ``target``: packed when allowed, else float."""
+        if target not in self.slots:
+            raise WeightsError(f"unexpected tensor {file_name!r} in the checkpoint: the model has no slot {target!r}")
+        if target in self.filled:
+            raise WeightsError(f"tensor {file_name!r} fills {target!r}, which another tensor already filled")
+        # a float parameter takes only a floating-point tensor (GGUF's quantized types are
+        # floats; its I8..I64 types, like safetensors' I32, are not)
+        needs_float = self.slots[target].is_floating_point()
+        if needs_float and self._stored(file_name) in INTEGER_TYPES:
+            raise WeightsError(f"tensor {file_name!r} is stored as {self._stored(file_name)}, an integer type, "
+                               f"but {target!r} is a floating-point parameter")
+        if self.packing is not None and self.quantizable(target):
+            self._check_shape(file_name, self.source.shape(file_name), target)
+            if _pack(self.model, self.source, file_name, target, self.packing, self.dtype, self.summary, target in self.grouped):
+                self.filled.add(target)
+                self.packed_from[target] = file_name
+                return
+        if self.sharding is not None:  # --tp: only this rank's slice (transform already applied)
+            tensor = self.sharding.read(self.source, file_name, target, self.transform)
+        else:
+            tensor = self.source.read(file_name)
+        if needs_float and not tensor.is_floating_point():
+            raise WeightsError(f"tensor {file_name!r} holds {tensor.dtype}, an integer type, but {target!r} is a floating-point parameter")
+        if self.transform is not None and self.sharding is None:
+            tensor = self.transform(target, tensor)
+        self._check_shape(file_name, tensor.shape, target)
+        target_dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        value = tensor.to(device=self.device, dtype=target_dtype)
+        del tensor  # drop the file copy before reading the next one
+        _set_tensor(self.model, target, value)
+        self.filled.add(target)
+        self.summary.add(self._stored(file_name) or str(value.dtype).removeprefix("torch."), str(target_dtype).removeprefix("torch."))
+
+    def tie(self, target: str, src: str) -> None:
+        """Share ``src`` as ``target`` when the checkpoint had no ``target`` tensor."""
+        for name in (target, src):
+            if name not in self.slots or not isinstance(self.slots[name], nn.Parameter):
+                raise WeightsError(f"tied {target!r} -> {src!r}: the model has no parameter {name!r}")
+        if target in self.filled or src not in self.filled:
+            return
+        self.filled.add(target)
+        if _tie_packed(self.model, target, src, self.dtype, self.summary, self.source, self.packed_from.get(src)):
+            return
+        module_name, _, leaf = target.rpartition(".")
+        module = self.model.get_submodule(module_name) if module_name else self.model
+        src_module_name, _, src_leaf = src.rpartition(".")
+        src_module = self.model.get_submodule(src_module_name) if src_module_name else self.model
+        module._parameters[leaf] = src_module._parameters[src_leaf]
+
+
+def _check_complete(model: nn.Module) -> None:
+    """Raise WeightsError naming the parameters and buffers still on the meta device (no tensor filled them)."""
     missing = [n for n, t in model.named_parameters(remove_duplicate=False) if t.is_meta]
     missing += [n for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
     if missing:
         shown = ", ".join(repr(m) for m in missing[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise WeightsError(f"the checkpoint has no tensor for {shown}{more}")
-    summary.model_bytes = model_bytes(model)
-    model.weights_summary = summary
-    return model

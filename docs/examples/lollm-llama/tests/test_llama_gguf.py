@@ -26,13 +26,14 @@ from _llama_tiny import converter_permute, hf_to_gguf, llama3_rope_factors, tiny
 from lollm_llama.llama import weights as llama_weights
 from lollm_llama.llama.blocks import rope_inverse_frequencies
 from lollm_llama.llama.config import LlamaConfig
+from lollm.testing.loading import load_with
 
 POSITIONS = 96  # long enough for the slow RoPE pairs (the ones llama3 scaling changes) to matter
 
 
 def _ours(path: Path):
     ckpt = load_checkpoint(path)
-    return llama_weights.load(ckpt.config, ckpt.weights, ckpt.fmt, "cpu", torch.float32, False)
+    return load_with(llama_weights.load, ckpt.config, ckpt.weights, ckpt.fmt)
 
 
 def _transformers(folder: Path):

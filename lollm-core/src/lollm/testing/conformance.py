@@ -72,6 +72,8 @@ from lollm.errors import WeightsError
 from lollm.hookspecs import ENTRY_POINT_GROUP
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, Registry, build_registry
+from lollm.options import LoadOptions
+from lollm.quantized import Quantization
 
 __all__ = ["FamilyConformance", "check_prompt_cache_turns", "reference_sensitivity"]
 
@@ -455,11 +457,12 @@ class FamilyConformance:
 
     @pytest.fixture
     def load(self, installed: InstalledFamily):
-        """``load(checkpoint)`` with the family's loader, on the CPU at float32."""
+        """``load(checkpoint)`` with the family's loader, on the CPU at float32 (plugin contract 2)."""
         loader = installed.family.resolve("load")
+        options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float", quantization=Quantization("float"))
 
         def load(checkpoint: Checkpoint):
-            return loader(checkpoint.config, checkpoint.weights, checkpoint.fmt, torch.device("cpu"), torch.float32, False)
+            return loader(checkpoint, options)
 
         return load
 

@@ -209,10 +209,9 @@ def check_clean(run: Callable[[], Any], *, cpu_seconds: float = CPU_SECONDS, mem
 
 def load_and_generate(load: Callable, raw: dict, weights: Any, fmt: str, prompt: tuple[int, ...] = (0, 1, 2)) -> Any:
     """One example: the family's ``load`` on (``raw``, ``weights``), then two greedy tokens through the loop."""
-    import torch
-
     from lollm.generate import generate
     from lollm.sampling import SamplingParams
+    from lollm.testing.loading import load_with
 
-    model = load(raw, weights, fmt, "cpu", torch.float32, False)
+    model = load_with(load, raw, weights, fmt)
     return generate(model, list(prompt), max_new_tokens=2, sampling=SamplingParams(temperature=0.0))

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from lollm.options import LoadOptions
 
 #: A text of about 600 tokens (Qwen2.5's and Gemma 3's tokenizers), written for these
 #: measurements: plain English prose with names, numbers and a little code.
@@ -114,8 +115,8 @@ def check_quantize_at_load(folder, mode: str, group_size: int = 32, min_cosine: 
 
     from lollm.pipeline import open_model
 
-    float_model = open_model(str(folder), device="cpu", dtype="float32").model
-    packed = open_model(str(folder), device="cpu", dtype="float32", quantize=mode, group_size=group_size).model
+    float_model = open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model
+    packed = open_model(str(folder), LoadOptions(device="cpu", dtype="float32", quantize=mode, group_size=group_size)).model
     summary = packed.weights_summary
     assert summary.requested == mode and summary.packed > 0, summary.line()
     ids = torch.randint(0, float_model.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).tolist()[0]

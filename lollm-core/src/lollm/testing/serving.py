@@ -33,6 +33,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+from lollm.options import LoadOptions
 
 GREEDY = {"temperature": 0.0}
 
@@ -145,7 +146,7 @@ class Reference:
         from lollm.generate import stop_token_ids
         from lollm.pipeline import open_model
 
-        self.loaded = open_model(str(folder), device="cpu", dtype="float32")
+        self.loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         ckpt = self.loaded.checkpoint
         self.stop_ids = stop_token_ids(ckpt.generation_config, ckpt.config, self.tokenizer)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lollm.options import LoadOptions
 
 #: Absolute tolerance on float32 logits. The sums an all-reduce adds in another order
 #: (o_proj, down_proj as N partial sums) differ by a few float32 ulps of the hidden
@@ -122,7 +123,7 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
     device = device or os.environ.get("LOLLM_TP_DEVICE", "cpu")
     from lollm.pipeline import open_model
 
-    loaded = open_model(str(folder), device=device, dtype="float32")
+    loaded = open_model(str(folder), LoadOptions(device=device, dtype="float32"))
     vocab = loaded.model.lm_head.weight.shape[0]
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = record(loaded.model, prompt, steps, device=loaded.device)
@@ -154,7 +155,7 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
     from lollm.pipeline import open_model
     from lollm.tensor_parallel import shutdown
 
-    loaded = open_model(folder, device=device, dtype="float32", tp=nproc)
+    loaded = open_model(folder, LoadOptions(device=device, dtype="float32", tp=nproc))
     tp = loaded.model.tensor_parallel
     rec = record(loaded.model, prompt, steps, device=loaded.device)
     split, rest = tp.sharded_bytes(loaded.model)

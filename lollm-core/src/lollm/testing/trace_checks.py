@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from lollm.options import LoadOptions
 from lollm import attention
 from lollm.trace.capture import Trace, capture
 from lollm.trace.page import decode_attention, page_data
@@ -189,7 +190,7 @@ def check_divergence(folder: str | Path, ids: list[int], *, layer: int) -> tuple
     from lollm.trace.capture import compare
     from lollm.trace.run import reference_for
 
-    loaded = open_model(str(folder), device="cpu", dtype="float32")
+    loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     clean = capture(loaded.model, ids)
     break_layer(loaded.model, layer)
     broken = capture(loaded.model, ids)

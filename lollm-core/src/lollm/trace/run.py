@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import lollm
+from lollm.options import LoadOptions
 from lollm.errors import LollmError
 from lollm.pipeline import LoadedModel, open_model
 from lollm.trace.capture import Trace, capture, check_capture, compare
@@ -89,7 +90,7 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     (:func:`lollm.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
     """
     output = check_output(output)  # before anything loads
-    loaded = open_model(spec, device=device, dtype=dtype, progress=progress, family=family)
+    loaded = open_model(spec, LoadOptions(device=device, dtype=dtype, progress=progress, family=family))
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
     trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)

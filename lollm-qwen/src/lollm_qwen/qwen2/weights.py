@@ -9,7 +9,7 @@ checkpoint holds. A name that is not on the list is an error naming it
 
 GGUF files name the same tensors the llama.cpp way (``blk.0.attn_q.weight``,
 ``token_embd.weight`` …): :data:`GGUF_NAMES` is the second table, beside
-:data:`HF_NAMES` in :data:`NAME_MAPS`. The names are gguf-py's
+:data:`HF_NAMES` in :data:`LAYOUT`. The names are gguf-py's
 (``gguf/constants.py``: ``TENSOR_NAMES`` and ``MODEL_TENSORS[MODEL_ARCH.QWEN2]``;
 ``tensor_mapping.py`` maps the Hugging Face names to them).
 
@@ -32,15 +32,11 @@ model (plus the memory-mapped file's pages).
 
 from __future__ import annotations
 
-import re
-from typing import Callable
-
-import torch
-
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Qwen2Config
 from .modeling_qwen2 import Qwen2ForCausalLM
@@ -94,9 +90,6 @@ GGUF_NAMES = {
 #: for qwen2, would rescale RoPE's frequencies: unmapped, so it raises.)
 GGUF_IGNORED: set[str] = set()
 
-#: Name maps per checkpoint format: (table, ignored templates).
-NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED), "gguf": (GGUF_NAMES, GGUF_IGNORED)}
-
 #: The output head falls back to the embedding matrix when the checkpoint has
 #: no lm_head.weight ("tied embeddings": Qwen2.5-0.5B, -1.5B, -3B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -118,82 +111,48 @@ TP_PLAN = {
     "lm_head": Vocab(),
 }
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): every projection matrix, the embedding and the output
 #: head. Norm weights and biases are small vectors that stay float.
-QUANTIZABLE = re.compile(r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+
+#: Everything above, as the data lollm.build.build_model reads.
+LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("qwen2", "safetensors", HF_NAMES, frozenset(HF_IGNORED)),
+        "gguf": NameMap("qwen2", "gguf", GGUF_NAMES, frozenset(GGUF_IGNORED)),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
+)
 
 
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen2ForCausalLM:
+    """Build a qwen2 model from a checkpoint (the ``load`` of the qwen2 Family, plugin contract 2).
 
-
-def name_map_for(fmt: str) -> Callable[[str], str | None]:
-    """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
-
-    It raises WeightsError naming a tensor it does not know.
-    """
-    table, ignored = NAME_MAPS[fmt]
-
-    def name_map(file_name: str) -> str | None:
-        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
-        match = _LAYER_INDEX.search(file_name)
-        template = file_name if match is None else f"{file_name[:match.start()]}.{{i}}.{file_name[match.end():]}"
-        if template in ignored:
-            return None
-        if template not in table:
-            raise WeightsError(f"qwen2: unexpected tensor {file_name!r} in the {fmt} checkpoint: no qwen2 weight has that name")
-        target = table[template]
-        return target if match is None else target.format(i=match.group(1))
-
-    return name_map
-
-
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen2ForCausalLM:
-    """Build a qwen2 model from a checkpoint (the ``load`` of the qwen2 Family).
-
-    raw_config: config.json as a dict (for "gguf": the file's metadata); weights: a
-    TensorSource keyed by the file's names (:class:`lollm.gguf.GGUFTensorSource` for
-    GGUF, dequantizing each tensor to float32 when read); fmt: "safetensors" or
-    "gguf"; device, dtype: where the weights live. Returns the model in eval mode.
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata),
+    its ``weights`` a TensorSource keyed by the file's names (:class:`lollm.gguf.GGUFTensorSource`
+    for GGUF), its ``fmt`` "safetensors" or "gguf". options: resolved :class:`LoadOptions`
+    (device, dtype, what stays packed, this rank's tensor-parallel group). Returns the model in eval mode.
 
     Raises ConfigError (config.json / GGUF metadata) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    if fmt not in NAME_MAPS:
-        raise ConfigError(f"qwen2: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+    weights, fmt = checkpoint.weights, checkpoint.fmt
+    name_map = LAYOUT.name_map(fmt, "qwen2")
 
     # 1. Parse config.json (either schema) or the GGUF metadata into the numbers that shape the model.
     if fmt == "gguf":
-        config = Qwen2Config.from_gguf(raw_config, {name: weights.shape(name) for name in weights.names()})
+        config = Qwen2Config.from_gguf(checkpoint.config, {name: weights.shape(name) for name in weights.names()})
     else:
-        config = Qwen2Config.from_hf(raw_config)
+        config = Qwen2Config.from_hf(checkpoint.config)
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
+    config.check_weights(tensor_table(weights, name_map), fmt)
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(config)
-    else:
-        model = tp.build(Qwen2ForCausalLM)
-
-    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
-    model.model.rotary_emb.materialize(device)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    #    lm_head shares the embedding only when the config says the two are tied.
-    #    When the load asks for quantized weights, the matrices QUANTIZABLE names stay packed.
-    tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied,
-                 quantizable=quantizable)
-
-    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
-    return model.eval()
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), compute RoPE's
+    #    frequencies, stream the tensors in through the name map (packed where QUANTIZABLE
+    #    and the options allow); lm_head shares the embedding when the config ties them.
+    return build_model(Qwen2ForCausalLM, config, weights, fmt, options, LAYOUT, tie=config.tie_word_embeddings)

@@ -151,8 +151,11 @@ class RotaryEmbedding(nn.Module):
         # on the default device: "meta" (no data) while weights.load builds the model
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
-    def materialize(self, device: torch.device | str) -> None:
-        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device``."""
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        """
         inv_freq, self.attention_scaling = rope_inverse_frequencies(self.rope, self.head_dim)
         self.inv_freq = inv_freq.to(device)
 

@@ -1,0 +1,46 @@
+"""Calling a family's ``load`` in a test, the way :func:`lollm.pipeline.open_model` calls it (plugin contract 2).
+
+Tests often hold a config dict and a tensor source rather than a folder (a mutated
+config, a source that lies about a shape). :func:`load_with` wraps them in a
+:class:`lollm.loader.Checkpoint` and passes resolved :class:`lollm.options.LoadOptions`,
+float32 on the CPU unless ``options`` says otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+
+#: What the tests load with: float32 float weights on the CPU, SDPA attention.
+TEST_OPTIONS = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float")
+
+
+def test_checkpoint(config: dict, weights: Any, fmt: str) -> Checkpoint:
+    """A Checkpoint around ``config`` and ``weights`` (no folder behind it; its tokenizer cannot be read)."""
+    return Checkpoint(spec="<test>", path=Path("."), fmt=fmt, config=config, generation_config={}, weights=weights)
+
+
+def resolved(options: LoadOptions | None = None) -> LoadOptions:
+    """``options`` (default :data:`TEST_OPTIONS`) resolved as core resolves them, without a checkpoint: CPU only.
+
+    The quantization comes from ``options.weights_mode``/``options.quantize`` for a
+    safetensors checkpoint (a GGUF test that wants packed weights passes ``quantization``).
+    """
+    from lollm.pipeline import pick_quantization
+    from lollm.quantized import Quantization
+
+    options = options or TEST_OPTIONS
+    if options.quantization is None:
+        quantization = pick_quantization(options, "safetensors", __import__("torch").device("cpu")) \
+            if options.quantize else Quantization("float")
+        options = options.replace(quantization=quantization)
+    return options.replace(device="cpu" if options.device == "auto" else options.device,
+                           dtype="float32" if options.dtype == "auto" else options.dtype)
+
+
+def load_with(load: Callable[..., Any], config: dict, weights: Any, fmt: str, options: LoadOptions | None = None) -> Any:
+    """``load(checkpoint, options)`` on ``config`` and ``weights`` of format ``fmt``: the model it returns."""
+    return load(test_checkpoint(config, weights, fmt), resolved(options))
