@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from lollm import attention
 from lollm.attention import attend, recording, use_backend
 from lollm.errors import AttentionBackendError, LollmError
+from lollm.options import LoadOptions
 
 HEADS = [(3, 3), (4, 2), (7, 1)]  # (H, K): GQA ratios 1, 2, 7
 HEAD_DIMS = [16, 256, 512]
@@ -398,14 +399,14 @@ def test_cli_hands_the_backend_to_parity_and_bench(monkeypatch, capsys, command)
     seen = {}
 
     def fake_parity(spec, **kwargs):
-        seen.update(kwargs)
+        seen["attn"] = kwargs["options"].attn
         report = parity.ParityReport(model=spec, family="fake", dtype="float32", device="cpu", num_tokens=1,
-                                     min_cosine_required=0.99999, attn=kwargs["attn"])
+                                     min_cosine_required=0.99999, attn=kwargs["options"].attn)
         report.positions = [parity.PositionStats(0, 5, 1, 1, 5, 1.0, 0.0)]
         return report
 
-    def fake_bench(spec, **kwargs):
-        seen.update(kwargs)
+    def fake_bench(spec, options, **kwargs):
+        seen["attn"] = options.attn
         return bench.BenchResult([], prompt_tokens=1, new_tokens=1, threads=1)
 
     monkeypatch.setattr(parity, "run_parity", fake_parity)
@@ -427,9 +428,9 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
 
     loads, runs = [], []
 
-    def fake_open_model(spec, **kwargs):
-        loads.append(kwargs.get("attn"))
-        return types.SimpleNamespace(model=torch.nn.Linear(2, 2), attn=kwargs.get("attn") or "sdpa")
+    def fake_open_model(spec, options):
+        loads.append(options.attn)
+        return types.SimpleNamespace(model=torch.nn.Linear(2, 2), attn=options.attn or "sdpa")
 
     def fake_generate(model, ids, **kwargs):
         runs.append(kwargs.get("attn"))
@@ -438,7 +439,7 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
 
     monkeypatch.setattr(pipeline, "open_model", fake_open_model)
     monkeypatch.setattr(generate_module, "generate", fake_generate)
-    engine = bench.LollmEngine("some/model", attn="eager")
+    engine = bench.LollmEngine("some/model", LoadOptions(device="cpu", attn="eager"))
     engine.load()
     engine.prefill([1, 2, 3])
     engine.decode([1, 2, 3], 1)

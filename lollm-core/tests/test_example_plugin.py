@@ -118,9 +118,10 @@ def test_lollm_run_on_the_toy_checkpoint(toy_site, toy_checkpoint):
         f"""
         import json
         from lollm.generate import generate, stop_token_ids
+        from lollm.options import LoadOptions
         from lollm.pipeline import open_model
         from lollm.sampling import SamplingParams
-        loaded = open_model({str(toy_checkpoint)!r}, device="cpu")
+        loaded = open_model({str(toy_checkpoint)!r}, LoadOptions(device="cpu"))
         tok = loaded.tokenizer
         ck = loaded.checkpoint
         result = generate(loaded.model, tok.encode("hello world"), max_new_tokens=5,

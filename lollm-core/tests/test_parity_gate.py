@@ -92,8 +92,8 @@ class TwoLayer(nn.Module):
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
 
-def load(raw_config, weights, fmt, device, dtype, progress):
-    return TwoLayer({n: weights.read(n) for n in weights.names()})
+def load(checkpoint, options):
+    return TwoLayer({n: checkpoint.weights.read(n) for n in checkpoint.weights.names()})
 
 
 def reference(checkpoint, dtype):

@@ -68,7 +68,7 @@ LOAD_RAISES = {
     "__init__.py": "",
     "plugin.py": FAMILY_PLUGIN.format(name="toy_raises", model_type="lollm_toy", load="lollm_toy_raises.model:load"),
     "model.py": """
-        def load(raw_config, weights, fmt, device, dtype, progress):
+        def load(checkpoint, options):
             table = {}
             return table["layers"]  # a plugin bug: KeyError
     """,

@@ -15,6 +15,7 @@ from torch import nn
 
 from lollm.errors import LollmError, WeightsError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, SUPPORTED_TYPES, affine4, dequantize
+from lollm.options import LoadOptions
 from lollm.pipeline import pick_quantization
 from lollm.quantized import (
     INT4_TYPES,
@@ -209,8 +210,8 @@ class TinyGGUFSource:
 
     fmt = "gguf"
 
-    def __init__(self, tensors: dict, quantization: Quantization):
-        self.tensors, self.quantization = tensors, quantization
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
 
     def names(self):
         return list(self.tensors)
@@ -261,9 +262,9 @@ def matrices(name: str) -> bool:
 def load_tiny(mode: str, embed_type: str = "Q8_0", quantizable=matrices):
     with torch.device("meta"):
         model = TinyLM()
-    source = TinyGGUFSource(tiny_tensors(embed_type), Quantization(mode))
+    source = TinyGGUFSource(tiny_tensors(embed_type))
     return load_weights(model, source, lambda n: n, device="cpu", dtype=torch.float32,
-                        tied={"lm_head.weight": "embed.weight"}, quantizable=quantizable)
+                        tied={"lm_head.weight": "embed.weight"}, quantizable=quantizable, quantization=Quantization(mode))
 
 
 def test_load_keeps_the_chosen_tensors_packed_and_ties_the_head_to_the_embedding():
@@ -307,8 +308,8 @@ def test_a_packed_tensor_of_the_wrong_shape_names_it():
     raw, _ = gguf_matrix("Q4_K", n=128, k=256)
     tensors["proj.weight"] = (raw, "Q4_K", (128, 256))
     with pytest.raises(WeightsError, match=r"proj.weight.*\(128, 256\).*\(256, 256\)"):
-        load_weights(model, TinyGGUFSource(tensors, Quantization("gguf")), lambda n: n, device="cpu",
-                     dtype=torch.float32, tied={"lm_head.weight": "embed.weight"}, quantizable=matrices)
+        load_weights(model, TinyGGUFSource(tensors), lambda n: n, device="cpu", dtype=torch.float32,
+                     tied={"lm_head.weight": "embed.weight"}, quantizable=matrices, quantization=Quantization("gguf"))
 
 
 @pytest.mark.parametrize(
@@ -322,15 +323,18 @@ def test_a_packed_tensor_of_the_wrong_shape_names_it():
     ],
 )
 def test_weight_flags_are_checked(weights, quantize, fmt, message):
-    with pytest.raises(LollmError, match=message):
-        pick_quantization(weights, quantize, 32, fmt, torch.device("cpu"))
+    with pytest.raises(LollmError, match=message):  # from LoadOptions itself, or once the format is known
+        pick_quantization(LoadOptions(weights=weights, quantize=quantize), fmt, torch.device("cpu"))
 
 
 def test_weight_flag_defaults():
     cpu = torch.device("cpu")
-    assert pick_quantization("auto", None, 32, "gguf", cpu).mode == "gguf"
-    assert pick_quantization("auto", None, 32, "safetensors", cpu).mode == "float"
-    assert pick_quantization("auto", "int4", 128, "safetensors", cpu) == Quantization("int4", 128)
-    assert pick_quantization("float", None, 32, "gguf", cpu).mode == "float"
+    pick = lambda fmt, **flags: pick_quantization(LoadOptions(**flags), fmt, cpu)
+    assert pick("gguf", weights="auto").mode == "gguf"
+    assert pick("safetensors", weights="auto").mode == "float"
+    assert pick("safetensors", weights="auto", quantize="int4", group_size=128) == Quantization("int4", 128)
+    assert pick("gguf", weights="float").mode == "float"
+    assert pick("gguf").mode == "float"  # no flags: the reference path
+    assert pick("safetensors", quantize="int8").mode == "int8"  # quantize alone means weights auto
     with pytest.raises(LollmError, match="group size 48"):
-        pick_quantization("auto", "int4", 48, "safetensors", cpu)
+        pick("safetensors", weights="auto", quantize="int4", group_size=48)

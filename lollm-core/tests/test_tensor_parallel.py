@@ -27,8 +27,9 @@ from lollm.tensor_parallel import (
     Vocab,
     check_launch,
     init,
-    sharding,
 )
+from lollm.build import WeightLayout, build_model
+from lollm.options import LoadOptions
 from lollm.weights import load_weights
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
@@ -134,13 +135,12 @@ PLAN = {
 
 
 class DictSource:
-    """The loader's TensorSource interface over a dict of tensors (no quantization)."""
+    """The loader's TensorSource interface over a dict of tensors."""
 
     fmt = "safetensors"
-    quantization = None
 
-    def __init__(self, tensors, group=None):
-        self.tensors, self.tensor_parallel = tensors, group
+    def __init__(self, tensors):
+        self.tensors = tensors
 
     def names(self):
         return list(self.tensors)
@@ -159,10 +159,10 @@ def toy_weights(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def shard(rank: int, world: int, weights=None, config=ToyConfig()):
     group = Group(rank=rank, world=world, backend="gloo", device=torch.device("cpu"))
-    source = DictSource(weights or toy_weights(), group)
-    tp = sharding(source, PLAN, config)
+    source = DictSource(weights or toy_weights())
+    tp = Sharding(PLAN, config, group)
     model = tp.build(Toy)
-    load_weights(model, source, lambda n: n, device="cpu", dtype=torch.float32)
+    load_weights(model, source, lambda n: n, device="cpu", dtype=torch.float32, sharding=tp)
     return tp, model
 
 
@@ -201,16 +201,32 @@ def test_a_split_that_does_not_divide_names_the_field():
         shard(0, 8)
 
 
+#: The toy's declarations, as a family gives them to lollm.build.build_model.
+LAYOUT = WeightLayout(name_maps={"safetensors": lambda n: n}, tp_plan=PLAN, quantizable=r"q\.weight|up\.weight")
+
+
+def options(group=None, quantization=Quantization("float")) -> LoadOptions:
+    """Resolved LoadOptions on the CPU: what open_model hands a family's load."""
+    return LoadOptions(device="cpu", dtype="float32", tp=1 if group is None else group.world,
+                       quantization=quantization, tensor_parallel=group)
+
+
 def test_packed_weights_are_refused():
     group = Group(rank=0, world=2, backend="gloo", device=torch.device("cpu"))
-    source = DictSource(toy_weights(), group)
-    source.quantization = Quantization("int8", 32)
     with pytest.raises(TensorParallelError, match=r"--tp runs float weights; use --weights float"):
-        sharding(source, PLAN, ToyConfig())
+        build_model(Toy, ToyConfig(), DictSource(toy_weights()), "safetensors", options(group, Quantization("int8", 32)), LAYOUT)
 
 
-def test_no_group_means_no_sharding():
-    assert sharding(DictSource(toy_weights()), PLAN, ToyConfig()) is None
+def test_build_model_takes_the_group_from_the_options():
+    """The tensor-parallel setting reaches the build only through LoadOptions.tensor_parallel."""
+    full = toy_weights()
+    whole = build_model(Toy, ToyConfig(), DictSource(full), "safetensors", options(), LAYOUT)
+    assert getattr(whole, "tensor_parallel", None) is None and whole.config.heads == 4
+    assert torch.equal(whole.q.weight, full["q.weight"])
+    group = Group(rank=1, world=2, backend="gloo", device=torch.device("cpu"))
+    share = build_model(Toy, ToyConfig(), DictSource(full), "safetensors", options(group), LAYOUT)
+    assert share.tensor_parallel.group is group and share.config.heads == 2
+    assert torch.equal(share.q.weight, full["q.weight"][4:8])  # rank 1's two heads of two rows
 
 
 def test_a_plan_of_unknown_specs_is_refused():

@@ -64,12 +64,8 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     config value a GGUF of that architecture cannot carry (naming the key).
     """
     import gguf
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers import AutoConfig
-
-    from lollm.testing.tiny_gguf import byte_level_vocab
 
     if ggml_type not in GGUF_TYPES:
         raise ValueError(f"ggml_type must be one of {', '.join(GGUF_TYPES)}, not {ggml_type!r}")
@@ -81,14 +77,42 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
                          f"(supported: {', '.join(SUPPORTED)})")
     arch = SUPPORTED[model_type]
     cfg = AutoConfig.from_pretrained(str(folder))  # both config.json schemas, read the same way
-    gemma = arch.startswith("gemma")
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = _rope(cfg)
 
     # 1. Refuse what a GGUF of this architecture cannot say.
-    if gemma and float(cfg.query_pre_attn_scalar) != float(head_dim):
+    rope = _checked_rope(folder, arch, cfg)
+
+    # 2. The metadata, as the converter's set_gguf_parameters writes it.
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_metadata(writer, folder, arch, cfg, raw, rope)
+
+    # 3. The tensors: gguf-py's names, the converter's quirks, the type asked for.
+    stored = _write_tensors(writer, folder, arch, cfg, ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    # 4. The reference: the same numbers under the checkpoint's names.
+    if reference_dir is not None:
+        ref = Path(reference_dir)
+        ref.mkdir(parents=True, exist_ok=True)
+        for extra in ("config.json", "generation_config.json"):
+            if (folder / extra).is_file():
+                shutil.copy(folder / extra, ref / extra)
+        save_file(stored, str(ref / "model.safetensors"))
+    return out
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _checked_rope(folder: Path, arch: str, cfg: Any) -> dict[str, Any]:
+    """Step 1: raise ValueError for what a GGUF of ``arch`` cannot carry; return the RoPE parameters it writes."""
+    rope = _rope(cfg)
+    if arch.startswith("gemma") and float(cfg.query_pre_attn_scalar) != float(_head_dim(cfg)):
         raise ValueError(f"{folder}: query_pre_attn_scalar {cfg.query_pre_attn_scalar} differs from head_dim "
-                         f"{head_dim}; a {arch} GGUF does not carry it (llama.cpp derives the scale from "
+                         f"{_head_dim(cfg)}; a {arch} GGUF does not carry it (llama.cpp derives the scale from "
                          f"head_dim), so the file would be another model")
     if arch == "gemma3":
         derived = ["sliding_attention" if i % 6 < 5 else "full_attention" for i in range(cfg.num_hidden_layers)]
@@ -101,9 +125,16 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
         rope = rope.get("full_attention", {})
     if arch in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
         raise ValueError(f"{folder}: use_sliding_window is true; the converter writes no sliding window for {arch}")
+    return rope
 
-    # 2. The metadata, as the converter's set_gguf_parameters writes it.
-    writer = gguf.GGUFWriter(str(out), arch)
+
+def _write_metadata(writer: Any, folder: Path, arch: str, cfg: Any, raw: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Step 2: the architecture's numbers, RoPE, soft-caps and a byte-level vocabulary, as the converter writes them."""
+    import gguf
+
+    from lollm.testing.tiny_gguf import byte_level_vocab
+
+    gemma = arch.startswith("gemma")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -112,8 +143,8 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     if "head_dim" in raw or "head_dim" in raw.get("text_config", {}) or gemma:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+        writer.add_key_length(_head_dim(cfg))
+        writer.add_value_length(_head_dim(cfg))
     if arch != "gemma2":
         writer.add_rope_freq_base(float(rope["rope_theta"]))
     scaling = rope.get("rope_type", "default")
@@ -141,22 +172,28 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_add_bos_token(False)
 
-    # 3. The tensors: gguf-py's names, the converter's quirks, the type asked for.
+
+def _write_tensors(writer: Any, folder: Path, arch: str, cfg: Any, ggml_type: str) -> dict[str, Any]:
+    """Step 3: every tensor under gguf-py's name in the type asked for; returns what the file holds, as float32."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    gemma = arch.startswith("gemma")
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     qtype = gguf.GGMLQuantizationType[ggml_type]
     stored: dict[str, Any] = {}
     for hf_name, value in load_file(str(folder / "model.safetensors")).items():
         if gemma and hf_name == "lm_head.weight":
             continue  # tied: the converter does not write it
-        array = value.float().numpy()
-        shift = 1.0 if gemma and hf_name.endswith("norm.weight") else 0.0
-        array = array + np.float32(shift)
+        shift = np.float32(1.0 if gemma and hf_name.endswith("norm.weight") else 0.0)  # Gemma's norms stored as 1 + w
+        array = value.float().numpy() + shift
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"{folder}: gguf-py has no {arch} name for the tensor {hf_name!r}")
         kind = qtype if array.ndim >= 2 else gguf.GGMLQuantizationType.F32
-        block = gguf.GGML_QUANT_SIZES[kind][0]
-        if array.shape[-1] % block:
+        if array.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
             kind = gguf.GGMLQuantizationType.F16
         if kind == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
@@ -169,21 +206,8 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
             packed = gguf.quants.quantize(array, kind)
             writer.add_tensor(name, packed, raw_dtype=kind)
             held = gguf.quants.dequantize(packed, kind).reshape(array.shape)
-        stored[hf_name] = torch.from_numpy(np.ascontiguousarray(held - np.float32(shift)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-    # 4. The reference: the same numbers under the checkpoint's names.
-    if reference_dir is not None:
-        ref = Path(reference_dir)
-        ref.mkdir(parents=True, exist_ok=True)
-        for extra in ("config.json", "generation_config.json"):
-            if (folder / extra).is_file():
-                shutil.copy(folder / extra, ref / extra)
-        save_file(stored, str(ref / "model.safetensors"))
-    return out
+        stored[hf_name] = torch.from_numpy(np.ascontiguousarray(held - shift))
+    return stored
 
 
 def _rope(cfg: Any) -> dict[str, Any]:

@@ -11,7 +11,8 @@ The architecture (GPT-2's, shrunk to the essentials)::
 Read in order: :class:`ToyConfig` (config.json, strictly) ─► :class:`ToyCache`
 (preallocated K/V) ─► :class:`ToyAttention`, :class:`ToyBlock`,
 :class:`ToyForCausalLM` (forward in numbered steps) ─► :func:`load` (the
-entry point lollm-core calls: builds on meta, streams the weights in).
+entry point lollm-core calls: hands the model class and its weight layout to core's
+:func:`lollm.build.build_model`, which builds on meta and streams the weights in).
 
 Tensor names mirror Hugging Face style (``model.layers.N.self_attn.q_proj.weight``),
 so the name map from the file to the model is the identity.
@@ -27,7 +28,9 @@ from torch import nn
 
 from lollm.attention import attend
 from lollm.errors import ConfigError
-from lollm.weights import load_weights
+from lollm.build import WeightLayout, build_model
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
 
 # -- config ---------------------------------------------------------------------------------
 
@@ -231,13 +234,20 @@ def name_map(file_name: str) -> str:
     return file_name
 
 
-def load(raw_config: dict, weights, fmt: str, device: torch.device, dtype: torch.dtype, progress: bool) -> ToyForCausalLM:
-    """Build the model on the meta device and stream the checkpoint's tensors into it."""
-    if fmt != "safetensors":
-        raise ConfigError(f"lollm_toy reads safetensors checkpoints only, not {fmt}")
-    config = ToyConfig.from_dict(raw_config)
-    with torch.device("meta"):
-        model = ToyForCausalLM(config)  # shapes only: costs no memory
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied)
-    return model.eval()
+#: What core's build_model needs to know about the weights: the name map per format and the
+#: tied head. No tensor-parallel plan (``--tp`` is refused) and nothing may stay packed.
+LAYOUT = WeightLayout(name_maps={"safetensors": name_map}, tied={"lm_head.weight": "model.embed_tokens.weight"})
+
+
+def load(checkpoint: Checkpoint, options: LoadOptions) -> ToyForCausalLM:
+    """Build the model on the meta device and stream the checkpoint's tensors into it (plugin contract 2).
+
+    checkpoint: ``.config`` is config.json as a dict, ``.weights`` the tensors by file name,
+    ``.fmt`` "safetensors" (anything else is a ConfigError). options: the resolved
+    :class:`lollm.options.LoadOptions` (device, dtype, ...), handed to core's build_model.
+    """
+    if checkpoint.fmt != "safetensors":
+        raise ConfigError(f"lollm_toy reads safetensors checkpoints only, not {checkpoint.fmt}")
+    config = ToyConfig.from_dict(checkpoint.config)
+    return build_model(ToyForCausalLM, config, checkpoint.weights, checkpoint.fmt, options, LAYOUT,
+                       tie=config.tie_word_embeddings)
