@@ -274,7 +274,7 @@ def test_a_capture_that_would_not_fit_the_memory_is_refused_first(toy_visible, c
     monkeypatch.setattr(lollm.memory, "free_memory", lambda device: 20_000)
     out = tmp_path / "t.html"
     with pytest.raises(LollmError) as info:
-        trace_run.run_trace(str(ckpt), prompt="hello there", output=out, device="cpu")
+        trace_run.run_trace(str(ckpt), prompt="hello there", output=out, options=LoadOptions(device="cpu"))
     message = str(info.value)
     assert re.search(r"capturing \d+ tokens needs about [\d.]+ KiB on cpu .* but 19\.5 KiB are free: give a prompt of "
                      r"at most about \d+ tokens", message), message

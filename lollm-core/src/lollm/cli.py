@@ -873,9 +873,9 @@ def trace(
         prompt = _read_stdin("--prompt").rstrip("\n")
     from lollm.trace.run import run_trace  # (imports torch: after the checks above)
 
+    options = LoadOptions(device=device, dtype=dtype, progress=True, family=family_name)
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
-                       compare_reference=compare, device=device, dtype=dtype, max_tokens=max_tokens, progress=True,
-                       family=family_name)
+                       compare_reference=compare, options=options, max_tokens=max_tokens)
     t = result.trace
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")

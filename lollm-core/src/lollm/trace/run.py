@@ -76,21 +76,25 @@ def reference_for(loaded: LoadedModel):
         raise LollmError(f"--compare needs transformers: pip install 'lollm-core[parity]' ({exc})") from None
 
 
+#: What a trace loads with unless told otherwise: float32 float weights on the best device.
+TRACE_OPTIONS = LoadOptions(dtype="float32")
+
+
 def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
-              think: bool | None = None, compare_reference: bool = False, device: str = "auto", dtype: str = "float32",
-              max_tokens: int = MAX_TOKENS, progress: bool = False, family: str | None = None) -> TraceResult:
+              think: bool | None = None, compare_reference: bool = False, options: LoadOptions = TRACE_OPTIONS,
+              max_tokens: int = MAX_TOKENS) -> TraceResult:
     """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
 
     compare_reference: also run the parity gate's reference (transformers) and store the
                        divergence of every hidden state (our model is freed first).
+    options:           how the model loads (:class:`lollm.options.LoadOptions`: device, dtype, ``--family`` ...).
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
-    family:            the family's name (``--family``) when several installed plugins claim the type.
     Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
     longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
     (:func:`lollm.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
     """
     output = check_output(output)  # before anything loads
-    loaded = open_model(spec, LoadOptions(device=device, dtype=dtype, progress=progress, family=family))
+    loaded = open_model(spec, options)
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
     trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
