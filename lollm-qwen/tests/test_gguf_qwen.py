@@ -368,3 +368,20 @@ def test_real_gguf_load_peak_memory(real_gguf):
     print(json.dumps({**data, "growth": growth, "ratio": round(ratio, 3)}))
     assert data["model_bytes"] > 2e9  # 630M parameters (untied output) in float32
     assert ratio < 1.5, data
+
+
+# -- the README's Python snippet runs as written, on a tiny GGUF ----------------------------------
+
+
+def test_the_readme_python_snippet_runs(tiny_gguf, capsys):
+    """README "From Python": open_model with LoadOptions, keep the GGUF packed, generate greedily."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- tested: python snippet -->\s*```python\n(.*?)```", readme, re.S)
+    assert match, "README.md has no python block after '<!-- tested: python snippet -->'"
+    code = match.group(1)
+    spec = re.search(r'open_model\("([^"]+)"', code).group(1)
+    namespace: dict = {}
+    exec(compile(code.replace(spec, str(tiny_gguf("qwen2", True))), "README.md", "exec"), namespace)
+    loaded, result = namespace["loaded"], namespace["result"]
+    assert loaded.model.weights_summary.packed > 0  # weights="auto": the file's blocks stayed packed
+    assert len(result.new_ids) >= 1 and capsys.readouterr().out.strip() == result.text.strip()
