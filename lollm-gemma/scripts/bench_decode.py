@@ -27,7 +27,6 @@ import json
 import subprocess
 import sys
 import time
-from lollm.options import LoadOptions
 
 TEXT = (
     "In the beginning of computing, programs were written as sequences of numbers that a machine would read "
@@ -55,6 +54,7 @@ def worker(engine: str, folder: str, ids: list[int], new_tokens: int, threads: i
     with torch.inference_mode():
         if engine == "lollm":
             from lollm.generate import generate
+            from lollm.options import LoadOptions
             from lollm.pipeline import open_model
             from lollm.sampling import SamplingParams
 

@@ -352,9 +352,9 @@ def test_real_norm_weights_shift_undone_once(gemma3_gguf, gemma3_dir):
     from safetensors import safe_open
 
     from lollm.gguf import GGUFFile, GGUFTensorSource
-    from lollm_gemma.gemma3.weights import name_map_for, undo_gguf_norm_shift
+    from lollm_gemma.gemma3.weights import LAYOUT, undo_gguf_norm_shift
 
-    name_map = name_map_for("gguf", multimodal=False)
+    name_map = LAYOUT.name_map("gguf")
     checked = 0
     with GGUFFile(gemma3_gguf) as f, safe_open(str(gemma3_dir / "model.safetensors"), "pt") as st:
         src = GGUFTensorSource(f)

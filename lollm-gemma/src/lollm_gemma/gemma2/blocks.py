@@ -87,8 +87,11 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
 
-    def materialize(self, device: torch.device | str) -> None:
-        """Compute ``inv_freq`` on the CPU in float32 and place it on ``device``."""
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        """
         self.inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

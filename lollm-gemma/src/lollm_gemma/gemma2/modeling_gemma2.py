@@ -103,8 +103,11 @@ class Gemma2ForCausalLM(nn.Module):
         self.register_buffer("embed_scale", torch.empty(()), persistent=False)
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Compute the tensors that are not in the checkpoint: RoPE frequencies and the embedding scale."""
-        self.model.rotary_emb.materialize(device)
+        """Compute the embedding scale, which no checkpoint holds, on ``device`` in ``dtype``.
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device
+        (and calls each RotaryEmbedding's own ``materialize`` for the RoPE frequencies).
+        """
         self.embed_scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
 
     def new_cache(self, max_tokens: int) -> Gemma2Cache:

@@ -17,15 +17,14 @@ are not permuted (llama.cpp runs Gemma 2 with NEOX RoPE).
 
 from __future__ import annotations
 
-import re
-from typing import Callable
-
 import torch
 
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.errors import WeightsError
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma2Config
 from .modeling_gemma2 import Gemma2ForCausalLM
@@ -69,9 +68,6 @@ GGUF_NAMES = {
     "output.weight": "lm_head.weight",  # the converter skips lm_head: tied to token_embd
 }
 
-#: Name maps per checkpoint format.
-NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
-
 #: What llama.cpp's converter added to every norm weight (``Gemma2Model.modify_tensors``).
 GGUF_NORM_SHIFT = 1.0
 
@@ -80,6 +76,7 @@ def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``w + 1`` back to ``w`` for every norm weight (model names ending in ``norm.weight``,
     the converter's own test on the same HF names); other tensors as they are."""
     return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor
+
 
 #: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
 #: Attention by whole heads (q by query heads; k, v by KV heads, each rank keeping the KV
@@ -106,51 +103,33 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): every projection matrix, the embedding and the output
 #: head. The norm weights stay float (the GGUF ones pass through undo_gguf_norm_shift).
-QUANTIZABLE = re.compile(
-    r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+
+#: Everything above, as the data lollm.build.build_model reads.
+LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("gemma2", "safetensors", HF_NAMES),
+        "gguf": NameMap("gemma2", "gguf", GGUF_NAMES),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
 )
 
 
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Gemma2ForCausalLM:
+    """Build a gemma2 model from a checkpoint (the ``load`` of the gemma2 Family, plugin contract 2).
 
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata),
+    its ``weights`` a TensorSource keyed by the file's names, its ``fmt`` "safetensors" or
+    "gguf". options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this
+    rank's tensor-parallel group). Returns the model in eval mode.
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def name_map_for(fmt: str) -> Callable[[str], str | None]:
-    """The function file name -> model name for checkpoints of format ``fmt``.
-
-    It raises WeightsError naming a tensor it does not know.
+    Raises ConfigError (config.json / GGUF metadata, an unknown format) and WeightsError
+    (a tensor missing, unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    table = NAME_MAPS[fmt]
-
-    def name_map(file_name: str) -> str | None:
-        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
-        match = _LAYER_INDEX.search(file_name)
-        template = file_name if match is None else f"{file_name[:match.start()]}.{{i}}.{file_name[match.end():]}"
-        if template not in table:
-            raise WeightsError(f"gemma2: unexpected tensor {file_name!r} in the {fmt} checkpoint: no gemma2 weight has that name")
-        target = table[template]
-        return target if match is None else target.format(i=match.group(1))
-
-    return name_map
-
-
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Gemma2ForCausalLM:
-    """Build a gemma2 model from a checkpoint (the ``load`` of the gemma2 Family).
-
-    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the
-    GGUF metadata); device, dtype: where the
-    weights live. Returns the model in eval mode.
-
-    Raises ConfigError (config.json) and WeightsError (a tensor missing,
-    unexpected, or of the wrong shape), each naming the key or tensor.
-    """
-    if fmt not in NAME_MAPS:
-        raise ConfigError(f"gemma2: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+    weights, fmt = checkpoint.weights, checkpoint.fmt
+    name_map = LAYOUT.name_map(fmt, "gemma2")
 
     # 1. Parse config.json (either schema) or the GGUF metadata into the numbers that shape
     #    the model. GGUF: the vocabulary is token_embd's rows, tied when output.weight is absent.
@@ -158,33 +137,18 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
         if "token_embd.weight" not in weights.names():
             raise WeightsError("gemma2: the GGUF file has no 'token_embd.weight'")
         config = Gemma2Config.from_gguf(
-            raw_config, vocab_size=weights.shape("token_embd.weight")[0],
+            checkpoint.config, vocab_size=weights.shape("token_embd.weight")[0],
             tie_word_embeddings="output.weight" not in weights.names(),
         )
     else:
-        config = Gemma2Config.from_hf(raw_config)
+        config = Gemma2Config.from_hf(checkpoint.config)
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
+    config.check_weights(tensor_table(weights, name_map), fmt)
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Gemma2ForCausalLM(config)
-    else:
-        model = tp.build(Gemma2ForCausalLM)
-
-    # 4. What is not in the checkpoint: RoPE frequencies and the embedding scale.
-    model.materialize(device, dtype)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    load_weights(
-        model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=TIED if config.tie_word_embeddings else None,
-        transform=undo_gguf_norm_shift if fmt == "gguf" else None, quantizable=quantizable,
-    )
-
-    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
-    return model.eval()
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), compute RoPE's
+    #    frequencies and the embedding scale, stream the tensors in through the name map
+    #    (GGUF norms shifted back by 1; packed where QUANTIZABLE and the options allow).
+    return build_model(Gemma2ForCausalLM, config, weights, fmt, options, LAYOUT, tie=config.tie_word_embeddings,
+                       transform=undo_gguf_norm_shift if fmt == "gguf" else None)

@@ -3,8 +3,9 @@
 This file is the family's manifest: plain constants that the plugin
 (``lollm_gemma.plugin``) reads without importing torch or any model code.
 
-Read the family in this order: ``config.py`` -> ``blocks.py`` ->
-``modeling_gemma3.py`` -> ``kv.py`` -> ``weights.py``. The learner's pages are
+Read the family in this order: ``modeling_gemma3.py`` (the forward pass, top to
+bottom) -> ``config.py`` (the numbers it reads) -> ``blocks.py`` -> ``kv.py`` ->
+``weights.py``. The learner's pages are
 docs/gemma3.md (what changed since Gemma 2) and docs/sliding-window.md (the cache).
 """
 

@@ -16,6 +16,7 @@ beside a SigLIP vision tower and its projector, under one of two spellings:
     vision_tower.vision_model.* , multi_modal_projector.*   model.vision_tower.* , model.multi_modal_projector.*
 
 We load the decoder only: both decoder prefixes are mapped back to ``model.*``
+(:data:`MULTIMODAL_LAYOUT`, its table spelt out from :data:`HF_NAMES` by :func:`prefixed`)
 and the vision prefixes are skipped by name; anything else unknown still raises.
 
 GGUF files (llama.cpp's converter) name the same tensors the llama.cpp way
@@ -35,15 +36,16 @@ Attention Q/K rows are *not* permuted for Gemma (llama.cpp runs it with NEOX RoP
 
 from __future__ import annotations
 
-import re
-from typing import Callable
+from typing import Mapping
 
 import torch
 
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.errors import WeightsError
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma3Config
 from .modeling_gemma3 import Gemma3ForCausalLM
@@ -71,14 +73,31 @@ HF_NAMES = {
     )
 }
 
-#: The multimodal layout: decoder prefix in the file -> prefix in the model.
+#: The multimodal layout: decoder prefix in the file -> prefix in the model ...
 MULTIMODAL_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
+    "lm_head.": "lm_head.",  # transformers 4.52-4.57 keep the head at the top
 }
 #: ... and these prefixes hold the vision tower, which this text family does not load.
 MULTIMODAL_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def prefixed(table: Mapping[str, str], prefixes: Mapping[str, str]) -> dict[str, str]:
+    """The file -> model table of a checkpoint that nests the same tensors under other prefixes.
+
+    ``{"model.norm.weight": "model.norm.weight"}`` with ``{"language_model.model.": "model."}``
+    gives ``{"language_model.model.norm.weight": "model.norm.weight"}``: each model name that
+    starts with a prefix's model side, spelt with its file side instead.
+    """
+    return {
+        file_prefix + target[len(model_prefix):]: target
+        for file_prefix, model_prefix in prefixes.items()
+        for target in table.values()
+        if target.startswith(model_prefix)
+    }
+
 
 #: llama.cpp (GGUF) tensor name -> model name (gguf-py tensor_mapping.py, MODEL_ARCH.GEMMA3).
 GGUF_NAMES = {
@@ -100,9 +119,6 @@ GGUF_NAMES = {
     "output.weight": "lm_head.weight",  # absent in Gemma 3 files: tied to token_embd
 }
 
-#: Name maps per checkpoint format.
-NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
-
 #: What llama.cpp's converter added to every norm weight (``Gemma3Model.norm_shift``).
 GGUF_NORM_SHIFT = 1.0
 
@@ -114,6 +130,7 @@ def undo_gguf_norm_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
     HF names, so the same test picks the same tensors (q_norm and k_norm included).
     """
     return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor
+
 
 #: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
 #: Attention by whole heads (q by query heads; k, v by KV heads, each rank keeping the KV
@@ -140,61 +157,43 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): every projection matrix, the embedding and the output
 #: head. The norm weights stay float (the GGUF ones pass through undo_gguf_norm_shift).
-QUANTIZABLE = re.compile(
-    r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+
+#: Everything above, as the data lollm.build.build_model reads: the text layout (``gemma3_text``,
+#: and every GGUF) ... (a NameMap's second field is how an error names the checkpoint: layout and format)
+LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("gemma3", "text (model_type 'gemma3_text') safetensors", HF_NAMES),
+        "gguf": NameMap("gemma3", "gguf", GGUF_NAMES),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
+)
+#: ... and the multimodal one (``gemma3``): the decoder under its prefixes, the vision tower skipped.
+MULTIMODAL_LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("gemma3", "multimodal (model_type 'gemma3') safetensors",
+                               prefixed(HF_NAMES, MULTIMODAL_PREFIXES), ignored_prefixes=MULTIMODAL_SKIPPED),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
 )
 
 
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Gemma3ForCausalLM:
+    """Build a gemma3 model from a checkpoint (the ``load`` of the gemma3 Family, plugin contract 2).
 
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata),
+    its ``weights`` a TensorSource keyed by the file's names, its ``fmt`` "safetensors" or
+    "gguf". options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this
+    rank's tensor-parallel group). Returns the model in eval mode.
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def name_map_for(fmt: str, multimodal: bool) -> Callable[[str], str | None]:
-    """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
-
-    It raises WeightsError naming a tensor it does not know.
+    Raises ConfigError (config.json / GGUF metadata, an unknown format) and WeightsError
+    (a tensor missing, unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    table = NAME_MAPS[fmt]
-    layout = "multimodal (model_type 'gemma3')" if multimodal else "text (model_type 'gemma3_text')"
-
-    def name_map(file_name: str) -> str | None:
-        name = file_name
-        if multimodal:
-            if name.startswith(MULTIMODAL_SKIPPED):
-                return None  # the vision tower: not part of the text decoder
-            prefix = next((p for p in MULTIMODAL_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                name = MULTIMODAL_PREFIXES[prefix] + name[len(prefix) :]
-            elif name != "lm_head.weight":
-                raise WeightsError(f"gemma3: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint")
-        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
-        match = _LAYER_INDEX.search(name)
-        template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
-        if template not in table:
-            raise WeightsError(f"gemma3: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint: no gemma3 weight has that name")
-        target = table[template]
-        return target if match is None else target.format(i=match.group(1))
-
-    return name_map
-
-
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Gemma3ForCausalLM:
-    """Build a gemma3 model from a checkpoint (the ``load`` of the gemma3 Family).
-
-    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the
-    GGUF metadata); device, dtype: where the
-    weights live. Returns the model in eval mode.
-
-    Raises ConfigError (config.json) and WeightsError (a tensor missing,
-    unexpected, or of the wrong shape), each naming the key or tensor.
-    """
-    if fmt not in NAME_MAPS:
-        raise ConfigError(f"gemma3: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+    weights, fmt = checkpoint.weights, checkpoint.fmt
 
     # 1. Parse config.json (either layout, either schema) or the GGUF metadata into the numbers
     #    that shape the model. GGUF: the vocabulary is token_embd's rows, tied when output.weight is absent.
@@ -202,34 +201,20 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
         if "token_embd.weight" not in weights.names():
             raise WeightsError("gemma3: the GGUF file has no 'token_embd.weight'")
         config = Gemma3Config.from_gguf(
-            raw_config, vocab_size=weights.shape("token_embd.weight")[0],
+            checkpoint.config, vocab_size=weights.shape("token_embd.weight")[0],
             tie_word_embeddings="output.weight" not in weights.names(),
         )
     else:
-        config = Gemma3Config.from_hf(raw_config)
+        config = Gemma3Config.from_hf(checkpoint.config)
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
-    #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map_for(fmt, config.multimodal)), fmt)
+    #    no data read): nothing is built that the weight files do not back. The config's
+    #    model_type says which layout names the tensors.
+    layout = MULTIMODAL_LAYOUT if config.multimodal else LAYOUT
+    config.check_weights(tensor_table(weights, layout.name_map(fmt, "gemma3")), fmt)
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Gemma3ForCausalLM(config)
-    else:
-        model = tp.build(Gemma3ForCausalLM)
-
-    # 4. What is not in the checkpoint: RoPE frequencies and the embedding scale.
-    model.materialize(device, dtype)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    load_weights(
-        model, weights, name_map_for(fmt, config.multimodal),
-        device=device, dtype=dtype, progress=progress, tied=TIED if config.tie_word_embeddings else None,
-        transform=undo_gguf_norm_shift if fmt == "gguf" else None, quantizable=quantizable,
-    )
-
-    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
-    return model.eval()
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), compute RoPE's
+    #    frequencies and the embedding scale, stream the tensors in through the name map
+    #    (GGUF norms shifted back by 1; packed where QUANTIZABLE and the options allow).
+    return build_model(Gemma3ForCausalLM, config, weights, fmt, options, layout, tie=config.tie_word_embeddings,
+                       transform=undo_gguf_norm_shift if fmt == "gguf" else None)

@@ -144,9 +144,11 @@ class Gemma4ForCausalLM(nn.Module):
         self.register_buffer("per_layer_embed_scale", torch.empty(()), persistent=False)
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Compute the tensors that are not in the checkpoint: RoPE frequencies and the embedding scales."""
-        for rope in self.model.rotary_emb.values():
-            rope.materialize(device)
+        """Compute the embedding scales, which no checkpoint holds, on ``device`` in ``dtype``.
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device
+        (and calls each RotaryEmbedding's own ``materialize`` for the RoPE frequencies).
+        """
         self.embed_scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)
         self.per_layer_embed_scale = torch.tensor(self.config.hidden_size_per_layer_input**0.5, dtype=dtype, device=device)
 

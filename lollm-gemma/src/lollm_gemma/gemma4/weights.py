@@ -13,12 +13,13 @@ Three kinds of names need a word:
   parameter; it is in the checkpoint and loaded like a weight.
 * The KV-sharing layers have no k_proj / v_proj / k_norm of their own.
   Checkpoints may still carry them (transformers lists them as "ignored on
-  load"); for those layers, and only those, they are skipped by name.
+  load"); for those layers, and only those, they are skipped by name
+  (shared_kv_names.py; :func:`layout_for` reads which layers share from the config).
 * A multimodal ``gemma4`` checkpoint (gemma-4-E2B-it as published) holds the
   decoder under ``model.language_model.*`` beside the vision and audio towers
   (``model.vision_tower.*``, ``model.audio_tower.*``) and their projections into
   the text space (``model.embed_vision.*``, ``model.embed_audio.*``). We load the
-  decoder only: its prefix is mapped back to ``model.*`` and the four tower
+  decoder only: its prefix is mapped back to ``model.*`` (:data:`MULTIMODAL_NAMES`) and the four tower
   prefixes are skipped by name; anything else unknown still raises.
 
 GGUF files (llama.cpp's converter, ``Gemma4Model`` in conversion/gemma.py) name the
@@ -42,18 +43,15 @@ Attention Q/K rows are *not* permuted (llama.cpp runs Gemma with NEOX RoPE).
 
 from __future__ import annotations
 
-import re
-from typing import Callable
-
-import torch
-
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma4Config
 from .modeling_gemma4 import Gemma4ForCausalLM
+from .shared_kv_names import KV_SHARED_UNUSED, SkipSharedKV
 
 #: Hugging Face (safetensors) tensor name -> model name; ``{i}`` is the layer index.
 HF_NAMES = {
@@ -85,16 +83,12 @@ HF_NAMES = {
     )
 }
 
-#: Tensors a KV-sharing layer may carry in a checkpoint but does not use.
-KV_SHARED_UNUSED = {
-    "model.layers.{i}.self_attn.k_proj.weight",
-    "model.layers.{i}.self_attn.k_norm.weight",
-    "model.layers.{i}.self_attn.v_proj.weight",
-    "model.layers.{i}.self_attn.v_norm.weight",
+#: The multimodal layout (``gemma4``): the decoder's tensors under ``model.language_model.``
+#: (the head, when there is one, stays ``lm_head.weight``) ...
+MULTIMODAL_NAMES = {
+    ("model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name): name
+    for name in HF_NAMES
 }
-
-#: The multimodal layout: decoder prefix in the file -> prefix in the model.
-MULTIMODAL_PREFIXES = {"model.language_model.": "model."}
 #: ... and these prefixes hold the towers, which this text family does not load.
 MULTIMODAL_SKIPPED = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 
@@ -129,12 +123,13 @@ GGUF_NAMES = {
 #: ``Gemma4Config.from_gguf`` (proportional RoPE), the tables are computed from the config.
 GGUF_SKIPPED = ("rope_freqs.weight",)
 
-#: Name maps per checkpoint format.
-NAME_MAPS = {"safetensors": HF_NAMES, "gguf": GGUF_NAMES}
-#: Per format, the file names of the tensors a KV-sharing layer may carry but does not use.
-KV_SHARED_UNUSED_BY_FORMAT = {
-    "safetensors": KV_SHARED_UNUSED,
-    "gguf": {"blk.{i}.attn_k.weight", "blk.{i}.attn_k_norm.weight", "blk.{i}.attn_v.weight"},
+#: The name map of each (format, multimodal) layout a gemma4 checkpoint comes in (the second
+#: field is how an error names the checkpoint: its layout, then its format).
+NAME_MAPS = {
+    ("safetensors", False): NameMap("gemma4", "text (model_type 'gemma4_text') safetensors", HF_NAMES),
+    ("safetensors", True): NameMap("gemma4", "multimodal (model_type 'gemma4') safetensors", MULTIMODAL_NAMES,
+                                   ignored_prefixes=MULTIMODAL_SKIPPED),
+    ("gguf", False): NameMap("gemma4", "gguf", GGUF_NAMES, ignored=frozenset(GGUF_SKIPPED)),
 }
 
 #: Tensor-parallel split under ``--tp N`` (docs/tensor-parallel.md): module -> how it is cut.
@@ -165,67 +160,36 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): every projection matrix, both embeddings (the main one and
 #: the per-layer table) and the output head. Norms, layer scalars and rope_freqs stay float.
-QUANTIZABLE = re.compile(
-    r"model\.embed_tokens(_per_layer)?\.weight|lm_head\.weight|model\.per_layer_model_projection\.weight|model\.layers\.\d+\.((self_attn|mlp)\.\w+_proj|per_layer_input_gate|per_layer_projection)\.weight"
+QUANTIZABLE = (
+    r"model\.embed_tokens(_per_layer)?\.weight|lm_head\.weight|model\.per_layer_model_projection\.weight"
+    r"|model\.layers\.\d+\.((self_attn|mlp)\.\w+_proj|per_layer_input_gate|per_layer_projection)\.weight"
 )
 
 
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
+def layout_for(config: Gemma4Config) -> WeightLayout:
+    """The :class:`WeightLayout` of a checkpoint with this config: the name maps of its layout
+    (text or multimodal, :data:`NAME_MAPS`), each skipping the KV-sharing layers' unused tensors."""
+    sharing = frozenset(i for i in range(config.num_hidden_layers) if config.kv_source(i) != i)
+    name_maps = {
+        fmt: SkipSharedKV(names, KV_SHARED_UNUSED[fmt, multimodal], sharing)
+        for (fmt, multimodal), names in NAME_MAPS.items()
+        if multimodal == config.multimodal
+    }
+    return WeightLayout(name_maps, tied=TIED, tp_plan=TP_PLAN, quantizable=QUANTIZABLE)
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4ForCausalLM:
+    """Build a gemma4 text decoder from a checkpoint (the ``load`` of the gemma4 Family, plugin contract 2).
 
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata),
+    its ``weights`` a TensorSource keyed by the file's names, its ``fmt`` "safetensors" or
+    "gguf". options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this
+    rank's tensor-parallel group). Returns the model in eval mode.
 
-def name_map_for(fmt: str, config: Gemma4Config) -> Callable[[str], str | None]:
-    """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
-
-    It raises WeightsError naming a tensor it does not know.
+    Raises ConfigError (config.json / GGUF metadata, an unknown format) and WeightsError
+    (a tensor missing, unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    table = NAME_MAPS[fmt]
-    unused = KV_SHARED_UNUSED_BY_FORMAT[fmt]
-    layout = "multimodal (model_type 'gemma4')" if config.multimodal else "text (model_type 'gemma4_text')"
-
-    def name_map(file_name: str) -> str | None:
-        name = file_name
-        if fmt == "gguf" and name in GGUF_SKIPPED:
-            return None  # rope_freqs: already read into the config
-        if config.multimodal:
-            if name.startswith(MULTIMODAL_SKIPPED):
-                return None  # a vision or audio tower: not part of the text decoder
-            prefix = next((p for p in MULTIMODAL_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                name = MULTIMODAL_PREFIXES[prefix] + name[len(prefix) :]
-            elif name != "lm_head.weight":
-                raise WeightsError(f"gemma4: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint")
-        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
-        match = _LAYER_INDEX.search(name)
-        template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
-        if match is not None and template in unused:
-            layer = int(match.group(1))
-            if layer < config.num_hidden_layers and config.kv_source(layer) != layer:
-                return None  # a KV-sharing layer's unused key/value weights
-        if template not in table:
-            raise WeightsError(f"gemma4: unexpected tensor {file_name!r} in the {layout} {fmt} checkpoint: no gemma4 weight has that name")
-        target = table[template]
-        return target if match is None else target.format(i=match.group(1))
-
-    return name_map
-
-
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Gemma4ForCausalLM:
-    """Build a gemma4 text decoder from a checkpoint (the ``load`` of the gemma4 Family).
-
-    raw_config: config.json as a dict; weights: a TensorSource keyed by the file's
-    names; fmt: "safetensors" (raw_config is config.json) or "gguf" (raw_config is the GGUF
-    metadata); device, dtype: where the weights live. Returns the model in eval mode.
-
-    Raises ConfigError (config.json) and WeightsError (a tensor missing,
-    unexpected, or of the wrong shape), each naming the key or tensor.
-    """
-    if fmt not in NAME_MAPS:
-        raise ConfigError(f"gemma4: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+    weights, fmt = checkpoint.weights, checkpoint.fmt
 
     # 1. Parse config.json (either layout) or the GGUF metadata into the numbers that shape
     #    the model. GGUF: some numbers come from tensors (vocabularies, tying, k_eq_v, and the
@@ -234,30 +198,17 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
         names = set(weights.names())
         shapes = {name: tuple(weights.shape(name)) for name in names}
         rope_freqs = weights.read("rope_freqs.weight").float().flatten().tolist() if "rope_freqs.weight" in names else None
-        config = Gemma4Config.from_gguf(raw_config, shapes, rope_freqs=rope_freqs)
+        config = Gemma4Config.from_gguf(checkpoint.config, shapes, rope_freqs=rope_freqs)
     else:
-        config = Gemma4Config.from_hf(raw_config)
+        config = Gemma4Config.from_hf(checkpoint.config)
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
-    #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map_for(fmt, config)), fmt)
+    #    no data read): nothing is built that the weight files do not back. The config says
+    #    which layout names the tensors and which layers share their keys/values.
+    layout = layout_for(config)
+    config.check_weights(tensor_table(weights, layout.name_map(fmt, "gemma4")), fmt)
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: H/N heads, F/N MLP columns, V/N vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Gemma4ForCausalLM(config)
-    else:
-        model = tp.build(Gemma4ForCausalLM)
-
-    # 4. What is not in the checkpoint: RoPE frequencies and the embedding scales.
-    model.materialize(device, dtype)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape;
-    #    the layer_scalar buffers are filled like the weights).
-    load_weights(model, weights, name_map_for(fmt, config), device=device, dtype=dtype, progress=progress,
-                 tied=TIED if config.tie_word_embeddings else None, quantizable=quantizable)
-
-    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
-    return model.eval()
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), compute RoPE's
+    #    frequencies and the embedding scales, stream the tensors in through the name map
+    #    (the layer_scalar buffers are filled like the weights; packed where QUANTIZABLE allows).
+    return build_model(Gemma4ForCausalLM, config, weights, fmt, options, layout, tie=config.tie_word_embeddings)
