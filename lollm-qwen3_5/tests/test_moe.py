@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 import qwen3_5_tiny as tiny
 from lollm.errors import WeightsError
 from lollm.loader import load_checkpoint
+from lollm.testing.loading import load_with
 from lollm_qwen3_5.qwen3_5_moe.blocks import Qwen3_5MoeRouter
 from lollm_qwen3_5.qwen3_5_moe.config import Qwen3_5MoeConfig
 from lollm_qwen3_5.qwen3_5_moe.weights import load
-from lollm.testing.loading import load_with
 
 
 @pytest.mark.parametrize("hub_name", ["Qwen__Qwen3.5-35B-A3B", "Qwen__Qwen3.6-35B-A3B", "Qwen__Qwen3.5-122B-A10B"])
@@ -67,10 +67,9 @@ def test_fused_and_per_expert_checkpoints_load_the_same_model(tiny_checkpoint, t
     save_file(tensors, str(fused_dir / "model.safetensors"), metadata={"format": "pt"})
     assert len(prefixes) == tiny.TINY_TEXT["num_hidden_layers"] + 1  # every layer and the MTP head
 
-    cpu = torch.device("cpu")
-    a = load(per_expert.config, per_expert.weights, "safetensors", cpu, torch.float32)
+    a = load_with(load, per_expert.config, per_expert.weights, "safetensors")  # float32 on the CPU
     fused = load_checkpoint(fused_dir)
-    b = load(fused.config, fused.weights, "safetensors", cpu, torch.float32)
+    b = load_with(load, fused.config, fused.weights, "safetensors")
     ids = tiny.random_ids(40, tiny.TINY_TEXT["vocab_size"], seed=3)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name

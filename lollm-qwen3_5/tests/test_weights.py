@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lollm.options import LoadOptions
 from lollm.errors import ConfigError, WeightsError
 from lollm.loader import load_checkpoint
+from lollm.options import LoadOptions
 from lollm.plugins import get_registry
 from lollm.testing.loading import load_with
 

@@ -67,6 +67,7 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 
 from lollm.errors import LollmError
+from lollm.family import CONTRACT_VERSION
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -372,12 +373,13 @@ def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top
     put(f"src/{top}/__init__.py", PACKAGE_INIT.format(name=name, dist=dist, like=like))
     caps = family.capabilities
     cap_args = ", ".join(f"{k}=True" for k in ("thinking_toggle", "speculative_head") if getattr(caps, k, False))
-    put(f"src/{top}/plugin.py", PLUGIN.format(name=name, top=top, caps=cap_args))
+    put(f"src/{top}/plugin.py", PLUGIN.format(name=name, top=top, caps=cap_args, contract=CONTRACT_VERSION))
     core = core_range()
     put("pyproject.toml", PYPROJECT.format(dist=dist, name=name, top=top, like=like, core=core,
                                            core_test=core.replace("lollm-core", "lollm-core[parity,test]")))
     put("README.md", README.format(dist=dist, name=name, top=top, like=like, model_type=model_type, ref_package=ref_package,
-                                   ref_model_type=ref_model_type, hub=hub, ref_dist=entry.distribution))
+                                   ref_model_type=ref_model_type, hub=hub, ref_dist=entry.distribution,
+                                   contract=CONTRACT_VERSION))
     put(".github/workflows/ci.yml", CI.format(dist=dist))
     put("tests/test_conformance.py", TESTS.format(name=name, top=top, hub=hub, camel=camel(name)))
     leftover = [rel for rel in written if rel.endswith(".py") and re.search(rf"^\s*(from|import)\s+{re.escape(ref_top)}\b",
@@ -482,14 +484,16 @@ from the family's manifest (``{name}/__init__.py``): listing the installed
 families imports no torch and no model code.
 """
 
-from lollm.family import CONTRACT_VERSION, Capabilities, Family
+from lollm.family import Capabilities, Family
 from lollm.hookspecs import hookimpl
 
 from {top} import {name}
 
 FAMILY = Family(
     name="{name}",
-    contract=CONTRACT_VERSION,
+    # the plugin contract this family is written for: {contract}, load(checkpoint, options) (lollm's
+    # docs/plugins.md, section 4); a lollm-core that speaks another refuses it, saying what changed
+    contract={contract},
     model_types={name}.MODEL_TYPES,
     load={name}.LOAD,
     gguf_architectures={name}.GGUF_ARCHITECTURES,
@@ -544,7 +548,12 @@ The lollm family `{name}`, serving config.json `model_type` `{model_type}`
 
 from `{ref_package}` ({ref_dist}): the files of `src/{top}/{name}/` are that family's,
 with its names changed. They still describe {like}'s sources in places: read them top to
-bottom and make them say what your family does.
+bottom (`modeling_{name}.py` first, `config.py` second) and make them say what your family does.
+
+The family follows lollm's plugin contract {contract} (`contract={contract}` in `plugin.py`):
+`weights.py`'s `load(checkpoint, options)` parses and checks the config, then hands the
+family's `WeightLayout` (a `NameMap` per format, tied tensors, tensor-parallel plan, what may
+stay packed) to `lollm.build.build_model`. lollm's docs/plugins.md, section 4, has the details.
 
 ## Try it
 
@@ -556,7 +565,8 @@ bottom and make them say what your family does.
 
 1. `src/{top}/{name}/config.py`: the config.json keys your model has; refuse the ones you do not implement.
 2. `blocks.py`, `modeling_{name}.py`: the math, forward in numbered steps.
-3. `weights.py`: the tensor names of your checkpoints (safetensors and GGUF), and what a converter did to them.
+3. `weights.py`: the tensor names of your checkpoints (safetensors and GGUF) as `NameMap` tables in `LAYOUT`,
+   and what a converter did to them (a `transform` for `build_model`).
 4. `parity.py`: the reference. It builds transformers' `{ref_model_type}` class; when your math
    differs, build the reference that matches it.
 5. `tests/test_conformance.py`: write your tiny checkpoint (it is now a `{ref_model_type}` one from the
@@ -604,6 +614,7 @@ against the family's own ``parity_reference`` (``{name}/parity.py``).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -632,11 +643,33 @@ def write_tiny(folder):
 
     Its weights are spread wider than transformers' default and its norm epsilon is large,
     so that the kit's sensitivity test sees a wrong RoPE, epsilon or scale in the logits.
+    It has every kind of layer of the hub config (``layer_types``) at least once: a hybrid's
+    first layers may all be of one kind (Qwen3.5: three linear-attention layers, then one
+    with RoPE), and a kind no layer has is a kind no test sees. Where RoPE turns only part
+    of each head (``partial_rotary_factor``), the heads stay wide enough for 8 turning pairs,
+    or a wrong RoPE base would not show. A mixture of experts keeps 16 narrow experts.
     """
-    raw = shrink_config(hub_config(HUB_CONFIG))
-    for config in (raw, raw.get("text_config")):
-        if isinstance(config, dict) and "rms_norm_eps" in config:
+    hub = hub_config(HUB_CONFIG)
+    raw = shrink_config(hub)
+    for config, full in ((raw, hub), (raw.get("text_config"), hub.get("text_config"))):
+        if not isinstance(config, dict):
+            continue
+        if "rms_norm_eps" in config:
             config["rms_norm_eps"] = SENSITIVE_NORM_EPS
+        types = full.get("layer_types")
+        if isinstance(types, list) and types:
+            layers = max([config["num_hidden_layers"]] + [types.index(kind) + 1 for kind in set(types)])
+            config.update(num_hidden_layers=layers, layer_types=types[:layers])
+        if isinstance(config.get("num_experts"), int):  # a mixture of experts: a few narrow ones
+            config["num_experts"] = min(config["num_experts"], 16)
+            config["num_experts_per_tok"] = min(config.get("num_experts_per_tok", 4), 4)
+            for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if isinstance(config.get(key), int):
+                    config[key] = min(config[key], 48)
+        rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {{}}
+        part = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if "head_dim" in config and part < 1:
+            config["head_dim"] = max(config["head_dim"], math.ceil(16 / part))
     write_tiny_checkpoint(raw, folder, init_std=SENSITIVE_INIT_STD)
     path = folder / "config.json"
     path.write_text(json.dumps(relabel(json.loads(path.read_text())), indent=2))

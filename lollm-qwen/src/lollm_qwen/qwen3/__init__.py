@@ -8,8 +8,10 @@ an RMSNorm over ``head_dim`` on every query and key head before RoPE
 ("QK-norm"), and ``head_dim`` given explicitly in config.json. The family is
 written out in full anyway (it never imports qwen2), so it reads on its own.
 
-Read it in this order: ``config.py`` -> ``blocks.py`` -> ``modeling_qwen3.py``
--> ``kv.py`` -> ``weights.py``. The learner's page is docs/qwen3.md.
+Read it in this order: ``modeling_qwen3.py`` first (the model top to bottom,
+its forward in numbered steps), ``config.py`` second (the numbers that shape
+it), then ``blocks.py`` (the layers the model calls), ``kv.py`` and
+``weights.py``. The learner's page is docs/qwen3.md.
 """
 
 #: config.json ``model_type`` values this family serves.

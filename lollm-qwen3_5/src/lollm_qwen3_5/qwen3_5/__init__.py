@@ -3,9 +3,10 @@
 This file is the family's manifest: plain constants that the plugin
 (``lollm_qwen3_5.plugin``) reads without importing torch or any model code.
 
-Read the family in this order: ``config.py`` -> ``blocks.py`` ->
-``modeling_qwen3_5.py`` -> ``kv.py`` -> ``mtp.py`` -> ``weights.py``. The
-learner's page is docs/qwen3_5.md.
+Read the family in this order: ``modeling_qwen3_5.py`` first (the model top to
+bottom, its forward in numbered steps), ``config.py`` second (the numbers that
+shape it), then ``blocks.py`` (the layers the model calls), ``kv.py``,
+``mtp.py`` and ``weights.py``. The learner's page is docs/qwen3_5.md.
 """
 
 #: config.json ``model_type`` values this family serves: the multimodal

@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of the rotation angles for the given positions.
 
     ``inv_freq`` is a non-persistent buffer: not in the checkpoint, computed
-    (``weights.load`` calls :meth:`materialize` after building on the meta device).
+    (:func:`lollm.build.build_model` calls :meth:`materialize` after building on the meta device).
 
     positions: (T,) int64 -> cos, sin: (T, R) in ``dtype``; the R/2 angles are
     repeated twice, ``[a0 .. a_{R/2-1}, a0 .. a_{R/2-1}]``, to match rotate_half.
@@ -122,11 +122,14 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.rope_theta
         self.rotary_dim = config.rotary_dim
         inv_freq = rope_inverse_frequencies(self.theta, self.rotary_dim)
-        # on the default device: "meta" (no data) while weights.load builds the model
+        # on the default device: "meta" (no data) while build_model builds the model
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
-    def materialize(self, device: torch.device | str) -> None:
-        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device``."""
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        """
         self.inv_freq = rope_inverse_frequencies(self.theta, self.rotary_dim).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

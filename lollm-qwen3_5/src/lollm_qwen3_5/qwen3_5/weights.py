@@ -16,20 +16,22 @@ Both may carry the MTP head as ``mtp.*`` at the top level; when they do, the
 model is built with its draft head (``has_draft_head``). Any other name is an
 error naming the tensor (hard-fail, never guess).
 
+The family's declarations (name map, tied head, :data:`TP_PLAN`, :data:`QUANTIZABLE`)
+are data in :data:`LAYOUT`, read by :func:`lollm.build.build_model` (plugin contract 2,
+docs/plugins.md); :func:`load` parses the config, checks it and hands over.
+
 GGUF (llama.cpp's ``general.architecture = "qwen35"``) is not supported yet:
 ``load`` refuses it with a ConfigError naming the architecture.
 """
 
 from __future__ import annotations
 
-import re
-
-import torch
-
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.errors import ConfigError
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Qwen3_5Config
 from .modeling_qwen3_5 import Qwen3_5ForCausalLM
@@ -91,47 +93,28 @@ HF_NAMES = {
     )
 }
 
-#: Multimodal layout: the decoder's prefix, and the vision tower's (skipped).
-LANGUAGE_MODEL_PREFIX = "model.language_model."
+#: Multimodal layout: the decoder's names lose their ``language_model.`` part
+#: (``model.language_model.layers.{i}.…`` -> ``model.layers.{i}.…``); ``mtp.*`` and lm_head are alike.
+LANGUAGE_MODEL_NAMES = {
+    "model.language_model." + name[len("model."):]: name for name in HF_NAMES if name.startswith("model.")
+}
+
+#: The multimodal layout's vision tower, skipped whole (lollm reads text only).
 VISION_PREFIX = "model.visual."
 
 #: The output head falls back to the embedding matrix when the config ties them
 #: and the checkpoint has no lm_head.weight (Qwen3.5-0.8B ... 9B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
-
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): the projection matrices of attention, of the Gated DeltaNet
 #: (in_proj_qkv, in_proj_z, out_proj) and of the MLPs, the MTP head's, the embedding and the
 #: output head. Small matrices that steer the recurrence (in_proj_a, in_proj_b: decay and
 #: write strength per head), conv1d and the norms stay float.
-QUANTIZABLE = re.compile(
-    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
+QUANTIZABLE = (
+    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\."
+    r"(self_attn\.\w+_proj|mlp\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
 )
-
-
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
-
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def name_map(file_name: str) -> str | None:
-    """File name -> model name (``None``: skip, the vision tower). WeightsError for a name it does not know."""
-    if file_name.startswith(VISION_PREFIX):
-        return None
-    name = file_name
-    if name.startswith(LANGUAGE_MODEL_PREFIX):  # multimodal layout -> text-only names
-        name = "model." + name[len(LANGUAGE_MODEL_PREFIX) :]
-    # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight"
-    match = _LAYER_INDEX.search(name)
-    template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
-    if template not in HF_NAMES:
-        raise WeightsError(f"qwen3_5: unexpected tensor {file_name!r} in the checkpoint: no qwen3_5 weight has that name")
-    return name
-
 
 _QK = ("linear_num_key_heads", "linear_key_head_dim")  # a DeltaNet q or k part: Hk heads of Dk channels
 _V = ("linear_num_value_heads", "linear_value_head_dim")  # the v part: Hv heads of Dv channels
@@ -167,28 +150,41 @@ TP_PLAN = {
 }
 
 
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3_5ForCausalLM:
-    """Build a qwen3_5 model from a checkpoint (the ``load`` of the qwen3_5 Family).
+#: Everything above, as the data lollm.build.build_model reads (safetensors only: GGUF is refused).
+LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("qwen3_5", "safetensors", {**HF_NAMES, **LANGUAGE_MODEL_NAMES},
+                               ignored_prefixes=(VISION_PREFIX,)),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
+)
 
-    raw_config: config.json as a dict (or GGUF metadata); weights: a TensorSource keyed
-    by the file's names; fmt: "safetensors" ("gguf" is refused); device, dtype: where the
-    weights live. Returns the model in eval mode, with the MTP head when the
-    checkpoint has ``mtp.*`` tensors.
+
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5ForCausalLM:
+    """Build a qwen3_5 model from a checkpoint (the ``load`` of the qwen3_5 Family, plugin contract 2).
+
+    checkpoint: its ``config`` is config.json as a dict, its ``weights`` a TensorSource
+    keyed by the file's names, its ``fmt`` "safetensors" ("gguf" is refused).
+    options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this
+    rank's tensor-parallel group). Returns the model in eval mode, with the MTP head
+    when the checkpoint has ``mtp.*`` tensors.
 
     Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
+    weights, fmt = checkpoint.weights, checkpoint.fmt
     if fmt == "gguf":
-        arch = raw_config.get("general.architecture", "qwen35")
+        arch = checkpoint.config.get("general.architecture", "qwen35")
         raise ConfigError(
             f"qwen3_5: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
             f"tensor conversions are not written); use a safetensors checkpoint"
         )
-    if fmt != "safetensors":
-        raise ConfigError(f"qwen3_5: unknown checkpoint format {fmt!r} (known: safetensors)")
+    name_map = LAYOUT.name_map(fmt, "qwen3_5")
 
     # 1. Parse config.json (either layout) into the numbers that shape the model.
-    config = Qwen3_5Config.from_hf(raw_config)
+    config = Qwen3_5Config.from_hf(checkpoint.config)
     with_mtp = any(name.startswith("mtp.") for name in weights.names())
     if with_mtp and config.mtp_num_hidden_layers != 1:
         raise ConfigError(
@@ -199,21 +195,8 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     #    no data read): nothing is built that the weight files do not back.
     config.check_weights(tensor_table(weights, name_map))
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: its heads, MLP/expert columns, vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Qwen3_5ForCausalLM(config, with_mtp=with_mtp)
-    else:
-        model = tp.build(Qwen3_5ForCausalLM, with_mtp=with_mtp)
-
-    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
-    model.model.rotary_emb.materialize(device)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied,
-                 quantizable=quantizable)
-    return model.eval()
-
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), with the MTP head when
+    #    the checkpoint has one; compute RoPE's frequencies; stream the tensors in through the name
+    #    map (packed where QUANTIZABLE and the options allow); lm_head shares the embedding when tied.
+    return build_model(Qwen3_5ForCausalLM, config, weights, fmt, options, LAYOUT,
+                       tie=config.tie_word_embeddings, with_mtp=with_mtp)

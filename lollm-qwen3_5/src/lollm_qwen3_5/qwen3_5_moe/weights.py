@@ -16,23 +16,14 @@ Both may carry the MTP head as ``mtp.*`` at the top level; when they do, the
 model is built with its draft head (``has_draft_head``). Any other name is an
 error naming the tensor (hard-fail, never guess).
 
-The routed experts come in two forms:
+The routed experts come per expert in the published checkpoints and fused in
+the model (``experts.gate_up_proj`` (E, 2I, C), ``experts.down_proj`` (E, C, I)):
+:class:`~.fused_experts.FusedExpertsSource` (fused_experts.py) shows the first
+as the second, so the name map below lists the fused names only.
 
-* per expert (the published checkpoints, and what transformers' ``save_pretrained`` writes)::
-
-      model.layers.N.mlp.experts.{e}.gate_proj.weight  (I, C)   for e in 0 .. E-1
-      model.layers.N.mlp.experts.{e}.up_proj.weight    (I, C)
-      model.layers.N.mlp.experts.{e}.down_proj.weight  (C, I)
-
-* fused (transformers' in-memory layout, which the model uses)::
-
-      model.layers.N.mlp.experts.gate_up_proj  (E, 2I, C)   gate rows first, then up rows
-      model.layers.N.mlp.experts.down_proj     (E, C, I)
-
-:class:`FusedExpertsSource` presents a per-expert checkpoint as the fused one:
-it lists one fused name per layer instead of the 3E per-expert names and
-stacks the experts when that name is read, so ``load_weights`` still streams
-one (fused) tensor at a time. Every expert of every layer must be there.
+The family's declarations (name map, tied head, :data:`TP_PLAN`, :data:`QUANTIZABLE`)
+are data in :data:`LAYOUT`, read by :func:`lollm.build.build_model` (plugin contract 2,
+docs/plugins.md); :func:`load` parses the config, checks it and hands over.
 
 GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
 ``load`` refuses it with a ConfigError naming the architecture.
@@ -40,16 +31,15 @@ GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
 
 from __future__ import annotations
 
-import re
-
-import torch
-
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
-from lollm.errors import ConfigError, WeightsError
-from lollm.tensor_parallel import Colwise, Reduce, Rowwise, Vocab, sharding
-from lollm.weights import load_weights
+from lollm.errors import ConfigError
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
+from lollm.tensor_parallel import Colwise, Reduce, Rowwise, Vocab
 
 from .config import Qwen3_5MoeConfig
+from .fused_experts import FusedExpertsSource
 from .modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 #: Every tensor name of a text-only qwen3_5_moe checkpoint, experts fused (``{i}``: a layer index). Identity map.
@@ -117,163 +107,28 @@ HF_NAMES = {
     )
 }
 
-#: Multimodal layout: the decoder's prefix, and the vision tower's (skipped).
-LANGUAGE_MODEL_PREFIX = "model.language_model."
+#: Multimodal layout: the decoder's names lose their ``language_model.`` part
+#: (``model.language_model.layers.{i}.…`` -> ``model.layers.{i}.…``); ``mtp.*`` and lm_head are alike.
+LANGUAGE_MODEL_NAMES = {
+    "model.language_model." + name[len("model."):]: name for name in HF_NAMES if name.startswith("model.")
+}
+
+#: The multimodal layout's vision tower, skipped whole (lollm reads text only).
 VISION_PREFIX = "model.visual."
 
 #: The output head falls back to the embedding matrix when the config ties them
 #: and the checkpoint has no lm_head.weight (no MoE release does).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
-
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): the projection matrices of attention, of the Gated DeltaNet
 #: (in_proj_qkv, in_proj_z, out_proj) and of the shared expert, the MTP head's, the embedding
 #: and the output head. The routed experts are fused 3-D tensors, not nn.Linear, and stay
 #: float, as do the router, the decay/write gates (in_proj_a, in_proj_b), conv1d and the norms.
-QUANTIZABLE = re.compile(
-    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\.(self_attn\.\w+_proj|mlp\.shared_expert\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
+QUANTIZABLE = (
+    r"model\.embed_tokens\.weight|lm_head\.weight|mtp\.fc\.weight|(model|mtp)\.layers\.\d+\."
+    r"(self_attn\.\w+_proj|mlp\.shared_expert\.\w+_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))\.weight"
 )
-
-
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
-
-
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-class FusedExpertsSource:
-    """A TensorSource view that shows per-expert tensors as the fused ``experts.gate_up_proj`` / ``experts.down_proj``.
-
-    ``names()`` lists every other tensor unchanged and, in place of the 3E
-    per-expert tensors of a layer, its two fused names; ``read`` of a fused
-    name reads the E experts and stacks them::
-
-        gate_up_proj[e] = concat(gate_proj_e, up_proj_e)   (2I, C)
-        down_proj[e]    = down_proj_e                      (C, I)
-
-    A checkpoint already fused passes through unchanged. A layer with both
-    forms, a missing expert or an expert index >= num_experts raises
-    WeightsError naming the tensor.
-    """
-
-    def __init__(self, source, num_experts: int):
-        self._source = source
-        self._num_experts = num_experts
-        self._groups: dict[str, str] = {}  # fused name -> its "...mlp.experts" prefix
-        names = source.names()
-        present = set(names)
-        seen: dict[str, set[tuple[int, str]]] = {}
-        self._names: list[str] = []
-        for name in names:
-            match = _PER_EXPERT.match(name)
-            if match is None:
-                self._names.append(name)
-                continue
-            prefix, e = match["prefix"], int(match["e"])
-            if e >= num_experts:
-                raise WeightsError(f"qwen3_5_moe: tensor {name!r} names expert {e}, but config.json has {num_experts} experts")
-            if prefix not in seen:
-                seen[prefix] = set()
-                for fused in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
-                    if fused in present:
-                        raise WeightsError(f"qwen3_5_moe: the checkpoint has both {fused!r} and per-expert tensors such as {name!r}")
-                    self._groups[fused] = prefix
-                    self._names.append(fused)
-            seen[prefix].add((e, match["proj"]))
-        for prefix, have in seen.items():
-            for e in range(num_experts):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    if (e, proj) not in have:
-                        raise WeightsError(f"qwen3_5_moe: the checkpoint has no tensor {prefix}.{e}.{proj}.weight")
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._groups or name in self._source
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @property
-    def fmt(self) -> str:
-        return self._source.fmt
-
-    @property
-    def quantization(self):
-        """What the load asked for (lollm.weights reads it; the fused experts themselves stay float)."""
-        return getattr(self._source, "quantization", None)
-
-    @property
-    def tensor_parallel(self):
-        """This rank's group under --tp (lollm.tensor_parallel reads it), else None."""
-        return getattr(self._source, "tensor_parallel", None)
-
-    def read_slice(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """A slice of one tensor (--tp); a fused expert tensor is stacked, then cut (peak: that one tensor)."""
-        if self._groups.get(name) is None and hasattr(self._source, "read_slice"):
-            return self._source.read_slice(name, dim, ranges)
-        whole = self.read(name)
-        return torch.cat([whole.narrow(dim, a, b - a) for a, b in ranges], dim=dim).clone()
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape from the file headers; fused: (E, 2I, C) or (E, C, I), every expert alike."""
-        prefix = self._groups.get(name)
-        if prefix is None:
-            return tuple(self._source.shape(name))
-        projections = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-        shapes = {tuple(self._source.shape(f"{prefix}.{e}.{p}.weight")) for e in range(self._num_experts) for p in projections}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise WeightsError(f"qwen3_5_moe: the experts' tensors under {prefix!r} have unequal or non-2-D shapes {sorted(shapes)}")
-        rows, cols = next(iter(shapes))
-        return (self._num_experts, rows * len(projections), cols)
-
-    def dtype(self, name: str) -> str:
-        """A tensor's stored type from the file headers; fused: the one type every expert's tensors share."""
-        prefix = self._groups.get(name)
-        if prefix is None:
-            return self._source.dtype(name)
-        projections = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
-        types = {self._source.dtype(f"{prefix}.{e}.{p}.weight") for e in range(self._num_experts) for p in projections}
-        if len(types) != 1:
-            raise WeightsError(f"qwen3_5_moe: the experts' tensors under {prefix!r} are stored as unequal types {sorted(types)}")
-        return next(iter(types))
-
-    def read(self, name: str) -> torch.Tensor:
-        prefix = self._groups.get(name)
-        if prefix is None:
-            return self._source.read(name)
-        experts = []
-        for e in range(self._num_experts):
-            if name.endswith("gate_up_proj"):
-                gate = self._source.read(f"{prefix}.{e}.gate_proj.weight")
-                up = self._source.read(f"{prefix}.{e}.up_proj.weight")
-                experts.append(torch.cat((gate, up), dim=0))  # (2I, C)
-            else:
-                experts.append(self._source.read(f"{prefix}.{e}.down_proj.weight"))  # (C, I)
-        return torch.stack(experts)  # (E, 2I, C) or (E, C, I)
-
-
-def name_map(file_name: str) -> str | None:
-    """File name -> model name (``None``: skip, the vision tower). WeightsError for a name it does not know."""
-    if file_name.startswith(VISION_PREFIX):
-        return None
-    name = file_name
-    if name.startswith(LANGUAGE_MODEL_PREFIX):  # multimodal layout -> text-only names
-        name = "model." + name[len(LANGUAGE_MODEL_PREFIX) :]
-    # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight"
-    match = _LAYER_INDEX.search(name)
-    template = name if match is None else f"{name[:match.start()]}.{{i}}.{name[match.end():]}"
-    if template not in HF_NAMES:
-        raise WeightsError(f"qwen3_5_moe: unexpected tensor {file_name!r} in the checkpoint: no qwen3_5_moe weight has that name")
-    return name
-
 
 _QK = ("linear_num_key_heads", "linear_key_head_dim")  # a DeltaNet q or k part: Hk heads of Dk channels
 _V = ("linear_num_value_heads", "linear_value_head_dim")  # the v part: Hv heads of Dv channels
@@ -316,30 +171,43 @@ TP_PLAN = {
 }
 
 
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> Qwen3_5MoeForCausalLM:
-    """Build a qwen3_5_moe model from a checkpoint (the ``load`` of the qwen3_5_moe Family).
+#: Everything above, as the data lollm.build.build_model reads (safetensors only: GGUF is refused).
+LAYOUT = WeightLayout(
+    name_maps={
+        "safetensors": NameMap("qwen3_5_moe", "safetensors", {**HF_NAMES, **LANGUAGE_MODEL_NAMES},
+                               ignored_prefixes=(VISION_PREFIX,)),
+    },
+    tied=TIED,
+    tp_plan=TP_PLAN,
+    quantizable=QUANTIZABLE,
+)
 
-    raw_config: config.json as a dict (or GGUF metadata); weights: a TensorSource keyed
-    by the file's names; fmt: "safetensors" ("gguf" is refused); device, dtype: where the
-    weights live. Returns the model in eval mode, with the MTP head when the
-    checkpoint has ``mtp.*`` tensors.
+
+def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5MoeForCausalLM:
+    """Build a qwen3_5_moe model from a checkpoint (the ``load`` of the qwen3_5_moe Family, plugin contract 2).
+
+    checkpoint: its ``config`` is config.json as a dict, its ``weights`` a TensorSource
+    keyed by the file's names (experts per expert or fused), its ``fmt`` "safetensors"
+    ("gguf" is refused). options: resolved :class:`LoadOptions` (device, dtype, what
+    stays packed, this rank's tensor-parallel group). Returns the model in eval mode,
+    with the MTP head when the checkpoint has ``mtp.*`` tensors.
 
     Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
-    unexpected, or of the wrong shape), each naming the key or tensor.
+    unexpected, or of the wrong shape, an expert missing), each naming the key or tensor.
     """
+    fmt = checkpoint.fmt
     if fmt == "gguf":
-        arch = raw_config.get("general.architecture", "qwen35moe")
+        arch = checkpoint.config.get("general.architecture", "qwen35moe")
         raise ConfigError(
             f"qwen3_5_moe: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
             f"tensor conversions are not written); use a safetensors checkpoint"
         )
-    if fmt != "safetensors":
-        raise ConfigError(f"qwen3_5_moe: unknown checkpoint format {fmt!r} (known: safetensors)")
+    name_map = LAYOUT.name_map(fmt, "qwen3_5_moe")
 
     # 1. Parse config.json (either layout) into the numbers that shape the model;
     #    present per-expert tensors as the fused ones the model holds.
-    config = Qwen3_5MoeConfig.from_hf(raw_config)
-    weights = FusedExpertsSource(weights, config.num_experts)
+    config = Qwen3_5MoeConfig.from_hf(checkpoint.config)
+    weights = FusedExpertsSource(checkpoint.weights, config.num_experts)
     with_mtp = any(name.startswith("mtp.") for name in weights.names())
     if with_mtp and config.mtp_num_hidden_layers != 1:
         raise ConfigError(
@@ -350,21 +218,8 @@ def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progre
     #    no data read): nothing is built that the weight files do not back.
     config.check_weights(tensor_table(weights, name_map))
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    #    Under --tp N this rank builds its share: its heads, MLP/expert columns, vocabulary rows (TP_PLAN).
-    tp = sharding(weights, TP_PLAN, config)
-    if tp is None:
-        with torch.device("meta"):
-            model = Qwen3_5MoeForCausalLM(config, with_mtp=with_mtp)
-    else:
-        model = tp.build(Qwen3_5MoeForCausalLM, with_mtp=with_mtp)
-
-    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
-    model.model.rotary_emb.materialize(device)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    tied = TIED if config.tie_word_embeddings else None
-    load_weights(model, weights, name_map, device=device, dtype=dtype, progress=progress, tied=tied,
-                 quantizable=quantizable)
-    return model.eval()
-
+    # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), with the MTP head when
+    #    the checkpoint has one; compute RoPE's frequencies; stream the tensors in through the name
+    #    map (packed where QUANTIZABLE and the options allow); lm_head shares the embedding when tied.
+    return build_model(Qwen3_5MoeForCausalLM, config, weights, fmt, options, LAYOUT,
+                       tie=config.tie_word_embeddings, with_mtp=with_mtp)

@@ -7,14 +7,16 @@ from the family's manifest (``llama/__init__.py``): listing the installed
 families imports no torch and no model code.
 """
 
-from lollm.family import CONTRACT_VERSION, Capabilities, Family
+from lollm.family import Capabilities, Family
 from lollm.hookspecs import hookimpl
 
 from lollm_llama import llama
 
 FAMILY = Family(
     name="llama",
-    contract=CONTRACT_VERSION,
+    # the plugin contract this family is written for: 2, load(checkpoint, options) (docs/plugins.md,
+    # section 4); a lollm-core that speaks another refuses it, saying what changed
+    contract=2,
     model_types=llama.MODEL_TYPES,
     load=llama.LOAD,
     gguf_architectures=llama.GGUF_ARCHITECTURES,

@@ -5,8 +5,10 @@ This file is the family's manifest: plain constants that the plugin
 
 The family was made with ``lollm new-family llama --like qwen2`` and then
 adapted (docs/plugins.md walks through every change; docs/llama.md is the
-learner's page). Read it in this order: ``config.py`` -> ``blocks.py`` ->
-``modeling_llama.py`` -> ``kv.py`` -> ``weights.py`` -> ``parity.py``.
+learner's page). Read it in this order: ``modeling_llama.py`` first (the model
+top to bottom, its forward in numbered steps), ``config.py`` second (the numbers
+that shape it), then ``blocks.py`` (the layers the model calls), ``kv.py``,
+``weights.py`` and ``parity.py``.
 """
 
 #: config.json ``model_type`` values this family serves.

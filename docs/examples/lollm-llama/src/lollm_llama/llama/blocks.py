@@ -165,8 +165,8 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of the rotation angles for the given positions.
 
     ``inv_freq`` is a non-persistent buffer: it is not in the checkpoint, the
-    model computes it (``weights.load`` calls :meth:`materialize` after
-    building the model on the meta device).
+    model computes it (:func:`lollm.build.build_model` calls :meth:`materialize`
+    after building the model on the meta device).
 
     positions: (T,) int64 -> cos, sin: (T, D) in ``dtype``; the D/2 angles are
     repeated twice, ``[a0 .. a_{D/2-1}, a0 .. a_{D/2-1}]``, to match rotate_half.
@@ -177,11 +177,14 @@ class RotaryEmbedding(nn.Module):
         self.rope = config.rope
         self.head_dim = config.head_dim
         inv_freq, self.attention_scaling = rope_inverse_frequencies(self.rope, self.head_dim)
-        # on the default device: "meta" (no data) while weights.load builds the model
+        # on the default device: "meta" (no data) while build_model builds the model
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
-    def materialize(self, device: torch.device | str) -> None:
-        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device``."""
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
+
+        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        """
         inv_freq, self.attention_scaling = rope_inverse_frequencies(self.rope, self.head_dim)
         self.inv_freq = inv_freq.to(device)
 

@@ -44,7 +44,7 @@ No torch here: a config is plain numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from lollm.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_ROPE_SCALE, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
@@ -391,40 +391,10 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
         read.check(value == head_dim, f"{key(other)!r} is {value}, but the head width is {head_dim}; only equal widths (full RoPE) are implemented")
     max_pos = read.positive_int(key("context_length"), at_most=MAX_CONTEXT)
 
-    # RoPE: plain unless rope.scaling.type says otherwise.
-    scaling = read.string(key("rope.scaling.type"), default="none", choices=tuple(GGUF_ROPE_TYPES))
-    rope_type = GGUF_ROPE_TYPES[scaling]
-    factor = read.rope_factor(key("rope.scaling.factor"), default=None)
-    original = read.positive_int(key("rope.scaling.original_context_length"), default=None, at_most=MAX_CONTEXT)
-    read.check(rope_type != "default" or (factor in (None, 1.0) and original is None),
-               f"has rope.scaling factor/original_context_length but {key('rope.scaling.type')!r} is {scaling!r}")
-    read.check(rope_type == "default" or factor is not None, f"RoPE scaling {scaling!r} needs {key('rope.scaling.factor')!r}")
-    if rope_type == "yarn" and original is None:
-        original = max_pos  # llama.cpp and transformers: the training context
-    rope = RopeConfig(
-        rope_type=rope_type,
-        theta=read.rope_theta(key("rope.freq_base")),
-        factor=None if rope_type == "default" else factor,
-        original_max_position_embeddings=original if rope_type == "yarn" else None,
-    )
-
-    # Vocabulary: the embedding's rows are the truth (a converter may pad or trim them).
+    # RoPE: plain unless rope.scaling.type says otherwise. Vocabulary: the embedding's rows.
+    rope = _gguf_rope(read, key, max_pos)
     shapes = tensor_shapes or {}
-    declared = read.positive_int(key("vocab_size"), default=None, at_most=MAX_VOCAB)
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if "token_embd.weight" in shapes:
-        vocab = shapes["token_embd.weight"][0]
-    elif declared is not None:
-        vocab = declared
-    elif isinstance(tokens, list):
-        vocab = len(tokens)
-    else:
-        raise ConfigError("llama: cannot tell the vocabulary size: no token_embd.weight, no "
-                          f"{key('vocab_size')!r} and no 'tokenizer.ggml.tokens' in the GGUF")
-    if declared is not None and declared != vocab:
-        raise ConfigError(f"llama: GGUF {key('vocab_size')} is {declared}, but token_embd.weight has {vocab} rows")
-    if isinstance(tokens, list) and len(tokens) > vocab:
-        raise ConfigError(f"llama: the GGUF tokenizer has {len(tokens)} tokens, more than the {vocab} embedding rows")
+    vocab = _gguf_vocab_size(read, key, metadata.get("tokenizer.ggml.tokens"), shapes)
 
     return LlamaConfig(
         vocab_size=vocab,
@@ -444,3 +414,46 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
         attention_bias="blk.0.attn_q.bias" in shapes,
         mlp_bias="blk.0.ffn_up.bias" in shapes,
     )
+
+
+def _gguf_rope(read: ConfigReader, key: Callable[[str], str], max_pos: int) -> RopeConfig:
+    """The RoPE settings of a GGUF's ``{arch}.rope.*`` keys; ConfigError naming a key that contradicts another."""
+    scaling = read.string(key("rope.scaling.type"), default="none", choices=tuple(GGUF_ROPE_TYPES))
+    rope_type = GGUF_ROPE_TYPES[scaling]
+    factor = read.rope_factor(key("rope.scaling.factor"), default=None)
+    original = read.positive_int(key("rope.scaling.original_context_length"), default=None, at_most=MAX_CONTEXT)
+    read.check(rope_type != "default" or (factor in (None, 1.0) and original is None),
+               f"has rope.scaling factor/original_context_length but {key('rope.scaling.type')!r} is {scaling!r}")
+    read.check(rope_type == "default" or factor is not None, f"RoPE scaling {scaling!r} needs {key('rope.scaling.factor')!r}")
+    if rope_type == "yarn" and original is None:
+        original = max_pos  # llama.cpp and transformers: the training context
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=read.rope_theta(key("rope.freq_base")),
+        factor=None if rope_type == "default" else factor,
+        original_max_position_embeddings=original if rope_type == "yarn" else None,
+    )
+
+
+def _gguf_vocab_size(read: ConfigReader, key: Callable[[str], str], tokens: Any,
+                     shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The vocabulary size: token_embd.weight's rows (a converter may pad or trim them), else the metadata's.
+
+    ConfigError when nothing tells it, when ``{arch}.vocab_size`` disagrees with the
+    embedding, or when the tokenizer has more tokens than the embedding has rows.
+    """
+    declared = read.positive_int(key("vocab_size"), default=None, at_most=MAX_VOCAB)
+    if "token_embd.weight" in shapes:
+        vocab = shapes["token_embd.weight"][0]
+    elif declared is not None:
+        vocab = declared
+    elif isinstance(tokens, list):
+        vocab = len(tokens)
+    else:
+        raise ConfigError("llama: cannot tell the vocabulary size: no token_embd.weight, no "
+                          f"{key('vocab_size')!r} and no 'tokenizer.ggml.tokens' in the GGUF")
+    if declared is not None and declared != vocab:
+        raise ConfigError(f"llama: GGUF {key('vocab_size')} is {declared}, but token_embd.weight has {vocab} rows")
+    if isinstance(tokens, list) and len(tokens) > vocab:
+        raise ConfigError(f"llama: the GGUF tokenizer has {len(tokens)} tokens, more than the {vocab} embedding rows")
+    return vocab

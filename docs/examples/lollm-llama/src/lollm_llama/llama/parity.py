@@ -66,10 +66,14 @@ def _metadata(reader, key: str, default=None):
 
 
 def gguf_reference_model(path, dtype: torch.dtype):
-    """transformers' LlamaForCausalLM holding the dequantized tensors of the GGUF at ``path``, in eval mode."""
+    """transformers' LlamaForCausalLM holding the dequantized tensors of the GGUF at ``path``, in eval mode.
+
+    Raises LollmError naming what the reference cannot build: another architecture,
+    a RoPE scaling it does not build, a tensor missing, left unused or left unloaded.
+    """
     import gguf
     import numpy as np
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     reader = gguf.GGUFReader(str(path))
     arch = _metadata(reader, "general.architecture")
@@ -80,28 +84,54 @@ def gguf_reference_model(path, dtype: torch.dtype):
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         tensors[t.name] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
             [int(n) for n in reversed(t.shape.tolist())])
+    config = _transformers_config(reader, tensors)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = _state_dict(model, config, tensors, gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers))
+    factors = tensors.pop("rope_freqs.weight", None)
+    if tensors:
+        raise LollmError(f"llama parity reference: GGUF tensors left unused: {sorted(tensors)[:4]}")
+    model.load_state_dict({name: value.to(dtype) for name, value in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    # the RoPE buffers are not in the state dict: compute them, then apply rope_freqs where llama.cpp does
+    rotary = type(model.model.rotary_emb)(config)
+    if factors is not None:
+        rotary.inv_freq = rotary.inv_freq / factors.float()
+        rotary.original_inv_freq = rotary.inv_freq.clone()
+    model.model.rotary_emb = rotary
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        raise LollmError(f"llama parity reference: not loaded from the GGUF: {left[:4]}")
+    return model.eval()
+
+
+def _transformers_config(reader, tensors: dict[str, torch.Tensor]):
+    """A transformers ``LlamaConfig`` made of the GGUF's ``llama.*`` metadata and which tensors it holds.
+
+    Raises LollmError for a missing key or a RoPE scaling other than none / linear.
+    """
+    from transformers import LlamaConfig
 
     def key(name, default=None):
         return _metadata(reader, f"llama.{name}", default)
 
     heads = int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
     hidden = int(key("embedding_length"))
-    head_dim = int(key("attention.key_length", hidden // heads))
     scaling = str(key("rope.scaling.type", "none"))
     if scaling not in ("none", "linear"):
         raise LollmError(f"llama parity reference: RoPE scaling {scaling!r} is not built here")
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base"))}
     if scaling == "linear":
         rope = {**rope, "rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_parameters=rope,
@@ -109,9 +139,16 @@ def gguf_reference_model(path, dtype: torch.dtype):
         mlp_bias="blk.0.ffn_up.bias" in tensors,
         tie_word_embeddings="output.weight" not in tensors,
     )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+
+
+def _state_dict(model, config, tensors: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """transformers name -> tensor, each taken (popped) from ``tensors`` under gguf-py's name for it.
+
+    ``names`` is gguf-py's ``TensorNameMap`` (the converter's own table). q_proj and
+    k_proj rows go back to Hugging Face's order by inverting the converter's row order
+    as an index. Raises LollmError naming a tensor the GGUF lacks.
+    """
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     state = {}
     for hf_name in model.state_dict():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -125,20 +162,5 @@ def gguf_reference_model(path, dtype: torch.dtype):
                 restored = torch.empty_like(value)
                 restored[converter_row_order(value.shape[0], n)] = value
                 value = restored
-        state[hf_name] = value.to(dtype)
-    factors = tensors.pop("rope_freqs.weight", None)
-    if tensors:
-        raise LollmError(f"llama parity reference: GGUF tensors left unused: {sorted(tensors)[:4]}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    # the RoPE buffers are not in the state dict: compute them, then apply rope_freqs where llama.cpp does
-    rotary = type(model.model.rotary_emb)(config)
-    if factors is not None:
-        rotary.inv_freq = rotary.inv_freq / factors.float()
-        rotary.original_inv_freq = rotary.inv_freq.clone()
-    model.model.rotary_emb = rotary
-    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    if left:
-        raise LollmError(f"llama parity reference: not loaded from the GGUF: {left[:4]}")
-    return model.eval()
+        state[hf_name] = value
+    return state

@@ -27,10 +27,13 @@ does to a llama besides renaming, both undone here:
    reads it into the RoPE settings (``RopeConfig.freq_factors``); it is never a
    model parameter.
 
-The tensors of a GGUF are dequantized to float32 one at a time by
-:class:`lollm.gguf.GGUFTensorSource` and streamed through the same
-:func:`lollm.weights.load_weights`. Because q_proj/k_proj are re-ordered after
-reading, they always load as float; the other matrices may stay packed.
+The family's declarations (name maps, tied head, what may stay packed) are data
+in :data:`LAYOUTS`, read by :func:`lollm.build.build_model` (plugin contract 2,
+docs/plugins.md); :func:`load` parses the config, checks it against the tensor
+table and hands over, with :func:`gguf_transform` for a GGUF. The tensors of a
+GGUF are dequantized to float32 one at a time by :class:`lollm.gguf.GGUFTensorSource`.
+Because q_proj/k_proj are re-ordered after reading, they always load as float;
+the other matrices may stay packed.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from typing import Callable
 
 import torch
 
+from lollm.build import NameMap, WeightLayout, build_model
 from lollm.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
-from lollm.weights import load_weights
+from lollm.loader import Checkpoint
+from lollm.options import LoadOptions
 
 from .config import LlamaConfig
 from .modeling_llama import LlamaForCausalLM
@@ -108,32 +113,31 @@ ROPE_FREQS = "rope_freqs.weight"
 #: GGUF tensors the name map skips (they are read another way).
 GGUF_IGNORED: set[str] = {ROPE_FREQS}
 
-#: Name maps per checkpoint format: (table, ignored templates).
-NAME_MAPS = {"safetensors": (HF_NAMES, HF_IGNORED), "gguf": (GGUF_NAMES, GGUF_IGNORED)}
-
 #: The output head falls back to the embedding matrix when the checkpoint has
 #: no lm_head.weight ("tied embeddings": Llama 3.2 1B and 3B).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
 #: Which model tensors may stay quantized (packed integers) when the load asks for it
 #: (docs/quantized-execution.md): every projection matrix, the embedding and the output
 #: head. Norm weights and biases are small vectors that stay float.
-QUANTIZABLE = re.compile(r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
+
+#: From a GGUF, less q_proj/k_proj: their rows are re-ordered after reading (:func:`unpermute_rows`), so they load float.
+QUANTIZABLE_GGUF = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn\.(v|o)_proj|mlp\.\w+_proj)\.weight"
 
 #: The tensors :func:`unpermute_rows` re-orders when they come from a GGUF (weights and biases).
 PERMUTED = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k)_proj\.(weight|bias)")
 
-
-def quantizable(model_name: str) -> bool:
-    """Whether ``model_name`` may stay packed (see :data:`QUANTIZABLE`)."""
-    return QUANTIZABLE.fullmatch(model_name) is not None
-
-
-def quantizable_gguf(model_name: str) -> bool:
-    """As :func:`quantizable`, less q_proj/k_proj: their rows are re-ordered after reading, so they load float."""
-    return quantizable(model_name) and PERMUTED.fullmatch(model_name) is None
+#: Everything above, as the data lollm.build.build_model reads: one layout per format, since
+#: what may stay packed differs. No TP_PLAN: this example runs on one process (no ``--tp``).
+LAYOUTS = {
+    "safetensors": WeightLayout(
+        name_maps={"safetensors": NameMap("llama", "safetensors", HF_NAMES, frozenset(HF_IGNORED))},
+        tied=TIED, quantizable=QUANTIZABLE),
+    "gguf": WeightLayout(
+        name_maps={"gguf": NameMap("llama", "gguf", GGUF_NAMES, frozenset(GGUF_IGNORED))},
+        tied=TIED, quantizable=QUANTIZABLE_GGUF),
+}
 
 
 def unpermute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -185,71 +189,39 @@ def read_rope_freqs(weights, config: LlamaConfig) -> LlamaConfig:
     return dataclasses.replace(config, rope=rope)
 
 
-def name_map_for(fmt: str) -> Callable[[str], str | None]:
-    """The function file name -> model name (``None``: skip) for checkpoints of format ``fmt``.
+def load(checkpoint: Checkpoint, options: LoadOptions) -> LlamaForCausalLM:
+    """Build a llama model from a checkpoint (the ``load`` of the llama Family, plugin contract 2).
 
-    It raises WeightsError naming a tensor it does not know.
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata),
+    its ``weights`` a TensorSource keyed by the file's names (:class:`lollm.gguf.GGUFTensorSource`
+    for GGUF, dequantizing each tensor to float32 when read), its ``fmt`` "safetensors" or
+    "gguf". options: resolved :class:`LoadOptions` (device, dtype, what stays packed).
+    Returns the model in eval mode.
+
+    Raises ConfigError (config.json / GGUF metadata, an unknown format) and WeightsError
+    (a tensor missing, unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    table, ignored = NAME_MAPS[fmt]
-
-    def name_map(file_name: str) -> str | None:
-        # "model.layers.12.mlp.up_proj.weight" -> template "model.layers.{i}.mlp.up_proj.weight", i = "12"
-        match = _LAYER_INDEX.search(file_name)
-        template = file_name if match is None else f"{file_name[:match.start()]}.{{i}}.{file_name[match.end():]}"
-        if template in ignored:
-            return None
-        if template not in table:
-            raise WeightsError(f"llama: unexpected tensor {file_name!r} in the {fmt} checkpoint: no llama weight has that name")
-        target = table[template]
-        return target if match is None else target.format(i=match.group(1))
-
-    return name_map
-
-
-def load(raw_config: dict, weights, fmt: str, device, dtype: torch.dtype, progress: bool = False) -> LlamaForCausalLM:
-    """Build a llama model from a checkpoint (the ``load`` of the llama Family).
-
-    raw_config: config.json as a dict (for "gguf": the file's metadata); weights: a
-    TensorSource keyed by the file's names (:class:`lollm.gguf.GGUFTensorSource` for
-    GGUF, dequantizing each tensor to float32 when read); fmt: "safetensors" or
-    "gguf"; device, dtype: where the weights live. Returns the model in eval mode.
-
-    Raises ConfigError (config.json / GGUF metadata) and WeightsError (a tensor missing,
-    unexpected, or of the wrong shape), each naming the key or tensor.
-    """
-    if fmt not in NAME_MAPS:
-        raise ConfigError(f"llama: unknown checkpoint format {fmt!r} (known: {', '.join(NAME_MAPS)})")
+    weights, fmt = checkpoint.weights, checkpoint.fmt
+    if fmt not in LAYOUTS:
+        raise ConfigError(f"llama: unknown checkpoint format {fmt!r} (known: {', '.join(LAYOUTS)})")
+    layout = LAYOUTS[fmt]
 
     # 1. Parse config.json (either schema) or the GGUF metadata into the numbers that shape the model.
-    if fmt == "gguf":
-        config = LlamaConfig.from_gguf(raw_config, {name: weights.shape(name) for name in weights.names()})
-    else:
-        config = LlamaConfig.from_hf(raw_config)
-
     #    A Llama 3.1+ GGUF carries its llama3 RoPE scaling as the tensor rope_freqs.weight.
-    if fmt == "gguf" and ROPE_FREQS in weights:
-        config = read_rope_freqs(weights, config)
+    if fmt == "gguf":
+        config = LlamaConfig.from_gguf(checkpoint.config, {name: weights.shape(name) for name in weights.names()})
+        if ROPE_FREQS in weights:
+            config = read_rope_freqs(weights, config)
+    else:
+        config = LlamaConfig.from_hf(checkpoint.config)
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map_for(fmt)), fmt)
+    config.check_weights(tensor_table(weights, layout.name_map(fmt, "llama")), fmt)
 
-    # 3. Build the module tree on the meta device: shapes and dtypes, no memory.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-
-    # 4. RoPE's inverse frequencies are not in the checkpoint: compute them on the real device.
-    model.model.rotary_emb.materialize(device)
-
-    # 5. Stream the tensors in, one at a time, through the name map (checks every shape).
-    #    lm_head shares the embedding only when the config says the two are tied.
-    #    When the load asks for quantized weights, the matrices QUANTIZABLE names stay packed.
-    tied = TIED if config.tie_word_embeddings else None
-    #    A GGUF's q_proj/k_proj rows are put back in Hugging Face's order as they are read.
-    gguf = fmt == "gguf"
-    load_weights(model, weights, name_map_for(fmt), device=device, dtype=dtype, progress=progress, tied=tied,
-                 transform=gguf_transform(config) if gguf else None,
-                 quantizable=quantizable_gguf if gguf else quantizable)
-
-    # 6. Inference only: eval mode (no dropout anywhere; set for good measure).
-    return model.eval()
+    # 3. Build on the meta device, compute RoPE's frequencies, stream the tensors in through the
+    #    name map (packed where the layout's pattern and the options allow); lm_head shares the
+    #    embedding when the config ties them. A GGUF's q_proj/k_proj rows are put back in Hugging
+    #    Face's order as they are read.
+    return build_model(LlamaForCausalLM, config, weights, fmt, options, layout, tie=config.tie_word_embeddings,
+                       transform=gguf_transform(config) if fmt == "gguf" else None)
