@@ -31,7 +31,6 @@ in :mod:`lollm.cli_inputs`, and what is printed in :mod:`lollm.cli_report`.
 Under ``--tp N`` the commands keep their ranks in step through :mod:`lollm.ranks`.
 """
 
-
 from __future__ import annotations
 
 import errno

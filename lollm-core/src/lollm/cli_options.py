@@ -11,6 +11,9 @@ The flags that change how a checkpoint loads become one :class:`lollm.options.Lo
 through :func:`load_options`; the commands hand that record to ``open_model``,
 ``run_parity``, ``run_bench`` and to the checks of :mod:`lollm.cli_checks`.
 
+:class:`App` and :class:`Command` print every command's ``--help`` as click writes it:
+each valued flag with its metavar, never typer's type labels (tests/test_help_text.py).
+
 Nothing here imports torch (a typo in a flag costs nothing), except :func:`load_options`
 under ``--tp N``, which reads torchrun's environment through :mod:`lollm.tensor_parallel`.
 """
