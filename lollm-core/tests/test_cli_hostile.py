@@ -3,7 +3,7 @@
 Each must end in one ``error:`` line (exit status 2) naming the flag, file or
 limit, or in a correct result:
 
-* numbers: ``--threads`` above :func:`lollm.cli.threads_limit` (a million exhausted the
+* numbers: ``--threads`` above :func:`lollm.cli_checks.threads_limit` (a million exhausted the
   machine's threads) and ``--ctx-size`` of 0 or less (silently the default) are
   refused before torch is imported, on every command that takes them;
 * special files: ``--prompts-file`` and ``tokenize --file`` refuse a folder, a FIFO
@@ -82,20 +82,20 @@ def toy_visible(toy_site, monkeypatch):
 
 
 def test_the_threads_limit_is_cores_times_a_small_factor():
-    from lollm.cli import THREADS_PER_CORE, _check_threads, threads_limit
+    from lollm.cli_checks import THREADS_PER_CORE, check_threads, threads_limit
     from lollm.errors import LollmError
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert threads_limit() == THREADS_PER_CORE * cores and 2 <= THREADS_PER_CORE <= 8
-    _check_threads(threads_limit())  # the limit itself is allowed
+    check_threads(threads_limit())  # the limit itself is allowed
     for bad in (threads_limit() + 1, 10**6, 10**30):
         with pytest.raises(LollmError, match=rf"--threads {bad} is more than .* at most {threads_limit()}"):
-            _check_threads(bad)
+            check_threads(bad)
 
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve", "bench"])
 def test_too_many_threads_is_refused_before_torch_on_every_command(toy_site, ckpt, command):
-    from lollm.cli import threads_limit
+    from lollm.cli_checks import threads_limit
 
     # (one more than the limit: harmless even where the check is missing, unlike the million of the report)
     extra = ["-p", "hi"] if command == "run" else ["--port", "1"] if command == "serve" else []
@@ -152,11 +152,11 @@ def test_stdin_is_bounded(toy_site, ckpt, args):
 
 
 def test_every_input_is_bounded_by_the_documented_limit(invoke, ckpt, tmp_path, monkeypatch):
-    import lollm.cli as cli
+    import lollm.cli_inputs as inputs
     from lollm.errors import LollmError
 
-    assert cli.MAX_INPUT_BYTES == 16 * 2**20
-    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 100)
+    assert inputs.MAX_INPUT_BYTES == 16 * 2**20
+    monkeypatch.setattr(inputs, "MAX_INPUT_BYTES", 100)
     path = tmp_path / "prompts.txt"
     path.write_text("hello\n" * 17)  # 102 bytes
     for args, stdin, needle in [

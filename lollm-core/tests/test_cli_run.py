@@ -142,6 +142,11 @@ BAD_FLAGS = [
     (("--threads", "0"), "--threads"),
     (("--mtp", "--draft-tokens", "0"), "--draft-tokens"),
     (("--no-chat", "--system", "s"), "--system"),
+    # the load flags: lollm.options.LoadOptions refuses them as the CLI makes it (lollm.cli_options.load_options)
+    (("--dtype", "float64"), "unknown dtype 'float64'"),
+    (("--weights", "packed"), "--weights 'packed'"),
+    (("--quantize", "int3"), "--quantize 'int3'"),
+    (("--weights", "float", "--quantize", "int8"), "--quantize asks for packed weights"),
 ]
 
 PROBE = """
@@ -166,6 +171,16 @@ def test_a_bad_flag_is_one_error_line_before_torch_is_imported(toy_site, ckpt, f
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert lines == [lines[0], "torch not imported"] and lines[0].startswith("error: ") and needle in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "parity", "bench", "trace"])
+def test_every_command_that_loads_checks_its_load_flags_before_torch(toy_site, ckpt, command):
+    """One LoadOptions per command, made from its flags before torch: a bad --dtype costs nothing on any of them."""
+    extra = ["--port", "1"] if command == "serve" else ["-p", "hi"] if command == "trace" else []
+    done = probe(command, str(ckpt), "--dtype", "float64", *extra, site=toy_site)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines == [lines[0], "torch not imported"] and lines[0].startswith("error: unknown dtype 'float64'"), done.stderr
 
 
 @pytest.mark.parametrize("args, stdin, needle", [
@@ -337,6 +352,23 @@ def test_ctrl_c_ends_the_output_with_a_newline_and_prints_the_stats(toy_site, tm
     stats = STATS.search(err)
     assert stats and stats.group(4) == "interrupted", err
     assert 1 <= int(stats.group(1)) < 4000
+
+
+# -- lollm families names the plugin contract each family speaks ----------------------------------
+
+
+def test_families_shows_the_contract_of_each_family(toy_site):
+    from lollm.family import CONTRACT_VERSION
+
+    listed = json.loads(ok(lollm("families", "--json", site=toy_site)).stdout)["families"]
+    toy = [f for f in listed if f["family"] == "lollm_toy"]
+    assert toy and toy[0]["contract"] == CONTRACT_VERSION
+    table = ok(lollm("families", site=toy_site)).stdout
+    header = next(line for line in table.splitlines() if "distribution" in line)
+    columns = [cell.strip() for cell in header.strip("┃│ ").split("┃" if "┃" in header else "│")]
+    row = next(line for line in table.splitlines() if "lollm-toy" in line)
+    cells = [cell.strip() for cell in row.strip("┃│ ").split("│")]
+    assert "contract" in columns and cells[columns.index("contract")] == str(CONTRACT_VERSION), table
 
 
 # -- a broken plugin changes nothing for commands that do not use it --------------------------------

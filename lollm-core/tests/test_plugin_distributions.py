@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 
 from _core_helpers import pip_install, plugin_module, run_lollm, run_python, write_distribution
 
+from lollm.family import CONTRACT_VERSION
+
 
 @pytest.fixture(scope="session")
 def sites(tmp_path_factory) -> dict[str, Path]:
@@ -64,6 +66,7 @@ def test_an_installed_plugin_is_listed_with_its_distribution(sites):
             "distribution": "lollm-testplugin-alpha",
             "version": "0.0.1",
             "plugin": "tp_alpha",
+            "contract": CONTRACT_VERSION,  # the plugin contract the family speaks (a column of the table too)
             "description": "throwaway test family",
         }
     ]
