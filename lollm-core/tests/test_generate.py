@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from lollm.errors import GenerationError, LollmError
-from lollm.generate import generate, stop_token_ids
+from lollm.generate import Step, generate, generate_steps, stop_token_ids, stream_text
+from lollm.prompt_cache import PromptCache
 from lollm.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -340,3 +341,111 @@ def test_speculative_decoding_never_goes_past_the_context():
 def test_speculative_decoding_needs_a_draft_head():
     with pytest.raises(GenerationError, match="draft head"):
         run(SuccessorLM(), [1], 5, speculative_tokens=2)
+
+
+# -- the layers: the step generator and the text wrapper ------------------------------------------
+
+
+def steps_of(model, prompt, n, **kwargs):
+    return generate_steps(model, prompt, max_new_tokens=n, sampling=kwargs.pop("sampling", GREEDY), **kwargs)
+
+
+def test_the_step_generator_yields_one_step_per_token_and_the_last_says_why():
+    model = SuccessorLM()
+    steps = list(steps_of(model, [1, 2, 3], 4))
+    assert all(isinstance(s, Step) for s in steps)
+    assert [s.token for s in steps] == [4, 5, 6, 7]
+    assert [s.finish for s in steps] == [None, None, None, "max_new_tokens"]
+    assert all(s.logprobs is None and not s.drafted and not s.accepted for s in steps)
+    assert [s.time for s in steps] == sorted(s.time for s in steps)
+    assert model.calls == [([1, 2, 3], 0, 1), ([4], 3, 0), ([5], 4, 0), ([6], 5, 0)]
+    # the context ends it: the last step says "context", never more steps than the context holds
+    steps = list(steps_of(SuccessorLM(max_context=8), [0, 1, 2, 3, 4, 5], 10))
+    assert [s.token for s in steps] == [6, 7] and steps[-1].finish == "context"
+
+
+def test_the_step_generator_runs_the_model_only_for_the_steps_asked_for():
+    model = SuccessorLM()
+    steps = steps_of(model, [1, 2], 10)
+    assert model.calls == []  # checked, not run yet
+    first = next(steps)
+    assert first.token == 3 and model.calls == [([1, 2], 0, 1)]  # the prefill gives the first token
+    assert next(steps).token == 4 and len(model.calls) == 2
+    steps.close()
+    assert len(model.calls) == 2
+
+
+def test_the_step_generator_checks_the_request_before_it_runs():
+    model = SuccessorLM(max_context=4)
+    for prompt, n, match in [([], 3, "empty"), ([1], 0, "max_new_tokens"), ([1, 2, 3, 4], 1, "context is 4"),
+                             ([99], 1, "vocabulary")]:
+        with pytest.raises(GenerationError, match=match):
+            steps_of(model, prompt, n)
+    with pytest.raises(GenerationError, match="draft head"):
+        steps_of(model, [1], 2, speculative_tokens=2)
+    assert model.calls == []
+
+
+def test_the_step_generator_gives_logprobs_when_asked():
+    steps = list(steps_of(SuccessorLM(), [1], 3, logprobs=2))
+    assert [s.logprobs.token for s in steps] == [s.token for s in steps] == [2, 3, 4]
+    assert all(len(s.logprobs.top) == 2 and s.logprobs.top[0][0] == s.token for s in steps)
+    assert generate(SuccessorLM(), [1], max_new_tokens=3, sampling=GREEDY, logprobs=2).logprobs == [s.logprobs for s in steps]
+
+
+def test_speculative_steps_are_plain_steps_with_the_drafts_marked():
+    plain = [s.token for s in steps_of(SuccessorLM(), [1, 2], 20)]
+    steps = list(steps_of(DraftingLM(), [1, 2], 20, speculative_tokens=3))
+    assert [s.token for s in steps] == plain
+    assert [s.finish for s in steps][-1] == "max_new_tokens" and all(s.finish is None for s in steps[:-1])
+    assert all(s.drafted for s in steps if s.accepted) and not steps[0].drafted
+    result = generate(DraftingLM(), [1, 2], max_new_tokens=20, sampling=GREEDY, speculative_tokens=3)
+    assert (result.drafted, result.accepted) == (sum(s.drafted for s in steps), sum(s.accepted for s in steps))
+
+
+def test_closing_the_steps_records_what_the_prompt_cache_holds():
+    model = SuccessorLM()
+    cache = PromptCache(model, 32)
+    steps = steps_of(model, [1, 2, 3], 10, prompt_cache=cache)
+    assert [next(steps).token for _ in range(3)] == [4, 5, 6]
+    steps.close()
+    assert cache.ids == [1, 2, 3, 4, 5]  # the last token was never run
+    result = generate(model, [1, 2, 3, 4, 5, 6, 7], max_new_tokens=2, sampling=GREEDY, prompt_cache=cache)
+    assert result.reused_tokens == 5 and result.new_ids == [8, 9]
+
+
+def text_of(model, prompt, n, tokenizer=None, *, stop_ids=frozenset(), stop_strings=(), should_stop=None, **kwargs):
+    steps = steps_of(model, prompt, n, **kwargs)
+    return list(stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop))
+
+
+@pytest.mark.parametrize("stop", [None, "o wor", "world", "Hello", "! B", "ld!", "Bye.", "zzz"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_the_text_wrapper_concatenates_to_the_text_of_generate_and_stops_at_the_same_token(stop, k):
+    tok = FakeTokenizer(STORY)
+    stops = [stop] if stop else []
+    model = DraftingLM if k else SuccessorLM
+    pieces = text_of(model(), [9], 8, tok, stop_strings=stops, speculative_tokens=k)
+    result, streamed = run(model(), [9], 8, tokenizer=tok, stop_strings=stops, speculative_tokens=k)
+    assert "".join(p.text for p in pieces) == result.text == "".join(streamed)
+    assert [p.step.token for p in pieces] == result.new_ids
+    assert [p.stop_reason for p in pieces] == [None] * (len(pieces) - 1) + [result.stop_reason]
+
+
+def test_the_text_wrapper_leaves_out_the_eos_text_and_flushes_what_it_held():
+    tok = FakeTokenizer(STORY)
+    pieces = text_of(SuccessorLM(), [9], 20, tok, stop_ids={13}, stop_strings=["lo worm"])
+    assert [p.step.token for p in pieces] == [10, 11, 12, 13]
+    assert [p.text for p in pieces] == ["", "", "He", "llo wo"]  # the last 6 characters held back (a possible "lo worm")
+    assert pieces[-1].stop_reason == "eos"
+
+
+def test_the_text_wrapper_asks_should_stop_between_steps_and_stops_asking_for_steps():
+    model = SuccessorLM()
+    asked = []
+    pieces = text_of(model, [9], 20, FakeTokenizer(STORY), should_stop=lambda: asked.append(1) or len(asked) == 2)
+    assert [p.step.token for p in pieces] == [10, 11] and pieces[-1].stop_reason == "cancelled"
+    assert "".join(p.text for p in pieces) == "Hello"
+    assert len(model.calls) == 2  # the prefill and one step: no forward for a step nobody asked for
+    with pytest.raises(GenerationError, match="tokenizer"):
+        stream_text(steps_of(model, [1], 3), None, stop_strings=["x"])

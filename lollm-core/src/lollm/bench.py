@@ -18,6 +18,11 @@ benchmark prints our figures and says what the reference needs.
 
 :class:`Engine` is the small interface a benchmarked engine follows;
 ``lollm-core/benchmarks/bench_quant.py`` adds llama.cpp with it.
+
+Under ``--tp N`` (lollm alone, no reference) every rank runs the same rounds,
+greedy, so the ranks make the same forward calls without sending anything
+(rule 3 of :mod:`lollm.ranks`); silencing the followers and meeting at the
+end (rules 1 and 4) are the command's part.
 """
 
 from __future__ import annotations

@@ -1,10 +1,21 @@
-"""The one generate loop every family shares.
+"""The one generate loop every family shares, in three layers.
 
 ::
 
     prompt ids ─► prefill (all prompt positions in one forward, fills the cache)
                ─► sample ─► decode (one position per forward, reads the cache) ─► sample ─► …
                ─► stop: an end-of-sequence id, a stop string, max_new_tokens, or the context is full
+
+1. :func:`generate_steps`, the *step generator*: the prefill, then one decode step
+   per ``next()``; it yields one :class:`Step` per new token (its id, its
+   log-probabilities when asked) and stops only when the token budget or the
+   context is spent. With a draft head it decodes speculatively and still yields one
+   token at a time. This is the piece a batched engine builds on.
+2. :func:`stream_text`: on top of the steps, the text: detokenized pieces (whole
+   UTF-8 characters), end-of-sequence ids, stop strings, a cancel check; one
+   :class:`TextStep` per step, the last one saying why the generation stopped.
+3. :func:`generate`: drives both with callbacks (``on_token``, ``on_text``) and
+   returns a :class:`GenerationResult` (ids, text, stop reason, timings).
 
 A family provides only ``model.forward(ids, cache)`` and ``model.new_cache``
 (see :mod:`lollm.model`); it never writes its own loop. With a
@@ -15,8 +26,9 @@ prefill runs only the part of the prompt the cache does not hold yet.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -140,6 +152,286 @@ class _StopStringWatcher:
         return out + rest
 
 
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """Log-probabilities of ``token`` and of the ``top`` most likely ids under ``logits`` ((V,), any float dtype)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, min(top, logp.numel())) if top > 0 else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprobs(token, float(logp[token]), pairs)
+
+
+# -- layer 1: the step generator ---------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One new token, as :func:`generate_steps` yields it.
+
+    token:    the chosen id (an int, ``0 .. model.vocab_size - 1``).
+    logprobs: its :class:`TokenLogprobs` when the generation asked for ``logprobs=N``, else None.
+    time:     ``time.perf_counter()`` when it was chosen (the first step's: the prefill is done).
+    drafted:  speculative decoding: a draft token was judged at this position;
+    accepted: and it was this token (the main model confirmed the draft).
+    finish:   None while more steps may follow; on the last step the generator will
+              yield, why: "max_new_tokens" (the budget is spent) or "context" (the
+              cache has no room for the position after this token).
+    """
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+    time: float = 0.0
+    drafted: bool = False
+    accepted: bool = False
+    finish: str | None = None
+
+
+def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt_cache: PromptCache | None = None,
+                  speculative_tokens: int = 0) -> int:
+    """The context a generation of ``prompt_ids`` runs in (positions); GenerationError when it cannot run.
+
+    Refused: an empty prompt, ``max_new_tokens < 1``, a prompt that fills the
+    context (the model's ``max_context``, or the prompt cache's ``max_tokens``), an id
+    outside the vocabulary, a cache larger than the device's free memory
+    (:func:`lollm.memory.check_cache_fits`), speculative tokens without a draft head.
+    """
+    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty: there is nothing to continue")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= context:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
+            f"context is {context}"
+        )
+    check_prompt_ids(prompt_ids, model.vocab_size)
+    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
+        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
+    if speculative_tokens > 0 and not getattr(model, "has_draft_head", False):
+        raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
+    return context
+
+
+def generate_steps(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    speculative_tokens: int = 0,
+    prompt_cache: PromptCache | None = None,
+    logprobs: int | None = None,
+) -> Iterator[Step]:
+    """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
+
+    The request is checked now (:func:`check_request`: GenerationError for an
+    empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
+    outside the vocabulary, a cache that does not fit the device, speculative
+    tokens without a draft head); the model runs only as the steps are asked for.
+
+    * The first ``next()`` runs the prefill: ``model(ids (1, P) long, cache,
+      logits_to_keep=1)`` -> logits (1, 1, V), and yields the first token; with a
+      ``prompt_cache``, only the part of the prompt it does not hold yet runs.
+    * Each later ``next()`` runs one forward over the newest token, ids (1, 1),
+      and yields the next. ``speculative_tokens = k > 0`` drafts up to ``k``
+      tokens with the model's draft head and verifies them in one forward over
+      (1, 1 + k) ids (:func:`_speculative_steps`); the steps are still yielded
+      one at a time, and the tokens are exactly those of plain decoding.
+    * The repetition penalty sees the prompt and every token yielded so far;
+      ``logprobs=N`` fills ``Step.logprobs`` (the model's own distribution, N
+      alternatives).
+    * At most ``min(max_new_tokens, context - len(prompt_ids))`` steps: the last
+      one says why in ``Step.finish``. A caller may stop asking sooner (an
+      end-of-sequence id, a stop string, a cancel): no forward runs past the
+      last step it asked for.
+
+    The generator runs under ``torch.inference_mode`` with the current attention
+    backend (wrap the loop in ``lollm.attention.use_backend`` to choose it). The
+    model runs on its own device; ids are moved there. With a ``prompt_cache``,
+    closing the generator (or running it to the end) records what the cache holds
+    (``PromptCache.finish``). Errors from the model or the sampler
+    (GenerationError for non-finite logits) come out of ``next()``.
+    """
+    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, speculative_tokens)
+    budget = min(max_new_tokens, context - len(prompt_ids))
+    return _steps(_Sequence(model, prompt_ids, sampling, logprobs, budget, context), prompt_cache,
+                  max(speculative_tokens, 0))
+
+
+class _Sequence:
+    """One generation's state between steps: the cache, the sampler, the ids seen, the steps yielded."""
+
+    def __init__(self, model: Any, prompt_ids: list[int], sampling: SamplingParams, logprobs: int | None,
+                 budget: int, context: int):
+        self.model, self.prompt_ids, self.logprobs = model, list(prompt_ids), logprobs
+        self.budget, self.context = budget, context
+        self.device = next(model.parameters()).device
+        self.sampler = Sampler(sampling)
+        self.seen = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
+        self.new_ids: list[int] = []
+        self.cache: Any = None
+
+    def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
+        """Run the prompt (or the part a prompt cache lacks); the logits of its last position, (V,)."""
+        if prompt_cache is not None:
+            self.cache, logits = prompt_cache.prefill(self.prompt_ids, self.device)
+            return logits[0, -1]
+        # room for the drafts (``extra``) a speculative step writes before it rolls back, never past the context
+        self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
+        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=self.device)
+        return self.model(ids, self.cache, logits_to_keep=1)[0, -1]
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """The logits (len(ids), V) of ``ids`` run after what the cache holds."""
+        return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
+
+    def choose(self, logits_row: torch.Tensor, *, drafted: bool = False) -> Step:
+        """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked."""
+        token = self.sampler(logits_row, self.seen)
+        self.seen = torch.cat([self.seen, torch.tensor([token])])
+        lp = token_logprobs(logits_row, token, self.logprobs) if self.logprobs is not None else None
+        return Step(token, lp, time.perf_counter(), drafted=drafted)
+
+    def emit(self, step: Step) -> Step:
+        """``step`` counted as yielded; on the last one, ``finish`` says why no step follows."""
+        self.new_ids.append(step.token)
+        if len(self.new_ids) >= self.budget:
+            step.finish = "max_new_tokens" if self.cache.length + 1 < self.context else "context"
+        return step
+
+
+@torch.inference_mode()
+def _steps(seq: _Sequence, prompt_cache: PromptCache | None, k: int) -> Iterator[Step]:
+    """The body of :func:`generate_steps`: prefill, then plain or speculative decoding."""
+    try:
+        first = seq.emit(seq.choose(seq.prefill(prompt_cache, k)))
+        yield first
+        if not first.finish:
+            yield from (_speculative_steps(seq, first.token, k) if k > 0 else _plain_steps(seq, first.token))
+    except GeneratorExit:  # the caller stopped asking: the cache is as the last step left it
+        _record(seq, prompt_cache)
+        raise
+    _record(seq, prompt_cache)
+
+
+def _record(seq: _Sequence, prompt_cache: PromptCache | None) -> None:
+    """A prompt cache records what its cache now holds, for the next prompt."""
+    if prompt_cache is not None and seq.cache is not None:
+        prompt_cache.finish(seq.prompt_ids + seq.new_ids)
+
+
+def _plain_steps(seq: _Sequence, pending: int) -> Iterator[Step]:
+    """One forward over the newest token per step."""
+    while True:
+        step = seq.emit(seq.choose(seq.forward([pending])[-1]))
+        yield step
+        if step.finish:
+            return
+        pending = step.token
+
+
+def _speculative_steps(seq: _Sequence, pending: int, k: int) -> Iterator[Step]:
+    """The steps of self-speculative decoding (draft k, verify in one forward), yielded one at a time.
+
+    The model drafts ``k`` tokens after ``pending`` (the newest token, not yet
+    in the cache) with its cheap draft head: ``model.draft(cache, pending, k)``.
+    The main model then runs once over ``[pending, d1 … dk]`` and, at each of
+    those positions, the sampler picks the token the main model would have
+    produced. Drafts are accepted while they equal those picks; the first pick
+    that differs (or the pick after the last draft) is the bonus token. The
+    cache is rolled back to the accepted prefix (``cache.rollback(length)``).
+    Because every emitted token is the main model's own pick, made with the
+    same sampler in the same order, the output equals plain decoding exactly.
+    """
+    cache = seq.cache
+    while True:
+        room = cache.max_tokens - cache.length - 1  # positions left after `pending`
+        drafts = seq.model.draft(cache, pending, min(k, room)) if room > 0 else []
+        start = cache.length
+        logits = seq.forward([pending] + drafts)  # (1 + len(drafts), V)
+        for i in range(len(drafts) + 1):
+            step = seq.choose(logits[i], drafted=i < len(drafts))  # a draft counts once the loop gets to judge it
+            if i < len(drafts) and step.token == drafts[i]:
+                step.accepted = True
+            else:  # the main model disagrees (or all drafts were accepted): keep the cache up to here
+                cache.rollback(start + 1 + i)
+                pending = step.token
+            yield seq.emit(step)
+            if step.finish:
+                return
+            if not step.accepted:
+                break
+
+
+# -- layer 2: text, stop strings, end-of-sequence ids, cancel ------------------------------------
+
+
+@dataclass
+class TextStep:
+    """One step of :func:`stream_text`: the :class:`Step`, the text it lets out, and whether it is the last.
+
+    text:        text safe to show now: whole UTF-8 characters, never the beginning of
+                 a stop string (often "" while a character or a possible stop string is
+                 incomplete); the last TextStep also carries whatever was held back.
+    stop_reason: None while the generation goes on; on the last TextStep one of
+                 "eos", "stop_string", "max_new_tokens", "context", "cancelled"
+                 (the meanings of :attr:`GenerationResult.stop_reason`).
+    """
+
+    step: Step
+    text: str
+    stop_reason: str | None = None
+
+
+def stream_text(
+    steps: Iterable[Step],
+    tokenizer: Any = None,
+    *,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_strings: Iterable[str] = (),
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[TextStep]:
+    """The steps of :func:`generate_steps` with their text, until a stop condition; one :class:`TextStep` each.
+
+    Checked after each step, in this order: an id of ``stop_ids`` ("eos": its
+    text is left out), a stop string completed by the step's text ("stop_string":
+    the text ends just before it), the step's own ``finish``, then
+    ``should_stop()`` ("cancelled"; asked once per step that is not the last, so
+    under ``--tp`` every rank asks it equally often). ``tokenizer`` (with
+    ``stream_decoder()``) turns ids into text; without it every text is "".
+    Stops asking ``steps`` for more after the last TextStep. Raises
+    GenerationError now for stop strings without a tokenizer.
+    """
+    stop_strings = list(stop_strings)
+    if stop_strings and tokenizer is None:
+        raise GenerationError("stop strings need a tokenizer to decode the generated text")
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
+    return _text_steps(steps, decoder, _StopStringWatcher(stop_strings), stop_ids, should_stop)
+
+
+def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
+                should_stop: Callable[[], bool] | None) -> Iterator[TextStep]:
+    """The body of :func:`stream_text`: decode each step, check the stops in their order, flush at the end."""
+    for step in steps:
+        text, reason = "", None
+        if step.token in stop_ids:
+            reason = "eos"
+        elif decoder is not None:
+            text, hit = watcher.feed(decoder.push(step.token))
+            reason = "stop_string" if hit else None
+        if reason is None:
+            reason = step.finish or ("cancelled" if should_stop is not None and should_stop() else None)
+        if reason is not None and reason != "stop_string" and decoder is not None:
+            text += watcher.finish(decoder.flush())  # what the decoder and the watcher still hold
+        yield TextStep(step, text, reason)
+        if reason is not None:
+            return
+
+
+# -- layer 3: callbacks and the result ---------------------------------------------------------
+
+
 @torch.inference_mode()
 def generate(
     model: Any,
@@ -179,159 +471,47 @@ def generate(
     generation with stop reason "cancelled" (a client that went away, Ctrl-C).
     ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
     the current one).
+
+    This is :func:`generate_steps` read through :func:`stream_text`, with the callbacks.
     Raises GenerationError for an empty prompt, a non-positive
     ``max_new_tokens``, a prompt that does not fit the context, a prompt id outside
-    the model's vocabulary, or a cache larger than the device's free memory
-    (:func:`lollm.memory.check_cache_fits`); AttentionBackendError for an unknown or
+    the model's vocabulary, a cache larger than the device's free memory
+    (:func:`lollm.memory.check_cache_fits`), stop strings without a tokenizer, or
+    speculative tokens without a draft head; AttentionBackendError for an unknown or
     unusable backend.
     """
-    if attn is not None:
-        with use_backend(attn):
-            return generate(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                            stop_strings=stop_strings, tokenizer=tokenizer, on_text=on_text,
-                            speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
-                            on_token=on_token, should_stop=should_stop)
-    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
-    if not prompt_ids:
-        raise GenerationError("the prompt is empty: there is nothing to continue")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= context:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
-            f"context is {context}"
-        )
-    stop_strings = list(stop_strings)
-    if stop_strings and tokenizer is None:
-        raise GenerationError("stop strings need a tokenizer to decode the generated text")
-    check_prompt_ids(prompt_ids, model.vocab_size)
-    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
-        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
-    max_new_tokens = min(max_new_tokens, context - len(prompt_ids))
-    device = next(model.parameters()).device
-    result = GenerationResult(prompt_ids=list(prompt_ids))
-    sampler = Sampler(sampling)
-    decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
-    watcher = _StopStringWatcher(stop_strings)
-    history = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
-
-    def pick(logits_row: torch.Tensor, seen: torch.Tensor) -> int:
-        """The sampler's choice, with the model's log-probabilities recorded when asked."""
-        token = sampler(logits_row, seen)
-        if logprobs is not None:
-            result.logprobs.append(token_logprobs(logits_row, token, logprobs))
-        return token
-
-    def emit(piece: str) -> None:
-        if piece:
-            result.text += piece
-            if on_text is not None:
-                on_text(piece)
-
-    # 1. Prefill: the whole prompt in one forward; only the last position's logits are needed.
-    #    A prompt cache runs only the part of the prompt it does not hold yet.
-    start = time.perf_counter()
-    if prompt_cache is None:
-        # room for the drafts a speculative step writes before it rolls back, never past the context
-        cache = model.new_cache(min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
-        logits = model(torch.tensor([prompt_ids], dtype=torch.long, device=device), cache, logits_to_keep=1)
-    else:
-        cache, logits = prompt_cache.prefill(prompt_ids, device)
-        result.reused_tokens = prompt_cache.last.reused
-    next_id = pick(logits[0, -1], history)
-    result.prefill_seconds = time.perf_counter() - start
-
-    # 2. Decode: feed back one token at a time until a stop condition.
-    #    With a draft head, each step may yield several tokens (draft, then verify).
-    start = time.perf_counter()
-    if speculative_tokens > 0:
-        if not getattr(model, "has_draft_head", False):
-            raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
-        steps = _speculative_steps(model, cache, pick, next_id, history, speculative_tokens, result, device)
-    else:
-        steps = None
-    while True:
-        if steps is not None:
-            next_id = next(steps)
-        result.new_ids.append(next_id)
-        if on_token is not None:
-            on_token(next_id, result.logprobs[-1] if logprobs is not None else None)
-        history = torch.cat([history, torch.tensor([next_id])])
-        if next_id in stop_ids:
-            result.stop_reason = "eos"
-            break
-        if decoder is not None:
-            piece, hit = watcher.feed(decoder.push(next_id))
-            emit(piece)
-            if hit:
-                result.stop_reason = "stop_string"
-                break
-        if len(result.new_ids) >= max_new_tokens:
-            result.stop_reason = "max_new_tokens" if cache.length + 1 < context else "context"
-            break
-        if should_stop is not None and should_stop():
-            result.stop_reason = "cancelled"
-            break
-        if steps is None:
-            logits = model(torch.tensor([[next_id]], dtype=torch.long, device=device), cache)
-            next_id = pick(logits[0, -1], history)
-    result.decode_seconds = time.perf_counter() - start
-
-    if steps is not None:
-        steps.close()
-    # 3. Whatever text the stream decoder and the stop-string watcher still hold.
-    if decoder is not None and result.stop_reason != "stop_string":
-        emit(watcher.finish(decoder.flush()))
-    # 4. A prompt cache records what its cache now holds, for the next prompt.
+    with use_backend(attn):
+        steps = generate_steps(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs)
+        with closing(steps):  # a prompt cache records what it holds when the steps close
+            pieces = stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop)
+            result = _collect(pieces, GenerationResult(prompt_ids=list(prompt_ids)), on_token, on_text)
     if prompt_cache is not None:
-        prompt_cache.finish(result.prompt_ids + result.new_ids)
+        result.reused_tokens = prompt_cache.last.reused
     return result
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """Log-probabilities of ``token`` and of the ``top`` most likely ids under ``logits`` ((V,), any float dtype)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    best = torch.topk(logp, min(top, logp.numel())) if top > 0 else None
-    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
-    return TokenLogprobs(token, float(logp[token]), pairs)
-
-
-def _speculative_steps(model, cache, sampler, first_id: int, history: torch.Tensor, k: int, result: GenerationResult, device):
-    """Yield the tokens of self-speculative decoding, one at a time (draft k, verify in one forward).
-
-    The model drafts ``k`` tokens after ``pending`` (the newest token, not yet
-    in the cache) with its cheap draft head: ``model.draft(cache, pending, k)``.
-    The main model then runs once over ``[pending, d1 … dk]`` and, at each of
-    those positions, the sampler picks the token the main model would have
-    produced. Drafts are accepted while they equal those picks; the first pick
-    that differs (or the pick after the last draft) is the bonus token. The
-    cache is rolled back to the accepted prefix (``cache.rollback(length)``).
-    Because every emitted token is the main model's own pick, made with the
-    same sampler in the same order, the output equals plain decoding exactly.
-    """
-    yield first_id
-    pending = first_id
-    seen = history.clone()
-    seen = torch.cat([seen, torch.tensor([first_id])])
-    while True:
-        room = cache.max_tokens - cache.length - 1  # positions left after `pending`
-        drafts = model.draft(cache, pending, min(k, room)) if room > 0 else []
-        start = cache.length
-        ids = torch.tensor([[pending] + drafts], dtype=torch.long, device=device)
-        logits = model(ids, cache)  # (1, 1 + len(drafts), V)
-        accepted = 0
-        for i in range(len(drafts) + 1):
-            if i < len(drafts):
-                result.drafted += 1  # a draft counts once the loop gets to judge it
-            pick = sampler(logits[0, i], seen)
-            seen = torch.cat([seen, torch.tensor([pick])])
-            if i < len(drafts) and pick == drafts[i]:
-                accepted += 1
-                result.accepted += 1  # counted as it is emitted, so a stop mid-step reports it right
-                yield pick
-                continue
-            # the main model disagrees (or all drafts were accepted): keep the cache up to here
-            cache.rollback(start + 1 + accepted)
-            pending = pick
-            yield pick
-            break
+def _collect(pieces: Iterator[TextStep], result: GenerationResult, on_token: Callable[[int, TokenLogprobs | None], None] | None,
+             on_text: Callable[[str], None] | None) -> GenerationResult:
+    """Read ``pieces`` into ``result`` (ids, logprobs, text, counts, timings), calling the callbacks on the way."""
+    start = first = time.perf_counter()
+    for piece in pieces:
+        step = piece.step
+        if not result.new_ids:
+            first = step.time
+            result.prefill_seconds = first - start  # the prompt's forward plus the first sample
+        result.new_ids.append(step.token)
+        result.drafted += step.drafted
+        result.accepted += step.accepted
+        if step.logprobs is not None:
+            result.logprobs.append(step.logprobs)
+        if on_token is not None:
+            on_token(step.token, step.logprobs)
+        if piece.text:
+            result.text += piece.text
+            if on_text is not None:
+                on_text(piece.text)
+        if piece.stop_reason is not None:
+            result.stop_reason = piece.stop_reason
+    result.decode_seconds = time.perf_counter() - first
+    return result

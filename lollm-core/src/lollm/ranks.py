@@ -11,6 +11,10 @@ user. Four rules keep the copies in step, and ``run``, ``serve``, ``parity`` and
 2. :func:`leader_decides`: work only the leader can do (read the prompt from a user,
    build the transformers reference, accept an HTTP request) runs on rank 0, and
    its result, or its error, is broadcast; every rank then goes on with the same value.
+   A server decides again and again: the leader broadcasts each job, the followers
+   run them in :func:`follow` until it broadcasts None; and before each generation
+   step :func:`agree` gives every rank the leader's cancel flag, so all stop at the
+   same token.
 3. Every rank makes the same sequence of forward calls: generation is greedy or
    seeded identically on every rank, so the tokens agree without being sent.
 4. :func:`finish`: before any rank exits, all meet at a barrier (rank 0 has
@@ -75,6 +79,34 @@ def leader_decides(group: Any, work: Callable[[], T]) -> T:
     if kind == "error":
         raise LollmError(value)
     return value
+
+
+def follow(group: Any, handle: Callable[[Any], None]) -> None:
+    """Rule 2 as a loop, on a follower: ``handle(work)`` for each ``work`` the leader broadcasts, until it sends None.
+
+    The leader sends each piece of work with ``broadcast(group, work)`` (before it
+    runs the same work itself) and ends the loop with ``broadcast(group, None)``.
+    ``handle`` must make the same collective calls as the leader's run of ``work``.
+    On one process (``group is None``) it returns at once.
+    """
+    while (work := broadcast(group, None)) is not None:
+        handle(work)
+
+
+def agree(group: Any, flag: bool) -> bool:
+    """Rule 2 for one flag, asked often: the leader's ``flag`` on every rank (others pass anything).
+
+    One int32 broadcast (on the group's device under nccl), far cheaper than
+    :func:`broadcast` of an object: ``serve`` asks it before every generation step.
+    """
+    if group is None:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=group.device if group.backend == "nccl" else "cpu")
+    dist.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def finish(group: Any) -> None:

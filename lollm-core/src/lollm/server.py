@@ -44,7 +44,8 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   resolved sampling with a concrete seed, stops) and the other ranks, in
   :meth:`ModelServer.follow`, run the same generation in lockstep (the collectives
   need every rank); before each step rank 0's cancel flag is broadcast, so a
-  client that goes away stops every rank at the same token.
+  client that goes away stops every rank at the same token (:mod:`lollm.ranks`:
+  ``broadcast``, ``follow``, ``agree``).
 * Bound to 127.0.0.1 unless told otherwise; ``--api-key`` makes every /v1
   request show ``Authorization: Bearer KEY``.
 
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -72,8 +74,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from lollm import ranks
 from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
@@ -523,7 +526,7 @@ class ModelServer:
             if self.group is not None:  # --tp: the other ranks run the same job (follow)
                 if job.sampling.seed is None:  # every rank must draw the same tokens: one seed, chosen here
                     job.sampling = dataclasses.replace(job.sampling, seed=secrets.randbits(63))
-                self._broadcast([(job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs)])
+                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs))
             result = self._generate(job)
         except BaseException:
             self.counts["failed"] += 1
@@ -537,7 +540,7 @@ class ModelServer:
         return result
 
     def _generate(self, job: Job) -> GenerationResult:
-        should_stop = job.cancel.is_set if self.group is None else lambda: self._agree(job.cancel.is_set())
+        should_stop = job.cancel.is_set if self.group is None else lambda: ranks.agree(self.group, job.cancel.is_set())
         return generate(
             self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
             stop_strings=job.stop, tokenizer=self.tokenizer, on_text=job.on_text, on_token=job.on_token,
@@ -545,41 +548,23 @@ class ModelServer:
             should_stop=should_stop,
         )
 
-    # -- --tp: the ranks other than 0 ---------------------------------------------------------
-    def _broadcast(self, message: list[Any]) -> Any:
-        """Rank 0's ``message[0]`` on every rank (``torch.distributed.broadcast_object_list``)."""
-        import torch.distributed as dist
-
-        dist.broadcast_object_list(message, src=0)
-        return message[0]
-
-    def _agree(self, flag: bool) -> bool:
-        """Rank 0's ``flag`` on every rank: asked before each step, so every rank stops at the same token."""
-        import torch
-        import torch.distributed as dist
-
-        where = self.group.device if self.group.backend == "nccl" else "cpu"
-        value = torch.tensor([int(flag)], dtype=torch.int32, device=where)
-        dist.broadcast(value, src=0)
-        return bool(value.item())
-
+    # -- --tp: the ranks other than 0 (lollm.ranks) ------------------------------------------
     def follow(self) -> None:
-        """A rank other than 0 under --tp: run each job rank 0 broadcasts, in its order, until rank 0 says stop (None).
+        """A rank other than 0 under --tp: run each job rank 0 broadcasts, in its order, until rank 0 says stop.
 
-        The jobs come with rank 0's resolved sampling and seed, so every rank
-        samples the same tokens from the same (all-gathered) logits, and its
-        prompt cache holds what rank 0's holds. An error rank 0's generation
-        also meets (a LollmError) is rank 0's to report; this rank waits for the next job.
+        :func:`lollm.ranks.follow`. The jobs come with rank 0's resolved sampling
+        and seed, so every rank samples the same tokens from the same
+        (all-gathered) logits, and its prompt cache holds what rank 0's holds.
         """
-        while True:
-            message = self._broadcast([None])
-            if message is None:
-                return
-            ids, max_tokens, sampling, stop, logprobs = message
-            try:
-                self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs))
-            except LollmError:
-                pass
+        ranks.follow(self.group, self._follow_job)
+
+    def _follow_job(self, message: tuple[Any, ...]) -> None:
+        """One job rank 0 broadcast; an error rank 0's generation also meets (a LollmError) is rank 0's to report."""
+        ids, max_tokens, sampling, stop, logprobs = message
+        try:
+            self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs))
+        except LollmError:
+            pass
 
     def stop_followers(self) -> bool:
         """Rank 0 under --tp, at the end: tell the other ranks to return from :meth:`follow`.
@@ -587,7 +572,7 @@ class ModelServer:
         Best effort: False when they did not take the message (Ctrl-C reached them too and they are gone).
         """
         try:
-            self.worker.submit(self._broadcast, [None]).result(timeout=60)
+            self.worker.submit(ranks.broadcast, self.group, None).result(timeout=60)
             return True
         except Exception as error:
             log.info("--tp: the other ranks did not take the stop message: %s", error)
@@ -801,65 +786,95 @@ async def wait(server: ModelServer, request: Any, job: Job) -> GenerationResult 
             job.cancel.set()
 
 
-def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
-    """Server-sent events of one generation: ``chunk(text, logprobs, finish_reason)`` makes each payload.
+def sse(payload: Any) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+
+class EventStream:
+    """The server-sent events of one streamed generation (``stream: true``).
+
+    The worker thread generates and puts what it makes on a queue (:meth:`on_text`,
+    :meth:`on_token`, then the result or the error); :meth:`events`, on the event
+    loop, turns each into an event made by ``chunk(text, logprobs, finish_reason)``.
     An error after the first event is sent as an error event (a bug: one log line, as for a 500).
     """
-    from starlette.responses import StreamingResponse
 
-    job = plan.job
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731  (from the worker thread)
-    job.on_text = lambda piece: put(("text", piece))
-    job.on_token = lambda token, lp: put(("token", lp)) if lp is not None and token not in server.stop_ids else None
+    def __init__(self, server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
+        self.server, self.plan, self.chunk, self.where = server, plan, chunk, where
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
 
-    def work() -> None:
+    def response(self):
+        """The Starlette StreamingResponse of :meth:`events`."""
+        from starlette.responses import StreamingResponse
+
+        return StreamingResponse(self.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # -- the worker thread's side -------------------------------------------------------------
+    def put(self, item: tuple[str, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def on_text(self, piece: str) -> None:
+        self.put(("text", piece))
+
+    def on_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        if logprobs is not None and token not in self.server.stop_ids:
+            self.put(("token", logprobs))
+
+    def work(self) -> None:
+        """Run the job (in the worker thread); its result, or its error, goes on the queue last."""
         try:
-            put(("done", server.run(job)))
+            self.put(("done", self.server.run(self.plan.job)))
         except BaseException as error:  # reported to the client as an error event
-            put(("error", error))
+            self.put(("error", error))
 
-    def sse(payload: Any) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    def failed(error: BaseException) -> str:
+    # -- the event loop's side ----------------------------------------------------------------
+    def failed(self, error: BaseException) -> str:
         if isinstance(error, LollmError):
-            log.info("%s: generation refused: %s", where, error)
+            log.info("%s: generation refused: %s", self.where, error)
             return sse(ApiError(400, str(error)).body())
-        return sse(internal_error(where, error).body())
+        return sse(internal_error(self.where, error).body())
 
-    async def events():
-        loop.run_in_executor(server.worker, work)
+    def finished(self, result: GenerationResult | None, pending: list[TokenLogprobs]) -> Iterator[str]:
+        """The last events: logprobs not sent yet, the finish reason, the usage when asked."""
+        if pending:
+            yield sse(self.chunk("", pending, None))
+        yield sse(self.chunk("", None, FINISH_REASON[result.stop_reason] if result is not None else "stop"))
+        if self.plan.include_usage and result is not None:
+            yield sse({**self.chunk("", None, None), "choices": [], "usage": self.server.usage(result)})
+
+    async def events(self):
+        """The events: the assistant's role, then text (with its logprobs) as it comes, the end, ``[DONE]``."""
+        self.loop.run_in_executor(self.server.worker, self.work)
         pending: list[TokenLogprobs] = []
         try:
-            yield sse(chunk(None, None, None))  # the first chunk: the assistant's role
+            yield sse(self.chunk(None, None, None))  # the first chunk: the assistant's role
             while True:
-                kind, value = await queue.get()
+                kind, value = await self.queue.get()
                 if kind == "token":
                     pending.append(value)
                 elif kind == "text":
-                    yield sse(chunk(value, pending, None))
+                    yield sse(self.chunk(value, pending, None))
                     pending = []
                 elif kind == "error":
-                    yield failed(value)
+                    yield self.failed(value)
                     break
                 else:  # done
-                    result: GenerationResult | None = value
-                    if pending:
-                        yield sse(chunk("", pending, None))
-                    yield sse(chunk("", None, FINISH_REASON[result.stop_reason] if result is not None else "stop"))
-                    if plan.include_usage and result is not None:
-                        yield sse({**chunk("", None, None), "choices": [], "usage": server.usage(result)})
+                    for event in self.finished(value, pending):
+                        yield event
                     break
             yield "data: [DONE]\n\n"
         except Exception as error:  # a bug while writing the events
-            yield failed(error)
+            yield self.failed(error)
         finally:
-            job.cancel.set()  # no-op after the end; stops the generation of a client that went away
+            self.plan.job.cancel.set()  # no-op after the end; stops the generation of a client that went away
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
+    """The StreamingResponse of ``plan``'s generation as server-sent events (:class:`EventStream`)."""
+    return EventStream(server, plan, chunk, where).response()
 
 
 # -- the answers' shapes (OpenAI's) -------------------------------------------------------------
@@ -953,81 +968,120 @@ CHUNKS = {"chat": _chat_chunks, "completion": _completion_chunks}
 ANSWERS = {"chat": _chat_answer, "completion": _completion_answer}
 
 
-def create_app(server: ModelServer):
-    """The Starlette application serving ``server``."""
-    from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import HTMLResponse, JSONResponse, Response
-    from starlette.routing import Route
+def error_response(error: ApiError, headers: dict[str, str] | None = None):
+    """The JSONResponse of ``error``: its OpenAI-style body with its status."""
+    from starlette.responses import JSONResponse
 
-    def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
-    def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        """``handler`` whose errors become JSON answers: ApiError as it says, LollmError 400, any other 500."""
 
-        async def endpoint(request: Request):
-            try:
-                return await handler(request)
-            except ApiError as error:
-                return error_response(error)
-            except LollmError as error:  # bad input found deeper (tokenizer, sampler)
-                return error_response(ApiError(400, str(error)))
-            except ClientDisconnect:  # gone while its body was read: nobody to answer
-                return Response(status_code=499)
-            except Exception as error:
-                return error_response(internal_error(f"{request.method} {request.url.path}", error))
+def guarded(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """The async method ``handler(self, request)`` whose errors become JSON answers.
 
-        return endpoint
+    ApiError as it says, LollmError (bad input found deeper: tokenizer, sampler) 400,
+    a client gone while its body was read 499 (nobody to answer), any other exception 500.
+    """
 
-    def generation(kind: str) -> Callable[[Request], Any]:
-        async def handler(request: Request):
-            server.check_auth(request.headers.get("authorization"))
-            raw = await read_limited(request, server.max_body_bytes)
-            plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
-            plan.job.endpoint = request.url.path
-            base = _base(server, kind)
-            if plan.streaming:
-                return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
-            result = await wait(server, request, plan.job)
-            if result is None:
-                raise ApiError(499, "the request was cancelled")
-            return JSONResponse(ANSWERS[kind](server, base, plan.job, result))
+    @functools.wraps(handler)
+    async def endpoint(self: Any, request: Any):
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response
 
-        return guarded(handler)
+        try:
+            return await handler(self, request)
+        except ApiError as error:
+            return error_response(error)
+        except LollmError as error:
+            return error_response(ApiError(400, str(error)))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as error:
+            return error_response(internal_error(f"{request.method} {request.url.path}", error))
 
-    async def models(request: Request):
+    return endpoint
+
+
+class Routes:
+    """The HTTP handlers of one :class:`ModelServer`, one method per route; :func:`create_app` wires them."""
+
+    def __init__(self, server: ModelServer):
+        self.server = server
+        self.schema = openapi_schema(server)
+
+    async def generation(self, request: Any, kind: str):
+        """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse
+
+        server = self.server
         server.check_auth(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.name, "object": "model", "created": server.created, "owned_by": "lollm"}]})
+        raw = await read_limited(request, server.max_body_bytes)
+        plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
+        plan.job.endpoint = request.url.path
+        base = _base(server, kind)
+        if plan.streaming:
+            return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
+        result = await wait(server, request, plan.job)
+        if result is None:
+            raise ApiError(499, "the request was cancelled")
+        return JSONResponse(ANSWERS[kind](server, base, plan.job, result))
 
-    async def chat_page(request: Request):  # the page asks for the key itself: no auth here, it holds no data
+    @guarded
+    async def chat_completions(self, request: Any):
+        return await self.generation(request, "chat")
+
+    @guarded
+    async def completions(self, request: Any):
+        return await self.generation(request, "completion")
+
+    @guarded
+    async def models(self, request: Any):
+        from starlette.responses import JSONResponse
+
+        self.server.check_auth(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.server.name, "object": "model", "created": self.server.created, "owned_by": "lollm"}]})
+
+    @guarded
+    async def chat_page(self, request: Any):  # the page asks for the key itself: no auth here, it holds no data
+        from starlette.responses import HTMLResponse
+
         return HTMLResponse(chat_page_html(), headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP})
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts)})
+    @guarded
+    async def health(self, request: Any):
+        from starlette.responses import JSONResponse
 
-    schema = openapi_schema(server)
+        return JSONResponse({"status": "ok", "model": self.server.name, "requests": dict(self.server.counts)})
 
-    async def openapi(request: Request):
-        return JSONResponse(schema)
+    @guarded
+    async def openapi(self, request: Any):
+        from starlette.responses import JSONResponse
 
-    async def http_error(request: Request, error: HTTPException):  # an unknown path (404), a wrong method (405)
+        return JSONResponse(self.schema)
+
+    async def http_error(self, request: Any, error: Any):
+        """Starlette's HTTPException (an unknown path: 404, a wrong method: 405) as an OpenAI-style error."""
         kind = "not_found" if error.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path[:200]}: {error.detail}"
         return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
 
-    routes = [
-        Route("/", guarded(chat_page), methods=["GET"]),
-        Route("/v1/chat/completions", generation("chat"), methods=["POST"]),
-        Route("/v1/completions", generation("completion"), methods=["POST"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/health", guarded(health), methods=["GET"]),
-        Route("/openapi.json", guarded(openapi), methods=["GET"]),
-    ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+def create_app(server: ModelServer):
+    """The Starlette application serving ``server``: the routes of :class:`Routes`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    routes = Routes(server)
+    return Starlette(routes=[
+        Route("/", routes.chat_page, methods=["GET"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/openapi.json", routes.openapi, methods=["GET"]),
+    ], exception_handlers={HTTPException: routes.http_error})
 
 
 def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "") -> None:
