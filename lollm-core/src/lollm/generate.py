@@ -17,6 +17,11 @@
 3. :func:`generate`: drives both with callbacks (``on_token``, ``on_text``) and
    returns a :class:`GenerationResult` (ids, text, stop reason, timings).
 
+::
+
+    for step in generate_steps(model, ids, max_new_tokens=32, sampling=SamplingParams(temperature=0.0)):
+        print(step.token, step.finish)
+
 A family provides only ``model.forward(ids, cache)`` and ``model.new_cache``
 (see :mod:`lollm.model`); it never writes its own loop. With a
 :class:`~lollm.prompt_cache.PromptCache` the cache outlives the call, and the
@@ -224,6 +229,11 @@ def generate_steps(
     logprobs: int | None = None,
 ) -> Iterator[Step]:
     """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
+
+    The layer everything else reads (:func:`stream_text`, :func:`generate`) and the one
+    a batched engine builds on: a request's whole state between two steps is one
+    ``_Sequence`` (its cache, sampler, ids so far), and a step is one forward.
+    ``prompt_ids``: a list of ints (``0 .. model.vocab_size - 1``).
 
     The request is checked now (:func:`check_request`: GenerationError for an
     empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
