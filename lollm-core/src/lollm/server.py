@@ -51,7 +51,8 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
 
 Starlette (routing, requests, streaming responses) and uvicorn (the HTTP
 server) come with the ``lollm-core[serve]`` extra; this module imports them
-only inside :func:`create_app` and :func:`serve`.
+only inside the functions that use them (:func:`create_app`, the handlers of
+:class:`Routes`, :func:`serve`), so it loads without them.
 """
 
 from __future__ import annotations
