@@ -30,6 +30,8 @@ from safetensors.torch import save_file
 from _core_helpers import child_env, run_lollm, write_site, write_tiny_tokenizer
 from test_example_plugin import CONFIG, EXAMPLE, toy_tensors
 
+from lollm.family import CONTRACT_VERSION
+
 STATS = re.compile(r"\[(\d+) tokens · load (\d+\.\d+) s · prompt (\d+) tokens at .* stop: (\w+) · lollm_toy on cpu float32\]")
 
 
@@ -289,6 +291,7 @@ def test_threads_and_version(invoke, ckpt):
     from importlib.metadata import version
 
     assert ok(invoke("--version")).stdout.startswith(f"lollm {version('lollm-core')}")
+    assert f"plugin contract {CONTRACT_VERSION}" in invoke("--version").stdout  # the contract core speaks
 
 
 # -- special-token text in the prompt --------------------------------------------------------

@@ -70,8 +70,10 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
+        from lollm.family import CONTRACT_VERSION
+
         core = version("lollm-core")
-        out.print(f"lollm {core} (lollm-core {core}, Python {sys.version.split()[0]})")
+        out.print(f"lollm {core} (lollm-core {core}, plugin contract {CONTRACT_VERSION}, Python {sys.version.split()[0]})")
         raise typer.Exit()
 
 
