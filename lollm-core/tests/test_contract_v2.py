@@ -89,6 +89,12 @@ def test_unresolved_options_are_refused_by_build_model():
     (dict(quantize="int3"), "--quantize 'int3'"),
     (dict(weights="float", quantize="int8"), "give one of them"),
     (dict(tp=0), "--tp 0"),
+    (dict(device="gpu"), "--device 'gpu'"),
+    (dict(group_size=48), "group size 48"),
+    (dict(group_size=True), "group size True"),
+    (dict(progress="yes"), "progress must be True or False"),
+    (dict(family=3), "--family 3"),
+    (dict(attn=1), "--attn 1"),
 ])
 def test_load_options_refuse_what_no_load_could_honour(changes, message):
     with pytest.raises(LollmError, match=message):
@@ -105,3 +111,23 @@ def test_a_contract_1_family_is_refused_with_what_to_change():
     (broken,) = registry.broken
     assert "contract 1" in broken.error and f"speaks contract {CONTRACT_VERSION}" in broken.error
     assert "load(checkpoint, options)" in broken.error and "Moving a family to contract 2" in broken.error
+
+
+def old_style_load(raw_config, weights, fmt, device, dtype, progress):  # contract 1's signature
+    raise AssertionError("never called: the signature is refused first")
+
+
+class OldSignature:
+    @hookimpl
+    def lollm_register_families(self, register):
+        register(Family(name="spy", contract=CONTRACT_VERSION, model_types=("spy",), load=f"{__name__}:old_style_load"))
+
+
+def test_a_contract_1_load_under_a_contract_2_record_is_named_before_the_call(spy, monkeypatch):
+    from lollm.errors import PluginError
+
+    registry = build_registry(entry_points=[], extra_plugins=[("old", OldSignature())])
+    monkeypatch.setattr("lollm.pipeline.get_registry", lambda: registry)
+    with pytest.raises(PluginError, match=r"takes \(raw_config, weights, fmt, device, dtype, progress\).*"
+                                          r"calls load\(checkpoint, options\).*Moving a family to contract 2"):
+        open_model(str(spy), LoadOptions(device="cpu"))

@@ -373,15 +373,29 @@ def test_real_gguf_load_peak_memory(real_gguf):
 # -- the README's Python snippet runs as written, on a tiny GGUF ----------------------------------
 
 
-def test_the_readme_python_snippet_runs(tiny_gguf, capsys):
-    """README "From Python": open_model with LoadOptions, keep the GGUF packed, generate greedily."""
+def _run_readme_python_snippet(gguf: Path) -> dict:
+    """README "From Python", its model path replaced by ``gguf``; the names it defines."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     match = re.search(r"<!-- tested: python snippet -->\s*```python\n(.*?)```", readme, re.S)
     assert match, "README.md has no python block after '<!-- tested: python snippet -->'"
     code = match.group(1)
     spec = re.search(r'open_model\("([^"]+)"', code).group(1)
     namespace: dict = {}
-    exec(compile(code.replace(spec, str(tiny_gguf("qwen2", True))), "README.md", "exec"), namespace)
+    exec(compile(code.replace(spec, str(gguf)), "README.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_readme_python_snippet_runs(tiny_gguf, capsys):
+    """README "From Python": open_model with LoadOptions, keep the GGUF packed, generate greedily."""
+    namespace = _run_readme_python_snippet(tiny_gguf("qwen2", True))
     loaded, result = namespace["loaded"], namespace["result"]
     assert loaded.model.weights_summary.packed > 0  # weights="auto": the file's blocks stayed packed
     assert len(result.new_ids) >= 1 and capsys.readouterr().out.strip() == result.text.strip()
+
+
+def test_the_readme_python_snippet_stops_at_the_end_of_the_answer(real_gguf):
+    """On the real Qwen2.5 GGUF the snippet's greedy answer ends at <|im_end|>, as `lollm run` does."""
+    namespace = _run_readme_python_snippet(real_gguf)
+    result, tokenizer = namespace["result"], namespace["tokenizer"]
+    assert result.stop_reason == "eos" and tokenizer.decode([result.new_ids[-1]]) == "<|im_end|>"
+    assert result.text.strip() and len(result.new_ids) < 32

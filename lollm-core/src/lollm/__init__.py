@@ -11,4 +11,4 @@ The package is light to import (no torch at import time). The main pieces:
 * :mod:`lollm.hookspecs`, :mod:`lollm.family` – the plugin contract
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -54,6 +54,7 @@ from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTo
                                Weights, load_options, sampling_flags, which_model, with_help)
 from lollm.cli_report import err, out
 from lollm.errors import LollmError
+from lollm.options import LoadOptions
 from lollm.ranks import finish, is_leader, silence_followers
 
 # rich_markup_mode=None: click's plain help, read literally ("lollm-core[triton]" stays as written; rich markup ate it)
@@ -388,6 +389,7 @@ def bench(
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     check_threads(threads)  # before torch is imported
+    LoadOptions(tp=tp)  # an impossible --tp is named before what it would mean for the reference
     if tp != 1 and not no_reference:
         raise LollmError(f"--tp {tp}: bench cannot compare with transformers under --tp (it would run whole in one "
                          f"process while the other ranks wait, not the same work); add --no-reference to bench "

@@ -27,6 +27,7 @@ docs/plugins.md ("Contract 2").
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,12 @@ WEIGHTS_CHOICES = ("auto", "float", "quantized")
 
 #: ``quantize`` choices for a float checkpoint (docs/quantized-execution.md).
 QUANTIZE_CHOICES = ("int8", "int4")
+
+#: Values per int4 group that ``group_size`` accepts (lollm.quantized's kernels).
+GROUP_SIZES = (32, 64, 128, 256)
+
+#: ``device`` spellings: torch's names of the three devices lollm runs on.
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 #: dtype names the options accept, beside ``auto``.
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -70,7 +77,8 @@ class LoadOptions:
 
     After resolution ``device`` is concrete (``"cpu"``, ``"cuda:0"`` …), ``dtype`` a
     canonical name (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``attn`` the backend's name.
-    Raises LollmError when built with a value outside the choices above (see :meth:`__post_init__`).
+    Raises LollmError when built with a value outside the choices above, naming the flag
+    of the same name (see :meth:`__post_init__`).
     """
 
     device: str = "auto"
@@ -86,7 +94,21 @@ class LoadOptions:
     tensor_parallel: "Group | None" = None
 
     def __post_init__(self) -> None:
-        """Refuse values no load could honour, naming the option (before any file is read)."""
+        """Refuse values no load could honour, naming the option (before any file is read).
+
+        The attention backend's name is checked when the options are resolved
+        (:func:`lollm.attention.resolve_backend` knows the backends and what each needs).
+        """
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise LollmError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
+        if self.attn is not None and not isinstance(self.attn, str):
+            raise LollmError(f"--attn {self.attn!r}: give a backend's name (sdpa, eager, triton)")
+        if self.family is not None and (not isinstance(self.family, str) or not self.family):
+            raise LollmError(f"--family {self.family!r}: give a family's name (lollm families lists them)")
+        if not isinstance(self.progress, bool):
+            raise LollmError(f"LoadOptions.progress must be True or False, got {self.progress!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise LollmError(f"int4 group size {self.group_size!r} (--group-size): use one of {', '.join(map(str, GROUP_SIZES))}")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise LollmError(f"unknown dtype {self.dtype!r} (use auto, {', '.join(sorted(DTYPE_NAMES))})")
         if self.weights is not None and self.weights not in WEIGHTS_CHOICES:

@@ -10,6 +10,7 @@ and the one-call entry point for Python users::
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from lollm.attention import resolve_backend
-from lollm.errors import LollmError
+from lollm.errors import LollmError, PluginError
 from lollm.loader import Checkpoint, load_checkpoint
 from lollm.options import WEIGHTS_CHOICES, LoadOptions  # noqa: F401 - WEIGHTS_CHOICES re-exported
 from lollm.plugins import InstalledFamily, get_registry
@@ -158,6 +159,25 @@ def resolve_options(options: LoadOptions, checkpoint: Checkpoint) -> LoadOptions
     )
 
 
+def check_load_signature(load: Any, installed: InstalledFamily) -> None:
+    """Raise PluginError when a family's ``load`` cannot be called as ``load(checkpoint, options)`` (contract 2).
+
+    A family that says ``contract=2`` but kept contract 1's six-argument ``load`` would
+    otherwise fail with a TypeError from inside the call; this names the contract instead.
+    """
+    try:
+        signature = inspect.signature(load)
+    except (TypeError, ValueError):  # a callable without a signature: let the call decide
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise PluginError(
+            f"the load of family {installed.family.name!r} ({installed.family.load}) takes {signature}, but plugin "
+            f"contract 2 calls load(checkpoint, options); see docs/plugins.md, 'Moving a family to contract 2'"
+        ) from None
+
+
 def open_model(spec: str | Checkpoint, options: LoadOptions | None = None) -> LoadedModel:
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
@@ -182,6 +202,7 @@ def open_model(spec: str | Checkpoint, options: LoadOptions | None = None) -> Lo
     installed = route(checkpoint, options.family)
     options = resolve_options(options, checkpoint)
     load = installed.family.resolve("load")
+    check_load_signature(load, installed)
     start = time.perf_counter()
     model = load(checkpoint, options)
     group = options.tensor_parallel
