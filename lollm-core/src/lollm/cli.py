@@ -155,7 +155,9 @@ def run(
     check_draft_head(loaded, model, mtp)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
                   draft_tokens=draft_tokens if mtp else 0, as_json=as_json, verbose=verbose)
-    finish(loaded.tp)  # --tp: every rank meets rank 0, which has printed, before any leaves
+    group = loaded.tp
+    del loaded  # lollm.ranks rule 4: the model goes before the group
+    finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
 
 
 def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],

@@ -19,6 +19,7 @@ writes rank 0's logits and every rank's weight bytes to ``OUT``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -153,7 +154,7 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
     import torch.distributed as dist
 
     from lollm.pipeline import open_model
-    from lollm.tensor_parallel import shutdown
+    from lollm.ranks import finish
 
     loaded = open_model(folder, LoadOptions(device=device, dtype="float32", tp=nproc))
     tp = loaded.model.tensor_parallel
@@ -168,7 +169,10 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
         rec["split_names"] = sorted(tp.slices)
         rec["unmatched"] = list(tp.unmatched)
         torch.save(rec, out)
-    shutdown()
+    group = loaded.tp
+    del loaded, tp, rec, mine, every  # rule 4 of lollm.ranks: drop the model before the group goes
+    gc.collect()
+    finish(group)  # every rank meets in a barrier (rank 0 has written), then leaves
 
 
 if __name__ == "__main__":
