@@ -20,7 +20,7 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError, PluginError
 from lollm.loader import Checkpoint, load_checkpoint
-from lollm.options import WEIGHTS_CHOICES, LoadOptions  # noqa: F401 - WEIGHTS_CHOICES re-exported
+from lollm.options import LoadOptions
 from lollm.plugins import InstalledFamily, get_registry
 from lollm.quantized import Quantization
 

@@ -29,14 +29,13 @@ def resolved(options: LoadOptions | None = None) -> LoadOptions:
     The quantization comes from ``options.weights_mode``/``options.quantize`` for a
     safetensors checkpoint (a GGUF test that wants packed weights passes ``quantization``).
     """
+    import torch
+
     from lollm.pipeline import pick_quantization
-    from lollm.quantized import Quantization
 
     options = options or TEST_OPTIONS
     if options.quantization is None:
-        quantization = pick_quantization(options, "safetensors", __import__("torch").device("cpu")) \
-            if options.quantize else Quantization("float")
-        options = options.replace(quantization=quantization)
+        options = options.replace(quantization=pick_quantization(options, "safetensors", torch.device("cpu")))
     return options.replace(device="cpu" if options.device == "auto" else options.device,
                            dtype="float32" if options.dtype == "auto" else options.dtype)
 
