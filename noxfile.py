@@ -239,7 +239,7 @@ def new_family(session: nox.Session) -> None:
     session.log(f"new_family: the seven copies installed and tested in {time.perf_counter() - start:.0f} s")
     mutation = time.perf_counter()
     _parallel(session, [["python", "-m", "lollm.testing.mutation", *group] for group in MUTATION_GROUPS],
-              env={**OFFLINE, "OMP_NUM_THREADS": "1"})
+              env={**OFFLINE, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"})
     session.log(f"new_family: mutation suite {time.perf_counter() - mutation:.0f} s; "
                 f"session {time.perf_counter() - start:.0f} s (install, copies, mutants)")
 

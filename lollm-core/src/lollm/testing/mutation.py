@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import re
 import shutil
 import sys
 import types
@@ -48,10 +49,11 @@ NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_t
                  "test_prefill_all_equals_prefill_then_decode", "test_reference_checkpoint_is_sensitive")
 #: What the mutation suite runs on the unchanged copy: the coverage check, then the numeric tests.
 KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS
-#: What it runs on each mutant: the tests that compare numbers (coverage and sensitivity are the
-#: checkpoint's, proven once on the unchanged copy).
-JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
-                 "test_prefill_all_equals_prefill_then_decode")
+#: What it runs on each mutant: the two parity tests (coverage and sensitivity are the checkpoint's,
+#: proven once on the unchanged copy). Every mutant of :data:`MUTANTS` fails the cached-decode one;
+#: ``--all-checks`` adds the self-consistency test, to see which checks catch what (docs/conformance-kit.md).
+JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference")
+ALL_JUDGING_TESTS = JUDGING_TESTS + ("test_prefill_all_equals_prefill_then_decode",)
 
 
 def copy_family(package: str, folder: str | Path, name: str,
@@ -360,6 +362,7 @@ class SuiteResult:
     noise: Any  # lollm.testing.conformance.NoiseFloor
     clean: KitRun
     caught: dict[str, list[str]] = field(default_factory=dict)
+    moved: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -386,11 +389,12 @@ def kit_checkpoint(family_name: str, folder: str | Path) -> tuple[str, Path]:
     return hub, write_tiny_checkpoint(kit_config(hub_config(hub)), Path(folder), init_std=SENSITIVE_INIT_STD)
 
 
-def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = ()) -> SuiteResult:
+def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *,
+              tests: Sequence[str] = JUDGING_TESTS) -> SuiteResult:
     """Every mutant of ``family_name`` (:data:`MUTANTS`, or those named in ``only``) through the kit, in this process.
 
     The unchanged copy runs :data:`KIT_CHECKS` (coverage, parity, cached decode, self-consistency,
-    sensitivity); each mutant runs :data:`JUDGING_TESTS` and is caught when one of them fails.
+    sensitivity); each mutant runs ``tests`` (:data:`JUDGING_TESTS`) and is caught when one of them fails.
     """
     import time
 
@@ -420,11 +424,17 @@ def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = ()) -
             continue
         copy = copy_family(package, workdir / "src", f"mutant_{family_name}_{name.replace('.', '_')}", mutant.edits)
         with contextlib.redirect_stdout(io.StringIO()):  # pytest's report of each expected failure: the table says it
-            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=JUDGING_TESTS)
+            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=tests)
         result.caught[name] = sorted(run.failed)
+        found = [float(m) for text in run.failed.values() for m in _DELTA.findall(text)]
+        if found:
+            result.moved[name] = max(found)
     result.seconds = time.perf_counter() - start
     return result
 
+
+#: The worst |Δ| a kit failure message reports (parity: "max |Δ| 1.2e-03"; self-consistency: "max |Δ| of the logits ...").
+_DELTA = re.compile(r"max \|Δ\|(?: of the logits)? ([0-9.]+e[+-]\d+)")
 
 #: Short names of the kit tests, for the suite's table.
 SHORT = {"test_parity_with_the_reference": "parity", "test_cached_decode_matches_the_reference": "cached",
@@ -440,7 +450,8 @@ def report(result: SuiteResult) -> str:
                                       else "FAILS " + ", ".join(sorted(result.clean.failed)))]
     for name, failed in result.caught.items():
         caught = ", ".join(SHORT.get(t, t) for t in failed) if failed else "SURVIVED (the kit passed it)"
-        lines.append(f"  {name:<30} {caught}")
+        moved = f"  (max |Δ| {result.moved[name]:.1e}, {result.moved[name] / n.bound:.0f} x the bound)" if name in result.moved else ""
+        lines.append(f"  {name:<30} {caught}{moved}")
     return "\n".join(lines)
 
 
@@ -455,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lollm.testing.mutation", description=main.__doc__)
     parser.add_argument("families", nargs="*", default=sorted(MUTANTS), help=f"of {', '.join(sorted(MUTANTS))}")
     parser.add_argument("--workdir", help="where the copies and checkpoints go (default: a temporary folder)")
+    parser.add_argument("--all-checks", action="store_true",
+                        help="also run the self-consistency test on each mutant (slower; shows every check that catches it)")
     args = parser.parse_args(argv)
     unknown = [f for f in args.families if f not in MUTANTS]
     if unknown:
@@ -462,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start, ok = time.perf_counter(), True
     with tempfile.TemporaryDirectory(prefix="lollm-mutation-") as tmp:
         for family in args.families:
-            result = run_suite(family, Path(args.workdir or tmp) / family)
+            result = run_suite(family, Path(args.workdir or tmp) / family,
+                               tests=ALL_JUDGING_TESTS if args.all_checks else JUDGING_TESTS)
             print(report(result), flush=True)
             ok = ok and result.ok
     print(f"mutation suite: {', '.join(args.families)}: {'every mutant fails the kit, the unchanged copies pass' if ok else 'FAILED'} "
