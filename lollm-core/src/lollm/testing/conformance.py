@@ -19,6 +19,10 @@ and gives two fixtures; every test below then runs against their family::
 
 What the inherited tests prove (each one is a method below, read them):
 
+0. the tiny checkpoint and the prompts can see every feature the family has (each layer kind,
+   every window crossed twice, decode past position 64 and past a delta-rule chunk, soft-caps
+   and scalars away from neutral: :mod:`lollm.testing.coverage`), or the kit fails the
+   checkpoint, naming the blind spot and its fix;
 1. the family is registered under its name and serves the checkpoint's ``model_type``;
 2. the plugin module it came from imports no torch (``lollm families`` stays light);
 3. ``load`` builds a model meeting :mod:`lollm.model`'s protocol: attributes, ``new_cache``,
@@ -33,11 +37,11 @@ What the inherited tests prove (each one is a method below, read them):
    cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
    transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``),
-   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <=
-   :attr:`FamilyConformance.parity_max_abs_diff` at fp32, after a prefill and through the
-   cache (prefill then decode); and the checkpoint is *sensitive*: perturbing the reference's
-   RoPE base, RoPE scaling, norm epsilon, attention scale or sliding window moves its logits
-   far past those bounds (:func:`reference_sensitivity`), or the kit fails the checkpoint;
+   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <= a bound set from the
+   reference's own float32 noise on the checkpoint (:func:`measure_noise_floor`), at fp32,
+   after a prefill and through the cache (prefill then decode); and the checkpoint is
+   *sensitive*: perturbing the reference's RoPE base, RoPE scaling, norm epsilon, attention
+   scale or sliding window moves its logits far past that bound (:func:`reference_sensitivity`), or the kit fails the checkpoint;
 9. with ``gguf_types`` set: the checkpoint written as a GGUF the converter's way
    (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
    matches the reference run on the weights the file holds.
