@@ -670,9 +670,11 @@ class Test{camel}Conformance(FamilyConformance):
     def family_name(self):
         return "{name}"
 
-    @pytest.fixture
-    def checkpoint_dir(self, tmp_path):
-        return write_tiny(tmp_path / "{name}")
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint_dir(cls, tmp_path_factory):
+        # one checkpoint for the class: the kit's tests only read it (the broken copies go elsewhere)
+        return write_tiny(tmp_path_factory.mktemp("{name}"))
 '''
 
 
