@@ -82,6 +82,7 @@ from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
+from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, split_calls, template_tool_calls
 
 log = logging.getLogger("lollm.server")
 
@@ -91,10 +92,11 @@ IGNORED = {"user": None, "metadata": None, "store": None, "service_tier": None, 
            "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "best_of": 1, "echo": False, "suffix": None}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", *SAMPLING_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
+                               "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
-ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id")
 #: Template variables a request may not set through chat_template_kwargs (the server sets them).
 RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt"}
 FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
@@ -326,12 +328,14 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        entry = {"role": role, "content": content}
-        for key in ("name", "reasoning_content"):
+        entry: dict[str, Any] = {"role": role, "content": content}
+        for key in ("name", "reasoning_content", "tool_call_id"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
                     raise ApiError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
                 entry[key] = message[key]
+        if message.get("tool_calls") and role == "assistant":
+            entry["tool_calls"] = template_tool_calls(message["tool_calls"], where)
         out.append(entry)
     return out
 
@@ -352,6 +356,7 @@ class Job:
     on_text: Callable[[str], None] | None = None
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
     endpoint: str = ""  # the path it came in on, for its log line
+    tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.tools)
 
 
 @dataclass
@@ -426,8 +431,18 @@ class ModelServer:
         logprobs = _chat_logprobs(body) if kind == "chat" else _number(body, "logprobs", integer=True, low=0, high=20)
         streaming, include_usage = _flag(body, "stream"), _stream_options(body)
         limit, sampling, stop = self.settings(body)
-        ids = self.chat_ids(body) if kind == "chat" else self.completion_ids(body)
-        return Prepared(self.job(body, ids, limit, sampling, stop, logprobs), streaming, include_usage)
+        tools = self.tools(body) if kind == "chat" else None
+        ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
+        job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
+        job.tools = tools
+        return Prepared(job, streaming, include_usage)
+
+    def tools(self, body: dict[str, Any]) -> ToolRequest | None:
+        """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
+        try:
+            return read_tools(body, self.tokenizer.tool_chat_template())
+        except ToolRequestError as error:
+            raise ApiError(400, str(error), param=error.param) from None
 
     def settings(self, body: dict[str, Any]) -> tuple[int | None, SamplingParams, list[str]]:
         """The request's token limit (None: the rest of the context), resolved sampling and stop strings."""
@@ -474,11 +489,14 @@ class ModelServer:
             raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
                                        f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def chat_ids(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
-        messages = _messages(body.get("messages"))
+        try:
+            messages = _messages(body.get("messages"))
+        except ToolRequestError as error:
+            raise ApiError(400, str(error), param=error.param) from None
         flags = dict(self.template_flags)
         extra = body.get("chat_template_kwargs")
         if extra is not None:
@@ -489,7 +507,9 @@ class ModelServer:
                     raise ApiError(400, f"chat_template_kwargs: the chat template does not read {_show(key)}",
                                    param=f"chat_template_kwargs.{key[:100]}")
             flags.update(extra)
-        self.check_text_size(body, text_bytes(messages) + text_bytes(extra))
+        if tools is not None:
+            flags["tools"] = tools.tools
+        self.check_text_size(body, text_bytes(messages) + text_bytes(extra) + text_bytes(flags.get("tools")))
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
@@ -803,6 +823,9 @@ class EventStream:
 
     def __init__(self, server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
         self.server, self.plan, self.chunk, self.where = server, plan, chunk, where
+        #: with tools, the text is read for calls before it is sent (lollm.tools); calls sent so far
+        self.parser: ToolCallParser | None = plan.job.tools.parser() if plan.job.tools is not None else None
+        self.calls = 0
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
@@ -838,11 +861,26 @@ class EventStream:
             return sse(ApiError(400, str(error)).body())
         return sse(internal_error(self.where, error).body())
 
+    def pieces(self, events: list[str | ToolCall], pending: list[TokenLogprobs]) -> Iterator[str]:
+        """The chunks of generated text (content) and tool calls (``delta.tool_calls``); logprobs ride along."""
+        for event in events:
+            if isinstance(event, ToolCall):
+                for delta in event.deltas(self.calls):
+                    yield sse(self.chunk("", pending, None, [delta]))
+                    pending.clear()
+                self.calls += 1
+            else:
+                yield sse(self.chunk(event, pending, None))
+                pending.clear()
+
     def finished(self, result: GenerationResult | None, pending: list[TokenLogprobs]) -> Iterator[str]:
-        """The last events: logprobs not sent yet, the finish reason, the usage when asked."""
+        """The last events: text or calls held back, logprobs not sent yet, the finish reason, the usage when asked."""
+        if self.parser is not None and result is not None:
+            yield from self.pieces(self.parser.finish(closed=self.plan.job.tools.closed_by(result.stop_reason)), pending)
         if pending:
             yield sse(self.chunk("", pending, None))
-        yield sse(self.chunk("", None, FINISH_REASON[result.stop_reason] if result is not None else "stop"))
+        finish = FINISH_REASON[result.stop_reason] if result is not None else "stop"
+        yield sse(self.chunk("", None, "tool_calls" if self.calls else finish))
         if self.plan.include_usage and result is not None:
             yield sse({**self.chunk("", None, None), "choices": [], "usage": self.server.usage(result)})
 
@@ -857,8 +895,8 @@ class EventStream:
                 if kind == "token":
                     pending.append(value)
                 elif kind == "text":
-                    yield sse(self.chunk(value, pending, None))
-                    pending = []
+                    for event in self.pieces(self.parser.feed(value) if self.parser else [value], pending):
+                        yield event
                 elif kind == "error":
                     yield self.failed(value)
                     break
@@ -918,8 +956,10 @@ def _base(server: ModelServer, kind: str) -> dict[str, Any]:
 
 
 def _chat_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-    def chunk(text, entries, finish):
+    def chunk(text, entries, finish, calls=None):
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = calls
         lp = {"content": server.content_logprobs(entries)} if entries else None
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
@@ -942,9 +982,16 @@ def _completion_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..
 
 def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
     lp = {"content": server.content_logprobs(server.content_entries(result))} if job.logprobs is not None else None
+    message, finish = {"role": "assistant", "content": result.text}, FINISH_REASON[result.stop_reason]
+    if job.tools is not None:  # the text read for calls (lollm.tools), as a stream would have sent it
+        content, calls = job.tools.answer(result.text, result.stop_reason)
+        if calls:
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.message_entry() for c in calls]}
+            finish = "tool_calls"
+        else:
+            message["content"] = content
     return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
-                         "finish_reason": FINISH_REASON[result.stop_reason]}],
+            "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
             "usage": server.usage(result)}
 
 

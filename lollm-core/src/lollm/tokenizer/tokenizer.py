@@ -324,6 +324,11 @@ class Tokenizer:
                 ids.extend(self._encode_plain(piece))
         return ids
 
+    def tool_chat_template(self) -> str | None:
+        """The source of the chat template used when tools are given (``tool_use`` if there is one), or None."""
+        template = self._chat_templates.get("tool_use") or self._chat_templates.get("default")
+        return template.source if template is not None else None
+
     def chat_template_reads(self, name: str) -> bool:
         """Whether the default chat template reads the variable ``name`` (False without a template)."""
         template = self._chat_templates.get("default")
