@@ -440,7 +440,7 @@ class ModelServer:
     def tools(self, body: dict[str, Any]) -> ToolRequest | None:
         """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
-            return read_tools(body, self.tokenizer.tool_chat_template())
+            return read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
 
@@ -564,7 +564,8 @@ class ModelServer:
         should_stop = job.cancel.is_set if self.group is None else lambda: ranks.agree(self.group, job.cancel.is_set())
         return generate(
             self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
-            stop_strings=job.stop, tokenizer=self.tokenizer, on_text=job.on_text, on_token=job.on_token,
+            stop_strings=job.stop, tokenizer=job.tools.text_of(self.tokenizer) if job.tools else self.tokenizer,
+            on_text=job.on_text, on_token=job.on_token,
             speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
             should_stop=should_stop,
         )

@@ -95,6 +95,17 @@ class ToolCallFormat:
     start: str
     end: str
     sign: str
+    #: other marker texts the format's calls use (Gemma 4's string quote)
+    extra_markers: tuple[str, ...] = ()
+
+    def marker_ids(self, tokenizer: Any) -> frozenset[int]:
+        """The special-token ids among the format's markers: the decoder must write them out for the parser."""
+        ids = set()
+        for marker in (self.start, self.end, *self.extra_markers):
+            encoded = tokenizer.encode(marker, add_special_tokens=False)
+            if len(encoded) == 1 and encoded[0] in tokenizer.special_token_ids:
+                ids.add(encoded[0])
+        return frozenset(ids)
 
     def parse(self, body: str, tools: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         """The (function name, arguments) that ``body`` (the text between the markers) states; ValueError if none."""
@@ -206,7 +217,7 @@ class Gemma4Calls(ToolCallFormat):
 
 QWEN_JSON = JsonCalls("qwen-json", "<tool_call>", "</tool_call>", sign='"arguments": ')
 QWEN_XML = XmlCalls("qwen-xml", "<tool_call>", "</tool_call>", sign="<function=")
-GEMMA4 = Gemma4Calls("gemma4", "<|tool_call>", "<tool_call|>", sign="<|tool_call>call:")
+GEMMA4 = Gemma4Calls("gemma4", "<|tool_call>", "<tool_call|>", sign="<|tool_call>call:", extra_markers=('<|"|>',))
 #: Every known format, the most specific sign first (a Qwen3.5 template also holds '<tool_call>').
 FORMATS = (GEMMA4, QWEN_XML, QWEN_JSON)
 
@@ -325,6 +336,24 @@ class ToolCallParser:
             self.events.append(text)
 
 
+class MarkerText:
+    """A tokenizer as :func:`lollm.generate.generate` uses it, whose decoder keeps the special ids ``keep``.
+
+    Gemma 4's call markers are special tokens, which generated text leaves out;
+    a request with tools decodes them, so that :class:`ToolCallParser` sees them.
+    Everything else is the tokenizer's own.
+    """
+
+    def __init__(self, tokenizer: Any, keep: frozenset[int]):
+        self.tokenizer, self.keep = tokenizer, keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    def stream_decoder(self, *, skip_special_tokens: bool = False) -> Any:
+        return self.tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens, keep=self.keep)
+
+
 def split_calls(events: list[Event]) -> tuple[str, list[ToolCall]]:
     """(the content, the calls) of a parser's events."""
     return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
@@ -342,6 +371,7 @@ class ToolRequest:
     choice:   ``"auto"``, ``"required"`` or ``"function"`` (then ``name`` is the function).
     parallel: whether an answer may hold more than one call.
     fmt:      the chat template's :class:`ToolCallFormat`.
+    keep:     the format's markers that are special tokens of the model's tokenizer (:meth:`ToolCallFormat.marker_ids`).
     """
 
     tools: list[dict[str, Any]]
@@ -350,13 +380,23 @@ class ToolRequest:
     name: str | None
     parallel: bool
     fmt: ToolCallFormat
+    keep: frozenset[int] = frozenset()
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.fmt, self.schemas, max_calls=None if self.parallel else 1)
 
     def stops(self) -> list[str]:
-        """Stop strings the generation needs: the end marker when only one call is allowed."""
-        return [] if self.parallel else [self.fmt.end]
+        """Stop strings the generation needs: the end marker when only one call is allowed.
+
+        Not when the markers are special tokens (Gemma 4): only this process
+        decodes them (:meth:`text_of`), not the other ranks of ``--tp``, which
+        must stop where it stops; the parser then reads the first call only.
+        """
+        return [] if self.parallel or self.keep else [self.fmt.end]
+
+    def text_of(self, tokenizer: Any) -> Any:
+        """The tokenizer to decode the answer with: one that writes the special markers out (:class:`MarkerText`)."""
+        return MarkerText(tokenizer, self.keep) if self.keep else tokenizer
 
     def answer(self, text: str, stop_reason: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole generated ``text`` that ended for ``stop_reason`` (lollm.generate's)."""
@@ -366,7 +406,7 @@ class ToolRequest:
 
     def closed_by(self, stop_reason: str) -> bool:
         """Whether a generation that ended for ``stop_reason`` ended on the end marker (see :meth:`stops`)."""
-        return stop_reason == "stop_string" and not self.parallel
+        return stop_reason == "stop_string" and bool(self.stops())
 
     @property
     def constrained(self) -> bool:
@@ -374,13 +414,14 @@ class ToolRequest:
         return self.choice != "auto"
 
 
-def read_tools(body: dict[str, Any], template_source: str | None) -> ToolRequest | None:
+def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any = None) -> ToolRequest | None:
     """The request's tools, checked; None when it offers none or ``tool_choice`` is ``"none"``.
 
     Raises :class:`ToolRequestError` for a malformed ``tools`` list (OpenAI's
     shape: ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), a ``tool_choice`` naming a function not offered, or a
-    chat template that writes no tool calls (:func:`format_of`).
+    chat template that writes no tool calls (:func:`format_of`). ``tokenizer``
+    (the model's) tells which markers are special tokens.
     """
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -399,7 +440,8 @@ def read_tools(body: dict[str, Any], template_source: str | None) -> ToolRequest
         raise ToolRequestError("this model's chat template does not render tools (it has no tool-call format that "
                                f"lollm knows: {', '.join(f.name for f in FORMATS)}); send the request without 'tools'",
                                "tools")
-    return ToolRequest(list(tools), schemas, mode, name, parallel is not False, fmt)
+    keep = fmt.marker_ids(tokenizer) if tokenizer is not None else frozenset()
+    return ToolRequest(list(tools), schemas, mode, name, parallel is not False, fmt, keep)
 
 
 def _schemas(tools: Any) -> dict[str, dict[str, Any]]:

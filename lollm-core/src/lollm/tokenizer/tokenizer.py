@@ -234,9 +234,13 @@ class Tokenizer:
         """
         return [self.token_bytes(token_id).decode("utf-8", errors="backslashreplace") for token_id in ids]
 
-    def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
-        """A fresh :class:`StreamDecoder` to print generated ids as they come."""
-        skip = self.special_token_ids if skip_special_tokens else frozenset()
+    def stream_decoder(self, *, skip_special_tokens: bool = False, keep: frozenset[int] = frozenset()) -> StreamDecoder:
+        """A fresh :class:`StreamDecoder` to print generated ids as they come.
+
+        ``keep``: special ids written out even with ``skip_special_tokens``
+        (Gemma 4's tool-call markers, which lollm.tools reads in the text).
+        """
+        skip = self.special_token_ids - keep if skip_special_tokens else frozenset()
         return StreamDecoder(self.token_bytes, skip, strip_leading_spaces=self._decoder.strip_leading_spaces)
 
     # ----------------------------------------------------------------- chat
