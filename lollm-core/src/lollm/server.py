@@ -82,6 +82,7 @@ from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
+from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
 from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, split_calls, template_tool_calls
 
 log = logging.getLogger("lollm.server")
@@ -357,6 +358,7 @@ class Job:
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
     endpoint: str = ""  # the path it came in on, for its log line
     tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.tools)
+    constraint: CompiledConstraint | None = None  # the grammar the answer follows (lollm.structured)
 
 
 @dataclass
@@ -435,12 +437,24 @@ class ModelServer:
         ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
         job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
         job.tools = tools
+        if tools is not None and tools.constraint() is not None:
+            job.constraint = self.compile(tools.constraint(), "tools")
         return Prepared(job, streaming, include_usage)
+
+    def compile(self, constraint: OutputConstraint, param: str) -> CompiledConstraint:
+        """``constraint`` ready for this model (lollm.structured); ApiError 400 naming ``param`` when it cannot be enforced."""
+        try:
+            return compile_constraint(constraint, self.tokenizer, vocab_size=self.model.vocab_size, stop_ids=self.stop_ids)
+        except ConstraintError as error:
+            raise ApiError(400, str(error), param=param) from None
 
     def tools(self, body: dict[str, Any]) -> ToolRequest | None:
         """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
-            return read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
+            tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
+            if tools is not None:
+                tools.constraint()  # a format without a grammar refuses required / named here
+            return tools
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
 
@@ -547,7 +561,8 @@ class ModelServer:
             if self.group is not None:  # --tp: the other ranks run the same job (follow)
                 if job.sampling.seed is None:  # every rank must draw the same tokens: one seed, chosen here
                     job.sampling = dataclasses.replace(job.sampling, seed=secrets.randbits(63))
-                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs))
+                spec = job.constraint.constraint if job.constraint is not None else None  # each rank compiles it
+                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs, spec))
             result = self._generate(job)
         except BaseException:
             self.counts["failed"] += 1
@@ -567,7 +582,7 @@ class ModelServer:
             stop_strings=job.stop, tokenizer=job.tools.text_of(self.tokenizer) if job.tools else self.tokenizer,
             on_text=job.on_text, on_token=job.on_token,
             speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
-            should_stop=should_stop,
+            should_stop=should_stop, constraint=job.constraint,
         )
 
     # -- --tp: the ranks other than 0 (lollm.ranks) ------------------------------------------
@@ -582,9 +597,12 @@ class ModelServer:
 
     def _follow_job(self, message: tuple[Any, ...]) -> None:
         """One job rank 0 broadcast; an error rank 0's generation also meets (a LollmError) is rank 0's to report."""
-        ids, max_tokens, sampling, stop, logprobs = message
+        ids, max_tokens, sampling, stop, logprobs, spec = message
         try:
-            self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs))
+            constraint = None if spec is None else compile_constraint(spec, self.tokenizer, vocab_size=self.model.vocab_size,
+                                                                      stop_ids=self.stop_ids)
+            self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs,
+                               constraint=constraint))
         except LollmError:
             pass
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from lollm.errors import LollmError
+from lollm.structured import OutputConstraint, tagged_json
 
 #: OpenAI's rule for a function name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -111,6 +112,15 @@ class ToolCallFormat:
         """The (function name, arguments) that ``body`` (the text between the markers) states; ValueError if none."""
         raise NotImplementedError
 
+    def constraint(self, schemas: dict[str, dict[str, Any]], parallel: bool) -> OutputConstraint:
+        """The grammar of an answer that is only calls, to functions of ``schemas``, arguments following each schema.
+
+        ``parallel``: one call or more, else exactly one. ToolRequestError where
+        lollm has no grammar for the format (its calls are then only read, never forced).
+        """
+        raise ToolRequestError(f"tool_choice 'required' or a named function needs a grammar of the {self.name} call "
+                               "format, which lollm does not have yet; use tool_choice 'auto'", "tool_choice")
+
     def read(self, body: str, tools: dict[str, dict[str, Any]]) -> ToolCall | None:
         """The call of ``body``, or None when it does not parse or names a function not offered."""
         try:
@@ -124,6 +134,13 @@ class ToolCallFormat:
 
 class JsonCalls(ToolCallFormat):
     """Qwen2.5 and Qwen3 ("hermes"): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
+
+    def constraint(self, schemas, parallel):
+        # one JSON schema per function: its name as a constant, its parameters' schema for the arguments
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"type": "object", **schema}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for name, schema in schemas.items()]
+        body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return tagged_json(self.start + "\n", body, "\n" + self.end, max_count=None if parallel else 1)
 
     def parse(self, body, tools):
         data = json.loads(body)
@@ -408,10 +425,16 @@ class ToolRequest:
         """Whether a generation that ended for ``stop_reason`` ended on the end marker (see :meth:`stops`)."""
         return stop_reason == "stop_string" and bool(self.stops())
 
-    @property
-    def constrained(self) -> bool:
-        """Whether the answer must be calls (``required`` or a named function): the generation follows a grammar."""
-        return self.choice != "auto"
+    def constraint(self) -> OutputConstraint | None:
+        """The grammar the generation follows: for ``required`` and a named function, only calls (None for ``auto``).
+
+        The arguments follow the function's parameter schema (lollm.structured
+        enforces it, or refuses a keyword it cannot enforce), so they always validate.
+        """
+        if self.choice == "auto":
+            return None
+        schemas = self.schemas if self.name is None else {self.name: self.schemas[self.name]}
+        return self.fmt.constraint(schemas, self.parallel)
 
 
 def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any = None) -> ToolRequest | None:
