@@ -899,7 +899,7 @@ class EventStream:
         if pending:
             yield sse(self.chunk("", pending, None))
         finish = FINISH_REASON[result.stop_reason] if result is not None else "stop"
-        yield sse(self.chunk("", None, "tool_calls" if self.calls else finish))
+        yield sse(self.chunk("", None, "tool_calls" if self.calls and finish == "stop" else finish))
         if self.plan.include_usage and result is not None:
             yield sse({**self.chunk("", None, None), "choices": [], "usage": self.server.usage(result)})
 
@@ -1006,7 +1006,7 @@ def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: Ge
         content, calls = job.tools.answer(result.text, result.stop_reason)
         if calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": [c.message_entry() for c in calls]}
-            finish = "tool_calls"
+            finish = "tool_calls" if finish == "stop" else finish  # cut by max_tokens: still "length"
         else:
             message["content"] = content
     return {**base, "object": "chat.completion",
