@@ -681,23 +681,45 @@ _IGNORED_REQUEST = {name: {"nullable": True, "enum": [value], "description": "ac
                     for name, value in IGNORED.items()}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_FUNCTION_CALL = {"type": "object", "required": ["name", "arguments"], "properties": {
+    "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object, as text"}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]}, "function": _FUNCTION_CALL}}
 _MESSAGE = {
-    "type": "object", "required": ["role", "content"], "additionalProperties": False,
+    "type": "object", "required": ["role"], "additionalProperties": False,
     "properties": {"role": {"type": "string", "enum": list(ROLES)},
-                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"})},
+                   "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
+                                         "description": "null only for an assistant message with tool_calls"}),
+                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"}),
+                   "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL, "description": "an assistant's calls"}),
+                   "tool_call_id": _nullable({"type": "string", "description": "a tool message: the call it answers"})},
+}
+_TOOLS_REQUEST = {
+    "tools": _nullable({"type": "array", "maxItems": 128, "description": "functions the model may call (docs/tools.md)",
+                        "items": {"type": "object", "required": ["type", "function"], "properties": {
+                            "type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"], "properties": {
+                                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                "description": {"type": "string"}, "parameters": {"type": "object"}}}}}}),
+    "tool_choice": _nullable({"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+    "parallel_tool_calls": _nullable({"type": "boolean"}),
 }
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
 _FINISH = {"type": "string", "enum": ["stop", "length"]}
+_CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
 _CHAT_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": _USAGE,
     "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _nullable({"type": "object"}),
+        "index": {"type": "integer"}, "finish_reason": _CHAT_FINISH, "logprobs": _nullable({"type": "object"}),
         "message": {"type": "object", "required": ["role", "content"],
-                    "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}}}}}
+                    "properties": {"role": {"type": "string"}, "content": _nullable({"type": "string"}),
+                                   "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}}}}}
 _COMPLETION_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": _USAGE,
@@ -738,7 +760,8 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
-        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"})}}
+        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"}),
+        **_TOOLS_REQUEST}}
     token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
     ids = {"type": "array", "minItems": 1, "items": token}
     text = {"type": "string", "minLength": 1}
