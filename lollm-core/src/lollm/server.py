@@ -89,10 +89,10 @@ log = logging.getLogger("lollm.server")
 
 #: Fields a client may send that change nothing here, ignored when null or neutral.
 IGNORED = {"user": None, "metadata": None, "store": None, "service_tier": None, "parallel_tool_calls": None,
-           "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+           "logit_bias": {}, "tools": [], "tool_choice": "none",
            "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "best_of": 1, "echo": False, "suffix": None}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", *SAMPLING_FIELDS}
+COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", "response_format", *SAMPLING_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
                                "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
@@ -341,6 +341,47 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
+# -- response_format: structured output (lollm.structured, docs/structured-output.md) ----------
+
+#: ``response_format.type`` -> the key holding its value: OpenAI's three, and lollm's two extensions.
+RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}
+
+
+def response_format(value: Any) -> OutputConstraint | None:
+    """The request's ``response_format`` as an :class:`OutputConstraint` (None: free text); ApiError 400 when malformed.
+
+    ``{"type": "text"}``; ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": true}}`` (enforced whatever ``strict`` says: a keyword
+    that cannot be enforced is refused, never skipped); and two extensions:
+    ``{"type": "regex", "regex": "[0-9]+"}`` and ``{"type": "grammar", "grammar": "start: ..."}``
+    (llguidance's Lark syntax).
+    """
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise ApiError(400, f"'response_format' must be an object whose 'type' is one of {', '.join(RESPONSE_FORMATS)}, "
+                            f"got {_show(value)}", param="response_format")
+    key = RESPONSE_FORMATS[kind]
+    if set(value) - {"type", key}:
+        raise ApiError(400, f"'response_format' of type {kind!r} takes only {sorted({'type', key} - {None})}, got {_show(value)}",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint.json_object()
+    if kind == "json_schema":
+        spec = value.get(key)
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict) or \
+                not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", True), (bool, type(None))):
+            raise ApiError(400, "'response_format.json_schema' must be an object like {\"name\": \"...\", \"schema\": {...}, "
+                                "\"strict\": true}", param="response_format.json_schema")
+        return OutputConstraint.json_schema(spec["schema"], name=spec.get("name"))
+    if not isinstance(value.get(key), str) or not value[key]:
+        raise ApiError(400, f"'response_format.{key}' must be a non-empty string", param=f"response_format.{key}")
+    return OutputConstraint(kind, value[key])
+
+
 # -- one generation -----------------------------------------------------------------------
 
 
@@ -358,7 +399,7 @@ class Job:
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
     endpoint: str = ""  # the path it came in on, for its log line
     tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.tools)
-    constraint: CompiledConstraint | None = None  # the grammar the answer follows (lollm.structured)
+    constraint: CompiledConstraint | None = None  # the output follows it (response_format, a forced tool call)
 
 
 @dataclass
@@ -433,27 +474,22 @@ class ModelServer:
         logprobs = _chat_logprobs(body) if kind == "chat" else _number(body, "logprobs", integer=True, low=0, high=20)
         streaming, include_usage = _flag(body, "stream"), _stream_options(body)
         limit, sampling, stop = self.settings(body)
-        tools = self.tools(body) if kind == "chat" else None
+        constraint = self.compile(response_format(body.get("response_format")))
+        tools = self.tools(body, constraint) if kind == "chat" else None
         ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
         job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
-        job.tools = tools
+        job.constraint, job.tools = constraint, tools
         if tools is not None and tools.constraint() is not None:
             job.constraint = self.compile(tools.constraint(), "tools")
         return Prepared(job, streaming, include_usage)
 
-    def compile(self, constraint: OutputConstraint, param: str) -> CompiledConstraint:
-        """``constraint`` ready for this model (lollm.structured); ApiError 400 naming ``param`` when it cannot be enforced."""
-        try:
-            return compile_constraint(constraint, self.tokenizer, vocab_size=self.model.vocab_size, stop_ids=self.stop_ids)
-        except ConstraintError as error:
-            raise ApiError(400, str(error), param=param) from None
-
-    def tools(self, body: dict[str, Any]) -> ToolRequest | None:
+    def tools(self, body: dict[str, Any], constraint: CompiledConstraint | None) -> ToolRequest | None:
         """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
             tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
-            if tools is not None:
-                tools.constraint()  # a format without a grammar refuses required / named here
+            if tools is not None and tools.constraint() is not None and constraint is not None:
+                raise ToolRequestError("'response_format' and a 'tool_choice' that forces a call each set the grammar of "
+                                       "the answer: send one of them", "tool_choice")
             return tools
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
@@ -551,6 +587,18 @@ class ModelServer:
             raise ApiError(400, "'prompt' is empty", param="prompt")
         return ids
 
+    def compile(self, constraint: OutputConstraint | None, param: str = "response_format") -> CompiledConstraint | None:
+        """``constraint`` compiled for the served model (None stays None); ApiError 400 naming what cannot be enforced.
+
+        ``param``: the field the constraint came from (``tools`` for a forced tool call).
+        """
+        if constraint is None:
+            return None
+        try:
+            return compile_constraint(constraint, self.tokenizer, vocab_size=self.model.vocab_size, stop_ids=self.stop_ids)
+        except ConstraintError as error:
+            raise ApiError(400, str(error), param=param, code=f"unsupported_{param}") from None
+
     # -- the worker thread ----------------------------------------------------------------
     def run(self, job: Job) -> GenerationResult | None:
         """Generate one job (in the worker thread); None when it was cancelled before it began."""
@@ -561,8 +609,8 @@ class ModelServer:
             if self.group is not None:  # --tp: the other ranks run the same job (follow)
                 if job.sampling.seed is None:  # every rank must draw the same tokens: one seed, chosen here
                     job.sampling = dataclasses.replace(job.sampling, seed=secrets.randbits(63))
-                spec = job.constraint.constraint if job.constraint is not None else None  # each rank compiles it
-                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs, spec))
+                constraint = job.constraint.constraint if job.constraint is not None else None
+                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs, constraint))
             result = self._generate(job)
         except BaseException:
             self.counts["failed"] += 1
@@ -597,12 +645,10 @@ class ModelServer:
 
     def _follow_job(self, message: tuple[Any, ...]) -> None:
         """One job rank 0 broadcast; an error rank 0's generation also meets (a LollmError) is rank 0's to report."""
-        ids, max_tokens, sampling, stop, logprobs, spec = message
+        ids, max_tokens, sampling, stop, logprobs, constraint = message
         try:
-            constraint = None if spec is None else compile_constraint(spec, self.tokenizer, vocab_size=self.model.vocab_size,
-                                                                      stop_ids=self.stop_ids)
             self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs,
-                               constraint=constraint))
+                               constraint=self.compile(constraint)))
         except LollmError:
             pass
 
@@ -707,6 +753,11 @@ _TOOLS_REQUEST = {
             "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
     "parallel_tool_calls": _nullable({"type": "boolean"}),
 }
+_RESPONSE_FORMAT = _nullable({"type": "object", "required": ["type"], "description": "docs/structured-output.md", "properties": {
+    "type": {"type": "string", "enum": list(RESPONSE_FORMATS)},
+    "json_schema": {"type": "object", "required": ["schema"], "properties": {
+        "name": {"type": "string"}, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}},
+    "regex": {"type": "string", "minLength": 1}, "grammar": {"type": "string", "minLength": 1}}})
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
@@ -761,14 +812,14 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
         "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
         "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"}),
-        **_TOOLS_REQUEST}}
+        "response_format": _RESPONSE_FORMAT, **_TOOLS_REQUEST}}
     token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
     ids = {"type": "array", "minItems": 1, "items": token}
     text = {"type": "string", "minLength": 1}
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}]}
     completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "prompt": prompt,
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20})}}
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}), "response_format": _RESPONSE_FORMAT}}
     listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
         "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}

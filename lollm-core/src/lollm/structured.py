@@ -226,13 +226,26 @@ def compile_constraint(constraint: OutputConstraint, tokenizer: Any, *, vocab_si
     stops = tuple(sorted(set(stop_ids)))
     if not stops:
         raise ConstraintError(f"{constraint.describe()}: constrained output needs an end-of-sequence id, and the model has none")
-    llg = _llguidance()
+    check_constraint(constraint)
     vocabulary = _vocabulary(tokenizer, vocab_size, stops)
     grammar = constraint.lark()
-    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
+    _check_grammar(constraint, grammar, vocabulary)
+    return CompiledConstraint(constraint, grammar, vocabulary, vocab_size)
+
+
+def check_constraint(constraint: OutputConstraint) -> None:
+    """ConstraintError when ``constraint`` cannot be enforced whatever the tokenizer (a quick check, no vocabulary).
+
+    What :func:`compile_constraint` refuses, found before a model loads (``lollm run --json-schema``):
+    an unsupported JSON-schema keyword, a regex or grammar that does not parse.
+    """
+    _check_grammar(constraint, constraint.lark(), None)
+
+
+def _check_grammar(constraint: OutputConstraint, grammar: str, vocabulary: Any) -> None:
+    failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
     if failed:
         raise ConstraintError(f"{constraint.describe()} cannot be enforced: {_first_line(messages)}")
-    return CompiledConstraint(constraint, grammar, vocabulary, vocab_size)
 
 
 def _first_line(messages: list[str]) -> str:
