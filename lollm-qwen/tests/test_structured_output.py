@@ -251,3 +251,54 @@ def test_serve_refuses_what_it_cannot_enforce_with_a_400_naming_it(client, form,
     assert answer.status_code == 400, answer.text
     assert named in answer.json()["error"]["message"]
     assert answer.json()["error"]["param"].startswith("response_format")
+
+
+# -- lollm run --json-schema / --regex / --grammar ----------------------------------------------------
+
+
+def _lollm_run(*args):
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def test_run_json_schema_from_a_file_and_inline(tiny_folder, tmp_path):
+    schema = SCHEMAS["optional_fields"]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for given in (path, json.dumps(schema)):
+        done = _lollm_run("run", tiny_folder, "-p", "An order, please.", "--json-schema", given, "--temperature", "1",
+                          "--seed", "5", "-n", "160", "--json")
+        assert done.exit_code == 0, done.output
+        record = json.loads(done.stdout)
+        jsonschema.validate(json.loads(record["text"]), schema)
+
+
+def test_run_regex_and_grammar(tiny_folder, tmp_path):
+    done = _lollm_run("run", tiny_folder, "-p", "Code?", "--regex", "[A-Z]{2}-[0-9]{3}", "--temperature", "1", "--seed", "2",
+                      "--json")
+    assert done.exit_code == 0, done.output
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", json.loads(done.stdout)["text"])
+    grammar = tmp_path / "answer.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    done = _lollm_run("run", tiny_folder, "-p", "Yes or no?", "--grammar", grammar, "--temperature", "1", "--json")
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--json-schema", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
+    (["--json-schema", "[1, 2]"], "JSON object"),
+    (["--json-schema", "{not json"], "neither a file nor valid JSON"),
+    (["--regex", "[0-9]", "--grammar", "g.lark"], "--regex and --grammar"),
+    (["--grammar", "/nonexistent/g.lark"], "cannot read"),
+    (["--regex", "(("], "--regex"),
+])
+def test_run_refuses_a_bad_constraint_before_loading(args, named):
+    """Checked before the model is even looked for: the model named here does not exist."""
+    done = _lollm_run("run", "/nonexistent/model", "-p", "hi", *args)
+    assert done.exit_code != 0
+    said = done.output + str(done.exception or "")  # lollm.cli.main prints a LollmError's message; the app raises it
+    assert named in said and "/nonexistent/model" not in said, said

@@ -221,11 +221,14 @@ def compile_constraint(constraint: OutputConstraint, tokenizer: Any, *, vocab_si
     least one). The first call per tokenizer reads its whole vocabulary (about 1 s for 152k ids);
     later calls reuse it. Raises ConstraintError naming what cannot be enforced: an
     unsupported JSON-schema keyword (``Unimplemented keys: ["uniqueItems"]``), a regex or
-    grammar that does not parse, or no stop id.
+    grammar that does not parse, no stop id, or a stop id outside the vocabulary.
     """
     stops = tuple(sorted(set(stop_ids)))
     if not stops:
         raise ConstraintError(f"{constraint.describe()}: constrained output needs an end-of-sequence id, and the model has none")
+    if stops[0] < 0 or stops[-1] >= vocab_size:
+        raise ConstraintError(f"{constraint.describe()}: the end-of-sequence ids {list(stops)} are not all ids of the "
+                              f"model's vocabulary (0 .. {vocab_size - 1})")
     check_constraint(constraint)
     vocabulary = _vocabulary(tokenizer, vocab_size, stops)
     grammar = constraint.lark()
