@@ -199,3 +199,28 @@ def test_tool_call_messages_need_object_arguments(arguments, words):
     call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]
     with pytest.raises(ToolRequestError, match=words):
         template_tool_calls(call, "messages[1]")
+
+
+def test_the_answer_of_a_whole_text():
+    request = read_tools({"tools": TOOLS}, QWEN25)
+    malformed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    assert request.answer(malformed, "eos") == (malformed, [])  # content, and the server says finish "stop"
+    content, calls = request.answer(TWO_CALLS, "eos")
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
+    single = read_tools({"tools": TOOLS, "parallel_tool_calls": False}, QWEN25)
+    cut = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'  # stopped on the '</tool_call>' stop string
+    assert [c.name for c in single.answer(cut, "stop_string")[1]] == ["get_time"]
+    assert single.answer(cut, "max_new_tokens") == (cut, [])  # cut by max_tokens: the unfinished call is content
+
+
+def test_a_forced_call_is_a_grammar_of_the_format_and_the_schemas():
+    named = read_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                        "parallel_tool_calls": False}, QWEN25).constraint()
+    assert named.kind == "grammar" and '"<tool_call>\\n"' in named.value and '"\\n</tool_call>"' in named.value
+    assert '"const": "get_weather"' in named.value and "get_time" not in named.value and "block)*" not in named.value
+    required = read_tools({"tools": TOOLS, "tool_choice": "required"}, QWEN25).constraint()
+    assert '"anyOf"' in required.value and '"const": "get_time"' in required.value and "block)*" in required.value
+    assert read_tools({"tools": TOOLS}, QWEN25).constraint() is None  # auto: free text
+    for folder in ("Qwen__Qwen3.5-0.8B", "google__gemma-4-E2B-it"):  # no grammar of these formats yet: refused
+        with pytest.raises(ToolRequestError, match="does not have yet"):
+            read_tools({"tools": TOOLS, "tool_choice": "required"}, template_source(folder)).constraint()
