@@ -16,8 +16,10 @@ import pytest
 
 from lollm.testing.hub_configs import hub_configs_dir
 from lollm.tokenizer.chat import ChatTemplate
-from lollm.tools import (GEMMA4, QWEN_JSON, QWEN_XML, ToolCall, ToolCallParser, ToolRequestError, format_of,
-                         read_tools, split_calls, template_tool_calls)
+from lollm.tools import (GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, MarkerText, ToolCall, ToolCallParser,
+                         ToolRequestError, format_of, read_tools, split_calls, template_tool_calls)
+
+pytest_plugins = ["conftest_gguf"]  # the qwen25_gguf fixture: the real Qwen2.5 GGUF
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "units": {"type": "string", "enum": ["C", "F"]}},
@@ -215,12 +217,33 @@ def test_the_answer_of_a_whole_text():
 
 def test_a_forced_call_is_a_grammar_of_the_format_and_the_schemas():
     named = read_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                        "parallel_tool_calls": False}, QWEN25).constraint()
+                        "parallel_tool_calls": False}, QWEN25).grammar
     assert named.kind == "grammar" and '"<tool_call>\\n"' in named.value and '"\\n</tool_call>"' in named.value
     assert '"const": "get_weather"' in named.value and "get_time" not in named.value and "block)*" not in named.value
-    required = read_tools({"tools": TOOLS, "tool_choice": "required"}, QWEN25).constraint()
+    required = read_tools({"tools": TOOLS, "tool_choice": "required"}, QWEN25).grammar
     assert '"anyOf"' in required.value and '"const": "get_time"' in required.value and "block)*" in required.value
-    assert read_tools({"tools": TOOLS}, QWEN25).constraint() is None  # auto: free text
+    assert read_tools({"tools": TOOLS}, QWEN25).grammar is None  # auto: free text
     for folder in ("Qwen__Qwen3.5-0.8B", "google__gemma-4-E2B-it"):  # no grammar of these formats yet: refused
         with pytest.raises(ToolRequestError, match="does not have yet"):
-            read_tools({"tools": TOOLS, "tool_choice": "required"}, template_source(folder)).constraint()
+            read_tools({"tools": TOOLS, "tool_choice": "required"}, template_source(folder))
+
+
+def test_special_markers_are_decoded_for_the_parser(qwen25_gguf):
+    # Gemma 4's markers are special tokens; Qwen's <|im_start|> stands in for one here (its <tool_call> is not special)
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(qwen25_gguf)
+    fmt = JsonCalls("special", "<|im_start|>", "<|im_end|>", sign="")
+    assert QWEN_JSON.marker_ids(tokenizer) == frozenset()
+    keep = fmt.marker_ids(tokenizer)
+    assert keep == {tokenizer.encode("<|im_start|>", add_special_tokens=False)[0],
+                    tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]}
+    ids = tokenizer.encode('hi <|im_start|>{"name": "get_time", "arguments": {}}<|im_end|>', add_special_tokens=False)
+    plain = tokenizer.stream_decoder(skip_special_tokens=True)
+    assert "".join(plain.push(i) for i in ids) + plain.flush() == 'hi {"name": "get_time", "arguments": {}}'
+    kept = MarkerText(tokenizer, keep).stream_decoder(skip_special_tokens=True)  # as generate asks for it
+    text = "".join(kept.push(i) for i in ids) + kept.flush()
+    parser = ToolCallParser(fmt, SCHEMAS)
+    content, calls = split_calls(parser.feed(text) + parser.finish())
+    assert content == "hi" and [c.name for c in calls] == ["get_time"]
+    assert MarkerText(tokenizer, keep).eos_token_id == tokenizer.eos_token_id  # the rest is the tokenizer's own

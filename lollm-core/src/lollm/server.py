@@ -46,6 +46,11 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   need every rank); before each step rank 0's cancel flag is broadcast, so a
   client that goes away stops every rank at the same token (:mod:`lollm.ranks`:
   ``broadcast``, ``follow``, ``agree``).
+* With ``tools`` the chat template shows them to the model and the answer's
+  text is read for calls (:mod:`lollm.tools`: one format per template kind,
+  a parser shared by the streamed and the whole answer); ``tool_choice``
+  "required" or a named function makes the generation follow a grammar of the
+  calls (:mod:`lollm.structured`). docs/tools.md.
 * Bound to 127.0.0.1 unless told otherwise; ``--api-key`` makes every /v1
   request show ``Authorization: Bearer KEY``.
 
@@ -83,7 +88,7 @@ from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
 from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
-from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, split_calls, template_tool_calls
+from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, template_tool_calls
 
 log = logging.getLogger("lollm.server")
 
@@ -479,15 +484,15 @@ class ModelServer:
         ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
         job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
         job.constraint, job.tools = constraint, tools
-        if tools is not None and tools.constraint() is not None:
-            job.constraint = self.compile(tools.constraint(), "tools")
+        if tools is not None and tools.grammar is not None:
+            job.constraint = self.compile(tools.grammar, "tools")
         return Prepared(job, streaming, include_usage)
 
     def tools(self, body: dict[str, Any], constraint: CompiledConstraint | None) -> ToolRequest | None:
         """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
             tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
-            if tools is not None and tools.constraint() is not None and constraint is not None:
+            if tools is not None and tools.grammar is not None and constraint is not None:
                 raise ToolRequestError("'response_format' and a 'tool_choice' that forces a call each set the grammar of "
                                        "the answer: send one of them", "tool_choice")
             return tools

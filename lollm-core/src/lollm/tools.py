@@ -389,6 +389,9 @@ class ToolRequest:
     parallel: whether an answer may hold more than one call.
     fmt:      the chat template's :class:`ToolCallFormat`.
     keep:     the format's markers that are special tokens of the model's tokenizer (:meth:`ToolCallFormat.marker_ids`).
+    grammar:  what the generation must follow: for ``required`` and a named function, only calls, each
+              argument object following its function's schema (lollm.structured enforces it, or refuses
+              a keyword it cannot enforce, so the arguments always validate); None for ``auto``.
     """
 
     tools: list[dict[str, Any]]
@@ -398,6 +401,7 @@ class ToolRequest:
     parallel: bool
     fmt: ToolCallFormat
     keep: frozenset[int] = frozenset()
+    grammar: OutputConstraint | None = None
 
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.fmt, self.schemas, max_calls=None if self.parallel else 1)
@@ -425,16 +429,6 @@ class ToolRequest:
         """Whether a generation that ended for ``stop_reason`` ended on the end marker (see :meth:`stops`)."""
         return stop_reason == "stop_string" and bool(self.stops())
 
-    def constraint(self) -> OutputConstraint | None:
-        """The grammar the generation follows: for ``required`` and a named function, only calls (None for ``auto``).
-
-        The arguments follow the function's parameter schema (lollm.structured
-        enforces it, or refuses a keyword it cannot enforce), so they always validate.
-        """
-        if self.choice == "auto":
-            return None
-        schemas = self.schemas if self.name is None else {self.name: self.schemas[self.name]}
-        return self.fmt.constraint(schemas, self.parallel)
 
 
 def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any = None) -> ToolRequest | None:
@@ -443,7 +437,8 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
     Raises :class:`ToolRequestError` for a malformed ``tools`` list (OpenAI's
     shape: ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), a ``tool_choice`` naming a function not offered, or a
-    chat template that writes no tool calls (:func:`format_of`). ``tokenizer``
+    chat template that writes no tool calls (:func:`format_of`), ``required`` or a
+    named function on a format without a grammar. ``tokenizer``
     (the model's) tells which markers are special tokens.
     """
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -464,7 +459,10 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
                                f"lollm knows: {', '.join(f.name for f in FORMATS)}); send the request without 'tools'",
                                "tools")
     keep = fmt.marker_ids(tokenizer) if tokenizer is not None else frozenset()
-    return ToolRequest(list(tools), schemas, mode, name, parallel is not False, fmt, keep)
+    grammar = None
+    if mode != "auto":  # a format without a grammar refuses here (ToolRequestError)
+        grammar = fmt.constraint(schemas if name is None else {name: schemas[name]}, parallel is not False)
+    return ToolRequest(list(tools), schemas, mode, name, parallel is not False, fmt, keep, grammar)
 
 
 def _schemas(tools: Any) -> dict[str, dict[str, Any]]:
