@@ -97,6 +97,14 @@ def test_a_forbidden_token_is_an_error(vocabulary):
         matcher.accept(letter)
 
 
+@pytest.mark.parametrize("pattern, text", [("a/b", "a/b"), (r"x\/y", "x/y"), (r"[0-9]{2}\.[0-9]", "42.5")])
+def test_a_regex_matches_the_whole_output(vocabulary, pattern, text):
+    tokenizer, vocab_size, stops = vocabulary
+    matcher = compile_constraint(OutputConstraint.regex(pattern), tokenizer, vocab_size=vocab_size, stop_ids=stops).matcher()
+    _walk(matcher, tokenizer, text)
+    assert matcher.can_end and set(matcher.allowed().nonzero().flatten().tolist()) == stops
+
+
 def test_special_tokens_and_padding_rows_are_never_text(vocabulary):
     """A JSON string allows almost any text token, but no special id and no id past the tokenizer."""
     tokenizer, vocab_size, stops = vocabulary
