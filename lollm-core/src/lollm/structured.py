@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -154,8 +155,8 @@ def tagged_json(begin: str, schema: Mapping[str, Any], end: str, *, min_count: i
 
 
 def _lark_regex(pattern: str) -> str:
-    """A regex as a Lark terminal (``/.../``), its slashes escaped."""
-    return "/" + pattern.replace("/", "\\/") + "/"
+    """A regex as a Lark terminal ``/.../`` (llguidance's own conversion escapes the slashes that need it)."""
+    return "/" + _llguidance().regex_to_lark(pattern) + "/"
 
 
 # -- the compiled side: llguidance, fed with lollm's tokenizer ----------------------------------------
@@ -199,17 +200,19 @@ class _TokenizerData:
 
 #: tokenizer -> {(vocab_size, stop ids): llguidance.LLTokenizer}; building one reads every id (about 1 s).
 _VOCABULARIES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]]" = weakref.WeakKeyDictionary()
+_VOCABULARIES_LOCK = threading.Lock()  # the server prepares requests in several threads: build each one once
 
 
 def _vocabulary(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
     """llguidance's view of ``tokenizer`` over the model's ``vocab_size`` ids, made once per tokenizer."""
-    per_tokenizer = _VOCABULARIES.setdefault(tokenizer, {})
-    key = (vocab_size, stop_ids)
-    if key not in per_tokenizer:
-        llg = _llguidance()
-        data = _TokenizerData(tokenizer, vocab_size, list(stop_ids))
-        per_tokenizer[key] = llg.LLTokenizer(llg.TokenizerWrapper(data), n_vocab=vocab_size, eos_token=list(stop_ids))
-    return per_tokenizer[key]
+    with _VOCABULARIES_LOCK:
+        per_tokenizer = _VOCABULARIES.setdefault(tokenizer, {})
+        key = (vocab_size, stop_ids)
+        if key not in per_tokenizer:
+            llg = _llguidance()
+            data = _TokenizerData(tokenizer, vocab_size, list(stop_ids))
+            per_tokenizer[key] = llg.LLTokenizer(llg.TokenizerWrapper(data), n_vocab=vocab_size, eos_token=list(stop_ids))
+        return per_tokenizer[key]
 
 
 def compile_constraint(constraint: OutputConstraint, tokenizer: Any, *, vocab_size: int,
