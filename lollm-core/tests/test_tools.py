@@ -223,9 +223,53 @@ def test_a_forced_call_is_a_grammar_of_the_format_and_the_schemas():
     required = read_tools({"tools": TOOLS, "tool_choice": "required"}, QWEN25).grammar
     assert '"anyOf"' in required.value and '"const": "get_time"' in required.value and "block)*" in required.value
     assert read_tools({"tools": TOOLS}, QWEN25).grammar is None  # auto: free text
-    for folder in ("Qwen__Qwen3.5-0.8B", "google__gemma-4-E2B-it"):  # no grammar of these formats yet: refused
-        with pytest.raises(ToolRequestError, match="does not have yet"):
-            read_tools({"tools": TOOLS, "tool_choice": "required"}, template_source(folder))
+    with pytest.raises(ToolRequestError, match="does not have yet"):  # no grammar of Gemma 4's format yet: refused
+        read_tools({"tools": TOOLS, "tool_choice": "required"}, template_source("google__gemma-4-E2B-it"))
+
+
+XML_SCHEMAS = {"get_weather": {"type": "object", "required": ["city"], "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    "note": {"type": "string", "maxLength": 12}, "opts": {"type": "object", "properties": {"a": {"type": "boolean"}}}}},
+    "get_time": {"type": "object", "properties": {}}}
+XML_GOOD = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=note>\nhi <b>\nok'
+            '\n</parameter>\n<parameter=opts>\n{"a": true}\n</parameter>\n</function>\n</tool_call>\n'
+            '<tool_call>\n<function=get_time>\n</function>\n</tool_call>')
+
+
+@pytest.mark.parametrize("text, allowed", [
+    (XML_GOOD, True),
+    (XML_GOOD.replace("Rome", "Oslo"), False),  # not in the enum
+    (XML_GOOD.replace("<parameter=city>\nRome\n</parameter>\n", ""), False),  # a required parameter missing
+    (XML_GOOD.replace("hi <b>\nok", "a note far too long"), False),  # over maxLength
+    (XML_GOOD.replace('{"a": true}', '{"a": 1}'), False),  # not a boolean
+    (XML_GOOD.replace("Rome\n</parameter>", "Rome\n</parameter>\n</parameter>"), False),  # the value ended at the tag
+])
+def test_the_xml_grammar_on_the_real_tokenizer(qwen25_gguf, text, allowed):
+    from lollm.structured import ConstraintError, compile_constraint
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(qwen25_gguf)
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    grammar = QWEN_XML.constraint(XML_SCHEMAS, parallel=True)
+    matcher = compile_constraint(grammar, tokenizer, vocab_size=151936, stop_ids=end).matcher()
+    try:
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            matcher.accept(token)
+        accepted = matcher.can_end
+    except ConstraintError:
+        accepted = False
+    assert accepted is allowed
+    if allowed:  # and the parser reads what the grammar allowed
+        parser = ToolCallParser(QWEN_XML, XML_SCHEMAS)
+        calls = split_calls(parser.feed(text) + parser.finish())[1]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Rome", "note": "hi <b>\nok", "opts": {"a": True}}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("spec, words", [({"type": "string", "pattern": "^a"}, "pattern"), ({"enum": [1, 2]}, "no 'type'")])
+def test_the_xml_grammar_refuses_what_it_cannot_enforce(spec, words):
+    with pytest.raises(ToolRequestError, match=words):
+        QWEN_XML.constraint({"f": {"type": "object", "properties": {"x": spec}}}, parallel=False)
 
 
 def test_special_markers_are_decoded_for_the_parser(qwen25_gguf):

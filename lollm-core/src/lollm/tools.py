@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from lollm.errors import LollmError
-from lollm.structured import OutputConstraint, tagged_json
+from lollm.structured import OutputConstraint, json_rule, tagged_json
 
 #: OpenAI's rule for a function name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -160,6 +160,45 @@ class XmlCalls(ToolCallFormat):
     keeps the text as is, any other type reads it as JSON (``42``, ``true``,
     ``{"a": 1}``), as the template writes them (``tojson`` for objects and lists).
     """
+
+    def constraint(self, schemas, parallel):
+        # Lark, one rule per function and parameter, in the order the schema lists the properties
+        rules, calls = [], []
+        for i, (name, schema) in enumerate(schemas.items()):
+            required = set(schema.get("required", []))
+            parameters = []
+            for j, (key, spec) in enumerate(schema.get("properties", {}).items()):
+                value = self._value(name, key, spec)
+                if value is None:  # text, ended by the first closing tag: a lazy lexeme stops at the first match
+                    length = f"{{{spec.get('minLength', 0)},{spec.get('maxLength', '')}}}"
+                    rules.append(f"f{i}_v{j}[lazy]: /(?s:.{length})" + r"\n<\/parameter>\n/")
+                    value = f"f{i}_v{j}"
+                rules.append(f"f{i}_p{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}")
+                parameters.append(f"f{i}_p{j}" + ("" if key in required else "?"))
+            head = json.dumps(f"{self.start}\n<function={name}>\n")
+            rules.append(f"f{i}: {head} {' '.join(parameters)} {json.dumps('</function>' + chr(10) + self.end)}")
+            calls.append(f"f{i}")
+        more = ' ("\\n" block)*' if parallel else ""
+        return OutputConstraint.grammar("\n".join([f"start: block{more}", f"block: {' | '.join(calls)}", *rules]) + "\n")
+
+    def _value(self, function: str, key: str, spec: Any) -> str | None:
+        """The Lark of one parameter's value and its closing tag: JSON, a string's enum, or None (text, bounded
+        by the schema's minLength / maxLength; other string keywords are refused, never ignored)."""
+        close = json.dumps("\n</parameter>\n")
+        if not isinstance(spec, dict) or "type" not in spec:
+            raise ToolRequestError(f"tools: the parameter {key!r} of {function!r} has no 'type': the {self.name} call "
+                                   "format writes values as bare text, which only the type can tell how to read",
+                                   "tools")
+        if spec["type"] != "string":
+            return f"{json_rule(spec)} {close}"
+        if isinstance(spec.get("enum"), list) and all(isinstance(v, str) for v in spec["enum"]):
+            return "(" + " | ".join(json.dumps(v) for v in spec["enum"]) + f") {close}"
+        others = sorted(set(spec) - {"type", "description", "title", "examples", "default", "minLength", "maxLength"})
+        if others:
+            raise ToolRequestError(f"tools: the string parameter {key!r} of {function!r} uses {', '.join(others)}, which "
+                                   f"the {self.name} call format's grammar cannot enforce (its strings are bare text)",
+                                   "tools")
+        return None
 
     def parse(self, body, tools):
         function = _XML_FUNCTION.fullmatch(body)
