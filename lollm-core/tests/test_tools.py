@@ -100,6 +100,8 @@ def test_xml_format_reads_values_by_their_schema():
     assert read(QWEN_XML, text, pieces=5) == ("I will look.", [("get_weather", {"city": "New York", "days": 3})])
     wrong = "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>"
     assert read(QWEN_XML, wrong) == (wrong, [])  # 'three' is no integer
+    untyped = "<tool_call>\n<function=get_weather>\n<parameter=x>\n[1]\n</parameter>\n<parameter=y>\nhi\n</parameter>\n</function>\n</tool_call>"
+    assert read(QWEN_XML, untyped) == ("", [("get_weather", {"x": [1], "y": "hi"})])  # not in the schema: JSON, else text
 
 
 def test_gemma4_format_reads_its_value_syntax():

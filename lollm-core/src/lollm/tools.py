@@ -159,6 +159,7 @@ class XmlCalls(ToolCallFormat):
     A value is raw text; the parameter's schema says how to read it: ``string``
     keeps the text as is, any other type reads it as JSON (``42``, ``true``,
     ``{"a": 1}``), as the template writes them (``tojson`` for objects and lists).
+    A parameter the schema does not type is JSON when it reads as JSON, else text.
     """
 
     def constraint(self, schemas, parallel):
@@ -212,11 +213,18 @@ class XmlCalls(ToolCallFormat):
                 raise ValueError("text between parameters")
             key, text = match.group(1), match.group(2)
             kind = properties.get(key, {}).get("type") if isinstance(properties.get(key), dict) else None
-            arguments[key] = text if kind == "string" else json.loads(text)
+            arguments[key] = text if kind == "string" else _json_or_text(text) if kind is None else json.loads(text)
             at = match.end()
         if inner[at:].strip():
             raise ValueError("text after the parameters")
         return name, arguments
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class Gemma4Calls(ToolCallFormat):
