@@ -168,10 +168,10 @@ def xml_client(folder, tmp_path_factory):
         yield serving.openai_client(url)
 
 
-@pytest.mark.parametrize("seed", SEEDS[:6])
+@pytest.mark.parametrize("seed", SEEDS[:4])
 def test_xml_format_forced_calls_validate(xml_client, seed):
-    # every string parameter here has an enum: free text would need the noise to write its closing tag
-    choice = ask(xml_client, seed, "required", max_tokens=300).choices[0]
+    # strings are enums or bounded (maxLength): the grammar then forces the closing tag
+    choice = ask(xml_client, seed, "required", max_tokens=240).choices[0]
     valid_calls(choice)
     named = ask(xml_client, seed, {"type": "function", "function": {"name": "book_hotel"}}, parallel_tool_calls=False)
     assert [name for name, _ in valid_calls(named.choices[0])] == ["book_hotel"]
