@@ -9,6 +9,8 @@
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
     nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
+    nox -s bench_structured    decode speed on the real Qwen2.5 with and without a JSON-schema token mask
+    nox -s compare_grammar_libraries   xgrammar beside llguidance: compile time and mask time per token
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
                        (-- N sets how many per property; CI runs a small fixed budget of the same tests)
@@ -308,6 +310,20 @@ def bench_chat(session: nox.Session) -> None:
     """A 10-turn chat on the real Qwen2.5 checkpoint: time per turn, cold beside the prompt cache's reuse."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_chat_turns.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_structured(session: nox.Session) -> None:
+    """Decode tok/s on the real Qwen2.5 GGUF with and without a JSON-schema mask (alternating rounds), and compile time."""
+    _install(session, "-e", CORE, "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/bench_structured.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def compare_grammar_libraries(session: nox.Session) -> None:
+    """xgrammar beside llguidance on the real Qwen2.5 and Gemma 3 tokenizers (docs/structured-output.md's table)."""
+    _install(session, "-e", CORE, "xgrammar==0.2.9")  # torch is pinned first: xgrammar's torch requirement finds it
+    session.run("python", "lollm-core/benchmarks/compare_grammar_libraries.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session
