@@ -245,6 +245,8 @@ def test_serve_cut_answer_has_finish_reason_length(client):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": "not an object"}}, "json_schema"),
     ({"type": "regex", "regex": "[0-9]", "grammar": "start: x"}, "takes only"),
     ("json", "'type' is one of"),
+    ({"type": {}}, "'type' is one of"),  # found by schemathesis: an unhashable 'type' was a 500
+    ({"type": ["json_object"]}, "'type' is one of"),
 ])
 def test_serve_refuses_what_it_cannot_enforce_with_a_400_naming_it(client, form, named):
     answer = _chat(client, form)

@@ -364,7 +364,7 @@ def response_format(value: Any) -> OutputConstraint | None:
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in RESPONSE_FORMATS:
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMATS:  # a dict or list as 'type' is unhashable
         raise ApiError(400, f"'response_format' must be an object whose 'type' is one of {', '.join(RESPONSE_FORMATS)}, "
                             f"got {_show(value)}", param="response_format")
     key = RESPONSE_FORMATS[kind]
