@@ -293,3 +293,62 @@ def test_special_markers_are_decoded_for_the_parser(qwen25_gguf):
     content, calls = split_calls(parser.feed(text) + parser.finish())
     assert content == "hi" and [c.name for c in calls] == ["get_time"]
     assert MarkerText(tokenizer, keep).eos_token_id == tokenizer.eos_token_id  # the rest is the tokenizer's own
+
+
+# -- findings of a first user: what a forced call promises --------------------------------------
+
+
+def test_a_function_without_parameters_takes_none(qwen25_gguf):
+    # OpenAI reads a missing 'parameters' as no parameters: a forced call's arguments are {} and nothing else
+    from lollm.structured import ConstraintError, compile_constraint
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    request = read_tools({"tools": tools, "tool_choice": "required"}, QWEN25)
+    assert request.schemas["ping"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    tokenizer = load_gguf_tokenizer(qwen25_gguf)
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    compiled = compile_constraint(request.grammar, tokenizer, vocab_size=151936, stop_ids=end)
+
+    def allowed(arguments: str) -> bool:
+        matcher = compiled.matcher()
+        try:
+            for token in tokenizer.encode(f'<tool_call>\n{{"name": "ping", "arguments": {arguments}}}\n</tool_call>',
+                                          add_special_tokens=False):
+                matcher.accept(token)
+        except ConstraintError:
+            return False
+        return matcher.can_end
+
+    assert allowed("{}") and not allowed('{"host": "example.org"}')
+    xml = read_tools({"tools": tools, "tool_choice": "required"}, template_source("Qwen__Qwen3.5-0.8B")).grammar.value
+    assert "<parameter=" not in xml  # the XML format's call has no parameter to write
+
+
+def test_a_named_function_forces_exactly_one_call_whatever_parallel_says():
+    for parallel in (None, True):
+        body = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+        named = read_tools(body if parallel is None else {**body, "parallel_tool_calls": parallel}, QWEN25)
+        assert not named.parallel and "block)" not in named.grammar.value and named.stops() == ["</tool_call>"]
+        xml = read_tools(body if parallel is None else {**body, "parallel_tool_calls": parallel},
+                         template_source("Qwen__Qwen3.5-0.8B"))
+        assert "block)*" not in xml.grammar.value
+    assert "block)*" in read_tools({"tools": TOOLS, "tool_choice": "required"}, QWEN25).grammar.value
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "tag"}}])
+def test_a_forced_schema_that_cannot_be_enforced_names_the_tool_and_the_keyword(choice):
+    tools = TOOLS + [{"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "xs": {"type": "array", "uniqueItems": True}}}}}]
+    with pytest.raises(ToolRequestError) as error:
+        read_tools({"tools": tools, "tool_choice": choice}, QWEN25)
+    assert error.value.param == "tools[2].function.parameters"
+    assert "uniqueItems" in str(error.value) and "'tag'" in str(error.value) and "start:" not in str(error.value)
+    assert read_tools({"tools": tools}, QWEN25).grammar is None  # auto: nothing enforced, nothing refused
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_model_without_any_chat_template_says_so(choice):
+    with pytest.raises(ToolRequestError, match="has no chat template") as error:
+        read_tools({"tools": TOOLS, "tool_choice": choice}, None)
+    assert error.value.param == "messages"

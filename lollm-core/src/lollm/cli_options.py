@@ -197,7 +197,8 @@ GrammarFlag = Annotated[Optional[str], typer.Option(
 def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str]) -> Any:
     """The :class:`lollm.structured.OutputConstraint` of ``--json-schema`` / ``--regex`` / ``--grammar`` (None: none).
 
-    ``--json-schema`` is a file when one exists at that path, else the schema's JSON text.
+    ``--json-schema`` is a file when one exists at that path, else the schema's JSON text (a value
+    that starts like neither JSON nor an existing file is a missing file); ``--grammar`` is a file only.
     The constraint is checked now (:func:`lollm.structured.check_constraint`), before a model
     loads. Raises LollmError naming the flag: two of them given, an unreadable file, a schema
     that is not a JSON object, or what cannot be enforced (an unsupported schema keyword ...).
@@ -222,6 +223,8 @@ def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar:
             raise LollmError(f"{flag} {path}: cannot read the file: {error}") from None
 
     if json_schema is not None:
+        if not Path(json_schema).is_file() and not json_schema.lstrip().startswith(("{", "[")):
+            raise LollmError(f"--json-schema {json_schema}: no such file (a schema given inline starts with '{{')")
         text = read(json_schema, "--json-schema") if Path(json_schema).is_file() else json_schema
         try:
             schema = json.loads(text)
@@ -230,8 +233,12 @@ def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar:
         if not isinstance(schema, dict):
             raise LollmError(f"--json-schema: a JSON schema is a JSON object, got {type(schema).__name__}")
         constraint = OutputConstraint.json_schema(schema)
+    elif regex is not None:
+        constraint = OutputConstraint.regex(regex)
     else:
-        constraint = OutputConstraint.regex(regex) if regex is not None else OutputConstraint.grammar(read(grammar, "--grammar"))
+        if not Path(grammar).is_file():
+            raise LollmError(f"--grammar takes a file path, and {grammar} is no file")
+        constraint = OutputConstraint.grammar(read(grammar, "--grammar"))
     try:
         check_constraint(constraint)
     except ConstraintError as error:

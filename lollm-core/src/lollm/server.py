@@ -87,7 +87,7 @@ from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
-from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
+from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint, open_object
 from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, template_tool_calls
 
 log = logging.getLogger("lollm.server")
@@ -357,7 +357,8 @@ def response_format(value: Any) -> OutputConstraint | None:
 
     ``{"type": "text"}``; ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}, "strict": true}}`` (enforced whatever ``strict`` says: a keyword
-    that cannot be enforced is refused, never skipped); and two extensions:
+    that cannot be enforced is refused, never skipped; ``strict: true`` also requires every object
+    to say ``"additionalProperties": false``, as OpenAI's strict mode does); and two extensions:
     ``{"type": "regex", "regex": "[0-9]+"}`` and ``{"type": "grammar", "grammar": "start: ..."}``
     (llguidance's Lark syntax).
     """
@@ -381,6 +382,12 @@ def response_format(value: Any) -> OutputConstraint | None:
                 not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", True), (bool, type(None))):
             raise ApiError(400, "'response_format.json_schema' must be an object like {\"name\": \"...\", \"schema\": {...}, "
                                 "\"strict\": true}", param="response_format.json_schema")
+        gap = open_object(spec["schema"]) if spec.get("strict") is True else None
+        if gap is not None:  # OpenAI's strict mode: every object closed, else a 400 (it refuses them too)
+            where = f"response_format.json_schema.schema{gap}"
+            raise ApiError(400, f"{where} is an object without \"additionalProperties\": false, which 'strict': true "
+                                "requires (as OpenAI's strict mode does); add it, or send 'strict': false to allow "
+                                "extra keys", param=where)
         return OutputConstraint.json_schema(spec["schema"], name=spec.get("name"))
     if not isinstance(value.get(key), str) or not value[key]:
         raise ApiError(400, f"'response_format.{key}' must be a non-empty string", param=f"response_format.{key}")
@@ -492,9 +499,10 @@ class ModelServer:
         """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
             tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
-            if tools is not None and tools.grammar is not None and constraint is not None:
-                raise ToolRequestError("'response_format' and a 'tool_choice' that forces a call each set the grammar of "
-                                       "the answer: send one of them", "tool_choice")
+            if tools is not None and constraint is not None:  # auto too: the format's grammar rules out every call
+                raise ToolRequestError("'response_format' and 'tools' (unless tool_choice is 'none') each set what the "
+                                       "answer may be, and no tool call fits a response_format: send one of them",
+                                       "tool_choice")
             return tools
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None

@@ -55,7 +55,15 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 class ConstraintError(LollmError):
-    """A constraint that cannot be enforced: an unsupported JSON-schema keyword, a bad regex or grammar, no end id."""
+    """A constraint that cannot be enforced: an unsupported JSON-schema keyword, a bad regex or grammar, no end id.
+
+    ``reason``: the cause alone, without the constraint's description (``Unimplemented keys:
+    ["uniqueItems"]``), for callers that name the constraint their own way.
+    """
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,30 @@ def tagged_json(begin: str, schema: Mapping[str, Any], end: str, *, min_count: i
     more = "" if max_count == 1 else f"({json.dumps(separator)} block)" + ("*" if max_count is None else f"{{0,{max_count - 1}}}")
     start = "block " + more if min_count >= 1 else f"(block {more})?"
     return OutputConstraint.grammar(f"start: {start}\nblock: {block}\nbody: {json_rule(schema)}\n")
+
+
+def open_object(schema: Any, path: str = "") -> str | None:
+    """The path (``.properties.user``, ``.items``, ``.anyOf[0]``; ``""`` the root) of the first object in ``schema``
+    that lacks ``"additionalProperties": false``; None when every object has it.
+
+    OpenAI's *strict* structured outputs require it of every object and refuse a schema
+    without it; plain JSON Schema lets an object without it hold any extra key.
+    """
+    if isinstance(schema, list):
+        return next((gap for i, item in enumerate(schema) if (gap := open_object(item, f"{path}[{i}]")) is not None), None)
+    if not isinstance(schema, Mapping):
+        return None
+    kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if ("object" in kinds or "properties" in schema) and schema.get("additionalProperties") is not False:
+        return path
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), Mapping) else ():
+            if (gap := open_object(sub, f"{path}.{key}.{name}")) is not None:
+                return gap
+    for key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"):
+        if key in schema and (gap := open_object(schema[key], f"{path}.{key}")) is not None:
+            return gap
+    return None
 
 
 def _lark_regex(pattern: str) -> str:
@@ -251,14 +283,19 @@ def check_constraint(constraint: OutputConstraint) -> None:
 def _check_grammar(constraint: OutputConstraint, grammar: str, vocabulary: Any) -> None:
     failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
     if failed:
-        raise ConstraintError(f"{constraint.describe()} cannot be enforced: {_first_line(messages)}")
+        reason = _first_line(messages)
+        raise ConstraintError(f"{constraint.describe()} cannot be enforced: {reason}", reason)
 
 
 def _first_line(messages: list[str]) -> str:
-    """llguidance's message without its echo of our grammar (the ``1 | start: ...`` and ``^`` lines) and position."""
+    """llguidance's message on one line, without its echo of our grammar (the ``1 | start: ...`` and ``^`` lines),
+    of a bad regex, or the position."""
     lines = [line for message in messages for line in message.splitlines()
              if not re.match(r"\s*\d+ \|", line) and not re.fullmatch(r"\s*\^+\s*", line)]
-    return re.sub(r"^at \d+\(\d+\): ", "", "\n".join(lines).strip()) or "unknown error"
+    text = re.sub(r"^at \d+\(\d+\): ", "", "\n".join(lines).strip())
+    # a regex's parse error: "regex parse error:", the pattern echoed, "error: <cause>" -> one line
+    text = re.sub(r"regex parse error:\n.*?\n\s*error: ", "regex parse error: ", text, flags=re.S)
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or "unknown error"
 
 
 class CompiledConstraint:

@@ -39,11 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from lollm.errors import LollmError
-from lollm.structured import OutputConstraint, json_rule, tagged_json
+from lollm.structured import ConstraintError, OutputConstraint, check_constraint, json_rule, tagged_json
 
 #: OpenAI's rule for a function name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
+#: The schema of a function declared without ``parameters``: OpenAI reads it as taking none, so its
+#: arguments are ``{}`` (an empty schema ``{}`` would admit any arguments at all).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ToolRequestError(LollmError):
@@ -431,9 +434,9 @@ class ToolRequest:
     """A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked.
 
     tools:    the request's tool entries as sent (what the chat template receives).
-    schemas:  function name -> its parameters' JSON schema (``{}``: no parameters declared).
+    schemas:  function name -> its parameters' JSON schema (:data:`NO_PARAMETERS` when none are declared).
     choice:   ``"auto"``, ``"required"`` or ``"function"`` (then ``name`` is the function).
-    parallel: whether an answer may hold more than one call.
+    parallel: whether an answer may hold more than one call (never with a named function: it forces one call).
     fmt:      the chat template's :class:`ToolCallFormat`.
     keep:     the format's markers that are special tokens of the model's tokenizer (:meth:`ToolCallFormat.marker_ids`).
     grammar:  what the generation must follow: for ``required`` and a named function, only calls, each
@@ -484,9 +487,13 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
     Raises :class:`ToolRequestError` for a malformed ``tools`` list (OpenAI's
     shape: ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), a ``tool_choice`` naming a function not offered, or a
-    chat template that writes no tool calls (:func:`format_of`), ``required`` or a
-    named function on a format without a grammar. ``tokenizer``
-    (the model's) tells which markers are special tokens.
+    chat template that writes no tool calls (:func:`format_of`) or no chat template
+    at all, ``required`` or a named function on a format without a grammar, or a
+    forced function whose parameters' schema the grammar cannot enforce (param
+    ``tools[i].function.parameters``; under ``auto`` nothing is enforced, so
+    nothing is checked). A named function forces exactly one call, whatever
+    ``parallel_tool_calls`` says (OpenAI's rule). ``tokenizer`` (the model's)
+    tells which markers are special tokens.
     """
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -500,16 +507,32 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
     mode, name = _choice(choice, schemas)
     if mode == "none":
         return None
+    if not template_source:
+        raise ToolRequestError("this model has no chat template; use /v1/completions with a plain prompt", "messages")
     fmt = format_of(template_source)
     if fmt is None:
         raise ToolRequestError("this model's chat template does not render tools (it has no tool-call format that "
                                f"lollm knows: {', '.join(f.name for f in FORMATS)}); send the request without 'tools'",
                                "tools")
     keep = fmt.marker_ids(tokenizer) if tokenizer is not None else frozenset()
+    parallel = parallel is not False and name is None  # a named function: exactly one call
     grammar = None
     if mode != "auto":  # a format without a grammar refuses here (ToolRequestError)
-        grammar = fmt.constraint(schemas if name is None else {name: schemas[name]}, parallel is not False)
-    return ToolRequest(list(tools), schemas, mode, name, parallel is not False, fmt, keep, grammar)
+        forced = schemas if name is None else {name: schemas[name]}
+        _check_forced(forced, list(schemas))
+        grammar = fmt.constraint(forced, parallel)
+    return ToolRequest(list(tools), schemas, mode, name, parallel, fmt, keep, grammar)
+
+
+def _check_forced(forced: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """ToolRequestError naming ``tools[i].function.parameters`` whose schema the call grammar cannot enforce."""
+    for name, schema in forced.items():
+        where = f"tools[{names.index(name)}].function.parameters"
+        try:
+            check_constraint(OutputConstraint.json_schema({"type": "object", **schema}))
+        except ConstraintError as error:
+            raise ToolRequestError(f"{where} (function {name!r}) cannot be enforced by the grammar of a forced call: "
+                                   f"{error.reason}; remove the keyword, or use tool_choice 'auto'", where) from None
 
 
 def _schemas(tools: Any) -> dict[str, dict[str, Any]]:
@@ -522,7 +545,7 @@ def _schemas(tools: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
             raise ToolRequestError(f'{where} must be {{"type": "function", "function": {{"name": ..., '
                                    f'"parameters": ...}}}}', where)
-        name, parameters = function.get("name"), function.get("parameters", {})
+        name, parameters = function.get("name"), function.get("parameters", NO_PARAMETERS)
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise ToolRequestError(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}",
                                    f"{where}.function.name")
