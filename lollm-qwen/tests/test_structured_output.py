@@ -255,6 +255,46 @@ def test_serve_refuses_what_it_cannot_enforce_with_a_400_naming_it(client, form,
     assert answer.json()["error"]["param"].startswith("response_format")
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                         "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required"])
+def test_serve_refuses_response_format_with_tools_unless_tool_choice_is_none(client, choice):
+    # under "auto" the JSON grammar rules out the call marker: no call could ever come out
+    fields = {"tools": TOOLS, **({} if choice is None else {"tool_choice": choice})}
+    answer = _chat(client, {"type": "json_object"}, **fields)
+    assert answer.status_code == 400, answer.text
+    assert "response_format" in answer.json()["error"]["message"] and answer.json()["error"]["param"] == "tool_choice"
+    assert _chat(client, {"type": "json_object"}, tools=TOOLS, tool_choice="none", max_tokens=8).status_code == 200
+
+
+OPEN_ADDRESS = {"type": "object", "additionalProperties": False, "required": ["address"], "properties": {
+    "address": {"type": "object", "properties": {"zip": {"type": "string", "maxLength": 5}}}}}
+
+
+def test_serve_strict_schema_needs_closed_objects_as_openai_does(client):
+    strict = _chat(client, {"type": "json_schema", "json_schema": {"name": "a", "schema": OPEN_ADDRESS, "strict": True}})
+    assert strict.status_code == 400, strict.text
+    assert strict.json()["error"]["param"] == "response_format.json_schema.schema.properties.address"
+    assert "additionalProperties" in strict.json()["error"]["message"]
+    for loose in ({"strict": False}, {}):  # plain JSON-Schema semantics: extra keys allowed, nothing refused
+        answer = _chat(client, {"type": "json_schema", "json_schema": {"name": "a", "schema": OPEN_ADDRESS, **loose}},
+                       max_tokens=8)
+        assert answer.status_code == 200, answer.text
+
+
+def test_open_object_finds_the_first_object_without_additional_properties_false():
+    from lollm.structured import open_object
+
+    closed = {"type": "object", "additionalProperties": False}
+    assert open_object(SCHEMAS["nested"]) is None and open_object({"type": "string"}) is None
+    assert open_object({"type": "object"}) == ""
+    assert open_object({**closed, "properties": {"a": {"type": "array", "items": {"properties": {}}}}}) == ".properties.a.items"
+    assert open_object({"anyOf": [closed, {"type": ["object", "null"]}]}) == ".anyOf[1]"
+    assert open_object({**closed, "$defs": {"P": {"type": "object", "additionalProperties": True}}}) == ".$defs.P"
+
+
 # -- lollm run --json-schema / --regex / --grammar ----------------------------------------------------
 
 
@@ -294,13 +334,16 @@ def test_run_regex_and_grammar(tiny_folder, tmp_path):
     (["--json-schema", '{"type": "array", "uniqueItems": true}'], "uniqueItems"),
     (["--json-schema", "[1, 2]"], "JSON object"),
     (["--json-schema", "{not json"], "neither a file nor valid JSON"),
+    (["--json-schema", "/tmp/nonexist.json"], "--json-schema /tmp/nonexist.json: no such file"),
     (["--regex", "[0-9]", "--grammar", "g.lark"], "--regex and --grammar"),
-    (["--grammar", "/nonexistent/g.lark"], "cannot read"),
-    (["--regex", "(("], "--regex"),
+    (["--grammar", "/nonexistent/g.lark"], "--grammar takes a file path, and /nonexistent/g.lark is no file"),
+    (["--grammar", 'start: "yes"'], "--grammar takes a file path"),
+    (["--regex", "(("], "--regex: regex '((' cannot be enforced: invalid regex"),
 ])
 def test_run_refuses_a_bad_constraint_before_loading(args, named):
-    """Checked before the model is even looked for: the model named here does not exist."""
+    """Checked before the model is even looked for: the model named here does not exist. One line, no traceback."""
     done = _lollm_run("run", "/nonexistent/model", "-p", "hi", *args)
     assert done.exit_code != 0
     said = done.output + str(done.exception or "")  # lollm.cli.main prints a LollmError's message; the app raises it
     assert named in said and "/nonexistent/model" not in said, said
+    assert "\n" not in str(done.exception or "").strip(), said
