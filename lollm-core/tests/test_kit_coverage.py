@@ -62,3 +62,27 @@ def test_kit_config_passes_the_coverage_check(hub):
         report = check_coverage(cfg, prompt_length=T, longest_prefill=longest)  # as transformers derives them
     assert not report.blind(), report.table()
     assert "text_config" not in cfg and cfg["vocab_size"] == 512
+
+
+def test_the_kit_prints_its_coverage_report_when_it_passes(capsys):
+    # the table the docs show, for a user whose checkpoint passes (pytest -rP shows a passed test's output)
+    from types import SimpleNamespace
+
+    import torch
+
+    from lollm.testing.conformance import FamilyConformance
+
+    config = {**kit_config(hub_config("google__gemma-3-1b-it")), "layer_types": ["sliding_attention", "full_attention"]}
+    kit = FamilyConformance()
+    kit.test_checkpoint_covers_every_feature(SimpleNamespace(config=config), torch.zeros(1, SEQUENCE_LENGTH), 6)
+    printed = capsys.readouterr().out
+    assert "coverage report" in printed and "seen   window crossed twice" in printed and "BLIND" not in printed
+
+
+def test_the_gguf_mode_skip_says_how_to_turn_it_on():
+    from lollm.testing.conformance import FamilyConformance
+
+    kit = FamilyConformance()
+    kit.reference_available = True
+    with pytest.raises(pytest.skip.Exception, match=r"set gguf_types = \("):
+        kit.test_gguf_parity_with_the_reference(None, None, None, None, None, None, None)

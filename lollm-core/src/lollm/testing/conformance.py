@@ -644,12 +644,14 @@ class FamilyConformance:
         """From config.json and the prompt schedule: every layer kind present, every window crossed
         twice, decode past position 64 and past a delta-rule chunk, soft-caps and scalars away from
         their neutral values (:func:`lollm.testing.coverage.check_coverage`). A blind spot fails,
-        naming the feature and the config change that fixes it (or ``coverage_waivers`` records why not)."""
+        naming the feature and the config change that fixes it (or ``coverage_waivers`` records why not).
+        The report is printed too: ``pytest -rP`` shows it when the test passes."""
         T = prompt_ids.shape[1]
         schedules = _schedules(T, sliding_window)
         longest = max(s[0] for s in schedules if len(s) > 1 and s[1] == 1)
         report = check_coverage(_with_layer_types(checkpoint.config, self.reference_model_types),
                                 prompt_length=T, longest_prefill=longest)
+        print(f"coverage report ({T}-position prompt, longest prefill before decode {longest}):\n{report.table()}")
         blind = report.blind(self.coverage_waivers)
         assert not blind, (
             "the tiny checkpoint or the prompts cannot see: "
@@ -987,7 +989,8 @@ class FamilyConformance:
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
         if not self.gguf_types:
-            pytest.skip("gguf_types = (): the GGUF mode is off for this family")
+            pytest.skip("gguf_types = (): the GGUF mode is off for this family; set gguf_types = (\"F32\", \"F16\", "
+                        "\"Q8_0\", \"Q4_0\") (any subset) on the test class to turn it on")
         from lollm.testing.gguf_writer import write_tiny_gguf
 
         T = prompt_ids.shape[1]
