@@ -193,6 +193,11 @@ def test_round_trip_on_the_real_model():
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert final.finish_reason == "stop" and final.message.tool_calls is None
     assert "sunny" in final.message.content or "21" in final.message.content  # the tool's result reached the model
+    # the README says what a user sees here (the 0.5B model echoes the call and the result): it must be true
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    said = re.search(r"# On the 0\.5B coder model this prints .*?:\n((?:#   .*\n)+)", readme)
+    assert said, "README.md's tool-call snippet no longer says what the final reply is on the 0.5B model"
+    assert final.message.content == "\n".join(line[4:] for line in said.group(1).splitlines())
 
 
 def run_readme_snippet(url: str, model: str) -> dict:
