@@ -147,10 +147,20 @@ def test_tool_messages_render_and_bad_ones_are_refused(client):
                                        max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="does not offer"):
         ask(client, 0, {"type": "function", "function": {"name": "launch"}})
-    with pytest.raises(openai.BadRequestError, match="uniqueItems"):  # a keyword the grammar cannot enforce: named
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters .*uniqueItems"):  # named
         client.chat.completions.create(model=NAME, messages=MESSAGES, tool_choice="required", tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
                 "xs": {"type": "array", "uniqueItems": True}}}}}])
+
+
+@pytest.mark.parametrize("seed", SEEDS[:3])
+def test_a_forced_function_without_parameters_gets_empty_arguments(client, seed):
+    # OpenAI reads a missing 'parameters' as none: the noise must not invent arguments
+    choice = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=[{"type": "function", "function": {
+        "name": "ping"}}], tool_choice={"type": "function", "function": {"name": "ping"}}, temperature=1.0, seed=seed,
+        max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("ping", {})]
 
 
 # -- Qwen3.5's XML call format: the same noise, its template, its grammar -------------------------
