@@ -519,8 +519,8 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
     grammar = None
     if mode != "auto":  # a format without a grammar refuses here (ToolRequestError)
         forced = schemas if name is None else {name: schemas[name]}
-        _check_forced(forced, list(schemas))
         grammar = fmt.constraint(forced, parallel)
+        _check_forced(forced, list(schemas))
     return ToolRequest(list(tools), schemas, mode, name, parallel, fmt, keep, grammar)
 
 
