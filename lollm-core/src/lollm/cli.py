@@ -49,7 +49,7 @@ from lollm.cli_checks import (check_attn, check_ctx_size, check_draft_head, chec
                               check_run_flags, check_threads, open_checkpoint)
 from lollm.cli_inputs import encode_prompts, messages, read_prompts, read_stdin, read_tokenize_text
 from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, Json,
-                               MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, Quantize,
+                               MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize,
                                RepetitionPenalty, Seed, Stop, System, Temperature, Think, Threads, TopK, TopP, Tp,
                                Weights, load_options, sampling_flags, which_model, with_help)
 from lollm.cli_report import err, out
@@ -109,6 +109,7 @@ def run(
     no_chat: NoChat = False,
     think: with_help(Think, "The chat template's enable_thinking flag (templates that read it). Default: the template's own default.") = None,
     mtp: with_help(Mtp, "Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted.") = False,
+    prompt_lookup: PromptLookup = False,
     draft_tokens: DraftTokens = 3,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -127,8 +128,11 @@ def run(
     model, _ = which_model(model_opt, model_arg)
     # 1. What can be checked without torch and without reading the checkpoint.
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
-    check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
+    check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp or prompt_lookup,
                     draft_tokens=draft_tokens, sampling=user)
+    from lollm.drafting import drafter_from_flags
+
+    drafter = drafter_from_flags(mtp=mtp, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
     options = load_options("run", device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
@@ -154,14 +158,14 @@ def run(
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
-                  draft_tokens=draft_tokens if mtp else 0, as_json=as_json, verbose=verbose)
+                  drafter=drafter, as_json=as_json, verbose=verbose)
     group = loaded.tp
     del loaded  # lollm.ranks rule 4: the model goes before the group
     finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
 
 
 def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                  max_new_tokens: int, draft_tokens: int, as_json: bool, verbose: bool) -> None:
+                  max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool) -> None:
     """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt."""
     from lollm.generate import stop_token_ids
     from lollm.sampling import describe_sampling
@@ -174,11 +178,11 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
         if len(prompts) > 1 and not as_json:
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
         _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop_strings,
-                      max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, as_json=as_json)
+                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json)
 
 
 def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, stops: set[int], stop_strings: list[str],
-                  max_new_tokens: int, draft_tokens: int, as_json: bool) -> None:
+                  max_new_tokens: int, drafter: Any, as_json: bool) -> None:
     """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
     from lollm.generate import GenerationResult, generate
 
@@ -202,7 +206,7 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
         result = generate(
             loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
             stop_strings=stop_strings, tokenizer=loaded.tokenizer, on_text=on_text, on_token=on_token,
-            speculative_tokens=draft_tokens, attn=loaded.attn,
+            drafter=drafter, attn=loaded.attn,
         )
     except KeyboardInterrupt:
         # Ctrl-C: what was generated so far, with the timings the loop would have reported.
@@ -210,9 +214,9 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
         first = first_token_at[0] if first_token_at else now
         result = GenerationResult(prompt_ids=list(ids), new_ids=list(new_ids), text="".join(pieces), stop_reason="interrupted",
                                   prefill_seconds=first - started, decode_seconds=now - first)
-        show.generation(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+        show.generation(loaded, prompt, result, sampling, as_json=as_json, drafter=drafter)
         raise typer.Exit(130)
-    show.generation(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+    show.generation(loaded, prompt, result, sampling, as_json=as_json, drafter=drafter)
 
 
 @app.command("new-family")

@@ -30,8 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from lollm.errors import GenerationError
 
 
@@ -104,6 +102,8 @@ class PromptLookupDrafter(Drafter):
             raise GenerationError(f"prompt lookup: need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
     def propose(self, model: Any, cache: Any, history: list[int], num_tokens: int) -> list[int]:
+        import torch  # here, so that the CLI can name a drafter before torch loads
+
         if num_tokens < 1:
             return []
         ids = torch.tensor(history, dtype=torch.long)
