@@ -260,6 +260,10 @@ class EngineFigures:
     weights_bytes: int = 0
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
+    #: the same two by this process's CPU time (all its threads) instead of the wall clock: on a machine other
+    #: processes keep busy, what the work costs rather than how often the scheduler let it run
+    prefill_cpu_tok_s: list[float] = field(default_factory=list)
+    decode_cpu_tok_s: list[float] = field(default_factory=list)
 
     def median(self, key: str) -> float:
         values = getattr(self, key)
@@ -274,8 +278,10 @@ class EngineFigures:
         return {
             "engine": self.name, "load_seconds": self.load_seconds, "load_peak_bytes": self.load_peak_bytes,
             "weights_bytes": self.weights_bytes, "prefill_tok_s": self.median("prefill_tok_s"),
-            "decode_tok_s": self.median("decode_tok_s"), "decode_gb_s": self.bandwidth_gb_s, "rounds": {"prefill_tok_s": self.prefill_tok_s,
-                                                                    "decode_tok_s": self.decode_tok_s},
+            "decode_tok_s": self.median("decode_tok_s"), "decode_gb_s": self.bandwidth_gb_s,
+            "prefill_cpu_tok_s": self.median("prefill_cpu_tok_s"), "decode_cpu_tok_s": self.median("decode_cpu_tok_s"),
+            "rounds": {"prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+                       "prefill_cpu_tok_s": self.prefill_cpu_tok_s, "decode_cpu_tok_s": self.decode_cpu_tok_s},
         }
 
 
@@ -320,15 +326,24 @@ def measure_load(engine: Engine) -> EngineFigures:
 
 def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int], new_tokens: int, rounds: int,
               log=None) -> None:
-    """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode."""
+    """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode.
+
+    Each is timed by the wall clock and by this process's CPU time; a decode runs its own prefill
+    first, whose CPU time (that of the prefill just before) is taken off.
+    """
     for engine in engines:  # warm-up: first calls allocate caches and pick kernels
         engine.prefill(ids[:16])
         engine.decode(ids[:16], 2)
     for r in range(rounds):
         for engine, fig in zip(engines, figures):
+            cpu = time.process_time()
             fig.prefill_tok_s.append(len(ids) / engine.prefill(ids))
+            prefill_cpu, cpu = time.process_time() - cpu, time.process_time()
             steps, seconds = engine.decode(ids, new_tokens)
+            decode_cpu = time.process_time() - cpu - prefill_cpu
             fig.decode_tok_s.append(steps / seconds if seconds > 0 else 0.0)
+            fig.prefill_cpu_tok_s.append(len(ids) / max(prefill_cpu, 1e-9))
+            fig.decode_cpu_tok_s.append(steps / max(decode_cpu, 1e-9))
             if log is not None:
                 log(f"round {r + 1}/{rounds}: {engine.name}: prefill {fig.prefill_tok_s[-1]:.1f} tok/s, "
                     f"decode {fig.decode_tok_s[-1]:.2f} tok/s")
@@ -336,7 +351,7 @@ def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int
 
 def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_tokens: int = 64,
               reference: bool = True, threads: int | None = None, rounds: int = 3, log=None,
-              ids: list[int] | None = None) -> BenchResult:
+              ids: list[int] | None = None, llama_cpp: bool = True) -> BenchResult:
     """lollm (loaded with ``options``, a :class:`lollm.options.LoadOptions`) beside transformers, and llama.cpp.
 
     ``options``: None means float32 float weights on the CPU (``lollm bench`` passes ``weights="auto"``).
@@ -345,8 +360,8 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
 
     Both are loaded in this process and measured in ``rounds`` alternating
     rounds, on ``ids`` when given (else ``prompt_tokens`` ids of :data:`BENCH_TEXT`). Without transformers installed the reference is skipped and
-    ``BenchResult.note`` says so. For a GGUF with ``reference`` on and ``llama-cpp-python``
-    installed, :class:`LlamaCppEngine` is a third engine in the same rounds. Raises LollmError
+    ``BenchResult.note`` says so. For a GGUF with ``llama_cpp`` on and ``llama-cpp-python``
+    installed, :class:`LlamaCppEngine` runs in the same rounds (with or without transformers). Raises LollmError
     when the reference cannot read the same weights as lollm.
     """
     import torch
@@ -375,7 +390,7 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     engines: list[Engine] = [LollmEngine(spec, options)]
     if reference:
         engines.append(TransformersEngine(checkpoint, pick_dtype(options.dtype, torch.device("cpu"), checkpoint.config)))
-    if reference and checkpoint.fmt == "gguf" and llama_cpp_available():
+    if llama_cpp and checkpoint.fmt == "gguf" and llama_cpp_available():
         gguf = checkpoint.weights.gguf.path  # the one file both read
         engines.append(LlamaCppEngine(str(gguf), torch.get_num_threads(), len(ids) + new_tokens + 16))
     figures = [measure_load(engine) for engine in engines]

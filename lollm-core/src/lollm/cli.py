@@ -382,6 +382,7 @@ def bench(
     threads: with_help(Threads, "torch threads (default: torch's).") = None,
     rounds: int = typer.Option(3, "--rounds", metavar="N", help="Alternating rounds (A B A B ...); medians are reported."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
+    no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip llama.cpp (run beside a GGUF where llama-cpp-python is installed)."),
     weights: Weights = "auto",
     quantize: Quantize = None,
     group_size: GroupSize = 32,
@@ -411,7 +412,7 @@ def bench(
     options = options.replace(attn=resolve_backend(options.attn))
     check_family(options.family)
     result = run_bench(model, options, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
-                       threads=threads, rounds=rounds,
+                       threads=threads, rounds=rounds, llama_cpp=tp == 1 and not no_llama_cpp,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
     show.bench(result, model=model, options=options, new_tokens=new_tokens, rounds=rounds, as_json=as_json)
     finish(options.tensor_parallel)

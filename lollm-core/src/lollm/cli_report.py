@@ -289,19 +289,22 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
              f"{rounds} rounds, {result.threads} threads{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s",
-                "decode GB/s"):
+                "decode GB/s", "prefill / decode tok/s by CPU time"):
         table.add_column(col, justify="right")
     for e in result.engines:
         table.add_row(e.name, f"{e.load_seconds:.2f}", f"{e.load_peak_bytes / 1e6:.0f}", f"{e.weights_bytes / 1e6:.0f}",
                       f"{e.load_peak_bytes / max(e.weights_bytes, 1):.2f}", f"{e.median('prefill_tok_s'):.1f}",
-                      f"{e.median('decode_tok_s'):.2f}", f"{e.bandwidth_gb_s:.1f}")
+                      f"{e.median('decode_tok_s'):.2f}", f"{e.bandwidth_gb_s:.1f}",
+                      f"{e.median('prefill_cpu_tok_s'):.1f} / {e.median('decode_cpu_tok_s'):.2f}")
     out.print(table)
     out.print("decode GB/s: weight bytes (lollm: as held in memory; llama.cpp: the file) × decode tok/s, the "
               "memory traffic a decode step sustains")
     for ref, by_key in ratios.items():
         for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
             per_round = " ".join(f"{r:.2f}" for r in by_key[key]["rounds"])
-            out.print(f"lollm/{ref} {label}: {by_key[key]['median']:.2f}× (median of the per-round ratios {per_round})")
+            cpu = result.ratio("lollm", ref, key.replace("_tok_s", "_cpu_tok_s"))
+            out.print(f"lollm/{ref} {label}: {by_key[key]['median']:.2f}× (median of the per-round ratios {per_round}; "
+                      f"by CPU time {cpu:.2f}×)")
     decode = result.by_name("lollm").median("decode_tok_s")
     if tp != 1 and decode > 0:
         out.print(f"--tp {tp}: {1000 / decode:.2f} ms per decode step, each step computed by {tp} processes together "
