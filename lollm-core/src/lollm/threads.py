@@ -50,8 +50,9 @@ class ThreadChoice:
         """One line for the user when the machine is loaded and fewer threads than cores were chosen, else None."""
         if self.given or self.others is None or self.threads >= self.allowed:
             return None
-        return (f"note: the machine is busy ({self.others} other runnable threads on {self.allowed} cores): computing "
-                f"with {self.threads} thread{'s' if self.threads > 1 else ''} (--threads N to choose)")
+        return (f"note: the machine is busy ({self.others} other runnable thread{'s' if self.others != 1 else ''} on "
+                f"{self.allowed} cores): computing with {self.threads} thread{'s' if self.threads > 1 else ''} "
+                f"(--threads N to choose)")
 
 
 def allowed_cores() -> int:
