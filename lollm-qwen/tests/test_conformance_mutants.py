@@ -66,14 +66,19 @@ def test_the_kit_fails_a_copy_with_one_bug(mutation, checkpoint, tmp_path):
 
 
 def test_the_kit_fails_a_checkpoint_that_cannot_see_the_bugs(tmp_path):
-    """transformers' default initialisation and the hub's epsilon (1e-6): the kit refuses the checkpoint."""
+    """transformers' default initialisation and the hub's epsilon (1e-6): the coverage check refuses the
+    checkpoint (an ignored epsilon cannot show); with the old fixed bound of 1e-3, so does the sensitivity test."""
     from lollm.testing.tiny import shrink_config
 
     from _qwen_tiny import real_config
 
     blind = write_tiny_checkpoint(shrink_config(real_config("qwen2")), tmp_path / "blind", schema="hub")
     copy = copy_family(PACKAGE, tmp_path / "src", "copy_qwen2_blind")
-    run = run_kit(PACKAGE, copy, "qwen2", blind, tmp_path, tests=["test_reference_checkpoint_is_sensitive"])
+    run = run_kit(PACKAGE, copy, "qwen2", blind, tmp_path, attributes={"parity_max_abs_diff": 1e-3},
+                  tests=["test_checkpoint_covers_every_feature", "test_reference_checkpoint_is_sensitive"])
+    assert set(run.failed) == {"test_checkpoint_covers_every_feature", "test_reference_checkpoint_is_sensitive"}, run.outcomes
+    coverage = run.failed["test_checkpoint_covers_every_feature"]
+    assert "norm epsilon rms_norm_eps (1e-06)" in coverage and "SENSITIVE_NORM_EPS" in coverage, coverage
     message = run.failed["test_reference_checkpoint_is_sensitive"]
     assert "the tiny checkpoint is insensitive to rope_theta" in message, message
     assert "norm_eps" in message and "init_std" in message, message

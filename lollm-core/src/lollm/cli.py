@@ -48,10 +48,10 @@ from lollm import cli_report as show
 from lollm.cli_checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
                               check_run_flags, check_threads, open_checkpoint)
 from lollm.cli_inputs import encode_prompts, messages, read_prompts, read_stdin, read_tokenize_text
-from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, Json,
-                               MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize,
+from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
+                               GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag,
                                RepetitionPenalty, Seed, Stop, System, Temperature, Think, Threads, TopK, TopP, Tp,
-                               Weights, load_options, sampling_flags, which_model, with_help)
+                               Weights, load_options, output_constraint, sampling_flags, which_model, with_help)
 from lollm.cli_report import err, out
 from lollm.errors import LollmError
 from lollm.options import LoadOptions
@@ -106,6 +106,9 @@ def run(
     repetition_penalty: RepetitionPenalty = None,
     seed: Seed = None,
     stop: Stop = [],
+    json_schema: JsonSchemaFlag = None,
+    regex: RegexFlag = None,
+    grammar: GrammarFlag = None,
     no_chat: NoChat = False,
     think: with_help(Think, "The chat template's enable_thinking flag (templates that read it). Default: the template's own default.") = None,
     mtp: with_help(Mtp, "Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted.") = False,
@@ -135,6 +138,7 @@ def run(
     drafter = drafter_from_flags(mtp=mtp, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
+    constraint = output_constraint(json_schema, regex, grammar)
     options = load_options("run", device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
     check_attn(options)
@@ -158,31 +162,38 @@ def run(
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
-                  drafter=drafter, as_json=as_json, verbose=verbose)
+                  drafter=drafter, as_json=as_json, verbose=verbose, constraint=constraint)
     group = loaded.tp
     del loaded  # lollm.ranks rule 4: the model goes before the group
     finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
 
 
 def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                  max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool) -> None:
-    """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt."""
+                  max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool, constraint: Any = None) -> None:
+    """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt.
+
+    ``constraint``: the :class:`lollm.structured.OutputConstraint` of --json-schema / --regex /
+    --grammar (None: free text), compiled here once for the model's vocabulary.
+    """
     from lollm.generate import stop_token_ids
     from lollm.sampling import describe_sampling
+    from lollm.structured import compile_constraint
 
     checkpoint = loaded.checkpoint
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer)
+    if constraint is not None:
+        constraint = compile_constraint(constraint, loaded.tokenizer, vocab_size=loaded.model.vocab_size, stop_ids=stops)
     if not as_json:
         err.print("[dim]" + escape(describe_sampling(sampling, everything=verbose)) + "[/dim]", soft_wrap=True)
     for number, (text, ids) in enumerate(zip(prompts, all_ids), start=1):
         if len(prompts) > 1 and not as_json:
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
         _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop_strings,
-                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json)
+                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json, constraint=constraint)
 
 
 def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, stops: set[int], stop_strings: list[str],
-                  max_new_tokens: int, drafter: Any, as_json: bool) -> None:
+                  max_new_tokens: int, drafter: Any, as_json: bool, constraint: Any = None) -> None:
     """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
     from lollm.generate import GenerationResult, generate
 
@@ -206,7 +217,7 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
         result = generate(
             loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
             stop_strings=stop_strings, tokenizer=loaded.tokenizer, on_text=on_text, on_token=on_token,
-            drafter=drafter, attn=loaded.attn,
+            drafter=drafter, attn=loaded.attn, constraint=constraint,
         )
     except KeyboardInterrupt:
         # Ctrl-C: what was generated so far, with the timings the loop would have reported.

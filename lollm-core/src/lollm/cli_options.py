@@ -187,6 +187,62 @@ ParseSpecial = Annotated[bool, typer.Option(
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
+# -- structured output: one constraint (lollm.structured), from at most one of three flags ----------
+
+JsonSchemaFlag = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="FILE|JSON",
+    help="The output is JSON following this JSON schema (a file, or the schema itself); docs/structured-output.md.")]
+RegexFlag = Annotated[Optional[str], typer.Option(
+    "--regex", metavar="PATTERN", help="The whole output matches this regular expression (Rust regex syntax).")]
+GrammarFlag = Annotated[Optional[str], typer.Option(
+    "--grammar", metavar="FILE", help="The output follows this grammar (llguidance's Lark syntax; docs/structured-output.md).")]
+
+
+def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str]) -> Any:
+    """The :class:`lollm.structured.OutputConstraint` of ``--json-schema`` / ``--regex`` / ``--grammar`` (None: none).
+
+    ``--json-schema`` is a file when one exists at that path, else the schema's JSON text.
+    The constraint is checked now (:func:`lollm.structured.check_constraint`), before a model
+    loads. Raises LollmError naming the flag: two of them given, an unreadable file, a schema
+    that is not a JSON object, or what cannot be enforced (an unsupported schema keyword ...).
+    """
+    import json
+    from pathlib import Path
+
+    from lollm.errors import LollmError
+    from lollm.structured import ConstraintError, OutputConstraint, check_constraint
+
+    given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+             if value is not None]
+    if len(given) > 1:
+        raise LollmError(f"{' and '.join(given)}: give at most one constraint on the output")
+    if not given:
+        return None
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise LollmError(f"{flag} {path}: cannot read the file: {error}") from None
+
+    if json_schema is not None:
+        text = read(json_schema, "--json-schema") if Path(json_schema).is_file() else json_schema
+        try:
+            schema = json.loads(text)
+        except ValueError as error:
+            raise LollmError(f"--json-schema: neither a file nor valid JSON ({error})") from None
+        if not isinstance(schema, dict):
+            raise LollmError(f"--json-schema: a JSON schema is a JSON object, got {type(schema).__name__}")
+        constraint = OutputConstraint.json_schema(schema)
+    else:
+        constraint = OutputConstraint.regex(regex) if regex is not None else OutputConstraint.grammar(read(grammar, "--grammar"))
+    try:
+        check_constraint(constraint)
+    except ConstraintError as error:
+        raise LollmError(f"{given[0]}: {error}") from None
+    return constraint
+
+
 def sampling_flags(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float], min_p: Optional[float],
                    repetition_penalty: Optional[float]) -> dict[str, Any]:
     """The sampling flags a user gave, by :class:`lollm.sampling_params.SamplingParams` field (None: not given)."""

@@ -44,6 +44,7 @@ from lollm.errors import GenerationError
 from lollm.memory import check_cache_fits
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import Sampler, SamplingParams
+from lollm.structured import CompiledConstraint
 
 
 @dataclass
@@ -232,6 +233,7 @@ def generate_steps(
     speculative_tokens: int = 0,
     prompt_cache: PromptCache | None = None,
     logprobs: int | None = None,
+    constraint: CompiledConstraint | None = None,
     drafter: Drafter | None = None,
 ) -> Iterator[Step]:
     """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
@@ -260,6 +262,10 @@ def generate_steps(
     * The repetition penalty sees the prompt and every token yielded so far;
       ``logprobs=N`` fills ``Step.logprobs`` (the model's own distribution, N
       alternatives).
+    * ``constraint`` (:func:`lollm.structured.compile_constraint`, for this model's vocabulary):
+      before each pick, the ids it forbids get ``-inf`` (a fresh matcher per call), so every
+      token, drafts included, is one the constraint allows; the end-of-sequence ids are
+      allowed only once the output is complete.
     * At most ``min(max_new_tokens, context - len(prompt_ids))`` steps: the last
       one says why in ``Step.finish``. A caller may stop asking sooner (an
       end-of-sequence id, a stop string, a cancel): no forward runs past the
@@ -274,8 +280,12 @@ def generate_steps(
     """
     drafter = _one_drafter(speculative_tokens, drafter)
     context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, drafter=drafter)
+    if constraint is not None and constraint.vocab_size != model.vocab_size:
+        raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
     budget = min(max_new_tokens, context - len(prompt_ids))
-    return _steps(_Sequence(model, prompt_ids, sampling, logprobs, budget, context), prompt_cache, drafter)
+    seq = _Sequence(model, prompt_ids, sampling, logprobs, budget, context)
+    seq.matcher = constraint.matcher() if constraint is not None else None
+    return _steps(seq, prompt_cache, drafter)
 
 
 def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | None:
@@ -297,6 +307,7 @@ class _Sequence:
         self.seen = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
         self.new_ids: list[int] = []
         self.cache: Any = None
+        self.matcher: Any = None  # a lollm.structured.TokenMatcher when the output is constrained
 
     def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
         """Run the prompt (or the part a prompt cache lacks); the logits of its last position, (V,)."""
@@ -313,8 +324,16 @@ class _Sequence:
         return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
 
     def choose(self, logits_row: torch.Tensor, *, drafted: bool = False) -> Step:
-        """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked."""
-        token = self.sampler(logits_row, self.seen)
+        """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked.
+
+        With a constraint, the pick is among the ids its matcher allows, and the matcher
+        advances by it: call this only for a token that will be emitted (speculative
+        decoding does: a draft is emitted only when it equals this pick).
+        """
+        allowed = self.matcher.allowed() if self.matcher is not None else None
+        token = self.sampler(logits_row, self.seen, allowed)
+        if self.matcher is not None:
+            self.matcher.accept(token)
         self.seen = torch.cat([self.seen, torch.tensor([token])])
         lp = token_logprobs(logits_row, token, self.logprobs) if self.logprobs is not None else None
         return Step(token, lp, time.perf_counter(), drafted=drafted)
@@ -486,6 +505,7 @@ def generate(
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     attn: str | None = None,
+    constraint: CompiledConstraint | None = None,
     drafter: Drafter | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
@@ -509,7 +529,8 @@ def generate(
     generated); ``should_stop()`` is asked before each further step, and True ends the
     generation with stop reason "cancelled" (a client that went away, Ctrl-C).
     ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
-    the current one).
+    the current one). ``constraint``: the output follows it (:mod:`lollm.structured`;
+    see :func:`generate_steps`).
 
     This is :func:`generate_steps` read through :func:`stream_text`, with the callbacks.
     Raises GenerationError for an empty prompt, a non-positive
@@ -522,7 +543,7 @@ def generate(
     with use_backend(attn):
         steps = generate_steps(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
-                               drafter=drafter)
+                               constraint=constraint, drafter=drafter)
         with closing(steps):  # a prompt cache records what it holds when the steps close
             pieces = stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop)
             result = _collect(pieces, GenerationResult(prompt_ids=list(prompt_ids)), on_token, on_text)

@@ -135,16 +135,26 @@ def _set_constant(text: str, constant: str, value: str, where: str) -> str:
 
 
 def find_hub_config(model_types: tuple[str, ...]) -> str:
-    """The first hub config (sorted by name) in :mod:`lollm.testing.hub_configs` whose model_type is one of ``model_types``."""
+    """The hub config in :mod:`lollm.testing.hub_configs` whose model_type is one of ``model_types``
+    (the earlier type first), a dense one before a mixture of experts (a family may refuse the
+    experts of its larger sizes: lollm's gemma4 does), then by name."""
     from lollm.testing.hub_configs import available, hub_config
 
+    def experts(raw: dict) -> bool:
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        return bool(text.get("num_experts"))
+
     for type_ in model_types:
+        found = []
         for hub in sorted(available()):
             try:
-                if hub_config(hub).get("model_type") == type_:
-                    return hub
+                raw = hub_config(hub)
             except (OSError, ValueError, LollmError):
                 continue
+            if raw.get("model_type") == type_:
+                found.append((experts(raw), hub))
+        if found:
+            return min(found)[1]
     raise NewFamilyError(f"lollm.testing.hub_configs holds no config.json of model type {' or '.join(model_types)}; "
                          f"the generated tests need a real hub config of the reference architecture")
 
@@ -606,21 +616,21 @@ TESTS = '''\
 """The family ``{name}`` through lollm's conformance kit (lollm.testing.conformance).
 
 The tiny checkpoint: a real hub config.json (``{hub}``, shipped in
-:mod:`lollm.testing.hub_configs`) with its sizes shrunk, random weights written
-by transformers, then relabelled with this family's model type. Parity runs
+:mod:`lollm.testing.hub_configs`) shrunk so that it shows every feature the kit
+checks (``lollm.testing.tiny.kit_config``), random weights written by
+transformers, then relabelled with this family's model type. Parity runs
 against the family's own ``parity_reference`` (``{name}/parity.py``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
 from lollm.testing.conformance import FamilyConformance
 from lollm.testing.hub_configs import hub_config
-from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
+from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 from {top}.{name} import REFERENCE_MODEL_TYPES
 
@@ -641,36 +651,12 @@ def relabel(raw):
 def write_tiny(folder):
     """A tiny random checkpoint of this family in ``folder`` (config.json, model.safetensors).
 
-    Its weights are spread wider than transformers' default and its norm epsilon is large,
-    so that the kit's sensitivity test sees a wrong RoPE, epsilon or scale in the logits.
-    It has every kind of layer of the hub config (``layer_types``) at least once: a hybrid's
-    first layers may all be of one kind (Qwen3.5: three linear-attention layers, then one
-    with RoPE), and a kind no layer has is a kind no test sees. Where RoPE turns only part
-    of each head (``partial_rotary_factor``), the heads stay wide enough for 8 turning pairs,
-    or a wrong RoPE base would not show. A mixture of experts keeps 16 narrow experts.
+    :func:`lollm.testing.tiny.kit_config` shrinks the hub config so that the kit's coverage
+    check passes (every kind of layer, a window of 6, a visible norm epsilon and attention
+    scalar, a few narrow experts); the weights are spread wider than transformers' default,
+    so that a wrong RoPE, epsilon or scale moves the logits far past the parity bound.
     """
-    hub = hub_config(HUB_CONFIG)
-    raw = shrink_config(hub)
-    for config, full in ((raw, hub), (raw.get("text_config"), hub.get("text_config"))):
-        if not isinstance(config, dict):
-            continue
-        if "rms_norm_eps" in config:
-            config["rms_norm_eps"] = SENSITIVE_NORM_EPS
-        types = full.get("layer_types")
-        if isinstance(types, list) and types:
-            layers = max([config["num_hidden_layers"]] + [types.index(kind) + 1 for kind in set(types)])
-            config.update(num_hidden_layers=layers, layer_types=types[:layers])
-        if isinstance(config.get("num_experts"), int):  # a mixture of experts: a few narrow ones
-            config["num_experts"] = min(config["num_experts"], 16)
-            config["num_experts_per_tok"] = min(config.get("num_experts_per_tok", 4), 4)
-            for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-                if isinstance(config.get(key), int):
-                    config[key] = min(config[key], 48)
-        rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {{}}
-        part = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        if "head_dim" in config and part < 1:
-            config["head_dim"] = max(config["head_dim"], math.ceil(16 / part))
-    write_tiny_checkpoint(raw, folder, init_std=SENSITIVE_INIT_STD)
+    write_tiny_checkpoint(kit_config(hub_config(HUB_CONFIG)), folder, init_std=SENSITIVE_INIT_STD)
     path = folder / "config.json"
     path.write_text(json.dumps(relabel(json.loads(path.read_text())), indent=2))
     return folder
@@ -684,9 +670,11 @@ class Test{camel}Conformance(FamilyConformance):
     def family_name(self):
         return "{name}"
 
-    @pytest.fixture
-    def checkpoint_dir(self, tmp_path):
-        return write_tiny(tmp_path / "{name}")
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint_dir(cls, tmp_path_factory):
+        # one checkpoint for the class: the kit's tests only read it (the broken copies go elsewhere)
+        return write_tiny(tmp_path_factory.mktemp("{name}"))
 '''
 
 

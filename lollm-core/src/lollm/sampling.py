@@ -3,7 +3,10 @@
 Each step is a small pure function over a 1-D tensor of logits (``(V,)``,
 float32), composed in the same order as transformers applies them::
 
-    logits ─► repetition penalty ─► temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► draw
+    logits ─► repetition penalty ─► temperature ─► [constraint mask] ─► top-k ─► top-p ─► min-p ─► softmax ─► draw
+
+The constraint mask (:mod:`lollm.structured`, a JSON schema or grammar) is there only when the
+request has one: it sets the ids the constraint forbids to -inf.
 
 Greedy decoding (``temperature == 0``) skips the random part and takes the
 argmax after the repetition penalty.
@@ -50,6 +53,13 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
     seen = torch.where(seen < 0, seen * penalty, seen / penalty)
     logits.scatter_(0, previous_ids, seen)
     return logits
+
+
+def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Set the logit of every id not in ``allowed`` ((V,) bool; None: all allowed) to -inf."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -102,8 +112,12 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, previous_ids: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor, previous_ids: torch.Tensor, allowed: torch.Tensor | None = None) -> int:
         """Choose the next id from ``logits`` ((V,) any float dtype) given the ids so far ((N,) int64).
+
+        ``allowed`` ((V,) bool, any device): the ids a constraint permits (:mod:`lollm.structured`);
+        the others get ``-inf`` after the repetition penalty and the temperature, before the
+        filters, so top-k / top-p / min-p choose among permitted ids only.
 
         Raises GenerationError when the logits are not finite, naming the likely
         cause: the model (broken weights or config, or an overflow of the dtype),
@@ -120,10 +134,11 @@ class Sampler:
         if p.repetition_penalty != 1.0:
             _require_finite(logits, f"repetition_penalty {p.repetition_penalty:g} pushed the logits to infinity; use a value near 1")
         if p.greedy:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(apply_allowed(logits, allowed)))
         logits = apply_temperature(logits, p.temperature)
         if p.temperature != 1.0:
             _require_finite(logits, f"temperature {p.temperature:g} pushed the logits to infinity; use a larger temperature, or 0 for greedy")
+        logits = apply_allowed(logits, allowed)
         logits = top_k_filter(logits, p.top_k)
         logits = top_p_filter(logits, p.top_p)
         logits = min_p_filter(logits, p.min_p)

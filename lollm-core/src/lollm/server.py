@@ -46,6 +46,11 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   need every rank); before each step rank 0's cancel flag is broadcast, so a
   client that goes away stops every rank at the same token (:mod:`lollm.ranks`:
   ``broadcast``, ``follow``, ``agree``).
+* With ``tools`` the chat template shows them to the model and the answer's
+  text is read for calls (:mod:`lollm.tools`: one format per template kind,
+  a parser shared by the streamed and the whole answer); ``tool_choice``
+  "required" or a named function makes the generation follow a grammar of the
+  calls (:mod:`lollm.structured`). docs/tools.md.
 * Bound to 127.0.0.1 unless told otherwise; ``--api-key`` makes every /v1
   request show ``Authorization: Bearer KEY``.
 
@@ -82,19 +87,22 @@ from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
+from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
+from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, template_tool_calls
 
 log = logging.getLogger("lollm.server")
 
 #: Fields a client may send that change nothing here, ignored when null or neutral.
 IGNORED = {"user": None, "metadata": None, "store": None, "service_tier": None, "parallel_tool_calls": None,
-           "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+           "logit_bias": {}, "tools": [], "tool_choice": "none",
            "presence_penalty": 0, "frequency_penalty": 0, "n": 1, "best_of": 1, "echo": False, "suffix": None}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", *SAMPLING_FIELDS}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs"}
+COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", "response_format", *SAMPLING_FIELDS}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
+                               "tools", "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
-ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id")
 #: Template variables a request may not set through chat_template_kwargs (the server sets them).
 RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation_prompt"}
 FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
@@ -326,14 +334,57 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        entry = {"role": role, "content": content}
-        for key in ("name", "reasoning_content"):
+        entry: dict[str, Any] = {"role": role, "content": content}
+        for key in ("name", "reasoning_content", "tool_call_id"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
                     raise ApiError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
                 entry[key] = message[key]
+        if message.get("tool_calls") and role == "assistant":
+            entry["tool_calls"] = template_tool_calls(message["tool_calls"], where)
         out.append(entry)
     return out
+
+
+# -- response_format: structured output (lollm.structured, docs/structured-output.md) ----------
+
+#: ``response_format.type`` -> the key holding its value: OpenAI's three, and lollm's two extensions.
+RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}
+
+
+def response_format(value: Any) -> OutputConstraint | None:
+    """The request's ``response_format`` as an :class:`OutputConstraint` (None: free text); ApiError 400 when malformed.
+
+    ``{"type": "text"}``; ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": true}}`` (enforced whatever ``strict`` says: a keyword
+    that cannot be enforced is refused, never skipped); and two extensions:
+    ``{"type": "regex", "regex": "[0-9]+"}`` and ``{"type": "grammar", "grammar": "start: ..."}``
+    (llguidance's Lark syntax).
+    """
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMATS:  # a dict or list as 'type' is unhashable
+        raise ApiError(400, f"'response_format' must be an object whose 'type' is one of {', '.join(RESPONSE_FORMATS)}, "
+                            f"got {_show(value)}", param="response_format")
+    key = RESPONSE_FORMATS[kind]
+    if set(value) - {"type", key}:
+        raise ApiError(400, f"'response_format' of type {kind!r} takes only {sorted({'type', key} - {None})}, got {_show(value)}",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint.json_object()
+    if kind == "json_schema":
+        spec = value.get(key)
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict) or \
+                not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", True), (bool, type(None))):
+            raise ApiError(400, "'response_format.json_schema' must be an object like {\"name\": \"...\", \"schema\": {...}, "
+                                "\"strict\": true}", param="response_format.json_schema")
+        return OutputConstraint.json_schema(spec["schema"], name=spec.get("name"))
+    if not isinstance(value.get(key), str) or not value[key]:
+        raise ApiError(400, f"'response_format.{key}' must be a non-empty string", param=f"response_format.{key}")
+    return OutputConstraint(kind, value[key])
 
 
 # -- one generation -----------------------------------------------------------------------
@@ -352,6 +403,8 @@ class Job:
     on_text: Callable[[str], None] | None = None
     on_token: Callable[[int, TokenLogprobs | None], None] | None = None
     endpoint: str = ""  # the path it came in on, for its log line
+    tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.tools)
+    constraint: CompiledConstraint | None = None  # the output follows it (response_format, a forced tool call)
 
 
 @dataclass
@@ -426,8 +479,25 @@ class ModelServer:
         logprobs = _chat_logprobs(body) if kind == "chat" else _number(body, "logprobs", integer=True, low=0, high=20)
         streaming, include_usage = _flag(body, "stream"), _stream_options(body)
         limit, sampling, stop = self.settings(body)
-        ids = self.chat_ids(body) if kind == "chat" else self.completion_ids(body)
-        return Prepared(self.job(body, ids, limit, sampling, stop, logprobs), streaming, include_usage)
+        constraint = self.compile(response_format(body.get("response_format")))
+        tools = self.tools(body, constraint) if kind == "chat" else None
+        ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
+        job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
+        job.constraint, job.tools = constraint, tools
+        if tools is not None and tools.grammar is not None:
+            job.constraint = self.compile(tools.grammar, "tools")
+        return Prepared(job, streaming, include_usage)
+
+    def tools(self, body: dict[str, Any], constraint: CompiledConstraint | None) -> ToolRequest | None:
+        """The request's tools (:func:`lollm.tools.read_tools`); ApiError 400 naming the field when refused."""
+        try:
+            tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
+            if tools is not None and tools.grammar is not None and constraint is not None:
+                raise ToolRequestError("'response_format' and a 'tool_choice' that forces a call each set the grammar of "
+                                       "the answer: send one of them", "tool_choice")
+            return tools
+        except ToolRequestError as error:
+            raise ApiError(400, str(error), param=error.param) from None
 
     def settings(self, body: dict[str, Any]) -> tuple[int | None, SamplingParams, list[str]]:
         """The request's token limit (None: the rest of the context), resolved sampling and stop strings."""
@@ -474,11 +544,14 @@ class ModelServer:
             raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
                                        f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def chat_ids(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
-        messages = _messages(body.get("messages"))
+        try:
+            messages = _messages(body.get("messages"))
+        except ToolRequestError as error:
+            raise ApiError(400, str(error), param=error.param) from None
         flags = dict(self.template_flags)
         extra = body.get("chat_template_kwargs")
         if extra is not None:
@@ -489,7 +562,9 @@ class ModelServer:
                     raise ApiError(400, f"chat_template_kwargs: the chat template does not read {_show(key)}",
                                    param=f"chat_template_kwargs.{key[:100]}")
             flags.update(extra)
-        self.check_text_size(body, text_bytes(messages) + text_bytes(extra))
+        if tools is not None:
+            flags["tools"] = tools.tools
+        self.check_text_size(body, text_bytes(messages) + text_bytes(extra) + text_bytes(flags.get("tools")))
         try:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
@@ -517,6 +592,18 @@ class ModelServer:
             raise ApiError(400, "'prompt' is empty", param="prompt")
         return ids
 
+    def compile(self, constraint: OutputConstraint | None, param: str = "response_format") -> CompiledConstraint | None:
+        """``constraint`` compiled for the served model (None stays None); ApiError 400 naming what cannot be enforced.
+
+        ``param``: the field the constraint came from (``tools`` for a forced tool call).
+        """
+        if constraint is None:
+            return None
+        try:
+            return compile_constraint(constraint, self.tokenizer, vocab_size=self.model.vocab_size, stop_ids=self.stop_ids)
+        except ConstraintError as error:
+            raise ApiError(400, str(error), param=param, code=f"unsupported_{param}") from None
+
     # -- the worker thread ----------------------------------------------------------------
     def run(self, job: Job) -> GenerationResult | None:
         """Generate one job (in the worker thread); None when it was cancelled before it began."""
@@ -527,7 +614,8 @@ class ModelServer:
             if self.group is not None:  # --tp: the other ranks run the same job (follow)
                 if job.sampling.seed is None:  # every rank must draw the same tokens: one seed, chosen here
                     job.sampling = dataclasses.replace(job.sampling, seed=secrets.randbits(63))
-                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs))
+                constraint = job.constraint.constraint if job.constraint is not None else None
+                ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs, constraint))
             result = self._generate(job)
         except BaseException:
             self.counts["failed"] += 1
@@ -544,9 +632,10 @@ class ModelServer:
         should_stop = job.cancel.is_set if self.group is None else lambda: ranks.agree(self.group, job.cancel.is_set())
         return generate(
             self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
-            stop_strings=job.stop, tokenizer=self.tokenizer, on_text=job.on_text, on_token=job.on_token,
+            stop_strings=job.stop, tokenizer=job.tools.text_of(self.tokenizer) if job.tools else self.tokenizer,
+            on_text=job.on_text, on_token=job.on_token,
             speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
-            should_stop=should_stop,
+            should_stop=should_stop, constraint=job.constraint,
         )
 
     # -- --tp: the ranks other than 0 (lollm.ranks) ------------------------------------------
@@ -561,9 +650,10 @@ class ModelServer:
 
     def _follow_job(self, message: tuple[Any, ...]) -> None:
         """One job rank 0 broadcast; an error rank 0's generation also meets (a LollmError) is rank 0's to report."""
-        ids, max_tokens, sampling, stop, logprobs = message
+        ids, max_tokens, sampling, stop, logprobs, constraint = message
         try:
-            self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs))
+            self._generate(Job(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stop, logprobs=logprobs,
+                               constraint=self.compile(constraint)))
         except LollmError:
             pass
 
@@ -642,23 +732,50 @@ _IGNORED_REQUEST = {name: {"nullable": True, "enum": [value], "description": "ac
                     for name, value in IGNORED.items()}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_FUNCTION_CALL = {"type": "object", "required": ["name", "arguments"], "properties": {
+    "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object, as text"}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]}, "function": _FUNCTION_CALL}}
 _MESSAGE = {
-    "type": "object", "required": ["role", "content"], "additionalProperties": False,
+    "type": "object", "required": ["role"], "additionalProperties": False,
     "properties": {"role": {"type": "string", "enum": list(ROLES)},
-                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"})},
+                   "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
+                                         "description": "null only for an assistant message with tool_calls"}),
+                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"}),
+                   "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL, "description": "an assistant's calls"}),
+                   "tool_call_id": _nullable({"type": "string", "description": "a tool message: the call it answers"})},
 }
+_TOOLS_REQUEST = {
+    "tools": _nullable({"type": "array", "maxItems": 128, "description": "functions the model may call (docs/tools.md)",
+                        "items": {"type": "object", "required": ["type", "function"], "properties": {
+                            "type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"], "properties": {
+                                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                "description": {"type": "string"}, "parameters": {"type": "object"}}}}}}),
+    "tool_choice": _nullable({"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+    "parallel_tool_calls": _nullable({"type": "boolean"}),
+}
+_RESPONSE_FORMAT = _nullable({"type": "object", "required": ["type"], "description": "docs/structured-output.md", "properties": {
+    "type": {"type": "string", "enum": list(RESPONSE_FORMATS)},
+    "json_schema": {"type": "object", "required": ["schema"], "properties": {
+        "name": {"type": "string"}, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}},
+    "regex": {"type": "string", "minLength": 1}, "grammar": {"type": "string", "minLength": 1}}})
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
 _FINISH = {"type": "string", "enum": ["stop", "length"]}
+_CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
 _CHAT_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": _USAGE,
     "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _nullable({"type": "object"}),
+        "index": {"type": "integer"}, "finish_reason": _CHAT_FINISH, "logprobs": _nullable({"type": "object"}),
         "message": {"type": "object", "required": ["role", "content"],
-                    "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}}}}}}
+                    "properties": {"role": {"type": "string"}, "content": _nullable({"type": "string"}),
+                                   "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}}}}}
 _COMPLETION_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": {"type": "integer"},
     "model": {"type": "string"}, "usage": _USAGE,
@@ -699,14 +816,15 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
-        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"})}}
+        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"}),
+        "response_format": _RESPONSE_FORMAT, **_TOOLS_REQUEST}}
     token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
     ids = {"type": "array", "minItems": 1, "items": token}
     text = {"type": "string", "minLength": 1}
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}]}
     completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "prompt": prompt,
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20})}}
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}), "response_format": _RESPONSE_FORMAT}}
     listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
         "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
@@ -803,6 +921,9 @@ class EventStream:
 
     def __init__(self, server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
         self.server, self.plan, self.chunk, self.where = server, plan, chunk, where
+        #: with tools, the text is read for calls before it is sent (lollm.tools); calls sent so far
+        self.parser: ToolCallParser | None = plan.job.tools.parser() if plan.job.tools is not None else None
+        self.calls = 0
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
@@ -838,11 +959,26 @@ class EventStream:
             return sse(ApiError(400, str(error)).body())
         return sse(internal_error(self.where, error).body())
 
+    def pieces(self, events: list[str | ToolCall], pending: list[TokenLogprobs]) -> Iterator[str]:
+        """The chunks of generated text (content) and tool calls (``delta.tool_calls``); logprobs ride along."""
+        for event in events:
+            if isinstance(event, ToolCall):
+                for delta in event.deltas(self.calls):
+                    yield sse(self.chunk("", pending, None, [delta]))
+                    pending.clear()
+                self.calls += 1
+            else:
+                yield sse(self.chunk(event, pending, None))
+                pending.clear()
+
     def finished(self, result: GenerationResult | None, pending: list[TokenLogprobs]) -> Iterator[str]:
-        """The last events: logprobs not sent yet, the finish reason, the usage when asked."""
+        """The last events: text or calls held back, logprobs not sent yet, the finish reason, the usage when asked."""
+        if self.parser is not None and result is not None:
+            yield from self.pieces(self.parser.finish(closed=self.plan.job.tools.closed_by(result.stop_reason)), pending)
         if pending:
             yield sse(self.chunk("", pending, None))
-        yield sse(self.chunk("", None, FINISH_REASON[result.stop_reason] if result is not None else "stop"))
+        finish = FINISH_REASON[result.stop_reason] if result is not None else "stop"
+        yield sse(self.chunk("", None, "tool_calls" if self.calls and finish == "stop" else finish))
         if self.plan.include_usage and result is not None:
             yield sse({**self.chunk("", None, None), "choices": [], "usage": self.server.usage(result)})
 
@@ -857,8 +993,8 @@ class EventStream:
                 if kind == "token":
                     pending.append(value)
                 elif kind == "text":
-                    yield sse(self.chunk(value, pending, None))
-                    pending = []
+                    for event in self.pieces(self.parser.feed(value) if self.parser else [value], pending):
+                        yield event
                 elif kind == "error":
                     yield self.failed(value)
                     break
@@ -918,8 +1054,10 @@ def _base(server: ModelServer, kind: str) -> dict[str, Any]:
 
 
 def _chat_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-    def chunk(text, entries, finish):
+    def chunk(text, entries, finish, calls=None):
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = calls
         lp = {"content": server.content_logprobs(entries)} if entries else None
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
@@ -942,9 +1080,16 @@ def _completion_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..
 
 def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
     lp = {"content": server.content_logprobs(server.content_entries(result))} if job.logprobs is not None else None
+    message, finish = {"role": "assistant", "content": result.text}, FINISH_REASON[result.stop_reason]
+    if job.tools is not None:  # the text read for calls (lollm.tools), as a stream would have sent it
+        content, calls = job.tools.answer(result.text, result.stop_reason)
+        if calls:
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.message_entry() for c in calls]}
+            finish = "tool_calls" if finish == "stop" else finish  # cut by max_tokens: still "length"
+        else:
+            message["content"] = content
     return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": lp,
-                         "finish_reason": FINISH_REASON[result.stop_reason]}],
+            "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
             "usage": server.usage(result)}
 
 

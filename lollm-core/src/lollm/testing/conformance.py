@@ -19,6 +19,10 @@ and gives two fixtures; every test below then runs against their family::
 
 What the inherited tests prove (each one is a method below, read them):
 
+0. the tiny checkpoint and the prompts can see every feature the family has (each layer kind,
+   every window crossed twice, decode past position 64 and past a delta-rule chunk, soft-caps
+   and scalars away from neutral: :mod:`lollm.testing.coverage`), or the kit fails the
+   checkpoint, naming the blind spot and its fix;
 1. the family is registered under its name and serves the checkpoint's ``model_type``;
 2. the plugin module it came from imports no torch (``lollm families`` stays light);
 3. ``load`` builds a model meeting :mod:`lollm.model`'s protocol: attributes, ``new_cache``,
@@ -33,11 +37,11 @@ What the inherited tests prove (each one is a method below, read them):
    cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
    transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``),
-   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <=
-   :attr:`FamilyConformance.parity_max_abs_diff` at fp32, after a prefill and through the
-   cache (prefill then decode); and the checkpoint is *sensitive*: perturbing the reference's
-   RoPE base, RoPE scaling, norm epsilon, attention scale or sliding window moves its logits
-   far past those bounds (:func:`reference_sensitivity`), or the kit fails the checkpoint;
+   cosine >= :attr:`FamilyConformance.parity_min_cosine` and max |Δ| <= a bound set from the
+   reference's own float32 noise on the checkpoint (:func:`measure_noise_floor`), at fp32,
+   after a prefill and through the cache (prefill then decode); and the checkpoint is
+   *sensitive*: perturbing the reference's RoPE base, RoPE scaling, norm epsilon, attention
+   scale or sliding window moves its logits far past that bound (:func:`reference_sensitivity`), or the kit fails the checkpoint;
 9. with ``gguf_types`` set: the checkpoint written as a GGUF the converter's way
    (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
    matches the reference run on the weights the file holds.
@@ -62,6 +66,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,8 +79,9 @@ from lollm.loader import Checkpoint, load_checkpoint
 from lollm.plugins import InstalledFamily, Registry, build_registry
 from lollm.options import LoadOptions
 from lollm.quantized import Quantization
+from lollm.testing.coverage import DELTA_RULE_CHUNK, check_coverage
 
-__all__ = ["FamilyConformance", "check_prompt_cache_turns", "reference_sensitivity"]
+__all__ = ["FamilyConformance", "NoiseFloor", "check_prompt_cache_turns", "measure_noise_floor", "reference_sensitivity"]
 
 #: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
 UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
@@ -90,6 +96,9 @@ REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches
 
 #: With a sliding window W, the test prompt has 3 W + 2 positions when that is at most this many.
 MAX_WINDOWED_PROMPT = 128
+#: The test prompt's positions at least: one-token decode steps past position 64
+#: (:data:`lollm.testing.coverage.LONG_DECODE`) and a prefill past one delta-rule chunk, then decode.
+SEQUENCE_LENGTH = 72
 
 #: The perturbations of the reference the sensitivity test applies (:func:`reference_sensitivity`).
 SENSITIVITY_CHECKS = ("rope_theta", "rope_scaling", "norm_eps", "attention_scale", "sliding_window")
@@ -123,13 +132,16 @@ def _fill(T: int, sizes: list[int]) -> list[int]:
 def _schedules(T: int, window: int | None) -> list[list[int]]:
     """Chunk sizes the self-consistency test feeds through a cache, each summing to T.
 
-    Always: one token at a time (decodes cross every boundary), half then one at a time,
-    chunks of 3 and 1. With a sliding window W: a prefill of W + 1 positions (it wraps
+    Always: one token at a time (decodes cross every boundary, and run past position 64),
+    half then one at a time, chunks of 3 and 1; when T > 66, a prefill of 65 positions (past
+    one chunk of the chunked delta rule) then one at a time. With a sliding window W: a prefill of W + 1 positions (it wraps
     around a ring of W slots) then one at a time, and chunks of W - 1, 1, W + 1 in turn
     (a chunk that ends just before the window's edge, a decode on the edge, a chunk
     that straddles it and must read keys a ring has since overwritten).
     """
     out = [[1] * T, [T // 2] + [1] * (T - T // 2), _fill(T, [3, 1])]
+    if T > DELTA_RULE_CHUNK + 2:  # a prefill past one chunk of the chunked delta rule, then decode
+        out.append([DELTA_RULE_CHUNK + 1] + [1] * (T - DELTA_RULE_CHUNK - 1))
     if window and window + 1 < T:
         out += [[window + 1] + [1] * (T - window - 1), _fill(T, [max(1, window - 1), 1, window + 1])]
     unique: list[list[int]] = []
@@ -264,6 +276,114 @@ def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
     return moved
 
 
+#: The parity bound is this many times the reference's own float32 noise on the checkpoint (two
+#: correct float32 implementations are each about one noise from the exact result: 2 x, and 2.5 x margin) ...
+NOISE_FACTOR = 5.0
+#: ... and never below this (a checkpoint whose float32 and float64 logits agree closer than 2e-6).
+BOUND_FLOOR = 1e-5
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """How far the reference disagrees with itself on one checkpoint, and the parity bound set from it.
+
+    float64: max |Δ| of a logit between the reference at float32 and transformers' model at
+    float64 (the float32 rounding of every sum: how far from the exact result a correct float32
+    implementation lands); batch: max |Δ| between the float32 reference on the prompt alone and
+    as the first row of a batch of two (another blocking of the same products); noise: the
+    larger; bound: ``max(factor * noise, floor)`` (:data:`NOISE_FACTOR`, :data:`BOUND_FLOOR`), in
+    logit units: what :class:`FamilyConformance`'s parity tests allow.
+    """
+
+    float64: float
+    batch: float
+    noise: float
+    bound: float
+
+
+_REFERENCE_RUNS: dict[tuple, Any] = {}
+
+
+def _files_stamp(path: Path) -> tuple:
+    """(name, size, mtime_ns) of the checkpoint file or of each file of its folder: a rewritten checkpoint is another."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+def _reference_key(build, checkpoint: Checkpoint, *more: Any) -> tuple:
+    return (getattr(build, "__module__", ""), getattr(build, "__qualname__", repr(build)), str(Path(checkpoint.path).resolve()),
+            _files_stamp(checkpoint.path), *more)
+
+
+def cached_reference(build, checkpoint: Checkpoint, dtype: torch.dtype):
+    """``build(checkpoint, dtype)``, built once per process for the same builder, files and dtype.
+
+    The mutation suite runs the kit on many copies of a family against one checkpoint; the
+    reference (transformers' model of it) is the same for all of them, so it is built once
+    (and its noise floor measured once, :func:`measure_noise_floor`).
+    """
+    key = _reference_key(build, checkpoint, str(dtype))
+    if key not in _REFERENCE_RUNS:
+        if not any(k[:4] == key[:4] for k in _REFERENCE_RUNS):
+            _REFERENCE_RUNS.clear()  # one checkpoint at a time: keep memory flat over a long suite
+        _REFERENCE_RUNS[key] = build(checkpoint, dtype)
+    return _REFERENCE_RUNS[key]
+
+
+def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, model_types: dict[str, str] | None = None,
+                        factor: float = NOISE_FACTOR, floor: float = BOUND_FLOOR) -> NoiseFloor:
+    """The reference's own float32 noise on ``checkpoint`` for the prompt ``ids`` (1, T), and the bound from it.
+
+    ``build``: the family's parity reference (``build(checkpoint, dtype) -> run(ids) -> (logits (T, V),
+    hidden states)``, :func:`lollm.parity.default_reference` by default); ``model_types``: for
+    types transformers does not know, the type whose class stands for each. The two equivalent
+    runs (:class:`NoiseFloor`): transformers' model of the checkpoint at float64 (its mixtures of
+    experts through the plain per-expert loop: the grouped matmul has no float64), and the
+    float32 reference as the first row of a batch of two.
+    """
+    from lollm.parity import load_reference_model
+
+    key = _reference_key(build, checkpoint, "noise", ids.numpy().tobytes(), tuple(sorted((model_types or {}).items())),
+                         factor, floor)
+    if key in _REFERENCE_RUNS:
+        return _REFERENCE_RUNS[key]
+    ref32 = cached_reference(build, checkpoint, torch.float32)
+    base = ref32(ids)[0].double()
+    model64 = load_reference_model(checkpoint, torch.float64, model_types)
+    if getattr(model64.config, "_experts_implementation", None) not in (None, "eager"):
+        model64.set_experts_implementation("eager")
+    with torch.inference_mode():
+        d64 = float((model64(ids, use_cache=False).logits[0].double() - base).abs().max())
+    batched = ref32(torch.cat([ids, torch.roll(ids, 1, dims=1)]))[0].double()
+    dbatch = float((batched - base).abs().max())
+    noise = max(d64, dbatch)
+    _REFERENCE_RUNS[key] = NoiseFloor(float64=d64, batch=dbatch, noise=noise, bound=max(factor * noise, floor))
+    return _REFERENCE_RUNS[key]
+
+
+def _with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None = None) -> dict[str, Any]:
+    """The config.json dict with ``layer_types`` as transformers derives it, when the file leaves it out.
+
+    Gemma 2's hub config.json has no ``layer_types`` (transformers alternates sliding and global
+    layers from layer 0); the coverage check must count the layers the reference runs. Without
+    transformers, or for a type it does not know, the dict is returned as it is.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if isinstance(text.get("layer_types"), list):
+        return config
+    try:
+        import transformers
+
+        from lollm.parity import relabel_model_types
+
+        raw = relabel_model_types(dict(text), model_types or {})
+        types = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw).layer_types
+    except Exception:  # no transformers, a type it does not know, no layer_types attribute: keep the file's view
+        return config
+    return {**text, "layer_types": list(types)} if isinstance(types, list) else config
+
+
 def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Cosine similarity of each row of two (T, V) tensors, in float64."""
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
@@ -393,9 +513,16 @@ class FamilyConformance:
     self_consistency_max_abs_diff: the same, the largest |Δ| of a logit allowed at any position.
     parity_min_cosine:       ours versus the reference at fp32, per position.
     parity_max_abs_diff:     ours versus the reference at fp32: the largest |Δ| of a logit allowed at
-                             any position, after a prefill and after a cached decode.
+                             any position, after a prefill and after a cached decode. None (the
+                             default): set per checkpoint from the reference's own float32 noise,
+                             ``max(parity_noise_factor * noise, parity_bound_floor)``
+                             (:func:`measure_noise_floor`); a number: that fixed bound.
+    parity_noise_factor, parity_bound_floor: see ``parity_max_abs_diff`` (5 and 1e-5).
     sensitivity_margin:      each perturbation of :data:`SENSITIVITY_CHECKS` must move the reference's
-                             logits by more than ``sensitivity_margin * parity_max_abs_diff``.
+                             logits by more than ``sensitivity_margin`` times the parity bound.
+    coverage_waivers:        feature name -> why this checkpoint cannot show it (the coverage test,
+                             :mod:`lollm.testing.coverage`, then lets it pass; the reason is the
+                             record of what the kit does not see).
     sensitivity_checks:      which perturbations the sensitivity test applies (those that apply to
                              the checkpoint: a config without RoPE scaling has no "rope_scaling").
     gguf_types:              the GGUF mode: ggml types (of ``lollm.testing.gguf_writer.GGUF_TYPES``) in which
@@ -410,11 +537,14 @@ class FamilyConformance:
     """
 
     reference_available: bool = False
-    sequence_length: int = 32
+    sequence_length: int = SEQUENCE_LENGTH
     self_consistency_min_cosine: float = 0.9999
     self_consistency_max_abs_diff: float = 1e-3
     parity_min_cosine: float = 0.99999
-    parity_max_abs_diff: float = 1e-3
+    parity_max_abs_diff: float | None = None
+    parity_noise_factor: float = NOISE_FACTOR
+    parity_bound_floor: float = BOUND_FLOOR
+    coverage_waivers: dict[str, str] = {}
     sensitivity_margin: float = 10.0
     sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
     gguf_types: tuple[str, ...] = ()
@@ -483,15 +613,49 @@ class FamilyConformance:
     def prompt_ids(self, model, sliding_window) -> torch.Tensor:
         """(1, T) deterministic random ids inside the vocabulary.
 
-        T = ``sequence_length``, or 3 W + 2 with a sliding window W when that is longer (so that
-        prompts and chunks cross the window more than once), at most ``model.max_context - 2``.
+        T = ``sequence_length`` (72: decode steps past position 64, a prefill past a delta-rule
+        chunk), or 3 W + 2 with a sliding window W when that is longer (so that prompts and chunks
+        cross the window more than once), at most ``model.max_context - 4`` (room for the cache tests'
+        decode steps after it).
         """
         wanted = self.sequence_length
         if sliding_window is not None and 3 * sliding_window + 2 <= MAX_WINDOWED_PROMPT:
             wanted = max(wanted, 3 * sliding_window + 2)
-        T = max(2, min(wanted, int(model.max_context) - 2))
+        T = max(2, min(wanted, int(model.max_context) - 4))
         g = torch.Generator().manual_seed(1234)
         return torch.randint(0, int(model.vocab_size), (1, T), generator=g)
+
+    @pytest.fixture
+    def parity_bound(self, installed, checkpoint, prompt_ids) -> float:
+        """The largest |Δ| of a logit the parity tests allow: ``parity_max_abs_diff`` when set,
+        else measured on this checkpoint and prompt (:func:`measure_noise_floor`)."""
+        if not self.reference_available:  # the tests that ask for it skip, saying the same
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        if self.parity_max_abs_diff is not None:
+            return float(self.parity_max_abs_diff)
+        floor = measure_noise_floor(self._reference_builder(installed), checkpoint, prompt_ids,
+                                    model_types=self.reference_model_types, factor=self.parity_noise_factor,
+                                    floor=self.parity_bound_floor)
+        return floor.bound
+
+    # -- 0. coverage: the checkpoint and the prompts can see every feature --------------
+
+    def test_checkpoint_covers_every_feature(self, checkpoint, prompt_ids, sliding_window):
+        """From config.json and the prompt schedule: every layer kind present, every window crossed
+        twice, decode past position 64 and past a delta-rule chunk, soft-caps and scalars away from
+        their neutral values (:func:`lollm.testing.coverage.check_coverage`). A blind spot fails,
+        naming the feature and the config change that fixes it (or ``coverage_waivers`` records why not)."""
+        T = prompt_ids.shape[1]
+        schedules = _schedules(T, sliding_window)
+        longest = max(s[0] for s in schedules if len(s) > 1 and s[1] == 1)
+        report = check_coverage(_with_layer_types(checkpoint.config, self.reference_model_types),
+                                prompt_length=T, longest_prefill=longest)
+        blind = report.blind(self.coverage_waivers)
+        assert not blind, (
+            "the tiny checkpoint or the prompts cannot see: "
+            + "; ".join(f"{f.name} ({f.detail}) -- fix: {f.fix}" for f in blind)
+            + ". A family with a bug there would pass the kit. Coverage report:\n" + report.table()
+        )
 
     # -- 1. registration ------------------------------------------------------------
 
@@ -711,22 +875,25 @@ class FamilyConformance:
 
     # -- 8. parity against the reference ------------------------------------------------------
 
-    def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint):
+    @staticmethod
+    def _reference_builder(installed: InstalledFamily):
         from lollm.parity import default_reference
 
-        build = installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
-        return build(checkpoint, torch.float32)
+        return installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
 
-    def _check_parity(self, ours: torch.Tensor, ref: torch.Tensor, ids: list[int], what: str,
+    def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint):
+        return cached_reference(self._reference_builder(installed), checkpoint, torch.float32)
+
+    def _check_parity(self, ours: torch.Tensor, ref: torch.Tensor, ids: list[int], what: str, bound: float,
                       hidden: list[torch.Tensor] | None = None, ref_hidden: list[torch.Tensor] | None = None) -> None:
         """Fail unless every position has the reference's argmax, cosine >= parity_min_cosine and
-        max |Δ| <= parity_max_abs_diff; the message names the worst position (and the first
-        diverging hidden state when both sides gave them)."""
+        max |Δ| <= ``bound`` (the parity_bound fixture); the message names the worst position (and
+        the first diverging hidden state when both sides gave them)."""
         from lollm.parity import compare_logits, layer_cosines
 
         stats = compare_logits(ours.float(), ref.float(), ids)
         bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine
-               or s.max_abs_diff > self.parity_max_abs_diff]
+               or s.max_abs_diff > bound]
         if not bad:
             return
         layers = ""
@@ -737,30 +904,35 @@ class FamilyConformance:
         worst = max(bad, key=lambda s: s.max_abs_diff)
         pytest.fail(
             f"{what}: parity failed at {len(bad)} of {len(stats)} positions {[s.position for s in bad][:16]} "
-            f"(argmax, cosine < {self.parity_min_cosine} or max |Δ| > {self.parity_max_abs_diff:g}); "
+            f"(argmax, cosine < {self.parity_min_cosine} or max |Δ| > {bound:.2e}, the bound from the reference's "
+            f"own float32 noise); "
             f"worst position {worst.position}: max |Δ| {worst.max_abs_diff:.3e}, cosine {worst.cosine:.7f}, "
             f"argmax ours {worst.ours_argmax} vs reference {worst.ref_argmax}{layers}",
             pytrace=False,
         )
 
-    def test_parity_with_the_reference(self, model, installed, checkpoint, prompt_ids):
+    def test_parity_with_the_reference(self, model, installed, checkpoint, prompt_ids, parity_bound):
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
         with torch.inference_mode():
             hidden: list[torch.Tensor] = []
             ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
         ref_logits, ref_hidden = self._reference(installed, checkpoint)(prompt_ids)
-        self._check_parity(ours, ref_logits, prompt_ids[0].tolist(), "prefill", hidden, ref_hidden)
+        self._check_parity(ours, ref_logits, prompt_ids[0].tolist(), "prefill", parity_bound, hidden, ref_hidden)
 
-    def test_cached_decode_matches_the_reference(self, model, installed, checkpoint, prompt_ids, sliding_window):
-        """Ours through the cache (a prefill, then one token at a time; then chunks across the
-        window) equals the reference's prefill of the whole prompt, position by position."""
+    def test_cached_decode_matches_the_reference(self, model, installed, checkpoint, prompt_ids, sliding_window,
+                                                 parity_bound):
+        """Ours through the cache (a prefill, then one token at a time; a prefill past a delta-rule
+        chunk, then one at a time; chunks across the window) equals the reference's prefill of the
+        whole prompt, position by position."""
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
         T = prompt_ids.shape[1]
         ref_logits, _ = self._reference(installed, checkpoint)(prompt_ids)
         first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
         schedules = [[first] + [1] * (T - first)]
+        if T > DELTA_RULE_CHUNK + 2:
+            schedules.append([DELTA_RULE_CHUNK + 1] + [1] * (T - DELTA_RULE_CHUNK - 1))
         if sliding_window:
             schedules.append(_fill(T, [sliding_window + 1]))
         with torch.inference_mode():
@@ -771,15 +943,15 @@ class FamilyConformance:
                     rows.append(model(prompt_ids[:, at : at + size], cache)[0].float())
                     at += size
                 self._check_parity(torch.cat(rows), ref_logits, prompt_ids[0].tolist(),
-                                   f"cached forward in chunks {_short(schedule)} vs the reference's prefill")
+                                   f"cached forward in chunks {_short(schedule)} vs the reference's prefill", parity_bound)
 
-    def test_reference_checkpoint_is_sensitive(self, checkpoint, prompt_ids):
+    def test_reference_checkpoint_is_sensitive(self, checkpoint, prompt_ids, parity_bound):
         """The tiny checkpoint can tell a right model from a wrong one.
 
         Each perturbation of :data:`SENSITIVITY_CHECKS` that applies to the checkpoint is made
         to the *reference* (transformers, same weights, one config value or attention scale
-        changed) and must move its logits by more than ``sensitivity_margin`` times
-        ``parity_max_abs_diff`` at some position; otherwise a family with that bug would pass
+        changed) and must move its logits by more than ``sensitivity_margin`` times the parity
+        bound at some position; otherwise a family with that bug would pass
         the parity tests above, and this test fails the checkpoint, naming what it cannot see.
 
         The reference here is always transformers' model of the checkpoint (a family's own
@@ -791,13 +963,13 @@ class FamilyConformance:
         moved = reference_sensitivity(checkpoint, prompt_ids, self.sensitivity_checks, self.reference_model_types)
         if not moved:
             pytest.skip(f"none of the perturbations {self.sensitivity_checks} applies to this checkpoint's config")
-        need = self.sensitivity_margin * self.parity_max_abs_diff
+        need = self.sensitivity_margin * parity_bound
         weak = {name: d for name, d in moved.items() if not d > need}
         assert not weak, (
             "the tiny checkpoint is insensitive to "
             + "; ".join(f"{name} ({SENSITIVITY_CHECKS_HELP[name.split(' ')[0]]}: the reference's logits moved by "
                         f"{d:.3e} at most)" for name, d in weak.items())
-            + f"; each must move them by more than {need:.3e} ({self.sensitivity_margin:g} x parity_max_abs_diff), "
+            + f"; each must move them by more than {need:.3e} ({self.sensitivity_margin:g} x the parity bound), "
             f"or a family with that bug passes the parity tests. Make the checkpoint more sensitive: "
             f"write_tiny_checkpoint(..., init_std=lollm.testing.tiny.SENSITIVE_INIT_STD), "
             f"rms_norm_eps=SENSITIVE_NORM_EPS in its config, a sliding window under a third of the prompt "
@@ -807,7 +979,8 @@ class FamilyConformance:
 
     # -- 9. the GGUF mode ------------------------------------------------------------------------
 
-    def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path):
+    def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path,
+                                            parity_bound):
         """The checkpoint as a GGUF of each of ``gguf_types`` (:func:`lollm.testing.gguf_writer.write_tiny_gguf`,
         the converter's names, metadata and quirks) loads through the family and matches the
         reference run on the weights as the file holds them, after a prefill and through the cache."""
@@ -830,11 +1003,12 @@ class FamilyConformance:
             with torch.inference_mode():
                 hidden: list[torch.Tensor] = []
                 ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
-                self._check_parity(ours, ref_logits, ids, f"GGUF {ggml_type}: prefill", hidden, ref_hidden)
+                self._check_parity(ours, ref_logits, ids, f"GGUF {ggml_type}: prefill", parity_bound, hidden, ref_hidden)
                 cache = model.new_cache(T)
                 rows = [model(prompt_ids[:, :first], cache)[0].float()]
                 rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
-            self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode")
+            self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode",
+                               parity_bound)
 
 
 def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens: int = 24, draft_tokens: int = 4,

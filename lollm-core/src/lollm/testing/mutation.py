@@ -24,8 +24,11 @@ test's outcome and failure message.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import io
+import re
 import shutil
 import sys
 import types
@@ -38,11 +41,19 @@ import pytest
 from lollm.hookspecs import hookimpl
 from lollm.plugins import Registry, build_registry
 
-__all__ = ["KitRun", "copy_family", "mutant_registry", "run_kit", "NUMERIC_TESTS"]
+__all__ = ["BUG_CLASSES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant", "NUMERIC_TESTS", "bf16_softmax_attend",
+           "copy_family", "mutant_registry", "run_kit"]
 
 #: The kit tests that can see a wrong number (the others check registration, loading, shapes).
 NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
                  "test_prefill_all_equals_prefill_then_decode", "test_reference_checkpoint_is_sensitive")
+#: What the mutation suite runs on the unchanged copy: the coverage check, then the numeric tests.
+KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS
+#: What it runs on each mutant: the two parity tests (coverage and sensitivity are the checkpoint's,
+#: proven once on the unchanged copy). Every mutant of :data:`MUTANTS` fails the cached-decode one;
+#: ``--all-checks`` adds the self-consistency test, to see which checks catch what (docs/conformance-kit.md).
+JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference")
+ALL_JUDGING_TESTS = JUDGING_TESTS + ("test_prefill_all_equals_prefill_then_decode",)
 
 
 def copy_family(package: str, folder: str | Path, name: str,
@@ -180,10 +191,298 @@ def run_kit(package: str, copy: str, family_name: str, checkpoint_dir: str | Pat
     (workdir / "pytest.ini").write_text("[pytest]\n", encoding="utf-8")
     collector = _Collector()
     args = [str(test_file), "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "--rootdir", str(workdir),
-            "-c", str(workdir / "pytest.ini"), "--basetemp", str(workdir / "tmp"), "-k", " or ".join(tests)]
+            "-c", str(workdir / "pytest.ini"), "--basetemp", str(workdir / "tmp"), "-k", " or ".join(tests),
+            # these two plugins run gc.collect() twice per pytest.main: half the time of a mutant's run
+            "-p", "no:unraisableexception", "-p", "no:threadexception"]
     code = pytest.main(args, plugins=[collector])
     missing = [t for t in tests if t not in collector.run.outcomes]
     if missing:
         raise RuntimeError(f"the kit run on {copy} (pytest exit code {int(code)}, test file {test_file}) did not "
                            f"report {missing}; outcomes: {collector.run.outcomes}")
     return collector.run
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue: one subtle bug per class, for every first-party family where the class applies
+# ---------------------------------------------------------------------------------------------
+
+#: Each bug class the suite puts into a copy of a family, and what the bug is.
+BUG_CLASSES = {
+    "rope_base_x1.5": "the RoPE base times 1.5",
+    "norm_eps_ignored": "the RMSNorm epsilon ignored (1e-6 hard-coded)",
+    "k_bias_dropped": "the k projection's bias dropped",
+    "rotate_half_signs": "rotate_half with its signs swapped: (x2, -x1) for (-x2, x1)",
+    "bf16_softmax": "attention's softmax computed in bfloat16",
+    "gqa_repeat": "GQA by repeat (tiling the K/V heads) instead of repeat_interleave",
+    "final_norm_skipped_in_decode": "the final norm skipped in one-token decode steps only",
+    "local_layers_on_global_rope": "sliding layers on the global layers' RoPE",
+    "global_layers_on_local_rope": "global layers on the sliding layers' RoPE",
+    "embedding_scale_omitted": "the embeddings not multiplied by sqrt(hidden_size)",
+    "wrong_attention_scale": "the wrong attention scale (head_dim**-0.5 or none for the configured one)",
+    "window_off_by_one_config": "the sliding window read one too small (cache and mask agree)",
+    "window_off_by_one_mask": "the sliding window one too small in the mask only",
+    "kv_drops_oldest_in_decode": "the KV cache drops its oldest position in decode steps after 32 tokens",
+    "exact_gelu": "GeGLU with exact GELU instead of the tanh approximation",
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One bug in one family: ``edits`` maps a file of the family package to its (old, new) pairs
+    (each old text must occur exactly once, :func:`copy_family`)."""
+
+    bug: str
+    edits: Mapping[str, Sequence[tuple[str, str]]]
+
+
+def bf16_softmax_attend(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
+                        softcap: float | None = None, scale: float | None = None, layer: int | None = None):
+    """A *wrong* attention for the ``bf16_softmax`` mutant: :func:`lollm.attention.eager_probs` with the
+    softmax in bfloat16 (q, k, v (1, H|K, T|S, D) -> (1, H, T, D) in q's dtype)."""
+    import torch
+
+    from lollm.attention import visible
+
+    _, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    n_rep = H // K
+    scores = torch.matmul(q.reshape(1, K, n_rep * T, D), k.transpose(2, 3)) * (D**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(1, K, n_rep, T, S)
+    mask = visible(start, T, S, ring=ring, window=window, device=q.device)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).to(torch.bfloat16), dim=-1)
+    out = torch.matmul(probs.to(q.dtype).view(1, K, n_rep * T, S), v)
+    return out.view(1, H, T, D)
+
+
+def _attention_mutants(call: str, scale_edit: tuple[str, str, str]) -> dict[str, Mutant]:
+    """bf16 softmax, GQA by repeat and the wrong scale, at the family's ``out = attend(...`` line ``call``."""
+    indent = call[: len(call) - len(call.lstrip())]
+    scale_file, old, new = scale_edit
+    return {
+        "bf16_softmax": Mutant("bf16_softmax", {"blocks.py": [(call, f"{indent}from lollm.testing.mutation import "
+                                                                   f"bf16_softmax_attend as attend\n{call}")]}),
+        "gqa_repeat": Mutant("gqa_repeat", {"blocks.py": [(call, f"{indent}k = k.repeat(1, q.shape[1] // k.shape[1], 1, 1)\n"
+                                                                 f"{indent}v = v.repeat(1, q.shape[1] // v.shape[1], 1, 1)\n{call}")]}),
+        "wrong_attention_scale": Mutant("wrong_attention_scale", {scale_file: [(old, new)]}),
+    }
+
+
+def _common(rope: list[tuple[str, str]], eps: str, modeling: str, kv_return: str, kv_file: str = "kv.py") -> dict[str, Mutant]:
+    """The bug classes every family has: RoPE base, epsilon, rotate_half, final norm, KV cache."""
+    kv_indent = kv_return[: len(kv_return) - len(kv_return.lstrip())]
+    dropped = kv_return.replace(":end]", "first:end]")
+    return {
+        "rope_base_x1.5": Mutant("rope_base_x1.5", {"blocks.py": rope}),
+        "norm_eps_ignored": Mutant("norm_eps_ignored", {"blocks.py": [(eps, eps.replace("self.eps = eps", "self.eps = 1e-6"))]}),
+        "rotate_half_signs": Mutant("rotate_half_signs", {"blocks.py": [("return torch.cat((-x2, x1), dim=-1)",
+                                                                          "return torch.cat((x2, -x1), dim=-1)")]}),
+        "final_norm_skipped_in_decode": Mutant("final_norm_skipped_in_decode", {modeling: [(
+            "x = self.model.norm(x)  # (1, T, C)", "x = x if input_ids.shape[1] == 1 else self.model.norm(x)  # (1, T, C)")]}),
+        "kv_drops_oldest_in_decode": Mutant("kv_drops_oldest_in_decode", {kv_file: [(
+            kv_return, f"{kv_indent}first = 1 if k.shape[2] == 1 and end > 32 else 0\n{dropped}")]}),
+    }
+
+
+def _qwen(name: str, k_line: str) -> dict[str, Mutant]:
+    call = "        out = attend(q, k, v, start=start, layer=self.layer_idx)  # (1, H, T, D)"
+    out = _common([("    base = rope.theta\n", "    base = 1.5 * rope.theta\n")], "        self.eps = eps",
+                  f"modeling_{name}.py", "        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]")
+    out.update(_attention_mutants(call, ("blocks.py", call, call.replace("layer=self.layer_idx)", "scale=1.0, layer=self.layer_idx)"))))
+    if k_line:
+        out["k_bias_dropped"] = Mutant("k_bias_dropped", {"blocks.py": [(k_line, k_line.replace("self.k_proj(x)", "F.linear(x, self.k_proj.weight)"))]})
+    return out
+
+
+def _qwen3_5(name: str) -> dict[str, Mutant]:
+    call = "        out = attend(q, k, v, start=start, layer=self.layer)  # (1, H, T, D)"
+    out = _common([("    return 1.0 / (theta**exponents)", "    return 1.0 / ((1.5 * theta)**exponents)")],
+                  "        self.weight = nn.Parameter(torch.zeros(dim))\n        self.eps = eps",
+                  f"modeling_{name}.py", "        return self.k[slot, :, :, :end], self.v[slot, :, :, :end]")
+    out.update(_attention_mutants(call, ("blocks.py", call, call.replace("layer=self.layer)", "scale=1.0, layer=self.layer)"))))
+    return out
+
+
+def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[str, str]], windows: str,
+           local_global: bool) -> dict[str, Mutant]:
+    out = _common(rope, "        self.eps = eps", f"modeling_{name}.py", "        return self.k[:, :, :end], self.v[:, :, :end]")
+    out.update(_attention_mutants(call, scale))
+    read = 'sliding_window=read.positive_int("sliding_window", at_most=MAX_CONTEXT),'
+    gelu = 'return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))'
+    out.update({
+        "embedding_scale_omitted": Mutant("embedding_scale_omitted", {f"modeling_{name}.py": [(
+            "x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)", "x = self.model.embed_tokens(input_ids)  # (1, T, C)")]}),
+        "window_off_by_one_config": Mutant("window_off_by_one_config", {"config.py": [(read, read.replace("),", ") - 1,"))]}),
+        "window_off_by_one_mask": Mutant("window_off_by_one_mask", {f"modeling_{name}.py": [(
+            windows, windows.replace("sliding_window if", "sliding_window - 1 if"))]}),
+        "exact_gelu": Mutant("exact_gelu", {"blocks.py": [(gelu, gelu.replace(', approximate="tanh"', ""))]}),
+    })
+    if local_global:
+        pick = "return self.rope_local if layer_type == SLIDING else self.rope_global"
+        out["local_layers_on_global_rope"] = Mutant("local_layers_on_global_rope", {"config.py": [(pick, "return self.rope_global")]})
+        out["global_layers_on_local_rope"] = Mutant("global_layers_on_local_rope", {"config.py": [(pick, "return self.rope_local")]})
+    return out
+
+
+_GEMMA_ROPE = [("inv_freq = 1.0 / (rope.theta**exponents)", "inv_freq = 1.0 / ((1.5 * rope.theta)**exponents)")]
+_GEMMA_SCALE = ("blocks.py", "self.scale = config.query_pre_attn_scalar**-0.5", "self.scale = config.head_dim**-0.5")
+
+#: family name -> (its package, {mutant name: Mutant}). Every mutant must fail the kit; the
+#: unchanged copy must pass it (:func:`run_suite`, ``python -m lollm.testing.mutation``).
+MUTANTS: dict[str, tuple[str, dict[str, Mutant]]] = {
+    "qwen2": ("lollm_qwen.qwen2", _qwen("qwen2", "        k = self.k_proj(x).view(1, T, K, D).transpose(1, 2)  # (1, K, T, D)")),
+    "qwen3": ("lollm_qwen.qwen3", _qwen("qwen3", "")),
+    "gemma2": ("lollm_gemma.gemma2", _gemma(
+        "gemma2", "        out = attend(q, k, v, start=start, ring=ring, window=window, softcap=self.softcap,",
+        _GEMMA_SCALE, _GEMMA_ROPE,
+        "windows = {t: self.config.sliding_window if t == SLIDING else None for t in set(self.config.layer_types)}", False)),
+    "gemma3": ("lollm_gemma.gemma3", _gemma(
+        "gemma3", "        out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,",
+        _GEMMA_SCALE, _GEMMA_ROPE,
+        "windows = {t: self.config.sliding_window if t == SLIDING else None for t in set(self.config.layer_types)}", True)),
+    "gemma4": ("lollm_gemma.gemma4", _gemma(
+        "gemma4", "        out = attend(q, k, v, start=start, ring=ring, window=window, scale=1.0, layer=self.layer_idx)",
+        ("blocks.py", "window=window, scale=1.0, layer=self.layer_idx)", "window=window, scale=None, layer=self.layer_idx)"),
+        [("torch.cat((1.0 / (rope.theta**exponents),", "torch.cat((1.0 / ((1.5 * rope.theta)**exponents),"),
+         ("    inv_freq = 1.0 / (rope.theta**exponents)", "    inv_freq = 1.0 / ((1.5 * rope.theta)**exponents)")],
+        "windows = {t: c.sliding_window if t == SLIDING else None for t in rope}", True)),
+    "qwen3_5": ("lollm_qwen3_5.qwen3_5", _qwen3_5("qwen3_5")),
+    "qwen3_5_moe": ("lollm_qwen3_5.qwen3_5_moe", _qwen3_5("qwen3_5_moe")),
+}
+
+
+@dataclass
+class SuiteResult:
+    """The mutation suite on one family: the checkpoint's noise floor, the unchanged copy's run,
+    and for each mutant the kit tests that failed it (none: the mutant survived)."""
+
+    family: str
+    hub_config: str
+    noise: Any  # lollm.testing.conformance.NoiseFloor
+    clean: KitRun
+    caught: dict[str, list[str]] = field(default_factory=dict)
+    moved: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def survivors(self) -> list[str]:
+        return [name for name, failed in self.caught.items() if not failed]
+
+    @property
+    def ok(self) -> bool:
+        return not self.clean.failed and sorted(self.clean.passed) == sorted(KIT_CHECKS) and not self.survivors
+
+
+def kit_checkpoint(family_name: str, folder: str | Path) -> tuple[str, Path]:
+    """The tiny checkpoint the suite judges ``family_name`` on: the hub config ``lollm new-family``'s
+    tests take for it (:func:`lollm.new_family.find_hub_config`), shrunk by
+    :func:`lollm.testing.tiny.kit_config`, spread-init weights. Returns (hub config name, folder)."""
+    from lollm.new_family import find_hub_config
+    from lollm.testing.hub_configs import hub_config
+    from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
+
+    installed = next((f for f in build_registry().families if f.family.name == family_name), None)
+    if installed is None:
+        raise LookupError(f"no installed family is named {family_name!r}")
+    hub = find_hub_config(installed.family.model_types)
+    return hub, write_tiny_checkpoint(kit_config(hub_config(hub)), Path(folder), init_std=SENSITIVE_INIT_STD)
+
+
+def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *,
+              tests: Sequence[str] = JUDGING_TESTS) -> SuiteResult:
+    """Every mutant of ``family_name`` (:data:`MUTANTS`, or those named in ``only``) through the kit, in this process.
+
+    The unchanged copy runs :data:`KIT_CHECKS` (coverage, parity, cached decode, self-consistency,
+    sensitivity); each mutant runs ``tests`` (:data:`JUDGING_TESTS`) and is caught when one of them fails.
+    """
+    import time
+
+    import torch
+
+    from lollm.parity import default_reference
+    from lollm.testing.conformance import SEQUENCE_LENGTH, measure_noise_floor
+
+    start = time.perf_counter()
+    package, mutants = MUTANTS[family_name]
+    workdir = Path(workdir)
+    hub, checkpoint = kit_checkpoint(family_name, workdir / "checkpoint")
+    from lollm.loader import load_checkpoint
+
+    loaded = load_checkpoint(checkpoint)
+    ids = torch.randint(0, int(loaded.config.get("vocab_size", 512)), (1, SEQUENCE_LENGTH),
+                        generator=torch.Generator().manual_seed(1234))
+    noise = measure_noise_floor(default_reference, loaded, ids)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        clean = run_kit(package, copy_family(package, workdir / "src", f"copy_{family_name}_clean"), family_name,
+                        checkpoint, workdir, tests=KIT_CHECKS)
+    if clean.failed:
+        print(printed.getvalue())  # why the unchanged copy fails: pytest's report
+    result = SuiteResult(family_name, hub, noise, clean)
+    for name, mutant in mutants.items():
+        if only and name not in only:
+            continue
+        copy = copy_family(package, workdir / "src", f"mutant_{family_name}_{name.replace('.', '_')}", mutant.edits)
+        with contextlib.redirect_stdout(io.StringIO()):  # pytest's report of each expected failure: the table says it
+            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=tests)
+        result.caught[name] = sorted(run.failed)
+        found = [float(m) for text in run.failed.values() for m in _DELTA.findall(text)]
+        if found:
+            result.moved[name] = max(found)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+#: The worst |Δ| a kit failure message reports (parity: "max |Δ| 1.2e-03"; self-consistency: "max |Δ| of the logits ...").
+_DELTA = re.compile(r"max \|Δ\|(?: of the logits)? ([0-9.]+e[+-]\d+)")
+
+#: Short names of the kit tests, for the suite's table.
+SHORT = {"test_parity_with_the_reference": "parity", "test_cached_decode_matches_the_reference": "cached",
+         "test_prefill_all_equals_prefill_then_decode": "self-consistency"}
+
+
+def report(result: SuiteResult) -> str:
+    """The suite's lines for one family: noise floor and bound, the clean copy, each mutant and what caught it."""
+    n = result.noise
+    lines = [f"{result.family} ({result.hub_config}, kit_config): noise floor {n.noise:.2e} (float64 {n.float64:.2e}, "
+             f"batch {n.batch:.2e}), parity bound {n.bound:.2e}; {len(result.caught)} mutants, {result.seconds:.0f} s",
+             f"  unchanged copy: " + ("passes " + ", ".join(sorted(result.clean.passed)) if not result.clean.failed
+                                      else "FAILS " + ", ".join(sorted(result.clean.failed)))]
+    for name, failed in result.caught.items():
+        caught = ", ".join(SHORT.get(t, t) for t in failed) if failed else "SURVIVED (the kit passed it)"
+        moved = f"  (max |Δ| {result.moved[name]:.1e}, {result.moved[name] / n.bound:.0f} x the bound)" if name in result.moved else ""
+        lines.append(f"  {name:<30} {caught}{moved}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lollm.testing.mutation [FAMILY ...] [--workdir DIR]``: run the suite, print the
+    tables, exit 1 when the unchanged copy fails or a mutant survives (every family of
+    :data:`MUTANTS` by default)."""
+    import argparse
+    import tempfile
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m lollm.testing.mutation", description=main.__doc__)
+    parser.add_argument("families", nargs="*", default=sorted(MUTANTS), help=f"of {', '.join(sorted(MUTANTS))}")
+    parser.add_argument("--workdir", help="where the copies and checkpoints go (default: a temporary folder)")
+    parser.add_argument("--all-checks", action="store_true",
+                        help="also run the self-consistency test on each mutant (slower; shows every check that catches it)")
+    args = parser.parse_args(argv)
+    unknown = [f for f in args.families if f not in MUTANTS]
+    if unknown:
+        parser.error(f"no mutants for {unknown}; known: {', '.join(sorted(MUTANTS))}")
+    start, ok = time.perf_counter(), True
+    with tempfile.TemporaryDirectory(prefix="lollm-mutation-") as tmp:
+        for family in args.families:
+            result = run_suite(family, Path(args.workdir or tmp) / family,
+                               tests=ALL_JUDGING_TESTS if args.all_checks else JUDGING_TESTS)
+            print(report(result), flush=True)
+            ok = ok and result.ok
+    print(f"mutation suite: {', '.join(args.families)}: {'every mutant fails the kit, the unchanged copies pass' if ok else 'FAILED'} "
+          f"({time.perf_counter() - start:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

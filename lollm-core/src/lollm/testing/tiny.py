@@ -44,6 +44,86 @@ SENSITIVE_INIT_STD = 0.3
 SENSITIVE_NORM_EPS = 0.1
 
 
+#: The sliding window of :func:`kit_config`: the kit's 72-position prompt crosses it many times.
+KIT_WINDOW = 6
+#: The experts of :func:`kit_config`'s mixtures: a few narrow ones, more than a token is routed to.
+KIT_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "top_k_experts": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48}
+
+
+def kit_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A tiny config of the hub config.json ``raw`` that the conformance kit's coverage check passes.
+
+    The decoder only: a multimodal config's ``text_config`` (its token ids added from the top
+    level) stands alone. Shrunk by :func:`shrink_config`, then, where the config has the key:
+
+    * every layer kind of ``layer_types`` has a layer (the layers kept are the shortest prefix
+      holding each kind), Gemma 3's ``sliding_window_pattern`` becomes 2 (a sliding layer, then
+      a global one), at least two layers otherwise (Gemma 2 alternates from layer 0);
+    * ``sliding_window`` is :data:`KIT_WINDOW` (6) when the window is in use;
+    * ``rms_norm_eps`` is :data:`SENSITIVE_NORM_EPS`; ``query_pre_attn_scalar`` is 2 x ``head_dim``;
+    * a mixture keeps :data:`KIT_EXPERTS`; ``head_dim`` leaves 8 turning pairs under a
+      ``partial_rotary_factor``, ``global_head_dim`` is twice ``head_dim`` and at least 64;
+    * Gemma 4's per-layer inputs (16 wide, the tiny vocabulary), Qwen 3.5's linear-attention
+      heads (2 key heads of 16, 4 value heads of 24) and KV-cache sharing (the second half of
+      twice the layers) shrink with the rest.
+
+    Write it with ``write_tiny_checkpoint(kit_config(raw), folder, init_std=SENSITIVE_INIT_STD)``
+    (docs/conformance-kit.md, "Coverage").
+    """
+    top = copy.deepcopy(raw)
+    text = top.get("text_config")
+    if isinstance(text, dict):
+        ids = {k: v for k, v in top.items() if k.endswith("_token_id") and k not in text and not isinstance(v, dict)}
+        top = {**copy.deepcopy(text), **ids}
+    cfg = shrink_config(top)
+    full_types = top.get("layer_types")
+    if isinstance(full_types, list) and full_types:
+        layers = max([cfg["num_hidden_layers"]] + [full_types.index(kind) + 1 for kind in set(full_types)])
+        cfg.update(num_hidden_layers=layers, layer_types=full_types[:layers])
+    for key in ("sliding_window_pattern", "_sliding_window_pattern"):
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool):
+            cfg[key] = 2
+    window = cfg.get("sliding_window")
+    if isinstance(window, int) and window > KIT_WINDOW and cfg.get("use_sliding_window", True) is not False:
+        cfg["sliding_window"] = KIT_WINDOW
+    if isinstance(cfg.get("rms_norm_eps"), float):
+        cfg["rms_norm_eps"] = SENSITIVE_NORM_EPS
+    if isinstance(cfg.get("query_pre_attn_scalar"), (int, float)) and isinstance(cfg.get("head_dim"), int):
+        cfg["query_pre_attn_scalar"] = 2 * cfg["head_dim"]
+    if isinstance(cfg.get("num_experts"), int):
+        cfg.update({k: v for k, v in KIT_EXPERTS.items() if k in cfg})
+    _kit_head_dims(cfg)
+    _kit_extras(cfg)
+    return cfg
+
+
+def _kit_head_dims(cfg: dict[str, Any]) -> None:
+    """Heads wide enough for 8 turning RoPE pairs (``partial_rotary_factor``); a wider global head (Gemma 4)."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    parts = [d.get("partial_rotary_factor", 1.0) for d in rope.values() if isinstance(d, dict)]
+    part = min([rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))] + parts)
+    if isinstance(cfg.get("head_dim"), int) and part < 1 and "global_head_dim" not in cfg:
+        cfg["head_dim"] = max(cfg["head_dim"], int(16 / part + 0.999))
+    if isinstance(cfg.get("global_head_dim"), int):
+        cfg["global_head_dim"] = max(2 * cfg["head_dim"], int(16 / part + 0.999))
+
+
+def _kit_extras(cfg: dict[str, Any]) -> None:
+    """Shrink the keys of Gemma 4 (per-layer inputs, KV sharing) and Qwen 3.5 (linear attention)."""
+    if isinstance(cfg.get("hidden_size_per_layer_input"), int) and cfg["hidden_size_per_layer_input"] > 0:
+        cfg.update(hidden_size_per_layer_input=16, vocab_size_per_layer_input=cfg["vocab_size"])
+    elif "vocab_size_per_layer_input" in cfg:
+        cfg["vocab_size_per_layer_input"] = cfg["vocab_size"]
+    if isinstance(cfg.get("num_kv_shared_layers"), int) and cfg["num_kv_shared_layers"] > 0:
+        n = cfg["num_hidden_layers"]
+        cfg.update(num_hidden_layers=2 * n, num_kv_shared_layers=n)
+        if isinstance(cfg.get("layer_types"), list):
+            cfg["layer_types"] = cfg["layer_types"] * 2
+    if "linear_num_key_heads" in cfg:
+        cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
+
+
 def shrink_config(raw: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """A copy of ``raw`` (a config.json dict) with tiny dimensions, every other key kept.
 

@@ -234,9 +234,13 @@ class Tokenizer:
         """
         return [self.token_bytes(token_id).decode("utf-8", errors="backslashreplace") for token_id in ids]
 
-    def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
-        """A fresh :class:`StreamDecoder` to print generated ids as they come."""
-        skip = self.special_token_ids if skip_special_tokens else frozenset()
+    def stream_decoder(self, *, skip_special_tokens: bool = False, keep: frozenset[int] = frozenset()) -> StreamDecoder:
+        """A fresh :class:`StreamDecoder` to print generated ids as they come.
+
+        ``keep``: special ids written out even with ``skip_special_tokens``
+        (Gemma 4's tool-call markers, which lollm.tools reads in the text).
+        """
+        skip = self.special_token_ids - keep if skip_special_tokens else frozenset()
         return StreamDecoder(self.token_bytes, skip, strip_leading_spaces=self._decoder.strip_leading_spaces)
 
     # ----------------------------------------------------------------- chat
@@ -323,6 +327,11 @@ class Tokenizer:
             else:
                 ids.extend(self._encode_plain(piece))
         return ids
+
+    def tool_chat_template(self) -> str | None:
+        """The source of the chat template used when tools are given (``tool_use`` if there is one), or None."""
+        template = self._chat_templates.get("tool_use") or self._chat_templates.get("default")
+        return template.source if template is not None else None
 
     def chat_template_reads(self, name: str) -> bool:
         """Whether the default chat template reads the variable ``name`` (False without a template)."""
