@@ -375,6 +375,22 @@ def bench_quant(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_speculative(session: nox.Session) -> None:
+    """Prompt-lookup decoding on the real Qwen2.5-Coder GGUF: lollm plain, with prompt lookup, llama.cpp plain, alternating
+    (docs/quantized-execution.md). Installs llama-cpp-python (the "bench" extra: a long compile on first install)."""
+    _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
+    session.run("python", "lollm-core/benchmarks/bench_speculative.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_threads(session: nox.Session) -> None:
+    """Decode tok/s by thread count and OpenMP wait policy, on the machine as it is and beside a busy loop per core;
+    the default of lollm.threads against the best fixed count (docs/quantized-execution.md)."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/bench_threads.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
 def bench_tp(session: nox.Session) -> None:
     """Tensor-parallel decode with 1, 2 and 4 gloo processes per family: ms per step and the collectives' share
     (docs/tensor-parallel.md). On a 2-core CPU this measures the overhead of splitting, not a speed-up."""

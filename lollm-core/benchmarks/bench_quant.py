@@ -29,55 +29,21 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import torch
 
 from lollm.options import LoadOptions
-from lollm.bench import LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids, reset_peak, rss_bytes
+from lollm.bench import (LlamaCppEngine, LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids,
+                         reset_peak, rss_bytes)
 from lollm.testing.real_models import fetch_gguf
 
 MODELS = {"qwen": "qwen2.5-coder-0.5b-instruct", "gemma": "gemma-3-270m"}
 GREEDY_PROMPT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to"
 
 
-class LlamaCppEngine:
-    """llama.cpp through llama-cpp-python, fed the same token ids; greedy decode by argmax of its logits."""
-
-    name = "llama.cpp"
-
-    def __init__(self, path: str, threads: int, n_ctx: int):
-        self.path, self.threads, self.n_ctx = path, threads, n_ctx
-        self.weights_bytes = os.path.getsize(path)
-
-    def load(self) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=self.path, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=self.n_ctx,
-                         n_batch=self.n_ctx, verbose=False)
-
-    def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()
-        start = time.perf_counter()
-        self.llm.eval(ids)
-        return time.perf_counter() - start
-
-    def decode(self, ids: list[int], n: int) -> tuple[int, float]:
-        import numpy as np
-
-        self.llm.reset()
-        self.llm.eval(ids)
-        token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))  # the first token comes out of the prefill
-        start = time.perf_counter()
-        for _ in range(n):
-            self.llm.eval([token])
-            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-        return n, time.perf_counter() - start
-
-
 def engines_for(path: str, threads: int, n_ctx: int, with_llama: bool) -> list:
-    engines = [LollmEngine(path, "float32", name="lollm quantized", weights="quantized"),
-               LollmEngine(path, "float32", name="lollm float32", weights="float")]
+    engines = [LollmEngine(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"), name="lollm quantized"),
+               LollmEngine(path, LoadOptions(device="cpu", dtype="float32", weights="float"), name="lollm float32")]
     if with_llama:
         engines.append(LlamaCppEngine(path, threads, n_ctx))
     return engines

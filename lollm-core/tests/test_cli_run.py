@@ -143,6 +143,8 @@ BAD_FLAGS = [
     (("--device", "meta"), "'meta'"),
     (("--threads", "0"), "--threads"),
     (("--mtp", "--draft-tokens", "0"), "--draft-tokens"),
+    (("--prompt-lookup", "--draft-tokens", "0"), "--draft-tokens"),
+    (("--prompt-lookup", "--mtp"), "choose one"),
     (("--no-chat", "--system", "s"), "--system"),
     # the load flags: lollm.options.LoadOptions refuses them as the CLI makes it (lollm.cli_options.load_options)
     (("--dtype", "float64"), "unknown dtype 'float64'"),
@@ -279,6 +281,17 @@ def test_many_prompts_from_a_file_load_the_model_once(invoke, ckpt, tmp_path):
     assert json.loads(done.stdout)["prompt"] == "two\nlines"
     piped = ok(invoke("run", ckpt, "--prompts-file", "-", *GREEDY, "--json", stdin="hello\n"))
     assert json.loads(piped.stdout)["ids"] == lines[0]["ids"]
+
+
+def test_prompt_lookup_gives_the_plain_output_and_says_what_it_accepted(invoke, ckpt):
+    prompt = "the cat sat on the mat, the cat sat on the"
+    plain = json.loads(ok(invoke("run", ckpt, "-p", prompt, *GREEDY, "--json")).stdout)
+    spec = json.loads(ok(invoke("run", ckpt, "-p", prompt, *GREEDY, "--json", "--prompt-lookup", "--draft-tokens", "4")).stdout)
+    assert (spec["text"], spec["ids"]) == (plain["text"], plain["ids"])
+    assert spec["speculative"]["drafter"] == "prompt lookup" and "speculative" not in plain
+    assert 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["drafted"]
+    streamed = ok(invoke("run", ckpt, "-p", prompt, *GREEDY, "--prompt-lookup"))
+    assert "prompt lookup:" in streamed.stderr and "drafted tokens accepted" in streamed.stderr
 
 
 def test_threads_and_version(invoke, ckpt):

@@ -14,10 +14,16 @@ beside the bytes of the weights the model holds.
 
 The reference is transformers reading exactly the file(s) lollm read
 (:func:`lollm.parity.reference_weights`); without transformers installed the
-benchmark prints our figures and says what the reference needs.
+benchmark prints our figures and says what the reference needs. For a GGUF,
+where ``llama-cpp-python`` is installed, llama.cpp runs beside both on the same
+file with the same threads (:class:`LlamaCppEngine`).
 
-:class:`Engine` is the small interface a benchmarked engine follows;
-``lollm-core/benchmarks/bench_quant.py`` adds llama.cpp with it.
+Effective bandwidth: a decode step reads every weight once, so the bytes of the
+weights (lollm: the packed tensors it holds; llama.cpp: the file) times decode
+tokens per second is the memory traffic a step sustains (GB/s). Set beside the
+machine's bandwidth it says whether decode is held back by memory or by compute.
+
+:class:`Engine` is the small interface a benchmarked engine follows.
 
 Under ``--tp N`` (lollm alone, no reference) every rank runs the same rounds,
 greedy, so the ranks make the same forward calls without sending anything
@@ -151,6 +157,52 @@ class LollmEngine:
         return len(result.new_ids) - 1, result.decode_seconds
 
 
+class LlamaCppEngine:
+    """llama.cpp through ``llama-cpp-python`` on the same GGUF, fed the same token ids; greedy by argmax of its logits.
+
+    ``threads`` are llama.cpp's own (``n_threads`` and ``n_threads_batch``), set to torch's so both
+    compute with as many. ``weights_bytes`` is the file's size (llama.cpp computes on its blocks as stored).
+    """
+
+    name = "llama.cpp"
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        self.path, self.threads, self.n_ctx = path, threads, n_ctx
+        self.weights_bytes = os.path.getsize(path)
+
+    def load(self) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=self.path, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=self.n_ctx,
+                         n_batch=min(self.n_ctx, 512), verbose=False)
+
+    def _next(self) -> int:
+        import numpy as np
+
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - start
+
+    def decode(self, ids: list[int], n: int) -> tuple[int, float]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        token = self._next()  # the first token comes out of the prefill
+        start = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([token])
+            token = self._next()
+        return n, time.perf_counter() - start
+
+
+def llama_cpp_available() -> bool:
+    """Whether ``llama-cpp-python`` is installed (the ``bench`` extra; it builds llama.cpp on install)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 class _Stamps:
     """A transformers streamer that only records when each chunk of ids arrives."""
 
@@ -208,17 +260,28 @@ class EngineFigures:
     weights_bytes: int = 0
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
+    #: the same two by this process's CPU time (all its threads) instead of the wall clock: on a machine other
+    #: processes keep busy, what the work costs rather than how often the scheduler let it run
+    prefill_cpu_tok_s: list[float] = field(default_factory=list)
+    decode_cpu_tok_s: list[float] = field(default_factory=list)
 
     def median(self, key: str) -> float:
         values = getattr(self, key)
         return statistics.median(values) if values else 0.0
 
+    @property
+    def bandwidth_gb_s(self) -> float:
+        """Effective bandwidth of decode: weight bytes × median decode tokens/s, in GB/s (1e9 bytes)."""
+        return self.weights_bytes * self.median("decode_tok_s") / 1e9
+
     def to_json(self) -> dict[str, Any]:
         return {
             "engine": self.name, "load_seconds": self.load_seconds, "load_peak_bytes": self.load_peak_bytes,
             "weights_bytes": self.weights_bytes, "prefill_tok_s": self.median("prefill_tok_s"),
-            "decode_tok_s": self.median("decode_tok_s"), "rounds": {"prefill_tok_s": self.prefill_tok_s,
-                                                                    "decode_tok_s": self.decode_tok_s},
+            "decode_tok_s": self.median("decode_tok_s"), "decode_gb_s": self.bandwidth_gb_s,
+            "prefill_cpu_tok_s": self.median("prefill_cpu_tok_s"), "decode_cpu_tok_s": self.median("decode_cpu_tok_s"),
+            "rounds": {"prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s,
+                       "prefill_cpu_tok_s": self.prefill_cpu_tok_s, "decode_cpu_tok_s": self.decode_cpu_tok_s},
         }
 
 
@@ -263,15 +326,24 @@ def measure_load(engine: Engine) -> EngineFigures:
 
 def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int], new_tokens: int, rounds: int,
               log=None) -> None:
-    """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode."""
+    """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode.
+
+    Each is timed by the wall clock and by this process's CPU time; a decode runs its own prefill
+    first, whose CPU time (that of the prefill just before) is taken off.
+    """
     for engine in engines:  # warm-up: first calls allocate caches and pick kernels
         engine.prefill(ids[:16])
         engine.decode(ids[:16], 2)
     for r in range(rounds):
         for engine, fig in zip(engines, figures):
+            cpu = time.process_time()
             fig.prefill_tok_s.append(len(ids) / engine.prefill(ids))
+            prefill_cpu, cpu = time.process_time() - cpu, time.process_time()
             steps, seconds = engine.decode(ids, new_tokens)
+            decode_cpu = time.process_time() - cpu - prefill_cpu
             fig.decode_tok_s.append(steps / seconds if seconds > 0 else 0.0)
+            fig.prefill_cpu_tok_s.append(len(ids) / max(prefill_cpu, 1e-9))
+            fig.decode_cpu_tok_s.append(steps / max(decode_cpu, 1e-9))
             if log is not None:
                 log(f"round {r + 1}/{rounds}: {engine.name}: prefill {fig.prefill_tok_s[-1]:.1f} tok/s, "
                     f"decode {fig.decode_tok_s[-1]:.2f} tok/s")
@@ -279,8 +351,8 @@ def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int
 
 def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_tokens: int = 64,
               reference: bool = True, threads: int | None = None, rounds: int = 3, log=None,
-              ids: list[int] | None = None) -> BenchResult:
-    """lollm (loaded with ``options``, a :class:`lollm.options.LoadOptions`) beside transformers.
+              ids: list[int] | None = None, llama_cpp: bool = True) -> BenchResult:
+    """lollm (loaded with ``options``, a :class:`lollm.options.LoadOptions`) beside transformers, and llama.cpp.
 
     ``options``: None means float32 float weights on the CPU (``lollm bench`` passes ``weights="auto"``).
     Its attention backend is checked before anything loads; transformers runs its own attention
@@ -288,8 +360,9 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
 
     Both are loaded in this process and measured in ``rounds`` alternating
     rounds, on ``ids`` when given (else ``prompt_tokens`` ids of :data:`BENCH_TEXT`). Without transformers installed the reference is skipped and
-    ``BenchResult.note`` says so. Raises LollmError when the reference cannot
-    read the same weights as lollm.
+    ``BenchResult.note`` says so. For a GGUF with ``llama_cpp`` on and ``llama-cpp-python``
+    installed, :class:`LlamaCppEngine` runs in the same rounds (with or without transformers). Raises LollmError
+    when the reference cannot read the same weights as lollm.
     """
     import torch
 
@@ -317,6 +390,9 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     engines: list[Engine] = [LollmEngine(spec, options)]
     if reference:
         engines.append(TransformersEngine(checkpoint, pick_dtype(options.dtype, torch.device("cpu"), checkpoint.config)))
+    if llama_cpp and checkpoint.fmt == "gguf" and llama_cpp_available():
+        gguf = checkpoint.weights.gguf.path  # the one file both read
+        engines.append(LlamaCppEngine(str(gguf), torch.get_num_threads(), len(ids) + new_tokens + 16))
     figures = [measure_load(engine) for engine in engines]
     alternate(engines, figures, ids, new_tokens, rounds, log)
     return BenchResult(figures, len(ids), new_tokens, torch.get_num_threads(), note)

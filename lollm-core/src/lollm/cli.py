@@ -49,7 +49,7 @@ from lollm.cli_checks import (check_attn, check_ctx_size, check_draft_head, chec
                               check_run_flags, check_threads, open_checkpoint)
 from lollm.cli_inputs import encode_prompts, messages, read_prompts, read_stdin, read_tokenize_text
 from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
-                               GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, Quantize, RegexFlag,
+                               GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag,
                                RepetitionPenalty, Seed, Stop, System, Temperature, Think, Threads, TopK, TopP, Tp,
                                Weights, load_options, output_constraint, sampling_flags, which_model, with_help)
 from lollm.cli_report import err, out
@@ -112,6 +112,7 @@ def run(
     no_chat: NoChat = False,
     think: with_help(Think, "The chat template's enable_thinking flag (templates that read it). Default: the template's own default.") = None,
     mtp: with_help(Mtp, "Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted.") = False,
+    prompt_lookup: PromptLookup = False,
     draft_tokens: DraftTokens = 3,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -130,8 +131,11 @@ def run(
     model, _ = which_model(model_opt, model_arg)
     # 1. What can be checked without torch and without reading the checkpoint.
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
-    check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
+    check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp or prompt_lookup,
                     draft_tokens=draft_tokens, sampling=user)
+    from lollm.drafting import drafter_from_flags
+
+    drafter = drafter_from_flags(mtp=mtp, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
     constraint = output_constraint(json_schema, regex, grammar)
@@ -158,14 +162,14 @@ def run(
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
-                  draft_tokens=draft_tokens if mtp else 0, as_json=as_json, verbose=verbose, constraint=constraint)
+                  drafter=drafter, as_json=as_json, verbose=verbose, constraint=constraint)
     group = loaded.tp
     del loaded  # lollm.ranks rule 4: the model goes before the group
     finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
 
 
 def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                  max_new_tokens: int, draft_tokens: int, as_json: bool, verbose: bool, constraint: Any = None) -> None:
+                  max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool, constraint: Any = None) -> None:
     """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt.
 
     ``constraint``: the :class:`lollm.structured.OutputConstraint` of --json-schema / --regex /
@@ -185,11 +189,11 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
         if len(prompts) > 1 and not as_json:
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
         _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop_strings,
-                      max_new_tokens=max_new_tokens, draft_tokens=draft_tokens, as_json=as_json, constraint=constraint)
+                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json, constraint=constraint)
 
 
 def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, stops: set[int], stop_strings: list[str],
-                  max_new_tokens: int, draft_tokens: int, as_json: bool, constraint: Any = None) -> None:
+                  max_new_tokens: int, drafter: Any, as_json: bool, constraint: Any = None) -> None:
     """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
     from lollm.generate import GenerationResult, generate
 
@@ -213,7 +217,7 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
         result = generate(
             loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
             stop_strings=stop_strings, tokenizer=loaded.tokenizer, on_text=on_text, on_token=on_token,
-            speculative_tokens=draft_tokens, attn=loaded.attn, constraint=constraint,
+            drafter=drafter, attn=loaded.attn, constraint=constraint,
         )
     except KeyboardInterrupt:
         # Ctrl-C: what was generated so far, with the timings the loop would have reported.
@@ -221,9 +225,9 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
         first = first_token_at[0] if first_token_at else now
         result = GenerationResult(prompt_ids=list(ids), new_ids=list(new_ids), text="".join(pieces), stop_reason="interrupted",
                                   prefill_seconds=first - started, decode_seconds=now - first)
-        show.generation(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+        show.generation(loaded, prompt, result, sampling, as_json=as_json, drafter=drafter)
         raise typer.Exit(130)
-    show.generation(loaded, prompt, result, sampling, as_json=as_json, speculative=draft_tokens > 0)
+    show.generation(loaded, prompt, result, sampling, as_json=as_json, drafter=drafter)
 
 
 @app.command("new-family")
@@ -389,6 +393,7 @@ def bench(
     threads: with_help(Threads, "torch threads (default: torch's).") = None,
     rounds: int = typer.Option(3, "--rounds", metavar="N", help="Alternating rounds (A B A B ...); medians are reported."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
+    no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip llama.cpp (run beside a GGUF where llama-cpp-python is installed)."),
     weights: Weights = "auto",
     quantize: Quantize = None,
     group_size: GroupSize = 32,
@@ -418,7 +423,7 @@ def bench(
     options = options.replace(attn=resolve_backend(options.attn))
     check_family(options.family)
     result = run_bench(model, options, prompt_tokens=prompt_tokens, new_tokens=new_tokens, reference=not no_reference,
-                       threads=threads, rounds=rounds,
+                       threads=threads, rounds=rounds, llama_cpp=tp == 1 and not no_llama_cpp,
                        log=None if as_json else lambda line: err.print(f"[dim]{escape(line)}[/dim]"))
     show.bench(result, model=model, options=options, new_tokens=new_tokens, rounds=rounds, as_json=as_json)
     finish(options.tensor_parallel)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,21 +135,24 @@ def open_checkpoint(model: str, options: LoadOptions, *, threads: Optional[int],
     """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
     with every check that needs them, before the weights load.
 
-    Sets torch's thread count, checks the attention backend (``options.attn``) on
+    Sets torch's thread count (``--threads``, else the cores free now: :mod:`lollm.threads`, with a
+    one-line note on a terminal's stderr when the machine is busy), checks the attention backend (``options.attn``) on
     ``options.device`` and the ``--weights``/``--quantize``/``--group-size`` flags against
     the checkpoint's format (lollm.pipeline.pick_quantization), routes the checkpoint
     (``options.family``: by that name), and decides ``--think`` from the chat template
     itself. Returns ``(checkpoint, family, template_flags)``; raises LollmError naming the flag.
     """
-    import torch
-
     from lollm.attention import resolve_backend
     from lollm.conversation import thinking_flags
     from lollm.loader import load_checkpoint
     from lollm.pipeline import pick_device, pick_quantization, route
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    from lollm.cli_report import err
+    from lollm.threads import apply_threads
+
+    note = apply_threads(threads).note
+    if note is not None and sys.stderr.isatty():  # advice for a person at a terminal, not a line in a log or a pipe
+        err.print(f"[dim]{note}[/dim]", soft_wrap=True)
     device = pick_device(options.device)
     resolve_backend(options.attn, device)
     checkpoint = load_checkpoint(model)

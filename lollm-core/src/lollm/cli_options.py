@@ -128,7 +128,8 @@ GroupSize = Annotated[int, typer.Option("--group-size", metavar="N", help="int4 
 #: each command gives ``--tp`` its own help (its torchrun line): ``with_help(Tp, ...)``
 Tp = Annotated[int, typer.Option("--tp", metavar="N", help="Tensor parallel over N processes started by torchrun (docs/tensor-parallel.md).")]
 Threads = Annotated[Optional[int], typer.Option(
-    "--threads", metavar="N", help="CPU threads torch computes with (default: torch's choice, usually one per core).")]
+    "--threads", metavar="N", help="CPU threads torch computes with (default: the cores free when the command starts, "
+                                   "at least 1; see docs/quantized-execution.md).")]
 
 
 def load_options(command: str, *, device: str = "auto", dtype: str = "auto", attn: Optional[str] = None,
@@ -172,7 +173,10 @@ RepetitionPenalty = Annotated[Optional[float], typer.Option(
 Seed = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Random seed for sampling (0 .. 2**64-1).")]
 Stop = Annotated[List[str], typer.Option("--stop", metavar="TEXT", help="Stop string (repeatable).")]
 Mtp = Annotated[bool, typer.Option("--mtp", help="Self-speculative decoding with the checkpoint's MTP head.")]
-DraftTokens = Annotated[int, typer.Option("--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp.")]
+DraftTokens = Annotated[int, typer.Option("--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp or --prompt-lookup.")]
+PromptLookup = Annotated[bool, typer.Option(
+    "--prompt-lookup", help="Speculative decoding with drafts copied from the prompt and the output so far (any model; "
+                            "same output, faster when the answer repeats the prompt, e.g. code edits; see --draft-tokens).")]
 CtxSize = Annotated[Optional[int], typer.Option("--ctx-size", "-c", metavar="N", help=CTX_HELP)]
 ContextShift = Annotated[bool, typer.Option("--context-shift/--no-context-shift", help=CONTEXT_SHIFT_HELP)]
 ParseSpecial = Annotated[bool, typer.Option(

@@ -48,8 +48,12 @@ def weights_summary(loaded: Any) -> None:
         err.print("[dim]" + escape(summary.line() + kept) + "[/dim]", soft_wrap=True)
 
 
-def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, speculative: bool) -> None:
-    """The end of one generation of ``run``: a JSON object on stdout, or a newline and the statistics line on stderr."""
+def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, drafter: Any = None) -> None:
+    """The end of one generation of ``run``: a JSON object on stdout, or a newline and the statistics line on stderr.
+
+    With a ``drafter`` (:mod:`lollm.drafting`), a second line says how many of its drafts were accepted
+    (JSON: ``"speculative": {"drafter", "drafted", "accepted"}``, and ``"mtp"`` as before for the draft head).
+    """
     dtype = str(loaded.dtype).removeprefix("torch.")
     if as_json:
         data = {
@@ -65,8 +69,10 @@ def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json:
                          "sources": dict(sampling.sources)},
             "family": loaded.family.family.name, "device": str(loaded.device), "dtype": dtype,
         }
-        if speculative:
-            data["mtp"] = {"drafted": result.drafted, "accepted": result.accepted}
+        if drafter is not None:
+            data["speculative"] = {"drafter": drafter.name, "drafted": result.drafted, "accepted": result.accepted}
+            if drafter.name == "MTP":
+                data["mtp"] = {"drafted": result.drafted, "accepted": result.accepted}
         print(json.dumps(data, ensure_ascii=False))
         sys.stdout.flush()
         return
@@ -78,9 +84,9 @@ def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json:
         f"{loaded.family.family.name} on {loaded.device} {dtype}{execution_note(loaded)}]") + "[/dim]",
         soft_wrap=True,
     )
-    if speculative:
+    if drafter is not None:
         err.print(
-            f"[dim]MTP: {result.accepted} of {result.drafted} drafted tokens accepted "
+            f"[dim]{drafter.name}: {result.accepted} of {result.drafted} drafted tokens accepted "
             f"(acceptance rate {result.acceptance_rate:.1%})[/dim]",
             soft_wrap=True,
         )
@@ -269,12 +275,12 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
 
     tp = options.tp
     names = [e.name for e in result.engines]
-    ratios = {}
-    if "transformers" in names:
-        ratios = {k: {"median": result.ratio("lollm", "transformers", k), "rounds": result.ratios("lollm", "transformers", k)}
-                  for k in ("prefill_tok_s", "decode_tok_s")}
+    ratios = {ref: {k: {"median": result.ratio("lollm", ref, k), "rounds": result.ratios("lollm", ref, k)}
+                    for k in ("prefill_tok_s", "decode_tok_s")}
+              for ref in ("transformers", "llama.cpp") if ref in names}
     if as_json:
-        print(json.dumps({"rows": result.rows, "ratios_lollm_over_transformers": ratios, "note": result.note,
+        print(json.dumps({"rows": result.rows, "ratios_lollm_over_transformers": ratios.get("transformers", {}),
+                          "ratios_lollm_over_llama_cpp": ratios.get("llama.cpp", {}), "note": result.note,
                           "threads": result.threads, "tp": tp, "machine": machine_load()}, indent=2))
         return
     kept = ("weights " + (f"--quantize {options.quantize}" if options.quantize else options.weights)) + ", "
@@ -282,17 +288,23 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
     title = (f"bench: {model} ({options.dtype}, {kept}attn {options.attn}, prompt {result.prompt_tokens}, decode {new_tokens}, "
              f"{rounds} rounds, {result.threads} threads{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
-    for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s"):
+    for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s",
+                "decode GB/s", "prefill / decode tok/s by CPU time"):
         table.add_column(col, justify="right")
     for e in result.engines:
         table.add_row(e.name, f"{e.load_seconds:.2f}", f"{e.load_peak_bytes / 1e6:.0f}", f"{e.weights_bytes / 1e6:.0f}",
                       f"{e.load_peak_bytes / max(e.weights_bytes, 1):.2f}", f"{e.median('prefill_tok_s'):.1f}",
-                      f"{e.median('decode_tok_s'):.2f}")
+                      f"{e.median('decode_tok_s'):.2f}", f"{e.bandwidth_gb_s:.1f}",
+                      f"{e.median('prefill_cpu_tok_s'):.1f} / {e.median('decode_cpu_tok_s'):.2f}")
     out.print(table)
-    for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
-        if ratios:
-            per_round = " ".join(f"{r:.2f}" for r in ratios[key]["rounds"])
-            out.print(f"lollm/transformers {label}: {ratios[key]['median']:.2f}× (median of the per-round ratios {per_round})")
+    out.print("decode GB/s: weight bytes (lollm: as held in memory; llama.cpp: the file) × decode tok/s, the "
+              "memory traffic a decode step sustains")
+    for ref, by_key in ratios.items():
+        for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+            per_round = " ".join(f"{r:.2f}" for r in by_key[key]["rounds"])
+            cpu = result.ratio("lollm", ref, key.replace("_tok_s", "_cpu_tok_s"))
+            out.print(f"lollm/{ref} {label}: {by_key[key]['median']:.2f}× (median of the per-round ratios {per_round}; "
+                      f"by CPU time {cpu:.2f}×)")
     decode = result.by_name("lollm").median("decode_tok_s")
     if tp != 1 and decode > 0:
         out.print(f"--tp {tp}: {1000 / decode:.2f} ms per decode step, each step computed by {tp} processes together "

@@ -9,8 +9,8 @@
 1. :func:`generate_steps`, the *step generator*: the prefill, then one decode step
    per ``next()``; it yields one :class:`Step` per new token (its id, its
    log-probabilities when asked) and stops only when the token budget or the
-   context is spent. With a draft head it decodes speculatively and still yields one
-   token at a time. This is the piece a batched engine builds on.
+   context is spent. With a :class:`~lollm.drafting.Drafter` (a draft head, prompt
+   lookup) it decodes speculatively and still yields one token at a time. This is the piece a batched engine builds on.
 2. :func:`stream_text`: on top of the steps, the text: detokenized pieces (whole
    UTF-8 characters), end-of-sequence ids, stop strings, a cancel check; one
    :class:`TextStep` per step, the last one saying why the generation stopped.
@@ -39,6 +39,7 @@ import torch
 
 from lollm.attention import use_backend
 from lollm.checks import ConfigReader
+from lollm.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
 from lollm.memory import check_cache_fits
 from lollm.prompt_cache import PromptCache
@@ -193,13 +194,14 @@ class Step:
 
 
 def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt_cache: PromptCache | None = None,
-                  speculative_tokens: int = 0) -> int:
+                  speculative_tokens: int = 0, drafter: Drafter | None = None) -> int:
     """The context a generation of ``prompt_ids`` runs in (positions); GenerationError when it cannot run.
 
     Refused: an empty prompt, ``max_new_tokens < 1``, a prompt that fills the
     context (the model's ``max_context``, or the prompt cache's ``max_tokens``), an id
     outside the vocabulary, a cache larger than the device's free memory
-    (:func:`lollm.memory.check_cache_fits`), speculative tokens without a draft head.
+    (:func:`lollm.memory.check_cache_fits`), speculative tokens without a draft head,
+    a drafter that cannot serve the model (``drafter.check``).
     """
     context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
     if not prompt_ids:
@@ -213,9 +215,12 @@ def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt
         )
     check_prompt_ids(prompt_ids, model.vocab_size)
     if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
-        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + max(speculative_tokens, 0), context))
+        extra = drafter.tokens if drafter is not None else max(speculative_tokens, 0)
+        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + extra, context))
     if speculative_tokens > 0 and not getattr(model, "has_draft_head", False):
         raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
+    if drafter is not None:
+        drafter.check(model)
     return context
 
 
@@ -229,6 +234,7 @@ def generate_steps(
     prompt_cache: PromptCache | None = None,
     logprobs: int | None = None,
     constraint: CompiledConstraint | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[Step]:
     """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
 
@@ -240,16 +246,19 @@ def generate_steps(
     The request is checked now (:func:`check_request`: GenerationError for an
     empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
     outside the vocabulary, a cache that does not fit the device, speculative
-    tokens without a draft head); the model runs only as the steps are asked for.
+    tokens without a draft head, both ``speculative_tokens`` and a ``drafter``);
+    the model runs only as the steps are asked for.
 
     * The first ``next()`` runs the prefill: ``model(ids (1, P) long, cache,
       logits_to_keep=1)`` -> logits (1, 1, V), and yields the first token; with a
       ``prompt_cache``, only the part of the prompt it does not hold yet runs.
     * Each later ``next()`` runs one forward over the newest token, ids (1, 1),
-      and yields the next. ``speculative_tokens = k > 0`` drafts up to ``k``
-      tokens with the model's draft head and verifies them in one forward over
-      (1, 1 + k) ids (:func:`_speculative_steps`); the steps are still yielded
-      one at a time, and the tokens are exactly those of plain decoding.
+      and yields the next. A ``drafter`` (:mod:`lollm.drafting`: the model's
+      draft head, prompt lookup) proposes up to ``drafter.tokens`` tokens, verified
+      in one forward over (1, 1 + k) ids (:func:`_speculative_steps`); the steps
+      are still yielded one at a time, and the tokens are exactly those of plain
+      decoding. ``speculative_tokens = k > 0`` is short for
+      ``drafter=MtpDrafter(tokens=k)``.
     * The repetition penalty sees the prompt and every token yielded so far;
       ``logprobs=N`` fills ``Step.logprobs`` (the model's own distribution, N
       alternatives).
@@ -269,13 +278,21 @@ def generate_steps(
     (``PromptCache.finish``). Errors from the model or the sampler
     (GenerationError for non-finite logits) come out of ``next()``.
     """
-    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, speculative_tokens)
+    drafter = _one_drafter(speculative_tokens, drafter)
+    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, drafter=drafter)
     if constraint is not None and constraint.vocab_size != model.vocab_size:
         raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
     budget = min(max_new_tokens, context - len(prompt_ids))
     seq = _Sequence(model, prompt_ids, sampling, logprobs, budget, context)
     seq.matcher = constraint.matcher() if constraint is not None else None
-    return _steps(seq, prompt_cache, max(speculative_tokens, 0))
+    return _steps(seq, prompt_cache, drafter)
+
+
+def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | None:
+    """The generation's drafter: ``drafter``, or the draft head for ``speculative_tokens > 0``, or None."""
+    if speculative_tokens > 0 and drafter is not None:
+        raise GenerationError("give either speculative_tokens (the draft head) or a drafter, not both")
+    return MtpDrafter(tokens=speculative_tokens) if speculative_tokens > 0 else drafter
 
 
 class _Sequence:
@@ -330,13 +347,13 @@ class _Sequence:
 
 
 @torch.inference_mode()
-def _steps(seq: _Sequence, prompt_cache: PromptCache | None, k: int) -> Iterator[Step]:
+def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
     """The body of :func:`generate_steps`: prefill, then plain or speculative decoding."""
     try:
-        first = seq.emit(seq.choose(seq.prefill(prompt_cache, k)))
+        first = seq.emit(seq.choose(seq.prefill(prompt_cache, drafter.tokens if drafter else 0)))
         yield first
         if not first.finish:
-            yield from (_speculative_steps(seq, first.token, k) if k > 0 else _plain_steps(seq, first.token))
+            yield from (_speculative_steps(seq, first.token, drafter) if drafter else _plain_steps(seq, first.token))
     except GeneratorExit:  # the caller stopped asking: the cache is as the last step left it
         _record(seq, prompt_cache)
         raise
@@ -359,37 +376,48 @@ def _plain_steps(seq: _Sequence, pending: int) -> Iterator[Step]:
         pending = step.token
 
 
-def _speculative_steps(seq: _Sequence, pending: int, k: int) -> Iterator[Step]:
-    """The steps of self-speculative decoding (draft k, verify in one forward), yielded one at a time.
+def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
+    """The steps of speculative decoding (draft up to k, verify in one forward), yielded one at a time.
 
-    The model drafts ``k`` tokens after ``pending`` (the newest token, not yet
-    in the cache) with its cheap draft head: ``model.draft(cache, pending, k)``.
-    The main model then runs once over ``[pending, d1 … dk]`` and, at each of
-    those positions, the sampler picks the token the main model would have
-    produced. Drafts are accepted while they equal those picks; the first pick
-    that differs (or the pick after the last draft) is the bonus token. The
-    cache is rolled back to the accepted prefix (``cache.rollback(length)``).
-    Because every emitted token is the main model's own pick, made with the
-    same sampler in the same order, the output equals plain decoding exactly.
+    The drafter guesses up to ``k = drafter.tokens`` tokens after ``pending`` (the
+    newest token, not yet in the cache): the model's draft head, or a copy of an
+    earlier passage (:mod:`lollm.drafting`). The main model then runs once over
+    ``[pending, d1 … dk]`` and, at each of those positions, the sampler picks the
+    token the main model would have produced. Drafts are accepted while they equal
+    those picks; the first pick that differs (or the pick after the last draft) is
+    the bonus token. The cache is rolled back to the accepted prefix
+    (``cache.rollback(length)``), also after the last step, so that it ends as plain
+    decoding leaves it. Because every emitted token is the main model's own pick,
+    made with the same sampler in the same order (a seeded sampler draws once per
+    emitted token either way), the output equals plain decoding exactly, greedy or
+    sampled; with no drafts a step is a plain decode step.
     """
     cache = seq.cache
     while True:
-        room = cache.max_tokens - cache.length - 1  # positions left after `pending`
-        drafts = seq.model.draft(cache, pending, min(k, room)) if room > 0 else []
+        room = min(drafter.tokens, cache.max_tokens - cache.length - 1, _undoable(cache) - 1)  # drafts after `pending`
+        history = seq.prompt_ids + seq.new_ids  # ends with `pending`
+        drafts = drafter.propose(seq.model, cache, history, room) if room > 0 else []
         start = cache.length
         logits = seq.forward([pending] + drafts)  # (1 + len(drafts), V)
         for i in range(len(drafts) + 1):
             step = seq.choose(logits[i], drafted=i < len(drafts))  # a draft counts once the loop gets to judge it
-            if i < len(drafts) and step.token == drafts[i]:
-                step.accepted = True
-            else:  # the main model disagrees (or all drafts were accepted): keep the cache up to here
-                cache.rollback(start + 1 + i)
+            step.accepted = i < len(drafts) and step.token == drafts[i]
+            if not step.accepted or len(seq.new_ids) + 1 >= seq.budget:  # a miss, or the last step
+                if cache.length != start + 1 + i:
+                    cache.rollback(start + 1 + i)  # keep the cache up to here, as plain decoding would
                 pending = step.token
             yield seq.emit(step)
             if step.finish:
                 return
             if not step.accepted:
                 break
+
+
+def _undoable(cache: Any) -> int:
+    """How many positions the next forward may write and still be rolled back exactly (``cache.undoable_tokens()``,
+    where the cache limits it: a wrapped sliding-window ring; else as many as it holds)."""
+    undoable = getattr(cache, "undoable_tokens", None)
+    return undoable() if undoable is not None else cache.max_tokens
 
 
 # -- layer 2: text, stop strings, end-of-sequence ids, cancel ------------------------------------
@@ -478,6 +506,7 @@ def generate(
     should_stop: Callable[[], bool] | None = None,
     attn: str | None = None,
     constraint: CompiledConstraint | None = None,
+    drafter: Drafter | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -487,9 +516,10 @@ def generate(
     beginning of a stop string). The model runs on its own device; ids are
     moved there.
 
-    ``speculative_tokens > 0`` turns on self-speculative decoding with the
-    model's draft head (see :func:`_speculative_steps`); the output is exactly
-    the same as without it.
+    ``drafter`` (:mod:`lollm.drafting`) turns on speculative decoding: drafts
+    verified in one forward (see :func:`_speculative_steps`); the output is exactly
+    the same as without it. ``speculative_tokens > 0`` is short for the model's
+    draft head, ``drafter=MtpDrafter(tokens=speculative_tokens)``.
 
     ``prompt_cache`` keeps the cache between calls (see :mod:`lollm.prompt_cache`):
     the context is then its ``max_tokens``. ``logprobs=N`` records the
@@ -513,7 +543,7 @@ def generate(
     with use_backend(attn):
         steps = generate_steps(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
-                               constraint=constraint)
+                               constraint=constraint, drafter=drafter)
         with closing(steps):  # a prompt cache records what it holds when the steps close
             pieces = stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop)
             result = _collect(pieces, GenerationResult(prompt_ids=list(prompt_ids)), on_token, on_text)

@@ -46,6 +46,10 @@ class Cache(Protocol):
     def can_rollback(self, length: int) -> bool:
         """Whether :meth:`rollback` to ``length`` would leave the cache exact (optional)."""
 
+    def undoable_tokens(self) -> int:
+        """The most positions the next forward may write such that :meth:`rollback` to any length after the
+        current one stays exact (optional; speculative decoding sizes its drafts by it, none: no limit)."""
+
     def snapshot(self) -> Any:
         """A copy of what a rollback cannot recover, at the current ``length`` (optional)."""
 

@@ -1012,3 +1012,104 @@ class FamilyConformance:
                 rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
             self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode",
                                parity_bound)
+
+
+def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens: int = 24, draft_tokens: int = 4,
+                               seed: int = 7) -> dict[str, tuple[int, int]]:
+    """Speculative decoding (prompt lookup, and a scripted drafter) gives plain decoding's tokens and cache.
+
+    Every drafter goes through the one verify path (``lollm.generate._speculative_steps``);
+    these runs compare it with plain decoding on ``model``, token for token:
+
+    * greedy, with :class:`lollm.drafting.PromptLookupDrafter` down to 1-grams (its drafts come
+      from ``prompt`` and the output so far: accepted, rejected, or none at all);
+    * greedy, with a *scripted* drafter that proposes the plain run's own continuation
+      but with one token in three changed, so that every run has accepted drafts, rejected
+      drafts, and steps that end on either;
+    * sampled (temperature 1, ``seed``), with the scripted drafter made from the plain
+      sampled continuation: a seeded sampler must draw the same tokens.
+
+    After each speculative run, the cache it leaves holds exactly prompt + new ids - 1
+    positions, and one more forward of the last new id on it gives the logits (argmax
+    and values within 1e-3) that a full forward of the whole sequence gives (an
+    independent route). Returns ``{run: (drafted, accepted)}`` for the caller's own
+    assertions. AssertionError names the run that differs.
+    """
+    from lollm.drafting import PromptLookupDrafter
+    from lollm.generate import generate
+    from lollm.sampling import SamplingParams
+
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed)
+    counts = {}
+    for name, sampling in (("greedy", greedy), ("sampled", sampled)):
+        plain = generate(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling)
+        drafters = {"scripted": _scripted_drafter(prompt, plain.new_ids, draft_tokens, int(model.vocab_size))}
+        if sampling is greedy:
+            drafters["prompt lookup"] = PromptLookupDrafter(tokens=draft_tokens, min_ngram=1)
+        for kind, drafter in drafters.items():
+            caches: list[Any] = []
+            spy = _spying(drafter, caches)
+            spec = generate(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling, drafter=spy)
+            run = f"{name} with the {kind} drafter"
+            assert spec.new_ids == plain.new_ids, f"{run}: {spec.new_ids} != plain {plain.new_ids}"
+            counts[f"{name}, {kind}"] = (spec.drafted, spec.accepted)
+            if caches:
+                _check_final_cache(model, caches[-1], prompt + plain.new_ids, run)
+    return counts
+
+
+def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Any:
+    """A drafter that proposes ``continuation`` where it goes, every third draft made wrong (+1 mod vocab)."""
+    from lollm.drafting import Drafter
+
+    truth = list(prompt) + list(continuation)
+
+    class Scripted(Drafter):
+        name = "scripted"
+
+        def propose(self, model, cache, history, num_tokens):
+            at = len(history)
+            out = truth[at : at + num_tokens]
+            return [(t + 1) % vocab if (at + i) % 3 == 0 else t for i, t in enumerate(out)]
+
+    return Scripted(tokens=tokens)
+
+
+def _spying(drafter: Any, caches: list[Any]) -> Any:
+    """``drafter``, also recording the cache object each ``propose`` is given (the generation's main cache)."""
+    inner = drafter
+
+    class Spy(type(drafter)):
+        def propose(self, model, cache, history, num_tokens):
+            if not caches or caches[-1] is not cache:
+                caches.append(cache)
+            return inner.propose(model, cache, history, num_tokens)
+
+    fields = {k: getattr(drafter, k) for k in getattr(drafter, "__dataclass_fields__", {})}
+    return Spy(**fields)
+
+
+def _check_final_cache(model: Any, cache: Any, sequence: list[int], run: str) -> None:
+    """``cache`` holds ``sequence[:-1]``: its length, and the next forward matches a full forward."""
+    assert cache.length == len(sequence) - 1, f"{run}: the cache ends at {cache.length} positions, plain decoding " \
+                                              f"leaves {len(sequence) - 1}"
+    with torch.inference_mode():
+        nxt = model(torch.tensor([sequence[-1:]]), cache)[0, -1].float()
+        full = model(torch.tensor([sequence]))[0, -1].float()
+    assert int(nxt.argmax()) == int(full.argmax()) and torch.allclose(nxt, full, atol=1e-3, rtol=1e-3), (
+        f"{run}: the cache left at the end gives other logits than a full forward "
+        f"(max |diff| {float((nxt - full).abs().max()):.2e})")
+
+
+def repeating_prompt(vocab: int = 500, *, phrase: int = 10, repeats: int = 3, seed: int = 0) -> list[int]:
+    """Ids in ``[3, vocab)``: every one of them once (shuffled), then a ``phrase`` of random ids said
+    ``repeats`` times, each time followed by 3 other ids, then the phrase's first 3 ids once more.
+
+    A prompt in which n-grams recur and every id occurs, so that prompt lookup (down to
+    1-grams) finds drafts, right or wrong, at every decode step.
+    """
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(3, vocab, (phrase + 3 * repeats,), generator=g).tolist()
+    said = words[:phrase]
+    tour = (torch.randperm(vocab - 3, generator=g) + 3).tolist()
+    return tour + [i for r in range(repeats) for i in said + words[phrase + 3 * r : phrase + 3 * r + 3]] + said[:3]

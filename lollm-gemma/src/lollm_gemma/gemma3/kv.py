@@ -121,6 +121,17 @@ class SlidingWindowKV:
         oldest_kept = max(0, written - self.slots)
         return oldest_kept == 0 or length - (self.window - 1) >= oldest_kept
 
+    def undoable_tokens(self, length: int, written: int) -> int:
+        """The most positions a forward from ``length`` may write and still go back to ``length + 1`` exactly.
+
+        After it, the ring has taken in positions up to ``w = max(written, length + T)``; going
+        back to ``length + 1`` needs ``w <= R`` (nothing overwritten) or
+        ``length + 1 - (W - 1) >= w - R`` (see ``holds_window_before``). At least 1: a
+        forward of one token is never rolled back.
+        """
+        bound = max(self.slots, length + 2 - self.window + self.slots)
+        return max(1, bound - length) if written <= bound else 1
+
     def _read(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions ``first .. end-1`` (all still in the ring), in position order."""
         slots = torch.arange(first, end, device=self.k.device) % self.slots
@@ -181,6 +192,12 @@ class Gemma3Cache:
 
     def _rings(self) -> list[SlidingWindowKV]:
         return [layer for layer in self.layers if isinstance(layer, SlidingWindowKV)]
+
+
+    def undoable_tokens(self) -> int:
+        """The most positions the next forward may write such that a rollback to any length after the current
+        one stays exact (speculative decoding asks, to size its drafts); the rings decide, at least 1."""
+        return min((r.undoable_tokens(self.length, self.written) for r in self._rings()), default=self.max_tokens)
 
     def can_rollback(self, length: int) -> bool:
         """Whether :meth:`rollback` to ``length`` is exact: back to 0 (an empty cache), or every ring

@@ -1,0 +1,59 @@
+"""lollm.threads: the default thread count is the free cores, read from the affinity mask and the run queue."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from lollm import threads
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """``machine(cores, runnable...)``: a process allowed ``cores`` cores, /proc/loadavg reading each count in turn."""
+
+    def make(cores: int, *runnable: int):
+        readings = iter(runnable)
+        monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+        monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+
+        def fake_open(path, *a, **k):
+            assert path == "/proc/loadavg"
+            return io.StringIO(f"1.00 1.00 1.00 {next(readings)}/200 12345\n")
+
+        monkeypatch.setattr("builtins.open", fake_open)
+
+    return make
+
+
+def test_an_idle_machine_gets_every_allowed_core(machine):
+    machine(4, 1, 1, 1, 1, 1)  # only the reader itself runs
+    choice = threads.choose_threads()
+    assert (choice.threads, choice.allowed, choice.others) == (4, 4, 0) and choice.note is None
+
+
+def test_busy_cores_are_left_out_and_said_in_one_line(machine):
+    machine(2, 3, 2, 4, 2, 3)  # the fewest readings: 2 runnable, the reader and one other
+    choice = threads.choose_threads()
+    assert (choice.threads, choice.others) == (1, 1)
+    assert choice.note == ("note: the machine is busy (1 other runnable thread on 2 cores): computing with 1 thread "
+                           "(--threads N to choose)")
+
+
+def test_never_fewer_than_one_thread_and_a_given_count_wins(machine):
+    machine(2, 9, 9, 9, 9, 9)
+    assert threads.choose_threads().threads == 1
+    given = threads.choose_threads(3)
+    assert (given.threads, given.given, given.note) == (3, True, None)
+
+
+def test_without_proc_loadavg_every_allowed_core(monkeypatch):
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+
+    def missing(*a, **k):
+        raise FileNotFoundError("/proc/loadavg")
+
+    monkeypatch.setattr("builtins.open", missing)
+    choice = threads.choose_threads()
+    assert (choice.threads, choice.others, choice.note) == (3, None, None)
