@@ -32,7 +32,7 @@ from lollm.testing.browser import Browser
 from test_server_hostile import NAME, loaded  # noqa: F401  (the toy checkpoint, loaded once per module)
 
 HOSTILE = "<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\">"
-TYPED = "<script>window.pwned=3</script>"  # short: the toy's context is 64 positions
+TYPED = "<script>window.pwned=3</script>"  # short: the toy's context is 128 positions
 
 
 @pytest.fixture(scope="module")

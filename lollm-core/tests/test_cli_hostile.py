@@ -260,7 +260,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 12
 def test_a_prompt_longer_than_the_context_is_one_error_line(toy_site, ckpt, tmp_path):
     out = tmp_path / "t.html"
     done = lollm("trace", str(ckpt), "-p", LONG_PROMPT, "--max-tokens", "100000", "-o", str(out), site=toy_site)
-    one_error_line(done, "more than the model's context of 64 positions", "give a shorter prompt", torch=True)
+    one_error_line(done, "more than the model's context of 128 positions", "give a shorter prompt", torch=True)
     assert not out.exists()
 
 
