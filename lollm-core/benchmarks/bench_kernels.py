@@ -25,6 +25,9 @@ agreement against today's route), then ``torch.compile`` of the whole forward (d
 steps through the shared loop), each compile mode in its own child process against
 eager in alternating rounds: compile time and decode tok/s.
 
+Part 3, torchao's CPU configurations on one float linear of the same shape, when
+torchao is importable (``pip install --no-deps torchao``: it must not replace torch).
+
     python lollm-core/benchmarks/bench_kernels.py [--model PATH] [--rounds 5] [--threads N] [--skip-model]
 """
 
@@ -250,6 +253,48 @@ def part_compile_model(path: str, rounds: int, new_tokens: int, threads: int, ti
               f"{med['compiled'][1] / med['eager'][1]:.2f}x CPU time")
 
 
+def part_torchao(rounds: int) -> None:
+    """torchao's CPU configs on one float 4864 x 896 linear (when torchao imports beside this torch)."""
+    import copy
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchao") is None:
+        print("\nPart 3: torchao is not installed (pip install --no-deps torchao; it must not replace torch)")
+        return
+    import torchao
+    from torchao import quantization as q
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(K, N, bias=False).requires_grad_(False)
+    base.weight.data = torch.randn(N, K, generator=g) * 0.02
+    configs = {
+        "Int8WeightOnlyConfig": lambda: q.Int8WeightOnlyConfig(),
+        "Int8DynamicActivationInt8WeightConfig": lambda: q.Int8DynamicActivationInt8WeightConfig(),
+        # torchao 0.18 names no CPU packing for int4 (its formats: plain, preshuffled, plain_int32, tile_packed_to_4d)
+        "Int4WeightOnlyConfig(tile_packed_to_4d)": lambda: q.Int4WeightOnlyConfig(group_size=32,
+                                                                                  int4_packing_format="tile_packed_to_4d"),
+        "Int8DynamicActivationIntxWeightConfig": lambda: q.Int8DynamicActivationIntxWeightConfig(),
+    }
+    print(f"\nPart 3: torchao {torchao.__version__} on one bfloat16 nn.Linear {N} x {K} (eager; max |Δ| vs float)")
+    for rows in ROWS:
+        x = torch.randn(rows, K, generator=g)
+        exact = base(x)
+        print(f"  {rows} row{'s' if rows > 1 else ''}: option: wall us (cpu us) per call")
+        for name, make in configs.items():
+            layer = copy.deepcopy(base).to(torch.bfloat16)
+            try:
+                q.quantize_(layer, make())
+                with torch.inference_mode():
+                    y = layer(x.to(torch.bfloat16))
+                    wall, cpu = statistics.median(_timed(layer, x.to(torch.bfloat16), 20) for _ in range(rounds))
+            except Exception as e:
+                print(f"    {name:38s} does not run here: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                continue
+            print(f"    {name:38s} {wall:8.0f} ({cpu:6.0f})   max |Δ| {float((y.float() - exact).abs().max()):.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a GGUF (default: the real Qwen2.5-Coder-0.5B)")
@@ -258,7 +303,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="the accuracy run's prompt")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: lollm.threads' choice)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for each compiled model's process")
-    parser.add_argument("--skip-model", action="store_true", help="part 1 only")
+    parser.add_argument("--skip-model", action="store_true", help="parts 1 and 3 only")
+    parser.add_argument("--only-torchao", action="store_true", help="part 3 only")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from lollm.threads import apply_threads
@@ -275,7 +321,11 @@ def main() -> None:
 
     print(f"bench_kernels: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{threads} threads")
+    if args.only_torchao:
+        part_torchao(args.rounds)
+        return
     part_matrix(args.rounds)
+    part_torchao(args.rounds)
     if not args.skip_model:
         part_accuracy(args.model, args.prompt_tokens)
         part_compile_model(args.model, args.rounds, args.new_tokens, threads, args.timeout)
