@@ -20,8 +20,9 @@ median over rounds) and its max |Δ| against the float product of the dequantize
 weights; compiled options print their compile time.
 
 Part 2, the whole model (default: the real Qwen2.5-Coder-0.5B GGUF, packed weights):
-the Q8_0 activation scheme's accuracy over a prompt (max |Δ| of the logits and top-1
-agreement against today's route), then ``torch.compile`` of the whole forward (decode
+the accuracy of int8 activations (Q8_0 and per row) over a prompt (max |Δ| of the
+logits and top-1 agreement against today's route) and the per-row route's decode
+speed against today's, alternating; then ``torch.compile`` of the whole forward (decode
 steps through the shared loop), each compile mode in its own child process against
 eager in alternating rounds: compile time and decode tok/s.
 
@@ -169,29 +170,61 @@ def _q8_0_forward(self, x):
 _ORIGINAL_FORWARD = None
 
 
-def part_accuracy(path: str, prompt_tokens: int) -> None:
+def _row_forward(self, x):
+    """Int8Linear.forward with int8 activations, one scale per row, through one ``torch._int_mm`` (per-channel
+    weights only; grouped ones keep today's route)."""
+    if self.codes.shape[0] != 1:
+        return _ORIGINAL_FORWARD(self, x)
+    flat = x.reshape(-1, self.in_features)
+    y = row_int_mm(flat, self.codes[0].t(), self.scale[0]).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    return y if self.bias is None else y + self.bias
+
+
+
+
+def part_accuracy(path: str, prompt_tokens: int, rounds: int, new_tokens: int) -> None:
+    """Int8 activations in the whole model: Q8_0 (per 32) and per row, against today's route; the per-row
+    route's decode speed too (it is the only one faster per matrix)."""
     import torch
 
     global _ORIGINAL_FORWARD
     from lollm.bench import prompt_ids
+    from lollm.generate import generate
     from lollm.options import LoadOptions
     from lollm.pipeline import open_model
     from lollm.quantized import Int8Linear
+    from lollm.sampling import SamplingParams
 
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
-    ids = torch.tensor([prompt_ids(loaded.tokenizer, prompt_tokens)])
-    with torch.inference_mode():
-        today = loaded.model(ids, None)[0]
-        _ORIGINAL_FORWARD = Int8Linear.forward
-        Int8Linear.forward = _q8_0_forward
-        try:
-            q8 = loaded.model(ids, None)[0]
-        finally:
-            Int8Linear.forward = _ORIGINAL_FORWARD
-    agree = float((today.argmax(-1) == q8.argmax(-1)).float().mean())
-    print(f"\nPart 2a: Q8_0 activations vs today's bf16 activations over a {ids.shape[1]}-token prompt of {path}:")
-    print(f"  max |Δ| of the logits {float((today - q8).abs().max()):.3f} (logit range "
-          f"{float(today.min()):.1f} .. {float(today.max()):.1f}), top-1 agreement {agree:.4f}")
+    ids = prompt_ids(loaded.tokenizer, prompt_tokens)
+    _ORIGINAL_FORWARD = Int8Linear.forward
+    routes = {"today": _ORIGINAL_FORWARD, "Q8_0 activations": _q8_0_forward, "per-row int8 activations": _row_forward}
+    print(f"\nPart 2a: int8 activations in the whole model, {len(ids)}-token prompt of {path}")
+    logits = {}
+    try:
+        with torch.inference_mode():
+            for name, forward in routes.items():
+                Int8Linear.forward = forward
+                logits[name] = loaded.model(torch.tensor([ids]), None)[0]
+        today = logits["today"]
+        for name in list(routes)[1:]:
+            agree = float((today.argmax(-1) == logits[name].argmax(-1)).float().mean())
+            print(f"  {name}: max |Δ| of the logits vs today's {float((today - logits[name]).abs().max()):.3f} "
+                  f"(logits {float(today.min()):.1f} .. {float(today.max()):.1f}), top-1 agreement {agree:.4f}")
+        speeds: dict[str, list[tuple[float, float]]] = {"today": [], "per-row int8 activations": []}
+        for _ in range(rounds):
+            for name in speeds:
+                Int8Linear.forward = routes[name]
+                cpu = time.process_time()
+                r = generate(loaded.model, ids[:32], max_new_tokens=new_tokens + 1,
+                             sampling=SamplingParams(temperature=0.0), attn=loaded.attn)
+                speeds[name].append((r.decode_tokens_per_second, new_tokens / (time.process_time() - cpu)))
+    finally:
+        Int8Linear.forward = _ORIGINAL_FORWARD
+    for name, values in speeds.items():
+        rows = " ".join(f"{w:.2f}" for w, _ in values)
+        print(f"  decode {name:26s} {statistics.median(w for w, _ in values):6.2f} tok/s wall, "
+              f"{statistics.median(c for _, c in values):6.2f} by CPU time (rounds {rows})")
 
 
 def worker(path: str, mode: str, rounds: int, new_tokens: int) -> dict:
@@ -206,6 +239,11 @@ def worker(path: str, mode: str, rounds: int, new_tokens: int) -> dict:
 
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     model, ids, greedy = loaded.model, prompt_ids(loaded.tokenizer, 32), SamplingParams(temperature=0.0)
+    from lollm.quantized import BlockEmbedding
+
+    for module in model.modules():  # its lookup dequantizes in numpy, which dynamo cannot trace: left eager
+        if isinstance(module, BlockEmbedding):
+            module.forward = torch.compiler.disable(module.forward)
     eager_forward = model.forward
     kwargs = {} if mode == "default" else {"mode": mode}
     torch._inductor.config.freezing = mode != "default"
@@ -241,7 +279,8 @@ def part_compile_model(path: str, rounds: int, new_tokens: int, threads: int, ti
             print(f"  {mode}: did not finish in {timeout:.0f} s (compile included)")
             continue
         if done.returncode:
-            print(f"  {mode}: failed: {done.stderr.strip().splitlines()[-1][:300]}")
+            errors = [line for line in done.stderr.splitlines() if "Error" in line] or done.stderr.splitlines()[-1:]
+            print(f"  {mode}: failed: {errors[0][:300] if errors else done.returncode}")
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         med = {n: (statistics.median(w for w, _ in r[n]), statistics.median(c for _, c in r[n])) for n in ("eager", "compiled")}
@@ -305,6 +344,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for each compiled model's process")
     parser.add_argument("--skip-model", action="store_true", help="parts 1 and 3 only")
     parser.add_argument("--only-torchao", action="store_true", help="part 3 only")
+    parser.add_argument("--only-activations", action="store_true", help="part 2a only")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     from lollm.threads import apply_threads
@@ -321,13 +361,16 @@ def main() -> None:
 
     print(f"bench_kernels: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{threads} threads")
+    if args.only_activations:
+        part_accuracy(args.model, args.prompt_tokens, args.rounds, args.new_tokens)
+        return
     if args.only_torchao:
         part_torchao(args.rounds)
         return
     part_matrix(args.rounds)
     part_torchao(args.rounds)
     if not args.skip_model:
-        part_accuracy(args.model, args.prompt_tokens)
+        part_accuracy(args.model, args.prompt_tokens, args.rounds, args.new_tokens)
         part_compile_model(args.model, args.rounds, args.new_tokens, threads, args.timeout)
 
 
