@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lollm.testing.conformance import check_speculation_is_exact, repeating_prompt
+from lollm.testing.conformance import check_chunked_prefill_is_exact, check_speculation_is_exact, repeating_prompt
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 
@@ -20,3 +20,11 @@ def test_speculative_decoding_equals_plain_decoding(family, tiny_checkpoint, loa
         drafted, accepted = counts[run]
         assert 0 < accepted < drafted, (run, counts)
     assert counts["greedy, prompt lookup"][0] > 0, counts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunked_prefill_equals_whole_prefill(family, tiny_checkpoint, load_ours):
+    """The shared loop's chunked prefill across the delta rule's chunks of 64 (chunks of 7 and of 65)."""
+    torch.set_num_threads(1)
+    model = load_ours(tiny_checkpoint(family, "text", lively=True))
+    assert 65 in check_chunked_prefill_is_exact(model, repeating_prompt(500))

@@ -376,8 +376,9 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     if options.device not in ("auto", "cpu"):
         raise LollmError(f"lollm bench measures on the CPU; --device {options.device} is not supported here")
     options = options.replace(device="cpu", attn=resolve_backend(options.attn))
-    if threads:
-        torch.set_num_threads(threads)
+    from lollm.threads import apply_threads
+
+    apply_threads(threads)  # ``threads``, else lollm.threads' default (the free cores), as for `lollm run`
     note = ""
     if reference and importlib.util.find_spec("transformers") is None:
         reference, note = False, NO_REFERENCE

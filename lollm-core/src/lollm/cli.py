@@ -390,7 +390,7 @@ def bench(
     dtype: with_help(Dtype, "float32 or bfloat16.") = "float32",
     prompt_tokens: int = typer.Option(512, metavar="N", help="Prefill length."),
     new_tokens: int = typer.Option(64, metavar="N", help="Decode steps."),
-    threads: with_help(Threads, "torch threads (default: torch's).") = None,
+    threads: with_help(Threads, "torch threads (default: the free cores, as for lollm run).") = None,
     rounds: int = typer.Option(3, "--rounds", metavar="N", help="Alternating rounds (A B A B ...); medians are reported."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip transformers."),
     no_llama_cpp: bool = typer.Option(False, "--no-llama-cpp", help="Skip llama.cpp (run beside a GGUF where llama-cpp-python is installed)."),

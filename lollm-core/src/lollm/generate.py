@@ -2,7 +2,7 @@
 
 ::
 
-    prompt ids ─► prefill (all prompt positions in one forward, fills the cache)
+    prompt ids ─► prefill (the prompt's positions, in chunks of lollm.prefill.PREFILL_CHUNK_TOKENS, fill the cache)
                ─► sample ─► decode (one position per forward, reads the cache) ─► sample ─► …
                ─► stop: an end-of-sequence id, a stop string, max_new_tokens, or the context is full
 
@@ -42,6 +42,7 @@ from lollm.checks import ConfigReader
 from lollm.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
 from lollm.memory import check_cache_fits
+from lollm.prefill import run_prompt
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import Sampler, SamplingParams
 from lollm.structured import CompiledConstraint
@@ -310,14 +311,14 @@ class _Sequence:
         self.matcher: Any = None  # a lollm.structured.TokenMatcher when the output is constrained
 
     def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
-        """Run the prompt (or the part a prompt cache lacks); the logits of its last position, (V,)."""
+        """Run the prompt (or the part a prompt cache lacks), in chunks (:mod:`lollm.prefill`); the logits of its last position, (V,)."""
         if prompt_cache is not None:
             self.cache, logits = prompt_cache.prefill(self.prompt_ids, self.device)
             return logits[0, -1]
         # room for the drafts (``extra``) a speculative step writes before it rolls back, never past the context
         self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
-        ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=self.device)
-        return self.model(ids, self.cache, logits_to_keep=1)[0, -1]
+        # in chunks of lollm.prefill.PREFILL_CHUNK_TOKENS: the activations stay bounded whatever the prompt's length
+        return run_prompt(self.model, self.prompt_ids, self.cache, self.device)[0, -1]
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """The logits (len(ids), V) of ``ids`` run after what the cache holds."""

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lollm.errors import GenerationError
+from lollm.prefill import run_prompt
 from lollm.memory import check_cache_fits
 
 
@@ -132,11 +133,11 @@ class PromptCache:
         # where the same prompt (or one that continues it) can resume.
         rest = prompt_ids[reused:]
         if self.max_snapshots and hasattr(cache, "snapshot") and len(rest) > 1:
-            self.model(torch.tensor([rest[:-1]], device=device), cache, logits_to_keep=1)
+            run_prompt(self.model, rest[:-1], cache, device)
             self.ids = list(prompt_ids[:-1])
             self._take_snapshot()
             rest = rest[-1:]
-        logits = self.model(torch.tensor([rest], device=device), cache, logits_to_keep=1)
+        logits = run_prompt(self.model, rest, cache, device)  # in chunks (lollm.prefill)
         self.last = CacheReuse(len(prompt_ids), reused, len(prompt_ids) - reused, how)
         return cache, logits
 

@@ -867,6 +867,11 @@ class FamilyConformance:
                     assert got == int(logits.argmax()), f"greedy step {step}: loop chose {got}, forward says {int(logits.argmax())}"
                 seq.append(got)
 
+    def test_chunked_prefill_equals_whole(self, model, prompt_ids, sliding_window):
+        """The shared loop's chunked prefill (lollm.prefill) gives a whole prefill's logits and greedy tokens."""
+        check_chunked_prefill_is_exact(model, prompt_ids[0].tolist(), window=sliding_window,
+                                       max_abs_diff=self.self_consistency_max_abs_diff)
+
     def test_prompt_cache_turns_equal_cold_runs(self, model):
         """A conversation through lollm.prompt_cache: each turn equals a cold run of its prompt."""
         if int(model.max_context) < 48:
@@ -1056,6 +1061,55 @@ def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens:
             if caches:
                 _check_final_cache(model, caches[-1], prompt + plain.new_ids, run)
     return counts
+
+
+def prefill_chunk_sizes(prompt_length: int, window: int | None = None) -> list[int]:
+    """The chunk sizes :func:`check_chunked_prefill_is_exact` tries, each below ``prompt_length``: 7 (many
+    uneven chunks), one past a delta-rule chunk, and with a sliding window W, W - 1 and W + 1 (chunks that
+    end just before the window's edge, and chunks that straddle it)."""
+    sizes = {7, DELTA_RULE_CHUNK + 1} | ({max(1, window - 1), window + 1} if window else set())
+    return sorted(c for c in sizes if c < prompt_length)
+
+
+@torch.inference_mode()
+def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int | None = None,
+                                   max_new_tokens: int = 6, max_abs_diff: float = 1e-3) -> list[int]:
+    """A prefill run in chunks (:data:`lollm.prefill.PREFILL_CHUNK_TOKENS` set small) equals a whole one.
+
+    For each size of :func:`prefill_chunk_sizes`: :func:`lollm.prefill.run_prompt` over ``prompt``
+    gives the last position's logits of a whole prefill (same argmax, max |Δ| <= ``max_abs_diff``)
+    and a cache of ``len(prompt)`` positions, and :func:`lollm.generate.generate` (greedy,
+    ``max_new_tokens``) gives the whole prefill's tokens. The constant is restored afterwards.
+    Returns the chunk sizes tried; AssertionError names the one that differs.
+    """
+    import lollm.prefill
+    from lollm.generate import generate
+    from lollm.sampling import SamplingParams
+
+    T, saved = len(prompt), lollm.prefill.PREFILL_CHUNK_TOKENS
+    n = min(max_new_tokens, int(model.max_context) - T)
+    greedy = SamplingParams(temperature=0.0)
+
+    def run(chunk: int) -> tuple[torch.Tensor, list[int]]:
+        lollm.prefill.PREFILL_CHUNK_TOKENS = chunk
+        try:
+            cache = model.new_cache(T)
+            logits = lollm.prefill.run_prompt(model, prompt, cache, next(model.parameters()).device)[0, -1].double()
+            assert cache.length == T, f"chunks of {chunk}: the cache holds {cache.length} positions, not {T}"
+            return logits, generate(model, prompt, max_new_tokens=n, sampling=greedy).new_ids
+        finally:
+            lollm.prefill.PREFILL_CHUNK_TOKENS = saved
+
+    whole_logits, whole_ids = run(T)
+    sizes = prefill_chunk_sizes(T, window)
+    for chunk in sizes:
+        logits, new_ids = run(chunk)
+        diff = float((logits - whole_logits).abs().max())
+        assert int(logits.argmax()) == int(whole_logits.argmax()) and diff <= max_abs_diff, (
+            f"prefill of {T} positions in chunks of {chunk}: max |Δ| of the last logits {diff:.3e} "
+            f"(bound {max_abs_diff:g}), argmax {int(logits.argmax())} vs whole {int(whole_logits.argmax())}")
+        assert new_ids == whole_ids, f"chunks of {chunk}: greedy tokens {new_ids} != the whole prefill's {whole_ids}"
+    return sizes
 
 
 def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Any:
