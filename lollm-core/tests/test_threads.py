@@ -15,6 +15,7 @@ def machine(monkeypatch):
 
     def make(cores: int, *runnable: int):
         readings = iter(runnable)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test runner sets it for its workers
         monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
         monkeypatch.setattr(threads.time, "sleep", lambda s: None)
 
@@ -49,6 +50,7 @@ def test_never_fewer_than_one_thread_and_a_given_count_wins(machine):
 
 
 def test_without_proc_loadavg_every_allowed_core(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
 
     def missing(*a, **k):
@@ -57,3 +59,12 @@ def test_without_proc_loadavg_every_allowed_core(monkeypatch):
     monkeypatch.setattr("builtins.open", missing)
     choice = threads.choose_threads()
     assert (choice.threads, choice.others, choice.note) == (3, None, None)
+
+
+@pytest.mark.parametrize("value, expected", [("1", 1), ("3", 3), ("", None), ("0", None), ("two", None)])
+def test_omp_num_threads_set_by_the_user_is_the_choice(monkeypatch, machine, value, expected):
+    machine(4, 1, 1, 1, 1, 1)  # an idle 4-core machine: the default would be 4
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    choice = threads.choose_threads()
+    assert choice.threads == (4 if expected is None else expected)
+    assert choice.given == (expected is not None) and choice.note is None

@@ -17,7 +17,8 @@ So the default is the number of cores that are free when the command starts::
 The count of runnable threads is an instant reading (the 1-minute load average
 lags by a minute); it is read a few times over a few milliseconds and the smallest
 count kept, so a process that only flickers through the run queue does not cost
-a core. ``--threads N`` overrides the choice.
+a core. ``--threads N`` overrides the choice, and so does ``OMP_NUM_THREADS`` when it is set
+(a user who pinned it, or a test runner giving each worker one core, has chosen already).
 
 lollm-core/benchmarks/bench_threads.py measures the choice against every fixed
 count, on the idle and on a busy machine (docs/quantized-execution.md, "Threads").
@@ -81,9 +82,19 @@ def runnable_others(samples: int = 5, interval: float = 0.002) -> int | None:
     return max(0, min(counts) - 1)
 
 
+def environment_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when it is set to a positive int (the user, or a test runner giving each worker one
+    core, chose already), else None. A value that is not a positive int is left to OpenMP and ignored here."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def choose_threads(given: int | None = None) -> ThreadChoice:
-    """``given`` when the user named it, else the free cores: ``max(1, allowed_cores() - runnable_others())``."""
+    """``given`` when the user named it (``--threads``, else ``OMP_NUM_THREADS``), else the free cores:
+    ``max(1, allowed_cores() - runnable_others())``."""
     allowed = allowed_cores()
+    if given is None:
+        given = environment_threads()
     if given is not None:
         return ThreadChoice(given, allowed, None, given=True)
     others = runnable_others()
