@@ -194,7 +194,6 @@ class Gemma2Cache:
     def _rings(self) -> list[SlidingWindowKV]:
         return [layer for layer in self.layers if isinstance(layer, SlidingWindowKV)]
 
-
     def undoable_tokens(self) -> int:
         """The most positions the next forward may write such that a rollback to any length after the current
         one stays exact (speculative decoding asks, to size its drafts); the rings decide, at least 1."""
