@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lollm.batch import Batch
 from lollm.errors import AttentionBackendError
 
 DEFAULT_BACKEND = "sdpa"
@@ -419,7 +420,7 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    start: int,
+    start: int | Batch,
     ring: bool = False,
     window: int | None = None,
     softcap: float | None = None,
@@ -435,6 +436,10 @@ def attend(
              K/V head ``h // (H/K)``; repeated K/V are never materialised. H and K
              are taken from the tensors, so a tensor-parallel rank passes its local heads.
     start:   position of the first query (the number of positions cached before this step).
+             In an engine step (:mod:`lollm.batch`) a :class:`~lollm.batch.Batch` instead:
+             q is (1, H, N, D), the N new tokens of B sequences end to end, and k, v are
+             this layer's whole KV pool as :class:`lollm.engine.cache.PagedCache` returns
+             it, (blocks, block_size, K, D); see :func:`_attend_batch`.
     ring:    True when k, v are the slots of a ring buffer (position p in slot
              ``p % S``), as a sliding-window cache returns them in a one-token step;
              False for keys in position order.
@@ -450,6 +455,8 @@ def attend(
     picked backend is unknown or cannot run; ValueError for shapes that break the
     contract above (a bug in the calling family).
     """
+    if isinstance(start, Batch):
+        return _attend_batch(q, k, v, start, window=window, softcap=softcap, scale=scale, layer=layer)
     _check_heads(q, k, v)
     rec = _recorder.get()
     if rec is not None:
@@ -463,3 +470,40 @@ def attend(
     name = _selected.get()  # checked when it was set
     backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
     return backend.attend(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
+
+
+def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch, *,
+                  window: int | None, softcap: float | None, scale: float | None, layer: Any) -> torch.Tensor:
+    """Attention for an engine step: each sequence's queries read its own keys from the paged pool.
+
+    q (1, H, N, D); k_pool, v_pool (blocks, block_size, K, D) -> (1, H, N, D).
+
+    The matmuls around attention were shared by the whole batch; attention itself is
+    per sequence, because each sequence reads its own keys. For sequence b:
+
+    1. its queries are the rows ``lo:hi`` of the N;
+    2. its keys are gathered from its blocks: ``pool[block_table]`` (n, block_size, K, D)
+       laid end to end and cut at its length, ``starts[b] + counts[b]`` positions,
+       in position order (so ``ring`` never applies here);
+    3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
+
+    A CUDA engine would run one varlen or paged kernel over all sequences instead of
+    this loop; on a CPU the loop costs little beside the shared matmuls.
+    """
+    if _recorder.get() is not None:
+        raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
+    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"attend: an engine step wants k, v pools (blocks, block_size, K, D), got {tuple(k_pool.shape)}")
+    name = _selected.get()
+    backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
+    K, D = k_pool.shape[2], k_pool.shape[3]
+    outs = []
+    for (lo, hi), first, table in zip(batch.segments(), batch.starts, batch.block_tables):
+        S = first + (hi - lo)
+        blocks = torch.tensor(table, dtype=torch.long, device=k_pool.device)
+        k = k_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
+        v = v_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
+        q_b = q[:, :, lo:hi]  # (1, H, T_b, D)
+        _check_heads(q_b, k, v)
+        outs.append(backend.attend(q_b, k, v, start=first, ring=False, window=window, softcap=softcap, scale=scale))
+    return torch.cat(outs, dim=2)  # (1, H, N, D)

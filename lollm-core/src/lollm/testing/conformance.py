@@ -80,6 +80,7 @@ from lollm.plugins import InstalledFamily, Registry, build_registry
 from lollm.options import LoadOptions
 from lollm.quantized import Quantization
 from lollm.testing.coverage import DELTA_RULE_CHUNK, check_coverage
+from lollm.testing.batching import check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit
 
 __all__ = ["FamilyConformance", "NoiseFloor", "check_prompt_cache_turns", "measure_noise_floor", "reference_sensitivity"]
 
@@ -871,6 +872,21 @@ class FamilyConformance:
         """The shared loop's chunked prefill (lollm.prefill) gives a whole prefill's logits and greedy tokens."""
         check_chunked_prefill_is_exact(model, prompt_ids[0].tolist(), window=sliding_window,
                                        max_abs_diff=self.self_consistency_max_abs_diff)
+
+    # -- the batched engine (lollm.engine, lollm.testing.batching) --------------------------------
+
+    def test_engine_requests_equal_solo_runs(self, model, prompt_ids):
+        """Requests of different lengths, some arriving mid-decode, chunked prefill mixed with decode:
+        each one's greedy tokens equal its run alone; the block pool is full again afterwards."""
+        check_engine_equals_solo(model, prompt_ids[0].tolist(), tie_bound=self.self_consistency_max_abs_diff)
+
+    def test_engine_prefix_cache_hit_equals_cold_run(self, model, prompt_ids):
+        """A prompt that shares cached blocks reuses them (never with recurrent state) and equals a cold run."""
+        check_prefix_cache_hit(model, prompt_ids[0].tolist())
+
+    def test_engine_preemption_and_abort(self, model, prompt_ids):
+        """Preempted and recomputed requests equal uninterrupted runs; an abort frees its blocks."""
+        check_preemption_and_abort(model, prompt_ids[0].tolist())
 
     def test_prompt_cache_turns_equal_cold_runs(self, model):
         """A conversation through lollm.prompt_cache: each turn equals a cold run of its prompt."""

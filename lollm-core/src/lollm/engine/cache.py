@@ -1,0 +1,104 @@
+"""The engine's KV memory: one pool of blocks per attention layer, one state slot per sequence.
+
+:class:`KVPool` holds the tensors, sized once from the model's ``cache_layers()``
+(:class:`lollm.batch.CacheLayer`)::
+
+    full / sliding layer:  k, v (num_blocks, block_size, K, D)     the paged keys and values
+    recurrent layer:       one tensor per state, (max_sequences, *shape)   a row per sequence slot
+    shared layer:          nothing (it reads the keys of an earlier layer)
+
+:class:`PagedCache` is what a family's forward receives in an engine step, in place
+of its own cache. It offers the same three calls the forward already makes, plus one
+for recurrent layers:
+
+* ``length``: the step's :class:`lollm.batch.Batch` (each sequence's own length);
+* ``update(layer, k, v)``: writes the N new keys/values into their pool slots and
+  returns the layer's whole pool, which :func:`lollm.attention.attend` reads through
+  the block tables;
+* ``check_room(T)`` / ``advance(T)``: room was made by the scheduler before the step,
+  and each sequence's length is the engine's to advance;
+* ``state(layer, b)``: sequence b's recurrent state tensors (views: update them in place).
+
+Sliding-window layers are paged like full ones (their attention masks the window);
+releasing their blocks early would need a block table per layer kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lollm.batch import Batch, CacheLayer
+
+
+class KVPool:
+    """The engine's cache tensors for ``num_blocks`` blocks and ``max_sequences`` state slots."""
+
+    def __init__(self, layers: list[CacheLayer], num_blocks: int, block_size: int, max_sequences: int, *,
+                 device: torch.device | str, dtype: torch.dtype):
+        self.layers, self.num_blocks, self.block_size = list(layers), num_blocks, block_size
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.states: list[dict[str, torch.Tensor]] = []
+        for spec in self.layers:
+            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            self.k.append(torch.zeros(shape, device=device, dtype=dtype) if spec.stores_keys else None)
+            self.v.append(torch.zeros(shape, device=device, dtype=dtype) if spec.stores_keys else None)
+            self.states.append({name: torch.zeros((max_sequences, *dims), device=device, dtype=spec.state_dtype or dtype)
+                                for name, dims in spec.state.items()})
+
+    @property
+    def recurrent(self) -> bool:
+        """True when some layer keeps a recurrent state (prefix blocks alone cannot restore it)."""
+        return any(spec.kind == "recurrent" for spec in self.layers)
+
+    def clear_state(self, slot: int) -> None:
+        """Zero sequence slot ``slot``'s recurrent states (a new sequence starts from zero)."""
+        for states in self.states:
+            for tensor in states.values():
+                tensor[slot].zero_()
+
+
+def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers: 2 (K and V) x block_size x K x D x element size, summed."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.stores_keys)
+
+
+class PagedCache:
+    """One engine step's view of the :class:`KVPool`, passed to ``model.forward`` as its cache."""
+
+    def __init__(self, pool: KVPool, batch: Batch):
+        self.pool, self.batch = pool, batch
+        self.slots = batch.slots.to(pool.k[0].device if pool.k and pool.k[0] is not None else "cpu")
+
+    @property
+    def length(self) -> Batch:
+        """The step's layout: a family's ``start = cache.length`` becomes the :class:`Batch` (see lollm.batch)."""
+        return self.batch
+
+    def check_room(self, T: int) -> None:
+        if T != self.batch.num_tokens:
+            raise ValueError(f"the engine laid out {self.batch.num_tokens} tokens, the forward got {T}")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's keys/values into their slots; return the layer's pools.
+
+        k, v: (1, K, N, D) -> k_pool, v_pool: (num_blocks, block_size, K, D).
+        """
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        if k_pool is None:
+            raise ValueError(f"cache layer {layer} is {self.pool.layers[layer].kind!r}: it stores no keys")
+        K, D = k_pool.shape[2], k_pool.shape[3]
+        k_pool.view(-1, K, D)[self.slots] = k[0].transpose(0, 1).to(k_pool.dtype)  # (N, K, D)
+        v_pool.view(-1, K, D)[self.slots] = v[0].transpose(0, 1).to(v_pool.dtype)
+        return k_pool, v_pool
+
+    def advance(self, T: int) -> None:
+        """Nothing: the engine advances each sequence's length after the step."""
+
+    def state(self, layer: int, b: int) -> dict[str, Any]:
+        """Sequence b's recurrent states for ``layer``: name -> tensor view of its slot (update in place)."""
+        slot = self.batch.state_slots[b]
+        return {name: tensor[slot] for name, tensor in self.pool.states[layer].items()}

@@ -1,0 +1,242 @@
+"""The engine: many requests, one batched forward per step.
+
+::
+
+    engine = Engine(model)
+    engine.add_request("a", prompt_ids, sampling=SamplingParams(temperature=0), max_new_tokens=64)
+    while engine.has_unfinished():
+        for out in engine.step():          # one scheduler iteration, one forward
+            print(out.request_id, out.step.token, out.step.finish)
+
+Each :meth:`Engine.step` is the whole lesson in four moves:
+
+1. the scheduler (:mod:`lollm.engine.scheduler`) picks the requests and how many of their
+   tokens run: decode tokens and prefill chunks together, within the token budget;
+2. their tokens are laid end to end, a :class:`lollm.batch.Batch` says where each sits,
+   and the model runs **one** forward over all of them, with a
+   :class:`lollm.engine.cache.PagedCache` over the block pool as its cache;
+3. each request whose tokens are all computed gets its next token from its own row of
+   logits, through its own sampler (temperature, top-k/p, min-p, repetition penalty,
+   seed, logprobs and a grammar mask are per request: the same ``choose`` as the
+   single-sequence loop, so a request samples exactly as it would alone);
+4. finished requests (an end-of-sequence id, their token budget, the context) leave and
+   their blocks go back to the pool; new full blocks are named for the prefix cache.
+
+The single-sequence loop (:mod:`lollm.generate`) stays the reference: the tests hold every
+request's greedy tokens to those of the same request run alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lollm.batch import Batch
+from lollm.engine.blocks import BlockPool
+from lollm.engine.cache import KVPool, PagedCache, block_bytes
+from lollm.engine.scheduler import Request, Scheduler
+from lollm.errors import GenerationError
+from lollm.generate import Step, _Sequence, check_prompt_ids
+from lollm.memory import free_memory
+from lollm.sampling import SamplingParams
+
+#: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
+#: block and share prefixes at a finer grain; larger ones mean shorter block tables.
+BLOCK_SIZE = 16
+
+
+@dataclass
+class EngineOutput:
+    """One new token of one request, as :meth:`Engine.step` returns it.
+
+    request_id: the request's name.
+    step:       the token (:class:`lollm.generate.Step`: token, logprobs, time, finish);
+                ``step.finish`` is None, or why the request ended: "stop" (an id of
+                ``stop_ids``), "max_new_tokens" or "context".
+    """
+
+    request_id: str
+    step: Step
+
+    @property
+    def finished(self) -> bool:
+        return self.step.finish is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's sizes.
+
+    kv_blocks:        blocks in the pool (None: room for ``max_sequences`` x 2048 positions,
+                      at most half the device's free memory).
+    block_size:       positions per block.
+    max_sequences:    the most requests running at once.
+    max_batch_tokens: the most tokens in one forward (decode tokens + prefill chunks).
+    prefix_caching:   share full prompt blocks between requests (never for recurrent models).
+    """
+
+    kv_blocks: int | None = None
+    block_size: int = BLOCK_SIZE
+    max_sequences: int = 64
+    max_batch_tokens: int = 256
+    prefix_caching: bool = True
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's activations: that of its first floating-point parameter."""
+    for p in itertools.chain(model.parameters(), model.buffers()):
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _pool_blocks(model: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """How many blocks the pool gets: the configured number, or the default of :class:`EngineConfig`."""
+    if config.kv_blocks is not None:
+        if config.kv_blocks < 1:
+            raise GenerationError(f"kv_blocks must be >= 1, got {config.kv_blocks}")
+        return config.kv_blocks
+    per_block = max(block_bytes(model.cache_layers(), config.block_size, dtype), 1)
+    wanted = config.max_sequences * -(-min(2048, model.max_context) // config.block_size)
+    free = free_memory(device)
+    return max(1, min(wanted, free // 2 // per_block)) if free else wanted
+
+
+class Engine:
+    """Continuous batching over one model: :meth:`add_request`, :meth:`step`, :meth:`abort`.
+
+    ``model`` must offer ``cache_layers()`` (:class:`lollm.batch.CacheLayer` per cache layer)
+    and a forward that accepts a :class:`PagedCache` (every family shipped with lollm does).
+    :meth:`add_request` and :meth:`abort` may be called from any thread; :meth:`step` from
+    one thread at a time (the server runs it in a worker thread).
+    """
+
+    def __init__(self, model: Any, config: EngineConfig = EngineConfig()):
+        if not hasattr(model, "cache_layers"):
+            raise GenerationError(f"{type(model).__name__} has no cache_layers(): its family cannot run batched yet")
+        self.model, self.config = model, config
+        self.device = next(model.parameters()).device
+        dtype = _model_dtype(model)
+        layers = model.cache_layers()
+        num_blocks = _pool_blocks(model, config, self.device, dtype)
+        self.kv = KVPool(layers, num_blocks, config.block_size, config.max_sequences, device=self.device, dtype=dtype)
+        self.scheduler = Scheduler(BlockPool(num_blocks, config.block_size), max_sequences=config.max_sequences,
+                                   max_batch_tokens=config.max_batch_tokens,
+                                   prefix_caching=config.prefix_caching and not self.kv.recurrent)
+        self.requests: dict[str, Request] = {}
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    @property
+    def capacity(self) -> int:
+        """Positions the whole pool holds."""
+        return self.kv.num_blocks * self.config.block_size
+
+    def add_request(self, prompt_ids: list[int], *, sampling: SamplingParams, max_new_tokens: int,
+                    request_id: str | None = None, stop_ids: frozenset[int] | set[int] = frozenset(),
+                    logprobs: int | None = None, constraint: Any = None) -> str:
+        """Queue a request; it joins the running batch at a coming step. Returns its id.
+
+        Raises GenerationError for an empty prompt, ids outside the vocabulary,
+        ``max_new_tokens < 1``, a prompt that fills the context, a request that could not
+        fit the whole pool even alone, or a duplicate id.
+        """
+        if not prompt_ids:
+            raise GenerationError("the prompt is empty: there is nothing to continue")
+        check_prompt_ids(prompt_ids, self.model.vocab_size)
+        if max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        context = self.model.max_context
+        if len(prompt_ids) >= context:
+            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the model's context is {context}")
+        budget = min(max_new_tokens, context - len(prompt_ids))
+        if len(prompt_ids) + budget > self.capacity:
+            raise GenerationError(f"a request of {len(prompt_ids)} prompt + {budget} new tokens cannot fit the KV pool "
+                                  f"({self.capacity} positions): give the engine more blocks (kv_blocks) or ask for fewer tokens")
+        seq = _Sequence(self.model, prompt_ids, sampling, logprobs, budget, context)
+        seq.matcher = constraint.matcher() if constraint is not None else None
+        with self._lock:
+            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if request_id in self.requests:
+                raise GenerationError(f"a request named {request_id!r} is already in the engine")
+            req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq, frozenset(stop_ids),
+                          arrival=time.perf_counter())
+            self.requests[request_id] = req
+            self._inbox.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away): its blocks return to the pool at the next step."""
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineOutput]:
+        """One scheduler iteration and one forward; the new token of every request that got one."""
+        self._take_inbox()
+        plan = self.scheduler.schedule()
+        for slot in self.scheduler.cleared_slots:
+            self.kv.clear_state(slot)
+        self.scheduler.cleared_slots.clear()
+        if not plan:
+            return []
+        logits = self._forward(plan)  # (B, V)
+        outputs = []
+        for b, (req, n) in enumerate(plan):
+            req.computed += n
+            self.scheduler.name_full_blocks(req)
+            if req.computed < len(req.tokens):
+                continue  # a prefill chunk with more to come: nothing to sample yet
+            outputs.append(EngineOutput(req.request_id, self._choose(req, logits[b])))
+        return outputs
+
+    def _take_inbox(self) -> None:
+        """Move new requests to the waiting queue and drop aborted ones (between steps, on the stepping thread)."""
+        with self._lock:
+            while self._inbox:
+                self.scheduler.waiting.append(self._inbox.popleft())
+            while self._aborts:
+                req = self.requests.pop(self._aborts.popleft(), None)
+                if req is not None:
+                    self.scheduler.finish(req)
+
+    @torch.inference_mode()
+    def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """One forward over the planned tokens, end to end; the logits of each request's last row, (B, V)."""
+        batch = Batch(starts=[req.computed for req, _ in plan], counts=[n for _, n in plan],
+                      block_tables=[req.blocks for req, _ in plan], block_size=self.config.block_size,
+                      state_slots=[req.slot for req, _ in plan])
+        ids = [t for req, n in plan for t in req.tokens[req.computed : req.computed + n]]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
+        return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows)[0]  # (B, V)
+
+    def _choose(self, req: Request, logits_row: torch.Tensor) -> Step:
+        """The request's next token from its row, by its own sampler; the finish reason when it ends."""
+        step = req.seq.choose(logits_row)
+        req.tokens.append(step.token)
+        if req.first_token_time is None:
+            req.first_token_time = step.time
+        if step.token in req.stop_ids:
+            step.finish = "stop"
+        elif req.generated >= req.budget:
+            step.finish = "max_new_tokens" if len(req.tokens) < self.model.max_context else "context"
+        if step.finish is not None:
+            with self._lock:
+                self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req)
+        return step
+
+    def stats(self) -> dict[str, int]:
+        """running / waiting requests, KV blocks used / total (for /metrics and the bench)."""
+        pool = self.scheduler.pool
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self._inbox),
+                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}

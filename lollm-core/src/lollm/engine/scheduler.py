@@ -1,0 +1,177 @@
+"""The scheduler: which requests run in the next step, and how many of their tokens.
+
+Continuous batching (Yu et al. 2022, "Orca"): the batch is decided again before every
+step. A request joins the running batch as soon as there is room and leaves it the
+step it finishes, so a short request never waits for a long one to end.
+
+Each step has a **token budget** (``max_batch_tokens``). The running requests come first,
+in arrival order: each brings its next decode token, or the next chunk of a prompt it
+has not finished (chunked prefill, so one long prompt never stalls everyone's decode
+for a whole prefill). The budget left admits waiting requests, first come first
+served, while there are blocks for their first chunk and a free sequence slot.
+
+When a running request needs a block and the pool has none, the newest running request
+is **preempted by recompute**: its blocks go back to the pool, it returns to the front
+of the waiting queue with every token it has so far, and later it is prefilled again
+(its own full blocks may still be in the prefix cache then). Its sampler keeps its
+state, so the tokens it goes on to produce are those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from lollm.engine.blocks import BlockPool, block_hash
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation inside the engine.
+
+    request_id:   the caller's name for it.
+    tokens:       prompt ids, then every token generated so far (the newest is not yet computed).
+    prompt_len:   how many of ``tokens`` are the prompt.
+    budget:       the most tokens it may generate (max_new_tokens, within the context).
+    seq:          its sampling state (:class:`lollm.generate._Sequence`: sampler, matcher, ids seen).
+    stop_ids:     token ids that end it (end of sequence).
+    computed:     how many of ``tokens`` have their keys/values in the cache.
+    blocks:       its block table.
+    names:        the prefix-cache names of its full blocks, in order.
+    slot:         its row in the recurrent-state storage while it runs.
+    cached_tokens: prompt tokens the prefix cache supplied on admission.
+    """
+
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    budget: int
+    seq: Any
+    stop_ids: frozenset[int] = frozenset()
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    names: list[bytes] = field(default_factory=list)
+    slot: int | None = None
+    cached_tokens: int = 0
+    preemptions: int = 0
+    arrival: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockPool`.
+
+    pool:             the block bookkeeping.
+    max_sequences:    the most requests running at once (sequence slots).
+    max_batch_tokens: the most tokens in one step (decode tokens + prefill chunks).
+    prefix_caching:   reuse named full blocks (turned off for models with recurrent state,
+                      whose state a block of keys cannot restore).
+    """
+
+    def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int, prefix_caching: bool):
+        self.pool, self.max_sequences, self.max_batch_tokens = pool, max_sequences, max_batch_tokens
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_sequences))
+        self.cleared_slots: list[int] = []  # slots handed out this step: their state must be zeroed
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The next step: (request, number of its tokens to run), running requests first."""
+        budget, plan = self.max_batch_tokens, []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted a moment ago, to make room for an older one
+                continue
+            n = min(len(req.tokens) - req.computed, budget)
+            if self._make_room(req, req.computed + n):
+                plan.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_sequences:
+            req = self.waiting[0]
+            if req.computed == 0 and not req.blocks:
+                self._attach_prefix(req)
+            n = min(len(req.tokens) - req.computed, budget)
+            if not self._reserve(req, req.computed + n):
+                break  # no blocks for its first chunk: it waits, and so does everyone behind it
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop(0)
+            self.cleared_slots.append(req.slot)
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def _make_room(self, req: Request, positions: int) -> bool:
+        """Blocks for ``positions``, preempting the newest running requests if needed; False if ``req`` itself went."""
+        while not self._reserve(req, positions):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _reserve(self, req: Request, positions: int) -> bool:
+        """Grow req's block table to cover ``positions``; False (nothing taken) when the pool lacks blocks."""
+        needed = -(-positions // self.pool.block_size) - len(req.blocks)
+        if needed > self.pool.num_free:
+            return False
+        req.blocks.extend(self.pool.allocate() for _ in range(max(needed, 0)))
+        return True
+
+    def _attach_prefix(self, req: Request) -> None:
+        """Take every cached full block the request's tokens start with (leaving at least one token to compute)."""
+        if not self.prefix_caching:
+            return
+        size, previous = self.pool.block_size, b""
+        for i in range((len(req.tokens) - 1) // size):
+            name = block_hash(previous, req.tokens[i * size : (i + 1) * size])
+            block = self.pool.lookup(name)
+            if block is None:
+                break
+            req.blocks.append(block)
+            req.names.append(name)
+            previous = name
+        req.computed = len(req.blocks) * size
+        if req.preemptions == 0:
+            req.cached_tokens = req.computed
+
+    def name_full_blocks(self, req: Request) -> None:
+        """Name every block the request has filled since the last call, so later prompts can share it."""
+        if not self.prefix_caching:
+            return
+        size = self.pool.block_size
+        for i in range(len(req.names), req.computed // size):
+            name = block_hash(req.names[-1] if req.names else b"", req.tokens[i * size : (i + 1) * size])
+            self.pool.name(req.blocks[i], name)
+            req.names.append(name)
+
+    def _release(self, req: Request) -> None:
+        """Give back req's blocks (the last first, so the pool reuses a prompt's tail before its head) and its slot."""
+        for block in reversed(req.blocks):
+            self.pool.release(block)
+        req.blocks, req.names, req.computed = [], [], 0
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    def preempt(self, req: Request) -> None:
+        """Stop req for now: free its memory; it waits at the front and is recomputed later."""
+        self.running.remove(req)
+        self._release(req)
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """req is done (finished or aborted): free everything it holds, wherever it is."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)

@@ -1,0 +1,143 @@
+"""Checks that the batched engine (:mod:`lollm.engine`) gives each request what it gets alone.
+
+The conformance kit runs them against every family (``FamilyConformance``): a family
+that runs batched must produce, for every request in a batch, the greedy tokens the
+single-sequence loop (:func:`lollm.generate.generate`) produces for it alone.
+
+A batched step computes the same sums as a lone one, but a matmul over more rows may
+add them in another order, so a logit can move by float rounding. Where that flips a
+near-tie, the two runs part ways from there on. :func:`assert_same_greedy` allows that
+one case only, and proves it is one: at the first differing position, the lone run's
+two best logits must lie within ``tie_bound`` of each other, and the engine's pick must
+be the runner-up. Any other difference fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lollm.engine import Engine, EngineConfig
+from lollm.engine.scheduler import Request
+from lollm.generate import generate
+from lollm.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+#: Two logits closer than this count as a tie that float rounding may flip (the kit's
+#: self-consistency bound: a batched step is held to what a cached decode is held to).
+TIE_BOUND = 1e-3
+
+
+def solo(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The greedy tokens of ``prompt`` run alone through the single-sequence loop."""
+    return generate(model, prompt, max_new_tokens=max_new_tokens, sampling=GREEDY).new_ids
+
+
+@torch.inference_mode()
+def assert_same_greedy(model: Any, prompt: list[int], got: list[int], want: list[int], what: str,
+                       tie_bound: float = TIE_BOUND) -> None:
+    """``got`` (the engine's tokens) equals ``want`` (alone), or parts from it at a proven near-tie."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a == b:
+            continue
+        logits = model(torch.tensor([prompt + want[:i]]), logits_to_keep=1)[0, -1].double()
+        top2 = torch.topk(logits, 2)
+        gap = float(top2.values[0] - top2.values[1])
+        assert int(top2.indices[1]) == a and gap <= tie_bound, (
+            f"{what}: token {i} is {a} batched but {b} alone, and that is no near-tie "
+            f"(alone the best two are {top2.indices.tolist()} with a gap of {gap:.2e}, bound {tie_bound:g})")
+        return
+    assert len(got) == len(want), f"{what}: {len(got)} tokens batched, {len(want)} alone"
+
+
+def run_engine(engine: Engine, arrivals: list[tuple[int, list[int], int]]) -> dict[str, Request]:
+    """Run ``arrivals`` (step at which it arrives, prompt, max_new_tokens) to the end; each request's record."""
+    records: dict[str, Request] = {}
+    out: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, n = pending.pop(0)
+            rid = engine.add_request(prompt, sampling=GREEDY, max_new_tokens=n)
+            records[rid] = engine.requests[rid]
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o.step.token)
+        step += 1
+        assert step < 10_000, "the engine made no progress in 10,000 steps"
+    for rid, req in records.items():
+        assert req.tokens[req.prompt_len:] == out.get(rid, []), f"{rid}: the outputs and the record disagree"
+    return records
+
+
+def mixed_prompts(prompt: list[int], count: int = 5) -> list[list[int]]:
+    """``count`` prompts of different lengths and contents cut from ``prompt`` (the longest is all of it)."""
+    T = len(prompt)
+    lengths = [T, 3, max(2, T // 2), min(T, 17), max(2, T - 5), 9, 2][:count]
+    return [prompt[i % T:] + prompt[: i % T] if L == T else prompt[i : i + L] if i + L <= T else prompt[:L]
+            for i, L in enumerate(lengths)]
+
+
+def pool_is_full(engine: Engine) -> None:
+    pool = engine.scheduler.pool
+    assert pool.num_free == pool.num_blocks and not any(pool.refs), (
+        f"after every request ended, {pool.num_used} of {pool.num_blocks} KV blocks are still taken")
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_sequences))
+
+
+def check_engine_equals_solo(model: Any, prompt: list[int], *, max_new_tokens: int = 6,
+                             tie_bound: float = TIE_BOUND) -> dict[str, Request]:
+    """Five requests of different lengths, two arriving mid-decode, with small blocks (4) and a token budget
+    (12) that splits prompts into chunks mixed with decode steps: each request's greedy tokens equal
+    its lone run's; the pool is full again afterwards. Returns the request records."""
+    prompts = mixed_prompts(prompt)
+    n = max(1, min(max_new_tokens, int(model.max_context) - max(len(p) for p in prompts) - 1))
+    engine = Engine(model, EngineConfig(kv_blocks=256, block_size=4, max_sequences=8, max_batch_tokens=12))
+    arrivals = [(0, prompts[0], n), (0, prompts[1], n), (0, prompts[2], n), (3, prompts[3], n), (5, prompts[4], n)]
+    records = run_engine(engine, arrivals)
+    for (rid, req), p in zip(records.items(), prompts):
+        assert_same_greedy(model, p, req.tokens[req.prompt_len:], solo(model, p, n), f"request {rid}", tie_bound)
+    pool_is_full(engine)
+    return records
+
+
+def check_prefix_cache_hit(model: Any, prompt: list[int], *, max_new_tokens: int = 4) -> Request:
+    """A request sharing a cached prefix takes its blocks (``cached_tokens`` > 0, none for a model with recurrent
+    state) and still equals its lone run; the pool is full again afterwards. Returns the second request."""
+    n = max(1, min(max_new_tokens, int(model.max_context) - len(prompt) - 1))
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, max_sequences=4, max_batch_tokens=16))
+    first = prompt[: max(9, len(prompt) - 3)]
+    second = first[:-1] + [(first[-1] + 1) % int(model.vocab_size)] + prompt[len(first):]
+    run_engine(engine, [(0, first, n)])
+    req = run_engine(engine, [(0, second, n)])["req-1"]
+    if engine.kv.recurrent:
+        assert req.cached_tokens == 0, "a model with recurrent state must never reuse prefix blocks"
+    else:
+        assert req.cached_tokens >= 4 * ((len(first) - 2) // 4), f"only {req.cached_tokens} cached tokens reused"
+    assert_same_greedy(model, second, req.tokens[req.prompt_len:], solo(model, second, n), "prefix-cache hit")
+    pool_is_full(engine)
+    return req
+
+
+def check_preemption_and_abort(model: Any, prompt: list[int], *, max_new_tokens: int = 8) -> list[Request]:
+    """A pool too small for three requests at once: some are preempted and recomputed, and all equal their lone
+    runs; a request aborted mid-decode frees its blocks. Returns the records of the three."""
+    p = (prompt * 8)[:8]
+    n = max(5, min(max_new_tokens, int(model.max_context) - len(p) - 1))
+    blocks = 3 * 2  # the three prompts fit (2 blocks each), their answers do not: the newest are preempted
+    engine = Engine(model, EngineConfig(kv_blocks=blocks, block_size=4, max_sequences=4, max_batch_tokens=64))
+    prompts = [p, p[1:] + p[:1], p[2:] + p[:2]]
+    records = run_engine(engine, [(0, q, n) for q in prompts])
+    assert any(r.preemptions for r in records.values()), "the small pool never preempted: the test proves nothing"
+    for (rid, req), q in zip(records.items(), prompts):
+        assert_same_greedy(model, q, req.tokens[req.prompt_len:], solo(model, q, n), f"preempted {rid}")
+    pool_is_full(engine)
+    rid = engine.add_request(p, sampling=GREEDY, max_new_tokens=n)
+    engine.step()
+    engine.step()
+    engine.abort(rid)
+    engine.step()
+    assert not engine.has_unfinished()
+    pool_is_full(engine)
+    return list(records.values())
