@@ -9,6 +9,7 @@ the same in a clean venv with a plain ``pip install ./lollm-mine``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lollm.new_family import NewFamilyError, render
+from lollm.new_family import NewFamilyError, describe, render
 
 
 def _run(args: list[str], cwd: Path, site: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -49,8 +50,9 @@ def test_new_family_installs_and_passes_its_own_tests(tmp_path):
     assert '"family": "mine"' in listed.stdout and '"distribution": "lollm-mine"' in listed.stdout, listed.stdout + listed.stderr
     tests = _run([sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider"], cwd=dist, site=site)
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    # every kit test runs (coverage included); the one skip is the GGUF mode, off in a copy (no GGUF writer knows its architecture)
-    assert "16 passed, 1 skipped" in tests.stdout and "gguf_types = (): the GGUF mode is off" in tests.stdout, tests.stdout[-2000:]
+    # every kit test runs (coverage and the three batched-engine tests included); the one skip is the GGUF mode,
+    # off in a copy (no GGUF writer knows its architecture)
+    assert "19 passed, 1 skipped" in tests.stdout and "gguf_types = (): the GGUF mode is off" in tests.stdout, tests.stdout[-2000:]
 
 
 def test_a_copy_of_qwen3_passes_its_own_tests(tmp_path):
@@ -65,7 +67,7 @@ def test_a_copy_of_qwen3_passes_its_own_tests(tmp_path):
                 "--disable-pip-version-check", "--quiet", "--target", str(site), str(dist)], cwd=tmp_path)
     assert pip.returncode == 0, pip.stdout + pip.stderr
     tests = _run([sys.executable, "-m", "pytest", "tests", "-q", "-rs", "-p", "no:cacheprovider"], cwd=dist, site=site)
-    assert tests.returncode == 0 and "16 passed, 1 skipped" in tests.stdout, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert tests.returncode == 0 and "19 passed, 1 skipped" in tests.stdout, tests.stdout[-4000:] + tests.stderr[-2000:]
 
 
 def test_model_type_option_and_class_names(tmp_path):
@@ -76,6 +78,9 @@ def test_model_type_option_and_class_names(tmp_path):
     modeling = (pkg / "modeling_my_llama.py").read_text()
     assert "class MyLlamaForCausalLM" in modeling and "Qwen2ForCausalLM(" not in modeling
     assert 'my_llama = "lollm_my_llama.plugin"' in (rendered.folder / "pyproject.toml").read_text()
+    # qwen2 runs batched (cache_layers()), so does the copy: no note; a reference without it gets one
+    assert rendered.batched and "cache_layers" in modeling and "note:" not in describe(rendered)
+    assert "has no cache_layers() yet" in describe(dataclasses.replace(rendered, batched=False))
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,6 +32,11 @@ How names change (plain text substitution on whole words, in code and docstrings
 still describe the reference's sources in places: the README says so, and
 reviewing them is the author's first edit.
 
+The copy keeps whatever its reference has, the batch seam included: a reference
+whose model has ``cache_layers()`` (qwen2, qwen3) gives a family that runs in
+the batched engine (:mod:`lollm.engine`) and passes the kit's three engine tests
+as it is; :func:`describe` prints a note when the reference has no such method.
+
 The new family claims its own model types, never the reference's, so the copy
 and the reference can be installed side by side: each of the reference's
 types renamed (``qwen2`` -> ``NAME``; ``qwen3_5_text`` -> ``NAME_text`` for
@@ -78,7 +83,11 @@ class NewFamilyError(LollmError):
 
 @dataclass(frozen=True)
 class Rendered:
-    """What :func:`render` wrote: the distribution folder and the facts the CLI prints."""
+    """What :func:`render` wrote: the distribution folder and the facts the CLI prints.
+
+    batched: the reference's model has ``cache_layers()`` (its source defines one), so the copy
+    runs in the batched engine (:mod:`lollm.engine`) and passes the kit's three engine tests.
+    """
 
     folder: Path
     name: str
@@ -87,6 +96,7 @@ class Rendered:
     reference_package: str
     hub_config: str
     files: tuple[str, ...]
+    batched: bool = True
 
 
 def camel(name: str) -> str:
@@ -231,8 +241,9 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     # 2. Build the distribution in a sibling folder, then move it in place (no half-written output).
     written = _write_in_place(into, folder, name=name, types=types, like=like, family=family, entry=entry,
                               ref_package=ref_package, ref_top=ref_top, files=files, hub=hub)
+    batched = any(re.search(r"^\s+def cache_layers\(", p.read_text(encoding="utf-8"), re.MULTILINE) for p in files)
     return Rendered(folder=folder, name=name, model_type=model_type, like=like, reference_package=ref_package,
-                    hub_config=hub, files=tuple(written))
+                    hub_config=hub, files=tuple(written), batched=batched)
 
 
 #: The longest NAME accepted. NAME appears up to four times in one generated path
@@ -574,7 +585,10 @@ stay packed) to `lollm.build.build_model`. lollm's docs/plugins.md, section 4, h
 ## What to edit next
 
 1. `src/{top}/{name}/config.py`: the config.json keys your model has; refuse the ones you do not implement.
-2. `blocks.py`, `modeling_{name}.py`: the math, forward in numbered steps.
+2. `blocks.py`, `modeling_{name}.py`: the math, forward in numbered steps. Keep the batch seam you
+   inherited where the reference has it (`cache_layers()`, `token_positions`, `keep_logit_rows`, the
+   start passed to `attend` unchanged): it lets the batched engine run your family, and three kit
+   tests hold each batched request to its run alone (lollm's docs/plugins.md, "Running batched").
 3. `weights.py`: the tensor names of your checkpoints (safetensors and GGUF) as `NameMap` tables in `LAYOUT`,
    and what a converter did to them (a `transform` for `build_model`).
 4. `parity.py`: the reference. It builds transformers' `{ref_model_type}` class; when your math
@@ -679,10 +693,14 @@ class Test{camel}Conformance(FamilyConformance):
 
 
 def describe(rendered: Rendered) -> str:
-    """The lines ``lollm new-family`` prints after writing."""
-    return textwrap.dedent(f"""\
+    """The lines ``lollm new-family`` prints after writing (a note when the copy cannot run batched)."""
+    text = textwrap.dedent(f"""\
         wrote {rendered.folder}/ ({len(rendered.files)} files): family {rendered.name!r}, model type {rendered.model_type!r},
         copied from {rendered.like!r} ({rendered.reference_package}); tests use the hub config {rendered.hub_config}
         next:
           pip install -e "{rendered.folder}[test]"
           pytest {rendered.folder}/tests""")
+    if not rendered.batched:
+        text += (f"\nnote: {rendered.like!r} has no cache_layers() yet, so the copy cannot run in the batched engine: "
+                 f"the kit's three engine tests fail until you add the batch seam (lollm's docs/plugins.md, \"Running batched\")")
+    return text
