@@ -65,6 +65,10 @@ class CausalLM(Protocol):
       max_context:  the longest sequence the model supports (config ``max_position_embeddings``).
       num_layers:   number of decoder layers (for the parity report).
       eos_token_ids: end-of-sequence ids named in config.json (may be empty).
+
+    Optional, for the batched engine (:mod:`lollm.engine`; the seam is :mod:`lollm.batch`):
+      cache_layers(): what each cache layer holds. A model without it runs in the
+                      single-sequence loop only; the engine refuses it, saying so.
     """
 
     vocab_size: int
@@ -75,12 +79,18 @@ class CausalLM(Protocol):
     def new_cache(self, max_tokens: int) -> Cache:
         """A fresh, empty cache able to hold ``max_tokens`` positions (batch 1)."""
 
+    def cache_layers(self) -> list[Any]:
+        """Optional: one :class:`lollm.batch.CacheLayer` per layer of the cache, in the order
+        ``cache.update(layer, ...)`` numbers them: its kind (full, sliding, shared, recurrent), the
+        K heads and width D it stores, a window, a recurrent state's shapes. The engine sizes its
+        KV pool and state slots from it; a model without it cannot run in :class:`lollm.engine.Engine`."""
+
     def forward(
         self,
         input_ids: torch.Tensor,
         cache: Cache | None = None,
         *,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run the decoder on ``input_ids`` and return logits.
@@ -88,15 +98,25 @@ class CausalLM(Protocol):
         input_ids:      (1, T) int64 token ids; positions start at ``cache.length``
                         (0 without a cache).
         cache:          updated in place with the T new positions (``None``: no cache,
-                        positions 0..T-1, used by the parity gate).
+                        positions 0..T-1, used by the parity gate). In an engine step it is
+                        a :class:`lollm.engine.cache.PagedCache`: the T tokens are those of
+                        several sequences end to end, ``cache.length`` is a
+                        :class:`lollm.batch.Batch` (each sequence's start and positions),
+                        ``update(layer, k, v)`` returns the layer's KV pool, ``check_room``
+                        checks T against the layout and ``advance`` does nothing (the engine
+                        advances each sequence after the step). A family reads positions
+                        with :func:`lollm.batch.token_positions` and passes the start to
+                        :func:`lollm.attention.attend` unchanged, so both cases are one code path.
         logits_to_keep: 0 for logits of every position, N for the last N only
-                        (prefill needs only the last one).
+                        (prefill needs only the last one), or a (R,) int64 tensor of row
+                        indices (an engine step keeps the last token of each sequence;
+                        :func:`lollm.batch.keep_logit_rows` handles all three).
         hidden_states:  when a list is given, the model appends (1, T, hidden) tensors
                         in transformers' ``output_hidden_states`` order: the embeddings,
                         the output of each layer but the last, and the final-normed
                         output of the last layer (so the parity gate can name the first
                         diverging layer).
-        Returns (1, T or logits_to_keep, vocab_size) float logits.
+        Returns (1, T or logits_to_keep or R, vocab_size) float logits.
         """
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
