@@ -237,7 +237,7 @@ def new_family(session: nox.Session) -> None:
         copies.append(copy)
     session.install(*copies)
     session.run("lollm", "families", "--strict", env=OFFLINE)
-    # the seven copies' tests (16 each, their own test_conformance.py: importlib mode tells them apart) on two workers
+    # the seven copies' tests (19 each, their own test_conformance.py: importlib mode tells them apart) on two workers
     _pytest(session, [os.path.join(c, "tests") for c in copies], env=TESTS_ENV, options=("--import-mode=importlib",))
     session.log(f"new_family: the seven copies installed and tested in {time.perf_counter() - start:.0f} s")
     mutation = time.perf_counter()
