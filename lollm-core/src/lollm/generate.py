@@ -324,15 +324,23 @@ class _Sequence:
         """The logits (len(ids), V) of ``ids`` run after what the cache holds."""
         return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
 
-    def choose(self, logits_row: torch.Tensor, *, drafted: bool = False) -> Step:
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply (no penalty, constraint or logprobs): the pick is the argmax,
+        which the batched engine takes for many rows at once."""
+        p = self.sampler.params
+        return p.greedy and p.repetition_penalty == 1.0 and self.matcher is None and self.logprobs is None
+
+    def choose(self, logits_row: torch.Tensor, *, drafted: bool = False, pick: int | None = None) -> Step:
         """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked.
 
         With a constraint, the pick is among the ids its matcher allows, and the matcher
         advances by it: call this only for a token that will be emitted (speculative
-        decoding does: a draft is emitted only when it equals this pick).
+        decoding does: a draft is emitted only when it equals this pick). ``pick``: the
+        token already chosen (the engine's batched argmax for a :attr:`plain_greedy` row).
         """
         allowed = self.matcher.allowed() if self.matcher is not None else None
-        token = self.sampler(logits_row, self.seen, allowed)
+        token = pick if pick is not None else self.sampler(logits_row, self.seen, allowed)
         if self.matcher is not None:
             self.matcher.accept(token)
         self.seen = torch.cat([self.seen, torch.tensor([token])])

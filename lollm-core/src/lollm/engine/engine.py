@@ -190,14 +190,29 @@ class Engine:
         if not plan:
             return []
         logits = self._forward(plan)  # (B, V)
-        outputs = []
+        rows = []
         for b, (req, n) in enumerate(plan):
             req.computed += n
             self.scheduler.name_full_blocks(req)
-            if req.computed < len(req.tokens):
-                continue  # a prefill chunk with more to come: nothing to sample yet
-            outputs.append(EngineOutput(req.request_id, self._choose(req, logits[b])))
-        return outputs
+            if req.computed == len(req.tokens):  # else a prefill chunk with more to come: nothing to sample yet
+                rows.append(b)
+        picks = self._greedy_picks(plan, logits, rows)
+        return [EngineOutput(plan[b][0].request_id, self._choose(plan[b][0], logits[b], picks.get(b))) for b in rows]
+
+    @staticmethod
+    def _greedy_picks(plan: list[tuple[Request, int]], logits: torch.Tensor, rows: list[int]) -> dict[int, int]:
+        """The argmax of every plain greedy row at once (no penalty, grammar or logprobs): row -> token.
+
+        The other rows go through their request's own sampler one by one: a seeded request must draw
+        from its own generator, in its own order, to give exactly the tokens it gives alone.
+        """
+        plain = [b for b in rows if plan[b][0].seq.plain_greedy]
+        if not plain:
+            return {}
+        picked = logits[plain].float()  # (G, V)
+        if not bool(torch.isfinite(picked).all()):
+            return {}  # let each sampler name the problem
+        return dict(zip(plain, picked.argmax(dim=-1).tolist()))
 
     def _take_inbox(self) -> None:
         """Move new requests to the waiting queue and drop aborted ones (between steps, on the stepping thread)."""
@@ -219,9 +234,10 @@ class Engine:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
         return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows)[0]  # (B, V)
 
-    def _choose(self, req: Request, logits_row: torch.Tensor) -> Step:
-        """The request's next token from its row, by its own sampler; the finish reason when it ends."""
-        step = req.seq.choose(logits_row)
+    def _choose(self, req: Request, logits_row: torch.Tensor, greedy_pick: int | None) -> Step:
+        """The request's next token from its row (by its own sampler, unless the batch's argmax already
+        picked it); the finish reason when it ends."""
+        step = req.seq.choose(logits_row, pick=greedy_pick)
         req.tokens.append(step.token)
         if req.first_token_time is None:
             req.first_token_time = step.time

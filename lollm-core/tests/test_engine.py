@@ -1,0 +1,145 @@
+"""The batched engine (lollm.engine) on a toy model: the pool, the layout, the scheduler, and requests
+that equal their runs alone (greedy and seeded sampling), with and without a recurrent layer.
+
+The same checks run against every real family through the conformance kit (lollm.testing.batching).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _toy_batched import ToyLM
+from lollm.batch import Batch, CacheLayer, token_positions
+from lollm.engine import Engine, EngineConfig
+from lollm.engine.blocks import BlockPool, block_hash
+from lollm.errors import GenerationError
+from lollm.generate import generate
+from lollm.sampling import SamplingParams
+from lollm.testing.batching import check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit
+
+PROMPT = [(7 * i + 3) % 40 for i in range(40)]
+
+
+@pytest.fixture(params=[False, True], ids=["attention", "attention+recurrent"])
+def toy(request):
+    return ToyLM(recurrent=request.param)
+
+
+# -- the pool and the layout -------------------------------------------------------------
+
+
+def test_block_pool_counts_names_and_lru():
+    pool = BlockPool(3, 4)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b, pool.num_free) == (0, 1, 1)
+    name = block_hash(b"", [1, 2, 3, 4])
+    pool.name(a, name)
+    assert pool.lookup(name) == a and pool.refs[a] == 2  # shared
+    pool.release(a)
+    pool.release(a)
+    assert pool.num_free == 2 and pool.lookup(name) == a  # free, but still named: revived
+    pool.release(a)
+    pool.release(b)
+    # free order, least recently freed first: 2 (never used), a, b
+    assert [pool.allocate(), pool.allocate()] == [2, a] and pool.lookup(name) is None  # a reused: its name is gone
+    with pytest.raises(GenerationError, match="released more often"):
+        pool.release(2) or pool.release(2)
+
+
+def test_block_names_chain_the_prefix():
+    first = block_hash(b"", [1, 2])
+    assert block_hash(first, [3, 4]) != block_hash(block_hash(b"", [9, 9]), [3, 4])
+    assert block_hash(first, [3, 4]) == block_hash(block_hash(b"", [1, 2]), [3, 4])
+
+
+def test_batch_layout():
+    batch = Batch(starts=[5, 0], counts=[1, 3], block_tables=[[2, 0], [1]], block_size=4, state_slots=[0, 1])
+    assert batch.positions.tolist() == [5, 0, 1, 2]
+    assert batch.slots.tolist() == [0 * 4 + 1, 1 * 4 + 0, 1 * 4 + 1, 1 * 4 + 2]  # position 5: block table[1] = 0, offset 1
+    assert batch.last_rows.tolist() == [0, 3] and batch.segments() == [(0, 1), (1, 4)]
+    assert token_positions(batch, 4).tolist() == [5, 0, 1, 2] and token_positions(3, 2).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="cannot hold"):
+        Batch(starts=[4], counts=[1], block_tables=[[0]], block_size=4, state_slots=[0])
+
+
+def test_cache_layer_checks():
+    with pytest.raises(ValueError, match="kind"):
+        CacheLayer("paged")
+    with pytest.raises(ValueError, match="window"):
+        CacheLayer("full", 2, 8, window=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        CacheLayer("sliding", 0, 8, window=4)
+
+
+# -- requests equal their runs alone -----------------------------------------------------
+
+
+def test_requests_equal_solo_runs(toy):
+    records = check_engine_equals_solo(toy, PROMPT, max_new_tokens=8)
+    assert len(records) == 5
+
+
+def test_prefix_cache_hit(toy):
+    req = check_prefix_cache_hit(toy, PROMPT)
+    assert (req.cached_tokens > 0) != toy.recurrent  # never with a recurrent state
+
+
+def test_preemption_and_abort(toy):
+    records = check_preemption_and_abort(toy, PROMPT)
+    assert any(r.preemptions for r in records)
+
+
+def test_seeded_sampling_equals_solo(toy):
+    """Sampled requests (each its own seed, top-p, penalty) draw exactly the tokens they draw alone."""
+    settings = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, repetition_penalty=1.0 + 0.1 * s) for s in range(4)]
+    engine = Engine(toy, EngineConfig(kv_blocks=64, block_size=4, max_batch_tokens=10))
+    ids = {engine.add_request(PROMPT[s:s + 12], sampling=p, max_new_tokens=10): (s, p) for s, p in enumerate(settings)}
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out.step.token)
+    for rid, (s, p) in ids.items():
+        assert got[rid] == generate(toy, PROMPT[s:s + 12], max_new_tokens=10, sampling=p).new_ids, rid
+
+
+def test_a_forward_of_many_sequences_is_one_call(toy):
+    """The point of it all: four decoding requests cost one forward per step, not four."""
+    calls = []
+    toy.register_forward_hook(lambda module, args, kwargs_or_out: calls.append(args[0].shape[1]))
+    engine = Engine(toy, EngineConfig(kv_blocks=64, block_size=4))
+    for s in range(4):
+        engine.add_request(PROMPT[s:s + 5], sampling=SamplingParams(temperature=0), max_new_tokens=6)
+    while engine.has_unfinished():
+        engine.step()
+    assert calls[0] == 20 and calls[1:] == [4] * 5  # one prefill step of 4 x 5 tokens, then 4 rows per decode step
+
+
+# -- refusals and finish reasons ---------------------------------------------------------
+
+
+def test_add_request_refusals(toy):
+    engine = Engine(toy, EngineConfig(kv_blocks=4, block_size=4))
+    greedy = SamplingParams(temperature=0)
+    with pytest.raises(GenerationError, match="empty"):
+        engine.add_request([], sampling=greedy, max_new_tokens=1)
+    with pytest.raises(GenerationError, match="cannot fit the KV pool"):
+        engine.add_request(PROMPT[:14], sampling=greedy, max_new_tokens=8)
+    with pytest.raises(GenerationError, match="max_new_tokens"):
+        engine.add_request(PROMPT[:3], sampling=greedy, max_new_tokens=0)
+    engine.add_request(PROMPT[:3], sampling=greedy, max_new_tokens=2, request_id="x")
+    with pytest.raises(GenerationError, match="already"):
+        engine.add_request(PROMPT[:3], sampling=greedy, max_new_tokens=2, request_id="x")
+    with pytest.raises(GenerationError, match="no cache_layers"):
+        Engine(torch.nn.Linear(2, 2))
+
+
+def test_stop_ids_end_a_request(toy):
+    greedy = SamplingParams(temperature=0)
+    alone = generate(toy, PROMPT[:6], max_new_tokens=6, sampling=greedy).new_ids
+    engine = Engine(toy, EngineConfig(kv_blocks=32, block_size=4))
+    engine.add_request(PROMPT[:6], sampling=greedy, max_new_tokens=6, stop_ids={alone[2]})
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.step.token for o in outs] == alone[: alone.index(alone[2]) + 1] and outs[-1].step.finish == "stop"
