@@ -2,7 +2,8 @@
 
 Shapes use these letters (batch is always 1 in lollm):
 
-    T   tokens in this forward call (the prompt in a prefill, 1 in a decode step)
+    T   tokens in this forward call (the prompt in a prefill, 1 in a decode step; in an
+        engine step, the new tokens of several sequences end to end, lollm.batch)
     S   positions an attention layer can see: the cached ones plus the T new ones
     C   hidden_size
     H   num_attention_heads (query heads)   K  num_key_value_heads   D  head_dim
@@ -360,6 +361,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
       5. the delta rule (recurrent for T == 1 and for a verify step, chunked otherwise),
          which reads and updates the recurrent state of the cache;
       6. gated RMSNorm of each head's output with z, then ``out_proj``.
+
+    Steps 1 and 6 treat every token alone; steps 2-5 (:meth:`mix_sequence`) run along
+    one sequence's time axis, so in an engine step they run once per sequence, on its
+    own states (kv.py).
 
     x: (1, T, C) -> (1, T, C)
     """
