@@ -2,7 +2,8 @@
 
 Shapes use these letters (batch is always 1 in lollm):
 
-    T   tokens in this forward call (the prompt in a prefill, 1 in a decode step)
+    T   tokens in this forward call (the prompt in a prefill, 1 in a decode step; in an
+        engine step, the new tokens of several sequences end to end, lollm.batch)
     S   positions an attention layer can see: the cached ones plus the T new ones
     C   hidden_size
     H   num_attention_heads (query heads)   K  num_key_value_heads   D  head_dim
@@ -40,6 +41,7 @@ from lollm.attention import attend
 from lollm.trace import record_series, tracing
 
 from .config import Qwen3_5Config
+from .kv import Qwen3_5EngineCache
 
 
 # ---------------------------------------------------------------------------
@@ -360,6 +362,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
          which reads and updates the recurrent state of the cache;
       6. gated RMSNorm of each head's output with z, then ``out_proj``.
 
+    Steps 1 and 6 treat every token alone; steps 2-5 (:meth:`mix_sequence`) run along
+    one sequence's time axis, so in an engine step they run once per sequence, on its
+    own states (kv.py).
+
     x: (1, T, C) -> (1, T, C)
     """
 
@@ -391,19 +397,20 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
         x: (T, conv_dim) -> (T, conv_dim). Output t sees inputs t-W+1 .. t; before
         the first position the window holds the cached last W-1 inputs (zeros
-        without a cache or at the start).
+        without a cache or at the start). The engine keeps those inputs in float32
+        (kv.py); they are read back in x's dtype, exactly as they were.
         """
         T = x.shape[0]
         weight = self.conv1d.weight  # (conv_dim, 1, W)
         prev = cache.conv_state(self.slot) if cache is not None else None  # (W-1, conv_dim)
         if T == 1 and prev is not None:
             # Decode: the window is the W-1 cached inputs plus this one.
-            window = torch.cat((prev, x), dim=0)  # (W, conv_dim)
+            window = torch.cat((prev.to(x.dtype), x), dim=0)  # (W, conv_dim)
             prev.copy_(window[1:])  # roll: drop the oldest input
             return F.silu((window * weight[:, 0, :].t()).sum(0, keepdim=True))  # (1, conv_dim)
         if prev is None:
             prev = x.new_zeros(self.kernel - 1, x.shape[1])
-        window = torch.cat((prev, x), dim=0)  # (W-1+T, conv_dim)
+        window = torch.cat((prev.to(x.dtype), x), dim=0)  # (W-1+T, conv_dim)
         if cache is not None:
             cache.remember_conv_window(self.slot, window)  # for rollback (verify steps only)
             prev.copy_(window[T:])  # the last W-1 inputs
@@ -412,12 +419,33 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
         _, T, _ = x.shape
-        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        # 1. Projections.
+        Hv, Dv = self.num_v_heads, self.head_v_dim
+        # 1. Projections, of all T tokens at once (in an engine step, every sequence's tokens).
         qkv = self.in_proj_qkv(x)[0]  # (T, conv_dim)
         z = self.in_proj_z(x).view(T, Hv, Dv)
         b = self.in_proj_b(x)[0]  # (T, Hv)
         a = self.in_proj_a(x)[0]  # (T, Hv)
+        # 2.-5. Convolution, heads, gates and the delta rule run along one sequence's time
+        #       axis, over its own states. In an engine step the T tokens are several sequences
+        #       end to end: each one's rows lo:hi run on that sequence's states (kv.py).
+        if isinstance(cache, Qwen3_5EngineCache):
+            o = torch.cat([self.mix_sequence(qkv[lo:hi], b[lo:hi], a[lo:hi], states)
+                           for lo, hi, states in cache.sequences()])  # (T, Hv, Dv) float32
+        else:
+            o = self.mix_sequence(qkv, b, a, cache)  # (T, Hv, Dv) float32
+        # 6. Gated norm per head, heads side by side, output projection.
+        o = self.norm(o.to(x.dtype), z)  # (T, Hv, Dv)
+        return self.out_proj(o.reshape(1, T, Hv * Dv))
+
+    def mix_sequence(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, cache) -> torch.Tensor:
+        """Steps 2-5 of forward on the T tokens of one sequence, reading and updating its states in ``cache``.
+
+        qkv: (T, conv_dim), b, a: (T, Hv) in the model dtype; cache: a
+        :class:`~.kv.Qwen3_5HybridCache`, one sequence's :class:`~.kv.Qwen3_5SequenceStates`
+        in an engine step, or None -> o: (T, Hv, Dv) float32.
+        """
+        T = qkv.shape[0]
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         # 2. Short causal convolution over time.
         qkv = self.causal_conv(qkv, cache)
         # 3. Heads; normalised queries and keys (float32 from here to the output norm).
@@ -436,18 +464,13 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         # 5. The delta rule over the recurrent state.
         if cache is None:
             state = q.new_zeros(Hv, Dk, Dv)
-            o = delta_rule_chunked(q, k, v, g, beta, state) if T > 1 else delta_rule_recurrent(q, k, v, g, beta, state)
-        else:
-            state = cache.recurrent_state(self.slot)  # (Hv, Dk, Dv) float32, updated in place
-            if T == 1:
-                o = delta_rule_recurrent(q, k, v, g, beta, state)
-            elif cache.recording:  # a verify step: keep the state after every token for rollback
-                o = delta_rule_recurrent(q, k, v, g, beta, state, states_out=cache.state_history(self.slot))
-            else:
-                o = delta_rule_chunked(q, k, v, g, beta, state)
-        # 6. Gated norm per head, heads side by side, output projection.
-        o = self.norm(o.to(x.dtype), z)  # (T, Hv, Dv)
-        return self.out_proj(o.reshape(1, T, Hv * Dv))
+            return delta_rule_chunked(q, k, v, g, beta, state) if T > 1 else delta_rule_recurrent(q, k, v, g, beta, state)
+        state = cache.recurrent_state(self.slot)  # (Hv, Dk, Dv) float32, updated in place
+        if T == 1:
+            return delta_rule_recurrent(q, k, v, g, beta, state)
+        if cache.recording:  # a verify step: keep the state after every token for rollback
+            return delta_rule_recurrent(q, k, v, g, beta, state, states_out=cache.state_history(self.slot))
+        return delta_rule_chunked(q, k, v, g, beta, state)
 
     def record_gates(self, q, k, v, g, beta, cache) -> None:
         """For ``lollm trace``: decay exp(g), write strength beta and the state's size ||S|| after each token, (T, Hv) each.

@@ -36,11 +36,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
 from lollm.errors import GenerationError
 
 from .blocks import Qwen3_5Attention, Qwen3_5GatedDeltaNet, Qwen3_5MLP, RMSNorm, RotaryEmbedding
 from .config import Qwen3_5Config
-from .kv import Qwen3_5HybridCache
+from .kv import Qwen3_5EngineCache, Qwen3_5HybridCache
 from .mtp import Qwen3_5MTP
 
 
@@ -118,23 +119,46 @@ class Qwen3_5ForCausalLM(nn.Module):
             self.config, max_tokens, device=weight.device, dtype=weight.dtype, with_mtp=self.mtp is not None
         )
 
+    def cache_layers(self) -> list[CacheLayer]:
+        """What each cache layer holds, for the batched engine (lollm.batch); cache layer i is decoder layer i.
+
+        A full-attention layer keeps K heads of D per position ("full"); a Gated DeltaNet
+        layer keeps a fixed-size state per sequence ("recurrent"): its last W-1 conv inputs
+        (W-1, conv_dim) and its delta-rule memory (Hv, Dk, Dv), both in float32 (the engine
+        keeps one dtype per layer's states; the memory needs float32, see kv.py).
+        """
+        c = self.config
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        recurrent = CacheLayer("recurrent", state={
+            "conv": (c.linear_conv_kernel_dim - 1, conv_dim),
+            "recurrent": (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+        }, state_dtype=torch.float32)
+        full = CacheLayer("full", c.num_key_value_heads, c.head_dim)
+        return [full if kind == "full_attention" else recurrent for kind in c.layer_types]
+
     def forward(
         self,
         input_ids: torch.Tensor,
         cache: Qwen3_5HybridCache | None = None,
         *,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
         The T tokens sit at positions ``cache.length .. cache.length+T-1`` (0.. without
         a cache); the cache receives their keys/values and DeltaNet states and advances by T.
+        In an engine step the cache is a lollm.engine PagedCache: the T tokens are those of
+        several sequences end to end, ``cache.length`` is their lollm.batch.Batch, and
+        ``logits_to_keep`` a tensor of rows (lollm.batch explains the seam; kv.py how the
+        DeltaNet states of each sequence are reached).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
         """
         T = input_ids.shape[1]
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
+        if isinstance(start, Batch):  # an engine step: the engine's cache under this family's names (kv.py)
+            cache = Qwen3_5EngineCache(cache, self.config)
         if cache is not None:
             cache.begin(T)  # room check; a short multi-token step on a non-empty cache is recorded for rollback
 
@@ -146,7 +170,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         # 2. Positions of the new tokens and the cos/sin of their RoPE angles (R channels),
         #    shared by every attention layer. DeltaNet layers need no positions: the
         #    order of tokens is in their recurrence.
-        positions = torch.arange(start, start + T, device=input_ids.device)
+        positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
 
         # 3. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
@@ -160,16 +184,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         if cache is not None:
             cache.advance(T)
 
-        # 4. Final RMSNorm. The MTP head drafts from these normed states: keep them.
+        # 4. Final RMSNorm. The MTP head drafts from these normed states: keep them
+        #    (not in an engine step: the engine does not draft).
         x = self.model.norm(x)  # (1, T, C)
         if hidden_states is not None:
             hidden_states.append(x)
         if cache is not None and self.mtp is not None:
             cache.remember_last_forward(start, input_ids[0], x[0])
 
-        # 5. Output head, only on the positions whose logits are wanted.
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        # 5. Output head, only on the positions whose logits are wanted
+        #    (an engine step passes a tensor: the row of each sequence's last token).
+        x = keep_logit_rows(x, logits_to_keep)
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
 
     def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:

@@ -61,15 +61,41 @@ for every position, the main model's final hidden state and token id
 Keeping them for every position (C values each, e.g. 4 KiB per position for
 Qwen3.5-0.8B in float32) lets the head catch up from any point the cache went
 back to.
+
+In the batched engine (lollm.engine, docs/batching.md)
+-------------------------------------------------------
+An engine step runs the new tokens of several sequences end to end through one
+forward, and the memory is the engine's: a pool of K/V blocks for every
+full-attention layer and, for every DeltaNet layer, one row of conv and
+recurrent state per sequence slot (zeroed when a request is admitted). The
+forward then receives a :class:`lollm.engine.cache.PagedCache`, and wraps it in
+:class:`Qwen3_5MoeEngineCache`, which gives it this module's method names::
+
+    update_kv(slot, start, k, v)   ->  PagedCache.update(layer, k, v): writes the pool, returns the pool
+    sequences()                    ->  for each sequence b: its rows (lo, hi) of the step's tokens and
+                                       a Qwen3_5MoeSequenceStates, whose conv_state(slot) /
+                                       recurrent_state(slot) are views of b's rows (PagedCache.state)
+
+The cache layer index the engine knows is the decoder layer's index: an
+attention layer's K/V slot i is layer ``full_attention_layers[i]``, a DeltaNet
+layer's state slot j is layer ``linear_attention_layers[j]``. The engine never
+rolls a step back and does not draft with the MTP head, so nothing is recorded
+and ``remember_last_forward`` keeps nothing there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from lollm.batch import Batch
 from lollm.errors import GenerationError
 
 from .config import Qwen3_5MoeConfig
+
+if TYPE_CHECKING:
+    from lollm.engine.cache import PagedCache
 
 #: The longest multi-token forward on a non-empty cache that can be rolled back
 #: (a verify step of 1 + up to 15 draft tokens).
@@ -231,3 +257,69 @@ class Qwen3_5MoeHybridCache:
         """Keep the main model's token ids (T,) and final-normed hidden states (T, C) of positions ``start ..`` for the MTP head."""
         self.ids[start : start + ids.shape[0]] = ids
         self.hidden[start : start + hidden.shape[0]] = hidden
+
+
+# -- the batched engine ------------------------------------------------------
+class Qwen3_5MoeSequenceStates:
+    """One sequence's DeltaNet states in an engine step, under the hybrid cache's names.
+
+    ``conv_state(slot)``: (W-1, conv_dim) float32; ``recurrent_state(slot)``: (Hv, Dk, Dv)
+    float32: views of sequence b's rows of the engine's state storage, updated in place.
+    The engine keeps one dtype for a layer's states, float32, which the delta rule needs;
+    the conv inputs it keeps are values of the model's dtype, so reading them back in that
+    dtype is exact. Nothing is recorded (``recording`` is False): no step is rolled back.
+    """
+
+    recording = False
+
+    def __init__(self, paged: PagedCache, b: int, linear_layers: list[int]):
+        self._paged, self._b, self._layers = paged, b, linear_layers
+
+    def conv_state(self, slot: int) -> torch.Tensor:
+        return self._paged.state(self._layers[slot], self._b)["conv"]
+
+    def recurrent_state(self, slot: int) -> torch.Tensor:
+        return self._paged.state(self._layers[slot], self._b)["recurrent"]
+
+    def remember_conv_window(self, slot: int, window: torch.Tensor) -> None:
+        """Nothing: only a recorded (verify) step keeps its conv inputs, and the engine records none."""
+
+
+class Qwen3_5MoeEngineCache:
+    """An engine step's :class:`lollm.engine.cache.PagedCache` under the hybrid cache's method names.
+
+    ``length`` is the step's :class:`lollm.batch.Batch`. Attention layers call
+    ``update_kv`` as they do on :class:`Qwen3_5MoeHybridCache`; DeltaNet layers run each
+    sequence of ``sequences()`` on its own states (see the module docstring).
+    """
+
+    recording = False
+
+    def __init__(self, paged: PagedCache, config: Qwen3_5MoeConfig):
+        self.paged = paged
+        self.length: Batch = paged.length
+        self._full = config.full_attention_layers  # attention K/V slot i -> cache layer index
+        self._linear = config.linear_attention_layers  # DeltaNet state slot j -> cache layer index
+
+    def begin(self, T: int) -> None:
+        """Check that the forward got the T tokens the engine laid out (room was made by its scheduler)."""
+        self.paged.check_room(T)
+
+    def advance(self, T: int) -> None:
+        """Nothing: the engine advances each sequence's length after the step."""
+
+    def update_kv(self, slot: int, start: Batch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's keys/values into the pool; return the layer's pools.
+
+        k, v: (1, K, N, D) -> (num_blocks, block_size, K, D) each, which attention reads
+        through each sequence's block table (``start``, the Batch, says where).
+        """
+        return self.paged.update(self._full[slot], k, v)
+
+    def sequences(self) -> list[tuple[int, int, Qwen3_5MoeSequenceStates]]:
+        """(first row, end row, states) of each sequence of the step: its tokens are rows lo:hi."""
+        return [(lo, hi, Qwen3_5MoeSequenceStates(self.paged, b, self._linear))
+                for b, (lo, hi) in enumerate(self.length.segments())]
+
+    def remember_last_forward(self, start: Batch, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Nothing: the engine does not draft with the MTP head, so it needs no hidden states."""
