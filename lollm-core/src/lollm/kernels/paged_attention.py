@@ -50,17 +50,14 @@ from lollm.kernels.flash_prefill import _tiles, dot_precision, head_block
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V,  # q (1, H, N, D): the queries of B sequences end to end; k and v pools (blocks, block_size, K, D)
+    Q, K, V,  # q (1, H, N, D): the queries of B sequences end to end; k and v pools (blocks, block_size, K, D), one layout
     Tables, Starts, Counts, Rows,  # int32: block tables (B, max_blocks); cached length, new tokens, first row (B,)
     Acc, M, L,  # partial results: acc (H, N, SPLITS, D), m and l (H, N, SPLITS), all fp32
     stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_b, stride_s, stride_h, stride_d,  # of both pools: block, slot in a block, K/V head, channel
     stride_tb,  # a block table's row
-    N, D, block_size,
-    n_rep,  # query heads per K/V head
+    N, D, block_size, n_rep, n_splits,  # n_rep: query heads per K/V head
     row_blocks,  # blocks of BLOCK_R query rows per K/V head (for the longest sequence)
-    n_splits,
     window, softcap, scale,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -71,10 +68,8 @@ def _paged_attention_kernel(
 ):
     # This program: sequence `seq`, K/V head `kv_head`, its query rows [BLOCK_R * pid_r, +BLOCK_R),
     # its keys' slice `split`.
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1) // row_blocks
-    pid_r = tl.program_id(1) % row_blocks
-    split = tl.program_id(2)
+    seq, split = tl.program_id(0), tl.program_id(2)
+    kv_head, pid_r = tl.program_id(1) // row_blocks, tl.program_id(1) % row_blocks
 
     # 1. The sequence: its queries sit at positions start .. start+T-1, rows row0 .. row0+T-1 of the N.
     start = tl.load(Starts + seq)
@@ -103,18 +98,15 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    table = Tables + seq * stride_tb
     for n0 in range(n_lo, n_hi, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions of this tile
         col_ok = k_pos < n_hi
         # 3. Paging: each position's block from the table, then its slot in the pool (int64: pools are large).
-        block = tl.load(table + k_pos // block_size, mask=col_ok, other=0).to(tl.int64)
-        offset = k_pos % block_size
-        k_slot = block * stride_kb + offset * stride_ks + kv_head * stride_kh  # (BLOCK_N,)
-        v_slot = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-        k = tl.load(K + k_slot[None, :] + dims[:, None] * stride_kd,
+        block = tl.load(Tables + seq * stride_tb + k_pos // block_size, mask=col_ok, other=0).to(tl.int64)
+        slot = block * stride_b + (k_pos % block_size) * stride_s + kv_head * stride_h  # (BLOCK_N,)
+        k = tl.load(K + slot[None, :] + dims[:, None] * stride_d,
                     mask=dim_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(V + v_slot[:, None] + dims[None, :] * stride_vd,
+        v = tl.load(V + slot[:, None] + dims[None, :] * stride_d,
                     mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
 
         # 4. Scores, soft-cap, mask (causal inside the sequence's new tokens, and the window).
@@ -156,8 +148,8 @@ class PagedLayout:
     starts:    (B,) int32: positions sequence b already holds before this step.
     counts:    (B,) int32: its new tokens (its queries), T_b >= 1.
     rows:      (B,) int32: the row of its first query in q's N (counts' running sum before b).
-    max_count: the largest T_b, and max_keys the largest ``starts[b] + counts[b]`` (host ints:
-               they size the grid).
+    max_count: the largest T_b, max_keys the largest ``starts[b] + counts[b]``, num_tokens
+               the sum of the T_b (host ints: they size the grid and check q).
     """
 
     tables: torch.Tensor
@@ -166,6 +158,7 @@ class PagedLayout:
     rows: torch.Tensor
     max_count: int
     max_keys: int
+    num_tokens: int
 
     @classmethod
     def build(cls, starts: list[int], counts: list[int], block_tables: list[list[int]],
@@ -181,7 +174,7 @@ class PagedLayout:
         rows = [sum(counts[:b]) for b in range(len(counts))]
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device)  # noqa: E731
         return cls(tables.to(device), as_tensor(starts), as_tensor(counts), as_tensor(rows),
-                   max(counts), max(s + c for s, c in zip(starts, counts)))
+                   max(counts), max(s + c for s, c in zip(starts, counts)), sum(counts))
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layout: PagedLayout, *,
@@ -197,7 +190,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     sequence's keys (None: enough for about :data:`TARGET_PROGRAMS` programs, at most
     :data:`MAX_SPLITS`, never more than the longest sequence has key tiles). Correct for any
     T_b; meant for T_b <= :data:`PAGED_MAX_QUERIES`. Returns (1, H, N, D) in q's dtype.
+    ValueError when q's N is not the layout's, or the pools differ in shape or strides.
     """
+    if q.shape[2] != layout.num_tokens or k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride():
+        raise ValueError(f"paged attention: q {tuple(q.shape)} for {layout.num_tokens} queries, pools "
+                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}: want N queries and two pools of one layout")
     _, H, N, D = q.shape
     _, block_size, n_kv, _ = k_pool.shape
     n_rep = H // n_kv
@@ -220,8 +217,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, layout.tables, layout.starts, layout.counts, layout.rows, acc, m, l,
         q.stride(1), q.stride(2), q.stride(3),
-        *k_pool.stride(), *v_pool.stride(), layout.tables.stride(0),
-        N, D, block_size, n_rep, row_blocks, n_splits,
+        *k_pool.stride(), layout.tables.stride(0),
+        N, D, block_size, n_rep, n_splits, row_blocks,
         window or 0, float(softcap or 0.0), float(scale),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype),
         BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
