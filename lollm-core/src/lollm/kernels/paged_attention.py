@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from lollm.batch import Batch
-from lollm.kernels.flash_decode import BLOCK_R, DECODE_TILES, MAX_SPLITS, TARGET_PROGRAMS, _flash_decode_combine_kernel
+from lollm.kernels.flash_decode import BLOCK_R, MAX_SPLITS, TARGET_PROGRAMS, _flash_decode_combine_kernel
 from lollm.kernels.flash_prefill import _tiles, dot_precision, head_block
 
 
@@ -134,6 +134,20 @@ def _paged_attention_kernel(
     tl.store(L + part, l_i, mask=row_ok)
 
 
+# Keys per step by head width: (BLOCK_N, num_warps, num_stages). The decode kernel's tiles, except
+# at D = 128: the gathered addresses (one block id per key column) cost registers that the decode
+# kernel's contiguous ones do not, and with 4 warps the kernel spilled (672 bytes per thread in
+# bf16 on sm_90); with 8 warps and one stage it does not. Checked by compiling for sm_90 with
+# the channel stride specialised to 1, as a launch on a contiguous pool does (benchmarks/
+# compile_attention_kernels.py): no spill in bf16 at 64, 128 and 512, 24 bytes at 256; in fp32 at
+# most 144 bytes. Not tuned on a GPU.
+PAGED_TILES = {
+    64: (64, 4, 2),
+    128: (64, 8, 1),
+    256: (32, 8, 1),
+    512: (16, 8, 1),
+}
+
 #: The most new tokens a sequence may bring for the paged kernel to take it (decode and verify
 #: steps; a longer prefill chunk is cheaper to gather once and run through flash_prefill).
 PAGED_MAX_QUERIES = 16
@@ -200,7 +214,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     n_rep = H // n_kv
     B = layout.starts.numel()
     scale = D**-0.5 if scale is None else scale
-    BLOCK_N, num_warps, num_stages = _tiles(DECODE_TILES, D)
+    BLOCK_N, num_warps, num_stages = _tiles(PAGED_TILES, D)
     row_blocks = triton.cdiv(n_rep * layout.max_count, BLOCK_R)
     if splits is None:
         splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (B * n_kv * row_blocks)))
