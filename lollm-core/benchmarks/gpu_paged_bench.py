@@ -57,7 +57,7 @@ def run_engine(model, prompts: list[list[int]], new_tokens: int, device: str) ->
 
     longest = max(len(p) for p in prompts) + new_tokens
     config = EngineConfig(kv_blocks=len(prompts) * -(-longest // 16) + 8, max_sequences=len(prompts),
-                          max_batch_tokens=max(256, len(prompts)))
+                          max_batch_tokens=max(512, len(prompts)))
     engine = Engine(model, config)
     for i, ids in enumerate(prompts):
         engine.add_request(ids, sampling=SamplingParams(temperature=0.0), max_new_tokens=new_tokens, request_id=str(i))
@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=128, help="prompt length of every request")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--context", type=int, nargs="+", default=[512, 4096], help="cached positions (attend)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="the tiny model only, small sizes: a dry run")
     parser.add_argument("--out", help="folder for tables.txt and results.json")
     args = parser.parse_args()

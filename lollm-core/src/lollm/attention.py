@@ -515,8 +515,8 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
        in position order (so ``ring`` never applies here);
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
-    On a CPU the loop costs little beside the shared matmuls; on a GPU the gather copy
-    and B launches would, hence step 0 (docs/flash-attention.md, "Paged attention").
+    On a CPU the loop costs little beside the shared matmuls; on a GPU the gather copies
+    and the B launches are the cost, hence step 0 (docs/flash-attention.md, "Paged attention").
     """
     if _recorder.get() is not None:
         raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
