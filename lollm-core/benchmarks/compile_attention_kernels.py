@@ -6,7 +6,7 @@
 Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90, 32)``)
 with the ``ptxas`` its wheel ships, no driver needed. For every kernel, head width
 (64, 128, 256, 512) and dtype (float32, float16, bfloat16), with the tiles the
-launchers use (``PREFILL_TILES``, ``DECODE_TILES``), this prints the shared memory
+launchers use (``PREFILL_TILES``, ``DECODE_TILES``, ``PAGED_TILES``), this prints the shared memory
 the kernel asks for, and from ``cuobjdump -res-usage`` its registers per thread and
 its stack (local memory: registers spilled). A kernel that does not compile, or asks
 for more shared memory than the architecture has per block, ends the script with
@@ -37,13 +37,15 @@ from lollm.kernels.flash_decode import (
     _flash_decode_split_kernel,
 )
 from lollm.kernels.flash_prefill import PREFILL_TILES, _flash_prefill_kernel, _tiles, dot_precision, head_block
+from lollm.kernels.paged_attention import PAGED_TILES, _paged_attention_kernel
 
 #: Largest shared memory one block may use (opt-in maximum), bytes: A100 and H100/H200.
 SHARED_LIMIT = {80: 166912, 90: 232448}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}
 FLOAT_ARGS = {"softcap", "scale"}
-FP32_BUFFERS = {"Acc", "M", "L"}  # the split kernel's partial results
+FP32_BUFFERS = {"Acc", "M", "L"}  # the split kernels' partial results
+INT32_BUFFERS = {"Tables", "Starts", "Counts", "Rows"}  # the paged kernel's block tables and sequence layout
 
 
 def compile_kernel(fn, dtype: torch.dtype, constexprs: dict, arch: int, num_warps: int, num_stages: int):
@@ -54,6 +56,8 @@ def compile_kernel(fn, dtype: torch.dtype, constexprs: dict, arch: int, num_warp
             signature[name] = "constexpr"
         elif name in FP32_BUFFERS:
             signature[name] = "*fp32"
+        elif name in INT32_BUFFERS:
+            signature[name] = "*i32"
         elif name in ("Q", "K", "V", "Out"):
             signature[name] = POINTER[dtype]
         elif name in FLOAT_ARGS:
@@ -85,6 +89,8 @@ def cases(width: int, dtype: torch.dtype):
     BLOCK_N, warps, stages = _tiles(DECODE_TILES, width)
     yield "decode split", _flash_decode_split_kernel, dict(common, RING=True, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
     yield "decode combine", _flash_decode_combine_kernel, dict(BLOCK_SPLITS=MAX_SPLITS, BLOCK_D=head_block(width)), 4, 2
+    BLOCK_N, warps, stages = _tiles(PAGED_TILES, width)
+    yield "paged split", _paged_attention_kernel, dict(common, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
 
 
 def build(arch: int, width: int, dtype: torch.dtype):

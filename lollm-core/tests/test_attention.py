@@ -444,3 +444,37 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
     engine.prefill([1, 2, 3])
     engine.decode([1, 2, 3], 1)
     assert loads == ["eager"] and runs == ["eager", "eager"]
+
+
+def test_an_engine_step_takes_a_backends_paged_path_for_the_rows_it_covers(monkeypatch):
+    """attend(start=Batch): a backend's ``attend_paged`` runs once for the step; only the sequences
+    it leaves uncovered take the per-sequence gather loop, and the step equals the plain backend's."""
+    from lollm.batch import Batch
+
+    g = torch.Generator().manual_seed(7)
+    H, K, D, block_size = 4, 2, 16, 4
+    k_pool, v_pool = torch.randn(2, 9, block_size, K, D, generator=g)
+    batch = Batch(starts=[5, 0, 9], counts=[1, 6, 2], block_tables=[[3, 7], [1, 8], [6, 0, 2]],
+                  block_size=block_size, state_slots=[0, 1, 2])
+    q = torch.randn(1, H, 9, D, generator=g)
+    with use_backend("eager"):
+        want = attend(q, k_pool, v_pool, start=batch, window=4)
+    paged_calls, loop_calls = [], []
+
+    def paged(q, k_pool, v_pool, batch, **kw):  # covers sequences 0 and 2 with something the loop never writes
+        paged_calls.append(kw)
+        out = torch.full_like(q, float("nan"))
+        out[:, :, 0:1], out[:, :, 7:9] = want[:, :, 0:1], want[:, :, 7:9]
+        return out, [True, False, True]
+
+    def per_sequence(q, k, v, **kw):
+        loop_calls.append((q.shape[2], k.shape[2], kw["start"]))
+        return attention.eager_attention(q, k, v, **kw)
+
+    monkeypatch.setitem(attention.BACKENDS, "paged-test", attention.Backend("paged-test", "test", per_sequence,
+                                                                           attend_paged=paged))
+    with use_backend("paged-test"):
+        got = attend(q, k_pool, v_pool, start=batch, window=4)
+    assert paged_calls == [dict(window=4, softcap=None, scale=None)]
+    assert loop_calls == [(6, 6, 0)]  # only sequence 1: 6 queries over its 6 gathered keys
+    assert torch.equal(got, want)

@@ -276,28 +276,53 @@ def triton_attention(q, k, v, *, start: int, ring: bool = False, window: int | N
     return flash_attention(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
 
 
+def triton_attention_paged(q, k_pool, v_pool, batch: Batch, *, window: int | None = None, softcap: float | None = None,
+                           scale: float | None = None) -> tuple[torch.Tensor, list[bool]]:
+    """The ``triton`` backend in an engine step: the paged kernel of :mod:`lollm.kernels.paged_attention`.
+
+    q (1, H, N, D); k_pool, v_pool (blocks, block_size, K, D) -> (out (1, H, N, D), covered (B,) bools).
+    One launch reads the keys of every sequence with at most 16 new tokens (decode and verify
+    steps) through its block table, without gathering them; those rows of ``out`` are set.
+    Longer prefill chunks are left to :func:`_attend_batch` (``covered[b]`` False). Checks as
+    :func:`triton_attention`.
+    """
+    global _triton_ready
+    if not _triton_ready:
+        triton_check(q.device)
+        _triton_ready = True
+    from lollm.kernels import flash_attention_paged
+
+    return flash_attention_paged(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of :func:`attend`.
 
-    name:    what ``--attn`` and ``LOLLM_ATTN`` call it.
-    summary: one line for help texts and docs.
-    attend:  ``attend(q, k, v, *, start, ring, window, softcap, scale) -> out (1, H, T, D)``.
-    check:   ``check(device or None)``: raises AttentionBackendError when the backend
-             cannot run here (a missing extra, no GPU); called before a model loads.
+    name:         what ``--attn`` and ``LOLLM_ATTN`` call it.
+    summary:      one line for help texts and docs.
+    attend:       ``attend(q, k, v, *, start, ring, window, softcap, scale) -> out (1, H, T, D)``.
+    check:        ``check(device or None)``: raises AttentionBackendError when the backend
+                  cannot run here (a missing extra, no GPU); called before a model loads.
+    attend_paged: optional, for engine steps (:func:`_attend_batch`): ``attend_paged(q, k_pool,
+                  v_pool, batch, *, window, softcap, scale) -> (out (1, H, N, D), covered (B,) bools)``,
+                  reading the keys straight from the pool through the block tables; it sets the
+                  rows of the sequences it covers. None: every sequence takes ``attend`` on
+                  gathered keys.
     """
 
     name: str
     summary: str
     attend: Callable[..., torch.Tensor]
     check: Callable[[torch.device | None], None] = lambda device: None
+    attend_paged: Callable[..., tuple[torch.Tensor, list[bool]]] | None = None
 
 
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", "PyTorch's scaled_dot_product_attention (the default and the reference)", sdpa_attention),
     "eager": Backend("eager", "scores and softmax written out (readable; the path that records probabilities)", eager_attention),
     "triton": Backend("triton", "FlashAttention-2 and split-K decode kernels in Triton (lollm-core[triton]; a CUDA GPU)",
-                      triton_attention, triton_check),
+                      triton_attention, triton_check, triton_attention_paged),
 }
 
 
@@ -481,29 +506,41 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
     The matmuls around attention were shared by the whole batch; attention itself is
     per sequence, because each sequence reads its own keys. For sequence b:
 
-    1. its queries are the rows ``lo:hi`` of the N;
+    0. a backend with a paged kernel (``Backend.attend_paged``: ``triton``) first runs it
+       once over the whole batch: it reads each sequence's keys in place through its
+       block table and sets the rows of the sequences it covers (decode and verify steps);
+    1. every other sequence's queries are the rows ``lo:hi`` of the N;
     2. its keys are gathered from its blocks: ``pool[block_table]`` (n, block_size, K, D)
        laid end to end and cut at its length, ``starts[b] + counts[b]`` positions,
        in position order (so ``ring`` never applies here);
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
-    A CUDA engine would run one varlen or paged kernel over all sequences instead of
-    this loop; on a CPU the loop costs little beside the shared matmuls.
+    On a CPU the loop costs little beside the shared matmuls; on a GPU the gather copies
+    and the B launches are the cost, hence step 0 (docs/flash-attention.md, "Paged attention").
     """
     if _recorder.get() is not None:
         raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"attend: an engine step wants k, v pools (blocks, block_size, K, D), got {tuple(k_pool.shape)}")
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != batch.num_tokens or q.shape[3] != k_pool.shape[3] \
+            or q.shape[1] % k_pool.shape[2]:
+        raise ValueError(f"attend: an engine step of {batch.num_tokens} tokens wants q (1, H, N, D) with H a multiple "
+                         f"of K, got q {tuple(q.shape)} and pools {tuple(k_pool.shape)}")
     name = _selected.get()
     backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
     K, D = k_pool.shape[2], k_pool.shape[3]
-    outs = []
-    for (lo, hi), first, table in zip(batch.segments(), batch.starts, batch.block_tables):
+    if backend.attend_paged is not None:
+        out, covered = backend.attend_paged(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
+    else:
+        out, covered = q.new_empty(q.shape), [False] * len(batch.counts)  # (1, H, N, D)
+    for (lo, hi), first, table, done in zip(batch.segments(), batch.starts, batch.block_tables, covered):
+        if done:
+            continue
         S = first + (hi - lo)
         blocks = torch.tensor(table, dtype=torch.long, device=k_pool.device)
         k = k_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
         v = v_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
         q_b = q[:, :, lo:hi]  # (1, H, T_b, D)
         _check_heads(q_b, k, v)
-        outs.append(backend.attend(q_b, k, v, start=first, ring=False, window=window, softcap=softcap, scale=scale))
-    return torch.cat(outs, dim=2)  # (1, H, N, D)
+        out[:, :, lo:hi] = backend.attend(q_b, k, v, start=first, ring=False, window=window, softcap=softcap, scale=scale)
+    return out  # (1, H, N, D)
