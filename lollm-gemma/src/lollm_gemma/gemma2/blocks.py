@@ -156,6 +156,8 @@ class Gemma2Attention(nn.Module):
         # attention: scores soft-capped to (-cap, cap), then causal; a sliding layer reads only
         # the last W positions (p - W < j <= p). Query head h reads K/V head h // (H/K) (GQA).
         # In a one-token step a sliding layer's ring hands its slots in ring order (kv.py).
+        # In an engine step (start a lollm.batch.Batch) k, v are the layer's paged pool,
+        # read in position order through the block tables: attend ignores ring there.
         ring = window is not None and cache is not None and T == 1
         out = attend(q, k, v, start=start, ring=ring, window=window, softcap=self.softcap,
                      scale=self.scale, layer=self.layer_idx)  # (1, H, T, D)

@@ -163,7 +163,9 @@ class Gemma3Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): the keys this layer may read
         # attention: causal; a sliding layer reads only the last W positions (p - W < j <= p).
         # Query head h reads K/V head h // (H/K) (GQA). In a one-token step a sliding
-        # layer's ring hands its slots in ring order (kv.py).
+        # layer's ring hands its slots in ring order (kv.py). In an engine step (start a
+        # lollm.batch.Batch) k, v are the layer's paged pool, read in position order
+        # through the block tables: attend ignores ring there.
         ring = window is not None and cache is not None and T == 1
         out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,
                      layer=self.layer_idx)  # (1, H, T, D)

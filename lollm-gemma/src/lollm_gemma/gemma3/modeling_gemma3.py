@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
+
 from .blocks import Gemma3Attention, Gemma3MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma3Config
 from .kv import Gemma3Cache
@@ -108,23 +110,38 @@ class Gemma3ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         return Gemma3Cache(self.config, max_tokens, device=weight.device, dtype=weight.dtype)
 
+    def cache_layers(self) -> list[CacheLayer]:
+        """What each cache layer holds, for the batched engine (lollm.batch), one entry per decoder layer.
+
+        Layer i follows ``layer_types[i]``: a sliding layer reads a window of W positions
+        (``CacheLayer("sliding", K, D, window=W)``), a global one every position ("full").
+        The engine pages both alike; the window is applied where attention runs.
+        """
+        c = self.config
+        K, D = c.num_key_value_heads, c.head_dim
+        return [CacheLayer("sliding", K, D, window=c.sliding_window) if t == SLIDING else CacheLayer("full", K, D)
+                for t in c.layer_types]
+
     def forward(
         self,
         input_ids: torch.Tensor,
         cache: Gemma3Cache | None = None,
         *,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
         The T tokens sit at positions ``cache.length .. cache.length+T-1`` (0.. without
-        a cache); the cache receives their keys/values and advances by T.
+        a cache); the cache receives their keys/values and advances by T. In an engine
+        step the cache is a lollm.engine PagedCache: the T tokens are those of several
+        sequences end to end, ``cache.length`` is their lollm.batch.Batch, and
+        ``logits_to_keep`` a tensor of rows (lollm.batch explains the seam).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
         """
         T = input_ids.shape[1]
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
         if cache is not None:
             cache.check_room(T)
 
@@ -137,7 +154,7 @@ class Gemma3ForCausalLM(nn.Module):
         # 2. Positions of the new tokens, and the cos/sin of their RoPE angles: one pair
         #    per layer type (local base for sliding layers, global base for full ones),
         #    computed once here for just these T positions and shared by the layers.
-        positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
+        positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
         rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
 
         # 3. Who may attend to whom: every layer causally, a sliding layer only within the
@@ -162,8 +179,8 @@ class Gemma3ForCausalLM(nn.Module):
 
         # 6. Output head, only on the positions whose logits are wanted
         #    (a prefill needs the last one: 1 row of the vocab-sized matmul, not T).
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        #    An engine step passes a tensor: the row of each sequence's last token.
+        x = keep_logit_rows(x, logits_to_keep)
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
 
     def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:

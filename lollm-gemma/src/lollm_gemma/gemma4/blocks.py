@@ -179,7 +179,9 @@ class Gemma4Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(1, T, H, D)).transpose(1, 2)  # (1, H, T, D)
         q = apply_rope(q, cos, sin)
         if self.is_kv_shared:
-            k, v, ring = shared_kv[self.layer_type]  # (1, K, S, D), produced earlier in this forward
+            # the source layer's keys/values, produced earlier in this forward: (1, K, S, D),
+            # or in an engine step its pool (blocks, block_size, K, D), read with the same Batch
+            k, v, ring = shared_kv[self.layer_type]
         else:
             k_raw = self.k_proj(x).view(1, T, K, D)
             v_raw = self.v_proj(x).view(1, T, K, D) if self.v_proj is not None else k_raw
@@ -187,7 +189,9 @@ class Gemma4Attention(nn.Module):
             v = self.v_norm(v_raw).transpose(1, 2)  # (1, K, T, D)
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v)  # (1, K, S, D): the keys this layer may read
-            # in a one-token step a sliding layer's ring hands its slots in ring order (kv.py)
+            # in a one-token step a sliding layer's ring hands its slots in ring order (kv.py);
+            # in an engine step (start a lollm.batch.Batch) k, v are the layer's paged pool
+            # (blocks, block_size, K, D), read in position order: attend ignores ring there
             ring = window is not None and cache is not None and T == 1
             if self.stores_kv:
                 shared_kv[self.layer_type] = (k, v, ring)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
 from lollm.trace import record_series, record_softcap, tracing
 
 from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding
@@ -157,6 +158,27 @@ class Gemma4ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         return Gemma4Cache(self.config, max_tokens, device=weight.device, dtype=weight.dtype)
 
+    def cache_layers(self) -> list[CacheLayer]:
+        """What each cache layer holds, for the batched engine (lollm.batch), one entry per decoder layer.
+
+        Layer i's keys have its type's shape (``kv_heads_for``, ``head_dim_for``: a global
+        layer may be wider, or have other KV heads, than a sliding one): "sliding" with a
+        window of W, or "full". A KV-sharing layer (``kv_source(i) != i``) stores nothing
+        and calls no ``cache.update``: it is "shared", and reads the pool of its source
+        layer, which the forward hands it through ``shared_kv``.
+        """
+        c = self.config
+        out = []
+        for i, t in enumerate(c.layer_types):
+            K, D = c.kv_heads_for(t), c.head_dim_for(t)
+            if c.kv_source(i) != i:
+                out.append(CacheLayer("shared"))
+            elif t == SLIDING:
+                out.append(CacheLayer("sliding", K, D, window=c.sliding_window))
+            else:
+                out.append(CacheLayer("full", K, D))
+        return out
+
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The per-layer embeddings: (1, T) ids and (1, T, C) scaled embeddings -> (1, T, L, P).
 
@@ -176,19 +198,22 @@ class Gemma4ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         cache: Gemma4Cache | None = None,
         *,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
         The T tokens sit at positions ``cache.length .. cache.length+T-1`` (0.. without
-        a cache); the cache receives their keys/values and advances by T.
+        a cache); the cache receives their keys/values and advances by T. In an engine
+        step the cache is a lollm.engine PagedCache: the T tokens are those of several
+        sequences end to end, ``cache.length`` is their lollm.batch.Batch, and
+        ``logits_to_keep`` a tensor of rows (lollm.batch explains the seam).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
         """
         c = self.config
         T = input_ids.shape[1]
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
         if cache is not None:
             cache.check_room(T)
 
@@ -202,7 +227,7 @@ class Gemma4ForCausalLM(nn.Module):
 
         # 3. Positions, and the cos/sin of their RoPE angles per layer type (the head
         #    widths differ: 256 for sliding layers, 512 for global ones on E2B).
-        positions = torch.arange(start, start + T, device=input_ids.device)  # (T,)
+        positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
         rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
 
         # 4. Who may attend to whom, per layer type: causally, a sliding layer only within the
@@ -211,17 +236,21 @@ class Gemma4ForCausalLM(nn.Module):
 
         # 5. The decoder layers. Layers that compute keys/values write them to their cache;
         #    the last num_kv_shared_layers read their source layer's from `shared_kv`.
+        #    In an engine step the stored keys are the source layer's pools (blocks, block_size, K, D),
+        #    which the KV-sharing layers read through the same Batch (ring order never applies there).
         shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # type -> (k, v, ring order?)
+        cut = logits_to_keep if isinstance(logits_to_keep, int) else 0  # an engine step (a tensor of rows): no cut
         last = len(self.model.layers) - 1
         q_start = start  # position of the first query the layers carry
         for i, layer in enumerate(self.model.layers):
-            if i == c.first_kv_shared_layer and 0 < logits_to_keep < x.shape[1] and hidden_states is None:
+            if i == c.first_kv_shared_layer and 0 < cut < x.shape[1] and hidden_states is None:
                 # 5a. From here on no layer writes to the cache, and position t of the output
                 #     depends only on position t of x (plus the stored keys/values). So only the
                 #     positions whose logits are wanted need to go on: a prefill carries its
                 #     last token alone through the KV-sharing layers (against all the stored keys).
-                x, ple, rope = self._keep_last(logits_to_keep, x, ple, rope)
-                q_start = start + T - logits_to_keep
+                #     (An engine step carries all its N tokens on, with the same Batch.)
+                x, ple, rope = self._keep_last(cut, x, ple, rope)
+                q_start = start + T - cut
             t = layer.layer_type
             cos, sin = rope[t]
             x = layer(x, None if ple is None else ple[:, :, i], cos, sin, q_start, windows[t], cache, shared_kv)  # (1, T, C)
@@ -235,9 +264,9 @@ class Gemma4ForCausalLM(nn.Module):
         if hidden_states is not None:
             hidden_states.append(x)
 
-        # 7. Output head, only on the positions whose logits are wanted.
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+        # 7. Output head, only on the positions whose logits are wanted (an engine
+        #    step passes a tensor: the row of each sequence's last token).
+        x = keep_logit_rows(x, logits_to_keep)
         logits = self.lm_head(x)  # (1, T or logits_to_keep, vocab)
 
         # 8. Final-logit soft-cap: cap * tanh(logits / cap) keeps every logit in (-cap, cap).
