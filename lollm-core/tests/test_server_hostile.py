@@ -252,11 +252,11 @@ def test_openapi_describes_the_endpoints(server, client):
     assert response.status_code == 200
     schema = response.json()
     assert schema["openapi"].startswith("3.0")
-    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     request = chat["requestBody"]["content"]["application/json"]["schema"]
     assert request["properties"]["model"]["enum"] == [NAME] and set(request["required"]) == {"model", "messages"}
-    assert {"200", "400", "404", "413", "500"} <= set(chat["responses"])
+    assert {"200", "400", "404", "413", "500", "503"} <= set(chat["responses"])
     prompt = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert json.dumps(server.model.vocab_size - 1) in json.dumps(prompt["properties"]["prompt"])
 

@@ -508,8 +508,9 @@ class ModelServer:
         if self.draft_tokens > 0:
             return "--mtp runs one request at a time (the engine does not decode speculatively)"
         if not hasattr(self.model, "cache_layers"):
-            family = getattr(getattr(self.loaded, "family", None), "name", None) or type(self.model).__name__
-            return f"the {family} family cannot run batched yet (its model has no cache_layers()): one request at a time"
+            family = getattr(getattr(getattr(self.loaded, "family", None), "family", None), "name", None)
+            return (f"the {family or type(self.model).__name__} family cannot run batched yet (its model has no "
+                    f"cache_layers()): one request at a time")
         return None
 
     def _start_engine(self, max_running: int, kv_blocks: int | None, max_batch_tokens: int) -> EngineLoop:
@@ -1183,7 +1184,7 @@ def request_line(endpoint: str, result: GenerationResult) -> str:
 
 
 def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
-    """The lines ``lollm serve`` prints once it listens: where, what, and a curl line to paste."""
+    """The lines ``lollm serve`` prints once it listens: where, what, a curl line to paste, and how requests run."""
     shown = f"[{host}]" if ":" in host else host
     if host in ("0.0.0.0", "::"):
         shown = "127.0.0.1"
@@ -1198,9 +1199,9 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
         batching = f"note: {server.single_reason}"
     return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
             + (" (API key required)" if server.api_key else ""),
-            batching,
             f"chat page: {root}/",
-            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"]
+            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+            batching]
 
 
 def _base(server: ModelServer, kind: str) -> dict[str, Any]:
