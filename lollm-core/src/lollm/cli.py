@@ -545,7 +545,7 @@ def serve(
     if not 0 <= port <= 65535:  # before the model loads, not a traceback from the socket after it
         raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
     for flag, value, low in (("--max-running", max_running, 1), ("--kv-blocks", kv_blocks, 1),
-                             ("--max-batch-tokens", max_batch_tokens, 1), ("--max-queue", max_queue, 0)):
+                             ("--max-batch-tokens", max_batch_tokens, 1), ("--max-queue", max_queue, 1)):
         if value is not None and value < low:
             raise LollmError(f"{flag} must be >= {low}, got {value}")
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,

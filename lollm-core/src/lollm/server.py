@@ -484,8 +484,8 @@ class ModelServer:
         self.created = int(time.time())
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.tensor_parallel.Group), else None
-        if max_queue < 0:
-            raise LollmError(f"--max-queue must be >= 0, got {max_queue}")
+        if max_queue < 1:  # a request waits in the queue before it runs, even on an idle server
+            raise LollmError(f"--max-queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         #: why requests run one at a time (None: they run through the engine)
         self.single_reason = self._single_reason() if batched else "batching is off"
