@@ -171,9 +171,10 @@ class EngineLoop:
                 if self.stopped:
                     return
                 new = list(self.inbox)
-                self.inbox.clear()
             for run in new:
                 self._add(run)
+                with self.wake:  # left in the inbox until the engine holds it: never uncounted by waiting()
+                    self.inbox.popleft()
             for run in [r for r in self.active.values() if r.job.cancel.is_set()]:
                 self.engine.abort(run.request_id)
                 self._end(run, "cancelled")
