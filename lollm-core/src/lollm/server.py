@@ -1362,7 +1362,8 @@ class Routes:
         if server.engine_loop is not None:
             config = server.engine_loop.engine.config
             batching = {"max_running": config.max_sequences, "kv_blocks": config.kv_blocks,
-                        "block_size": config.block_size, "max_queue": server.max_queue}
+                        "block_size": config.block_size, "max_queue": server.max_queue,
+                        "prefix_caching": server.engine_loop.engine.scheduler.prefix_caching}
         return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts), "batching": batching})
 
     @guarded

@@ -212,11 +212,13 @@ def cached_again(client, prompt_tokens: int) -> int:
 
     One request at a time (a PromptCache): all but the last. The batched engine (``/health``
     says ``batching``): every full block of ``block_size`` before the last token, since its
-    prefix cache shares whole blocks only.
+    prefix cache shares whole blocks only; none where it keeps no prefix cache (recurrent state).
     """
     batching = health(str(client.base_url).rstrip("/")).get("batching")
     if batching is None:
         return prompt_tokens - 1
+    if not batching["prefix_caching"]:
+        return 0
     size = batching["block_size"]
     return (prompt_tokens - 1) // size * size
 
