@@ -1100,6 +1100,9 @@ class EventStream:
 
     def settled(self, future: Future) -> None:
         """The job's Future is done: its result, or its error, goes on the queue last."""
+        if future.cancelled():  # the server is closing
+            self.put(("done", None))
+            return
         error = future.exception()
         self.put(("done", future.result()) if error is None else ("error", error))
 
