@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -163,6 +164,42 @@ def test_health_answers_while_a_prompt_is_being_tokenized(server, monkeypatch):
     assert answers and answers[0][0] == 200, answers
 
 
+def test_one_request_at_a_time_has_a_bounded_queue_too(loaded, monkeypatch):
+    """The single-sequence path (the toy family has no cache_layers()): one runs, one waits, the next gets 503."""
+    one_at_a_time = ModelServer(loaded, name=NAME, context=CONTEXT, max_queue=1)
+    assert one_at_a_time.engine_loop is None and "cache_layers" in one_at_a_time.single_reason
+    release, running = threading.Event(), threading.Event()
+    run = one_at_a_time.run
+
+    def held(job):
+        running.set()
+        release.wait(timeout=60)  # hang guard
+        return run(job)
+
+    monkeypatch.setattr(one_at_a_time, "run", held)
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 1, "temperature": 0}
+    with serving.app_in_thread(create_app(one_at_a_time)) as root:
+        answers = []
+        ask = lambda: answers.append(serving.post(root + "/v1/completions", body))  # noqa: E731
+        first = threading.Thread(target=ask)
+        first.start()
+        assert running.wait(timeout=60)
+        second = threading.Thread(target=ask)
+        second.start()
+        try:
+            deadline = time.monotonic() + 60  # hang guard
+            while one_at_a_time.pending < 1:
+                assert second.is_alive() and time.monotonic() < deadline, answers
+                time.sleep(0.02)
+            status, headers, error = serving.post(root + "/v1/completions", body)
+        finally:
+            release.set()
+            first.join(timeout=60)
+            second.join(timeout=60)
+    assert status == 503 and int(headers["retry-after"]) >= 1 and error["error"]["code"] == "server_overloaded"
+    assert [a[0] for a in answers] == [200, 200]
+
+
 # -- hostile values: 4xx or an answer, never a 500 ----------------------------------------------------
 
 
@@ -252,11 +289,11 @@ def test_openapi_describes_the_endpoints(server, client):
     assert response.status_code == 200
     schema = response.json()
     assert schema["openapi"].startswith("3.0")
-    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}
+    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     request = chat["requestBody"]["content"]["application/json"]["schema"]
     assert request["properties"]["model"]["enum"] == [NAME] and set(request["required"]) == {"model", "messages"}
-    assert {"200", "400", "404", "413", "500"} <= set(chat["responses"])
+    assert {"200", "400", "404", "413", "500", "503"} <= set(chat["responses"])
     prompt = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert json.dumps(server.model.vocab_size - 1) in json.dumps(prompt["properties"]["prompt"])
 

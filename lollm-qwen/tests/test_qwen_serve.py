@@ -83,6 +83,78 @@ def test_a_message_cannot_forge_control_tokens(client, reference):
     assert ids.count(im_start) == 2  # user, assistant
 
 
+# -- the batched engine behind the server (lollm.serving_engine) ---------------------------------
+
+
+def test_32_concurrent_requests_each_equal_the_same_request_alone(client, reference):
+    serving.check_batched_equals_alone(client, NAME, reference, n=32)
+
+
+def test_the_engine_runs_concurrent_requests_in_one_batch(client, server):
+    serving.check_engine_batches(client, NAME, server)
+
+
+def test_a_client_that_goes_away_frees_its_kv_blocks(client, server):
+    serving.check_disconnect_frees_blocks(client, NAME, server)
+
+
+def test_metrics_parse_and_count(client, server):
+    serving.check_metrics(client, NAME, server)
+
+
+def test_a_full_queue_is_a_503_with_retry_after(reference):
+    """--max-running 1 --max-queue 1, in this process: one runs, one waits, the third is told to come back."""
+    from lollm.server import ModelServer, create_app
+
+    model_server = ModelServer(reference.loaded, name=NAME, context=4096, max_running=1, max_queue=1)
+    try:
+        with serving.app_in_thread(create_app(model_server)) as root:
+            serving.check_full_queue_is_a_503(serving.openai_client(root + "/v1"), NAME, root + "/v1")
+    finally:
+        model_server.close()
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(reference, monkeypatch):
+    """A prompt of 400 kB (the real tokenizer, about a second of work) is tokenized off the event loop."""
+    import random
+    import string
+    import threading
+    import time
+
+    from lollm.server import ModelServer, create_app
+
+    model_server = ModelServer(reference.loaded, name=NAME, context=reference.model.max_context, max_running=1)
+    started, done = threading.Event(), threading.Event()
+    encode = model_server.tokenizer.encode
+
+    def watched_encode(text, **kwargs):
+        started.set()
+        try:
+            return encode(text, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(model_server.tokenizer, "encode", watched_encode)
+    rng = random.Random(0)
+    prompt = "".join(rng.choice(string.ascii_letters + " ") for _ in range(400_000))  # more tokens than the context
+    try:
+        with serving.app_in_thread(create_app(model_server)) as root:
+            answers = []
+            big = threading.Thread(target=lambda: answers.append(serving.post(
+                root + "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 1})))
+            big.start()
+            assert started.wait(timeout=120), "the prompt never reached the tokenizer"
+            asked = time.monotonic()
+            status, health = serving.http(root + "/health")
+            waited, while_busy = time.monotonic() - asked, not done.is_set()
+            big.join(timeout=300)
+    finally:
+        model_server.close()
+    assert status == 200 and health["status"] == "ok" and waited < 30  # hang guard, far above a normal answer
+    assert while_busy, "/health waited for the tokenizer: tokenizing ran on the event loop"
+    assert answers and answers[0][0] == 400 and answers[0][2]["error"]["code"] == "context_length_exceeded"
+
+
 # -- bad requests: each a 4xx with an OpenAI-style error body --------------------------------
 
 

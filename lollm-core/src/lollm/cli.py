@@ -530,6 +530,10 @@ def serve(
     quantize: Quantize = None,
     group_size: GroupSize = 32,
     tp: with_help(Tp, "Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md).") = 1,
+    max_running: int = typer.Option(16, "--max-running", metavar="N", help="The batched engine runs at most N requests at once (docs/serving.md)."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", metavar="N", help="KV cache blocks (16 positions each) in the engine's pool (default: --max-running sequences of up to 2048 positions, at most half the free memory)."),
+    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", metavar="N", help="The most tokens in one engine step: decode tokens plus prefill chunks."),
+    max_queue: int = typer.Option(128, "--max-queue", metavar="N", help="At most N requests wait to run; one more gets 503 with Retry-After."),
     model_opt: ModelOpt = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
@@ -540,6 +544,10 @@ def serve(
     check_ctx_size(ctx_size)
     if not 0 <= port <= 65535:  # before the model loads, not a traceback from the socket after it
         raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
+    for flag, value, low in (("--max-running", max_running, 1), ("--kv-blocks", kv_blocks, 1),
+                             ("--max-batch-tokens", max_batch_tokens, 1), ("--max-queue", max_queue, 1)):
+        if value is not None and value < low:
+            raise LollmError(f"{flag} must be >= {low}, got {value}")
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 
@@ -564,6 +572,7 @@ def serve(
     server = ModelServer(
         loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
+        max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
     )
     if not is_leader(loaded.tp):
         server.follow()  # every generation rank 0 runs, until rank 0 stops

@@ -3,13 +3,15 @@
 ::
 
     POST /v1/chat/completions   messages ─► chat template ─► token ids ─┐
-    POST /v1/completions        prompt text (or ids) ─► token ids ──────┤
+    POST /v1/completions        prompt text (or ids) ─► token ids ──────┤   (in a thread pool, off the event loop)
                                                                         ▼
-                 one worker thread, requests in arrival order: generate(…, prompt_cache)
+                 a bounded queue (503 + Retry-After when full) ─► the batched engine: one thread steps it,
+                 every request joins the running batch at the next step (lollm.serving_engine)
                                                                         │
                  JSON, or server-sent events (``stream: true``) ◄───────┘
     GET  /v1/models             the one model served
-    GET  /health                {"status": "ok", ...} and request counters
+    GET  /health                {"status": "ok", ...}, request counters and how requests are batched
+    GET  /metrics               Prometheus text format (lollm.serving_metrics)
     GET  /openapi.json          the OpenAPI 3.0 description of the endpoints above
     GET  /                      a chat page (lollm/static/chat.html) that streams through /v1/chat/completions
 
@@ -20,10 +22,17 @@ endpoint, prompt / cached / generated tokens, time to first token, tok/s, finish
 Requests and answers follow OpenAI's API, so its clients (the ``openai``
 package, editors, agent tools) talk to it unchanged; see docs/serving.md.
 
-* One model, one thread: requests wait in a queue and run one at a time
-  through one :class:`~lollm.prompt_cache.PromptCache`, so a client that sends
-  its growing conversation again reuses what its last request computed
-  (``usage.prompt_tokens_details.cached_tokens`` says how much).
+* Many requests, one batch: requests run through :class:`lollm.engine.Engine`
+  (continuous batching over a paged KV cache with prefix caching, docs/batching.md):
+  a request joins the running batch at the engine's next step, leaves it the step
+  it ends, and reuses every full KV block of its prompt that an earlier request
+  left in the pool (``usage.prompt_tokens_details.cached_tokens`` says how much).
+  At most ``max_queue`` requests wait; one more gets a 503 with ``Retry-After``.
+* One request at a time where the engine cannot serve: tensor parallel (``--tp``),
+  speculative decoding (``--mtp``), a family whose model has no ``cache_layers()``.
+  Then one worker thread runs requests in arrival order through one
+  :class:`~lollm.prompt_cache.PromptCache`, so a client that sends its growing
+  conversation again reuses what its last request computed.
 * One request cannot stall the others: the event loop only reads bodies (at
   most :func:`body_limit` bytes) and writes answers. Parsing the JSON (at most
   :data:`MAX_JSON_DEPTH` levels deep), checking the fields, rendering the
@@ -31,7 +40,7 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   ``run_in_threadpool``), after a size check that refuses a text too long to
   fit the context before it is tokenized (:meth:`ModelServer.check_text_size`).
 * A client that goes away (a closed stream, a dropped connection) cancels its
-  generation at the next token.
+  generation at the next token; in the engine its KV blocks go back to the pool.
 * A bad request gets a 4xx with an OpenAI-style error body
   (``{"error": {"message", "type", "param", "code"}}``) that names the field;
   a bug gets a 500 with the same shape and one log line (type, message, where;
@@ -76,7 +85,7 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -87,6 +96,8 @@ from lollm.errors import LollmError, TokenizerError
 from lollm.generate import GenerationResult, TokenLogprobs, generate, stop_token_ids
 from lollm.prompt_cache import PromptCache
 from lollm.sampling import SEED_MAX, SamplingParams, resolve_sampling
+from lollm.serving_engine import EngineLoop, QueueFull, serve_kv_blocks
+from lollm.serving_metrics import CONTENT_TYPE, metrics_for
 from lollm.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint, open_object
 from lollm.tools import ToolCall, ToolCallParser, ToolRequest, ToolRequestError, read_tools, template_tool_calls
 
@@ -119,6 +130,14 @@ DRAIN_BYTES = 64 << 20
 MAX_JSON_DEPTH = 32
 #: The largest integer a request field may hold (a seed goes up to 2**64-1).
 MAX_INTEGER = SEED_MAX
+#: Requests that may wait for the engine (or the single worker) before a 503 (lollm serve --max-queue).
+DEFAULT_MAX_QUEUE = 128
+#: Requests the engine runs at once (lollm serve --max-running): the issue's 16 concurrent clients on a CPU.
+DEFAULT_MAX_RUNNING = 16
+#: Tokens in one engine step (lollm serve --max-batch-tokens): decode tokens plus prefill chunks.
+DEFAULT_MAX_BATCH_TOKENS = 256
+#: Seconds a client told 503 (a full queue) is asked to wait before it tries again.
+RETRY_AFTER_SECONDS = 1
 
 
 def body_limit(context: int) -> int:
@@ -155,9 +174,10 @@ class ApiError(Exception):
     """A request the server refuses: HTTP ``status`` and the OpenAI-style error fields."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers  # extra HTTP headers of the answer (a 503's Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -424,38 +444,99 @@ class Prepared:
 
 
 class ModelServer:
-    """The served model, its prompt cache, the worker thread and the request counters (no HTTP here).
+    """The served model, how requests run (the engine, or one worker thread) and the request counters (no HTTP here).
 
-    loaded:         a :class:`lollm.pipeline.LoadedModel`.
-    name:           the model id clients send (``"model"``).
-    context:        positions of the prompt cache (the longest prompt + answer).
-    sampling_flags: server-wide sampling settings (``lollm serve --temperature`` ...), under a request's own.
-    template_flags: server-wide template variables (``--think``), under a request's chat_template_kwargs.
-    draft_tokens:   MTP draft tokens per step (0: off).
-    api_key:        when set, every /v1 request must carry ``Authorization: Bearer <api_key>``.
-    max_body_bytes: the largest request body, in bytes (default: :func:`body_limit` of the context).
+    loaded:           a :class:`lollm.pipeline.LoadedModel`.
+    name:             the model id clients send (``"model"``).
+    context:          positions one request may use (prompt + answer), at most the model's.
+    sampling_flags:   server-wide sampling settings (``lollm serve --temperature`` ...), under a request's own.
+    template_flags:   server-wide template variables (``--think``), under a request's chat_template_kwargs.
+    draft_tokens:     MTP draft tokens per step (0: off).
+    api_key:          when set, every /v1 request must carry ``Authorization: Bearer <api_key>``.
+    max_body_bytes:   the largest request body, in bytes (default: :func:`body_limit` of the context).
+    batched:          run requests through the batched engine when the model can (see :attr:`single_reason`).
+    max_running:      the engine's most requests at once (its ``max_sequences``).
+    kv_blocks:        the engine's KV pool in blocks (None: :func:`lollm.serving_engine.serve_kv_blocks`).
+    max_batch_tokens: the engine's most tokens per step.
+    max_queue:        the most requests waiting to run; one more is a 503.
+
+    Raises LollmError when the KV pool cannot hold one request of the whole context.
     """
 
     def __init__(self, loaded: Any, *, name: str, context: int, sampling_flags: dict[str, Any] | None = None,
                  template_flags: dict[str, Any] | None = None, draft_tokens: int = 0, api_key: str | None = None,
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, batched: bool = True, max_running: int = DEFAULT_MAX_RUNNING,
+                 kv_blocks: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = name
-        self.cache = PromptCache(self.model, context)
+        self.context = min(context, self.model.max_context)
         self.sampling_flags = {k: v for k, v in (sampling_flags or {}).items() if v is not None}
         self.template_flags = dict(template_flags or {})
         self.draft_tokens = draft_tokens
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes or body_limit(self.cache.max_tokens)
+        self.max_body_bytes = max_body_bytes or body_limit(self.context)
         #: no token stands for more bytes of text than this (the early prompt-length check)
         self.token_bytes_bound = longest_token_bytes(self.tokenizer)
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lollm-generate")
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.tensor_parallel.Group), else None
+        if max_queue < 1:  # a request waits in the queue before it runs, even on an idle server
+            raise LollmError(f"--max-queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        #: why requests run one at a time (None: they run through the engine)
+        self.single_reason = self._single_reason() if batched else "batching is off"
+        self.engine_loop: EngineLoop | None = None
+        self.cache: PromptCache | None = None
+        if self.single_reason is None:
+            self.engine_loop = self._start_engine(max_running, kv_blocks, max_batch_tokens)
+        else:
+            self.cache = PromptCache(self.model, self.context)
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lollm-generate")
+            self._single_lock = threading.Lock()
+            self.pending = 0  # jobs given to the worker that have not started
+            self.busy = 0  # jobs the worker is running (0 or 1)
+            self.metrics = metrics_for(self._single_stats, kv_blocks=False)
+
+    def _single_reason(self) -> str | None:
+        """Why this model cannot run through the engine here (None: it can)."""
+        if self.group is not None:
+            return "--tp runs one request at a time (the engine does not split a model over ranks yet)"
+        if self.draft_tokens > 0:
+            return "--mtp runs one request at a time (the engine does not decode speculatively)"
+        if not hasattr(self.model, "cache_layers"):
+            family = getattr(getattr(getattr(self.loaded, "family", None), "family", None), "name", None)
+            return (f"the {family or type(self.model).__name__} family cannot run batched yet (its model has no "
+                    f"cache_layers()): one request at a time")
+        return None
+
+    def _start_engine(self, max_running: int, kv_blocks: int | None, max_batch_tokens: int) -> EngineLoop:
+        """The engine over the model and the thread that steps it (with this server's metrics)."""
+        from lollm.engine import Engine, EngineConfig
+
+        for flag, value in (("--max-running", max_running), ("--max-batch-tokens", max_batch_tokens), ("--kv-blocks", kv_blocks)):
+            if value is not None and value < 1:
+                raise LollmError(f"{flag} must be >= 1, got {value}")
+        config = EngineConfig(max_sequences=max_running, max_batch_tokens=max_batch_tokens)
+        blocks = kv_blocks or serve_kv_blocks(self.model, self.context, max_running, config.block_size)
+        if blocks * config.block_size < self.context:
+            raise LollmError(f"--kv-blocks {blocks} hold {blocks * config.block_size} positions, fewer than one request of "
+                             f"the context ({self.context}, --ctx-size) needs: give at least "
+                             f"{-(-self.context // config.block_size)} blocks, or lower --ctx-size")
+        engine = Engine(self.model, dataclasses.replace(config, kv_blocks=blocks))
+        self.metrics = metrics_for(engine.stats, kv_blocks=True)
+        return EngineLoop(engine, tokenizer=self.tokenizer, stop_ids=self.stop_ids, max_queue=self.max_queue,
+                          report=self.report, metrics=self.metrics)
+
+    def close(self) -> None:
+        """Stop the engine thread, or the worker (requests still running are not answered)."""
+        if self.engine_loop is not None:
+            self.engine_loop.close()
+        else:
+            self.worker.shutdown(wait=False, cancel_futures=True)
 
     # -- requests ---------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
@@ -529,13 +610,13 @@ class ModelServer:
     def job(self, body: dict[str, Any], ids: list[int], limit: int | None, sampling: SamplingParams, stop: list[str],
             logprobs: int | None) -> Job:
         """The generation of a request whose prompt is ``ids``; ApiError 400 when the prompt leaves no room."""
-        if len(ids) >= self.cache.max_tokens:
+        if len(ids) >= self.context:
             raise self._too_long(body, f"the prompt has {len(ids)} tokens")
-        room = self.cache.max_tokens - len(ids)
+        room = self.context - len(ids)
         return Job(ids=ids, max_tokens=min(limit or room, room), sampling=sampling, stop=stop, logprobs=logprobs)
 
     def _too_long(self, body: dict[str, Any], what: str) -> ApiError:
-        return ApiError(400, f"{what}, but the server's context is {self.cache.max_tokens} (lollm serve --ctx-size); "
+        return ApiError(400, f"{what}, but the server's context is {self.context} (lollm serve --ctx-size); "
                              f"shorten it", param="messages" if "messages" in body else "prompt",
                         code="context_length_exceeded")
 
@@ -548,7 +629,7 @@ class ModelServer:
         unknown characters into one id, could fit more; a prompt that long is
         refused all the same.)
         """
-        if size > (self.cache.max_tokens - 1) * self.token_bytes_bound:
+        if size > (self.context - 1) * self.token_bytes_bound:
             raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
                                        f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
@@ -586,7 +667,7 @@ class ModelServer:
             self.check_text_size(body, len(prompt.encode("utf-8", "surrogatepass")))
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if len(prompt) >= self.cache.max_tokens:
+            if len(prompt) >= self.context:
                 raise self._too_long(body, f"the prompt has {len(prompt)} tokens")
             bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
             if bad:
@@ -612,11 +693,56 @@ class ModelServer:
         except ConstraintError as error:
             raise ApiError(400, str(error), param=param, code=f"unsupported_{param}") from None
 
-    # -- the worker thread ----------------------------------------------------------------
+    # -- running a job: the engine, or the single worker --------------------------------------
+    def submit(self, job: Job) -> Future:
+        """Start ``job``; a Future of its GenerationResult (None: cancelled before it began).
+
+        ApiError 503 (with ``Retry-After``) when ``max_queue`` requests already wait.
+        """
+        try:
+            if self.engine_loop is not None:
+                return self.engine_loop.submit(job)
+            with self._single_lock:
+                if self.pending >= self.max_queue:
+                    raise QueueFull(f"{self.pending} requests are waiting (lollm serve --max-queue {self.max_queue})")
+                self.pending += 1
+            return self.worker.submit(self._run_next, job)
+        except QueueFull as full:
+            raise ApiError(503, f"the server is busy: {full}; try again shortly", kind="server_error",
+                           code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+
+    def _run_next(self, job: Job) -> GenerationResult | None:
+        """The single worker takes the next job: it stops waiting and runs (:meth:`run`)."""
+        with self._single_lock:
+            self.pending -= 1
+            self.busy += 1
+        try:
+            return self.run(job)
+        finally:
+            with self._single_lock:
+                self.busy -= 1
+
+    def _single_stats(self) -> dict[str, int]:
+        return {"running": self.busy, "waiting": self.pending}
+
+    def report(self, job: Job, result: GenerationResult | None, outcome: str) -> None:
+        """A job ended ("completed", "cancelled", "failed"): the counters, its log line, the metrics."""
+        self.counts[outcome] += 1
+        if result is not None:
+            if outcome == "cancelled":
+                log.info("client went away: generation cancelled after %d tokens", len(result.new_ids))
+            log.info("%s", request_line(job.endpoint, result))
+        if self.metrics is not None:
+            if self.engine_loop is None and result is not None:  # the engine counts its tokens as they come
+                self.metrics.generated.inc(len(result.new_ids))
+                if result.new_ids:
+                    self.metrics.ttft.observe(result.prefill_seconds)
+            self.metrics.finished(outcome, len(job.ids), result.reused_tokens if result is not None else 0)
+
     def run(self, job: Job) -> GenerationResult | None:
-        """Generate one job (in the worker thread); None when it was cancelled before it began."""
+        """Generate one job on the single path (in the worker thread); None when it was cancelled before it began."""
         if job.cancel.is_set():
-            self.counts["cancelled"] += 1
+            self.report(job, None, "cancelled")
             return None
         try:
             if self.group is not None:  # --tp: the other ranks run the same job (follow)
@@ -626,14 +752,9 @@ class ModelServer:
                 ranks.broadcast(self.group, (job.ids, job.max_tokens, job.sampling, job.stop, job.logprobs, constraint))
             result = self._generate(job)
         except BaseException:
-            self.counts["failed"] += 1
+            self.report(job, None, "failed")
             raise
-        if result.stop_reason == "cancelled":
-            self.counts["cancelled"] += 1
-            log.info("client went away: generation cancelled after %d tokens", len(result.new_ids))
-        else:
-            self.counts["completed"] += 1
-        log.info("%s", request_line(job.endpoint, result))
+        self.report(job, result, "cancelled" if result.stop_reason == "cancelled" else "completed")
         return result
 
     def _generate(self, job: Job) -> GenerationResult:
@@ -800,6 +921,7 @@ _ERRORS = {
     "404": "a model this server does not serve (model_not_found)",
     "413": "a body over the server's size limit (request_too_large)",
     "500": "a bug in lollm (the server log has one line about it)",
+    "503": "the queue is full (lollm serve --max-queue): try again after Retry-After seconds (server_overloaded)",
 }
 
 
@@ -809,6 +931,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _generation_operation(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     errors = {status: _json(_ERROR, text) for status, text in _ERRORS.items()}
+    errors["503"]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
     ok = _json(answer, "the answer; with stream: true, server-sent events (data: {chunk} ... data: [DONE])")
     event = {"type": "object", "required": ["data"], "description": "one server-sent event (as OpenAPI 3.2 reads a stream)",
              "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
@@ -844,6 +967,10 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
             "200": _json(listing, "the model list"), "401": _json(_ERROR, _ERRORS["401"]), "500": _json(_ERROR, _ERRORS["500"])}}},
         "/health": {"get": {"summary": "whether the server is up, and its request counters (no key needed)",
                             "responses": {"200": _json(health, "the server is up")}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics: running and waiting requests, KV blocks, tokens, time to "
+                                        "first token (no key needed)", "responses": {
+            "200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            "501": _json(_ERROR, "prometheus-client is not installed")}}},
     }
     schema: dict[str, Any] = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
     if server.api_key is not None:
@@ -899,8 +1026,11 @@ async def read_limited(request: Any, limit: int) -> bytes:
 
 
 async def wait(server: ModelServer, request: Any, job: Job) -> GenerationResult | None:
-    """Run ``job`` on the worker; cancel it if the client disconnects meanwhile (or the server stops)."""
-    future = asyncio.get_running_loop().run_in_executor(server.worker, server.run, job)
+    """Run ``job`` (:meth:`ModelServer.submit`); cancel it if the client disconnects meanwhile (or the server stops).
+
+    ApiError 503 at once when the queue is full.
+    """
+    future = asyncio.wrap_future(server.submit(job))
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.25)
@@ -921,10 +1051,12 @@ def sse(payload: Any) -> str:
 class EventStream:
     """The server-sent events of one streamed generation (``stream: true``).
 
-    The worker thread generates and puts what it makes on a queue (:meth:`on_text`,
-    :meth:`on_token`, then the result or the error); :meth:`events`, on the event
-    loop, turns each into an event made by ``chunk(text, logprobs, finish_reason)``.
-    An error after the first event is sent as an error event (a bug: one log line, as for a 500).
+    The engine thread (or the single worker) generates and puts what it makes on a queue
+    (:meth:`on_text`, :meth:`on_token`, then the result or the error, :meth:`settled`);
+    :meth:`events`, on the event loop, turns each into an event made by
+    ``chunk(text, logprobs, finish_reason)``. The job is submitted by :meth:`start`, before
+    the answer begins, so a full queue is still a plain 503. An error after the first event
+    is sent as an error event (a bug: one log line, as for a 500).
     """
 
     def __init__(self, server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
@@ -936,13 +1068,26 @@ class EventStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
 
+    def start(self) -> None:
+        """Submit the job (ApiError 503 when the queue is full); its end comes to :meth:`settled`."""
+        self.server.submit(self.plan.job).add_done_callback(self.settled)
+
     def response(self):
-        """The Starlette StreamingResponse of :meth:`events`."""
+        """The Starlette StreamingResponse of :meth:`events`; when it ends, however it ends, the job is cancelled."""
         from starlette.responses import StreamingResponse
 
-        return StreamingResponse(self.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        cancel = self.plan.job.cancel
 
-    # -- the worker thread's side -------------------------------------------------------------
+        class Response(StreamingResponse):
+            async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+                try:
+                    await super().__call__(scope, receive, send)
+                finally:  # a no-op after the end; stops a generation whose client went away, even before the first event
+                    cancel.set()
+
+        return Response(self.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # -- the generating thread's side ---------------------------------------------------------
     def put(self, item: tuple[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -953,12 +1098,13 @@ class EventStream:
         if logprobs is not None and token not in self.server.stop_ids:
             self.put(("token", logprobs))
 
-    def work(self) -> None:
-        """Run the job (in the worker thread); its result, or its error, goes on the queue last."""
-        try:
-            self.put(("done", self.server.run(self.plan.job)))
-        except BaseException as error:  # reported to the client as an error event
-            self.put(("error", error))
+    def settled(self, future: Future) -> None:
+        """The job's Future is done: its result, or its error, goes on the queue last."""
+        if future.cancelled():  # the server is closing
+            self.put(("done", None))
+            return
+        error = future.exception()
+        self.put(("done", future.result()) if error is None else ("error", error))
 
     # -- the event loop's side ----------------------------------------------------------------
     def failed(self, error: BaseException) -> str:
@@ -992,7 +1138,6 @@ class EventStream:
 
     async def events(self):
         """The events: the assistant's role, then text (with its logprobs) as it comes, the end, ``[DONE]``."""
-        self.loop.run_in_executor(self.server.worker, self.work)
         pending: list[TokenLogprobs] = []
         try:
             yield sse(self.chunk(None, None, None))  # the first chunk: the assistant's role
@@ -1018,8 +1163,10 @@ class EventStream:
 
 
 def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
-    """The StreamingResponse of ``plan``'s generation as server-sent events (:class:`EventStream`)."""
-    return EventStream(server, plan, chunk, where).response()
+    """The StreamingResponse of ``plan``'s generation as server-sent events (:class:`EventStream`); ApiError 503 when full."""
+    events = EventStream(server, plan, chunk, where)
+    events.start()
+    return events.response()
 
 
 # -- the answers' shapes (OpenAI's) -------------------------------------------------------------
@@ -1040,17 +1187,24 @@ def request_line(endpoint: str, result: GenerationResult) -> str:
 
 
 def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
-    """The lines ``lollm serve`` prints once it listens: where, what, and a curl line to paste."""
+    """The lines ``lollm serve`` prints once it listens: where, what, a curl line to paste, and how requests run."""
     shown = f"[{host}]" if ":" in host else host
     if host in ("0.0.0.0", "::"):
         shown = "127.0.0.1"
     root = f"http://{shown}:{port}"
     body = json.dumps({"model": server.name, "messages": [{"role": "user", "content": "Hello!"}]})
     key = ' -H "Authorization: Bearer $LOLLM_API_KEY"' if server.api_key else ""  # the key itself is never printed
-    return [f"lollm serve: {server.name} ({family}, context {server.cache.max_tokens}) at {root}/v1"
+    if server.engine_loop is not None:
+        config = server.engine_loop.engine.config
+        batching = (f"batched: up to {config.max_sequences} requests at once, {config.kv_blocks} KV blocks of "
+                    f"{config.block_size}, {config.max_batch_tokens} tokens a step, {server.max_queue} may wait")
+    else:
+        batching = f"note: {server.single_reason}"
+    return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
             + (" (API key required)" if server.api_key else ""),
             f"chat page: {root}/",
-            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}"]
+            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+            batching]
 
 
 def _base(server: ModelServer, kind: str) -> dict[str, Any]:
@@ -1126,7 +1280,7 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None):
     """The JSONResponse of ``error``: its OpenAI-style body with its status."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
 
 
 def guarded(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -1206,7 +1360,23 @@ class Routes:
     async def health(self, request: Any):
         from starlette.responses import JSONResponse
 
-        return JSONResponse({"status": "ok", "model": self.server.name, "requests": dict(self.server.counts)})
+        server = self.server
+        batching = None
+        if server.engine_loop is not None:
+            config = server.engine_loop.engine.config
+            batching = {"max_running": config.max_sequences, "kv_blocks": config.kv_blocks,
+                        "block_size": config.block_size, "max_queue": server.max_queue,
+                        "prefix_caching": server.engine_loop.engine.scheduler.prefix_caching}
+        return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts), "batching": batching})
+
+    @guarded
+    async def metrics(self, request: Any):
+        """Prometheus' text format (lollm.serving_metrics); 501 when prometheus-client is not installed."""
+        from starlette.responses import Response
+
+        if self.server.metrics is None:
+            raise ApiError(501, "/metrics needs prometheus-client: pip install 'lollm-core[serve]'", kind="server_error")
+        return Response(self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @guarded
     async def openapi(self, request: Any):
@@ -1234,6 +1404,7 @@ def create_app(server: ModelServer):
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics, methods=["GET"]),
         Route("/openapi.json", routes.openapi, methods=["GET"]),
     ], exception_handlers={HTTPException: routes.http_error})
 

@@ -193,8 +193,9 @@ def check_chat(client, model: str, reference: Reference, max_tokens: int = 24) -
             finish = choice.finish_reason or finish
     assert "".join(pieces) == expected.text and len([p for p in pieces if p]) > 1, pieces
     assert finish == reply.choices[0].finish_reason
-    # the same prompt again: all of it but its last token comes from the prompt cache
-    assert usage is not None and usage.prompt_tokens_details.cached_tokens == len(ids) - 1, usage
+    # the same prompt again: all of it but its last token comes from the prompt cache (one request at a time),
+    # or every full KV block of it but the one holding its last token (the batched engine's prefix cache)
+    assert usage is not None and usage.prompt_tokens_details.cached_tokens == cached_again(client, len(ids)), usage
 
     # the conversation goes on: the previous prompt is reused at least up to its last token (the
     # answer's text, tokenized again, may part from the ids generated; a ring or a recurrent state
@@ -203,7 +204,23 @@ def check_chat(client, model: str, reference: Reference, max_tokens: int = 24) -
     again = client.chat.completions.create(model=model, messages=follow, max_tokens=4, **GREEDY)
     follow_ids = reference.chat_ids(follow)
     assert again.choices[0].message.content == reference.generate(follow_ids, 4).text
-    assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 1, again.usage
+    assert again.usage.prompt_tokens_details.cached_tokens >= cached_again(client, len(ids)), again.usage
+
+
+def cached_again(client, prompt_tokens: int) -> int:
+    """Prompt tokens the server takes from its cache when a prompt of ``prompt_tokens`` comes again.
+
+    One request at a time (a PromptCache): all but the last. The batched engine (``/health``
+    says ``batching``): every full block of ``block_size`` before the last token, since its
+    prefix cache shares whole blocks only; none where it keeps no prefix cache (recurrent state).
+    """
+    batching = health(str(client.base_url).rstrip("/")).get("batching")
+    if batching is None:
+        return prompt_tokens - 1
+    if not batching["prefix_caching"]:
+        return 0
+    size = batching["block_size"]
+    return (prompt_tokens - 1) // size * size
 
 
 def check_completions(client, model: str, reference: Reference, max_tokens: int = 16) -> None:
@@ -314,6 +331,170 @@ def check_concurrent_requests(client, model: str, reference: Reference, max_toke
         t.join(timeout=300)
     assert not errors, errors
     assert [answers.get(i) for i in range(len(jobs))] == expected
+
+
+# -- the batched engine behind the server (lollm.serving_engine) ------------------------------------
+
+
+def metrics(base_url: str) -> dict[str, Any]:
+    """``GET /metrics`` parsed with prometheus-client's own parser: {sample name (labels appended): value}.
+
+    A histogram's buckets read ``name_bucket{le=1.0}``; a counter's sample is ``name_total``.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=60) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples
+
+
+ENGINE_METRICS = ("lollm_requests_running", "lollm_requests_waiting", "lollm_kv_blocks_used", "lollm_kv_blocks_total",
+                  "lollm_generated_tokens_total", "lollm_prompt_cached_tokens_total", "lollm_prompt_tokens_total",
+                  "lollm_time_to_first_token_seconds_count", "lollm_engine_step_requests_count")
+
+
+def check_metrics(client, model: str, base_url: str) -> None:
+    """/metrics parses (prometheus-client's parser), names every metric, and counts one request's tokens."""
+    before = metrics(base_url)
+    assert set(ENGINE_METRICS) <= set(before), sorted(set(ENGINE_METRICS) - set(before))
+    assert before["lollm_kv_blocks_total"] == health(base_url)["batching"]["kv_blocks"]
+    reply = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=5, **GREEDY)
+    after = metrics(base_url)
+    grown = after["lollm_generated_tokens_total"] - before["lollm_generated_tokens_total"]
+    assert grown == reply.usage.completion_tokens, (grown, reply.usage)
+    assert after["lollm_time_to_first_token_seconds_count"] == before["lollm_time_to_first_token_seconds_count"] + 1
+    cached = after["lollm_prompt_cached_tokens_total"] - before["lollm_prompt_cached_tokens_total"]
+    assert cached == reply.usage.prompt_tokens_details.cached_tokens
+    assert after["lollm_requests_running"] == 0 and after["lollm_kv_blocks_used"] == 0  # idle: every block is back
+
+
+def _questions(n: int) -> list[list[dict[str, str]]]:
+    """``n`` different chat requests of different lengths."""
+    words = "fox dog sky tree river stone cloud bird".split()
+    return [[{"role": "user", "content": f"Question {i}: " + " ".join(words[(i + k) % len(words)] for k in range(1 + i % 7))}]
+            for i in range(n)]
+
+
+def ask_at_once(client, model: str, jobs: list[list[dict[str, str]]], max_tokens: int) -> list[tuple[str, str]]:
+    """Every chat of ``jobs`` sent at the same moment (one thread each, odd ones streamed): (text, finish) of each.
+
+    Raises the first error a request met (a 5xx is an ``openai.InternalServerError``).
+    """
+    answers: dict[int, tuple[str, str]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs))
+
+    def ask(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            if i % 2:
+                stream = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, stream=True,
+                                                        **GREEDY)
+                pieces, finish = [], None
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        pieces.append(choice.delta.content or "")
+                        finish = choice.finish_reason or finish
+                answers[i] = ("".join(pieces), finish)
+            else:
+                reply = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, **GREEDY)
+                answers[i] = (reply.choices[0].message.content, reply.choices[0].finish_reason)
+        except BaseException as error:  # raised below
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return [answers[i] for i in range(len(jobs))]
+
+
+def check_batched_equals_alone(client, model: str, reference: Reference, n: int = 32, max_tokens: int = 6) -> None:
+    """``n`` requests at once all complete (no 5xx), each with the answer it gets alone, which is the reference's.
+
+    Greedy: batching must not mix requests up, so each answer is token for token that of the same request
+    sent by itself; every fourth is also that of lollm's single-sequence loop in this process.
+    """
+    jobs = _questions(n)
+    alone = [ask_at_once(client, model, [job], max_tokens)[0] for job in jobs]
+    for job, (text, finish) in list(zip(jobs, alone))[::4]:
+        expected = reference.generate(reference.chat_ids(job), max_tokens)
+        assert text == expected.text and finish == ("stop" if expected.stop_reason == "eos" else "length"), (job, text)
+    together = ask_at_once(client, model, jobs, max_tokens)
+    assert together == alone, [(i, a, b) for i, (a, b) in enumerate(zip(together, alone)) if a != b]
+
+
+def check_engine_batches(client, model: str, base_url: str, n: int = 8, max_tokens: int = 16) -> None:
+    """``n`` requests at once share engine steps: some step gave a token to more than one request (/metrics)."""
+    before = metrics(base_url)
+    ask_at_once(client, model, _questions(n), max_tokens)
+    after = metrics(base_url)
+    steps = after["lollm_engine_step_requests_count"] - before["lollm_engine_step_requests_count"]
+    single = after["lollm_engine_step_requests_bucket{le=1.0}"] - before["lollm_engine_step_requests_bucket{le=1.0}"]
+    assert steps > single, f"every one of the {steps} engine steps served a single request: nothing was batched"
+
+
+def check_disconnect_frees_blocks(client, model: str, base_url: str) -> None:
+    """A client that closes its stream mid-answer: the request is cancelled and its KV blocks go back to the pool."""
+    before = health(base_url)["requests"]
+    stream = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=100_000, stream=True, **GREEDY)
+    for received, _ in enumerate(stream):
+        if received == 4:
+            break
+    assert metrics(base_url)["lollm_kv_blocks_used"] > 0  # the request holds its blocks while it runs
+    stream.close()
+    deadline = time.monotonic() + 120  # hang guard, far above the few steps it takes
+    while health(base_url)["requests"]["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the server did not cancel the generation of the client that went away"
+        time.sleep(0.1)
+    assert health(base_url)["requests"]["completed"] == before["completed"], "the abandoned generation ran to its end"
+    while (now := metrics(base_url))["lollm_kv_blocks_used"] or now["lollm_requests_running"]:
+        assert time.monotonic() < deadline, f"the cancelled request kept its blocks: {now}"
+        time.sleep(0.1)
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+    """POST ``body`` as JSON; (status, headers with lower-case names, parsed JSON answer)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, {k.lower(): v for k, v in error.headers.items()}, json.loads(error.read())
+
+
+def check_full_queue_is_a_503(client, model: str, base_url: str) -> None:
+    """On a server of ``--max-running 1 --max-queue 1``: one request runs, one waits, the next gets 503 + Retry-After.
+
+    The running one is a stream left open (it runs until its client goes away), so the queue stays full
+    for as long as the test needs it; when it closes, the waiting one runs and completes.
+    """
+    running = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=100_000, stream=True, **GREEDY)
+    next(iter(running))  # the first chunk: it is in the engine
+    waiting: list[Any] = []
+    second = threading.Thread(target=lambda: waiting.append(
+        client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=2, **GREEDY)))
+    second.start()
+    deadline = time.monotonic() + 60  # hang guard
+    while metrics(base_url)["lollm_requests_waiting"] < 1:
+        assert time.monotonic() < deadline and second.is_alive(), "the second request never waited"
+        time.sleep(0.05)
+    status, headers, body = post(base_url + "/chat/completions", {"model": model, "messages": CONVERSATION, "max_tokens": 2})
+    running.close()
+    second.join(timeout=120)
+    assert status == 503, (status, body)
+    assert int(headers["retry-after"]) >= 1
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == "server_overloaded"
+    assert waiting and waiting[0].choices[0].finish_reason in ("stop", "length")  # the queued one was served
 
 
 # -- schemathesis against a live server (nox -s schemathesis) ----------------------------------
