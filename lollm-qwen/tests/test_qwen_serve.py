@@ -115,7 +115,8 @@ def test_a_full_queue_is_a_503_with_retry_after(reference):
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(reference, monkeypatch):
-    """A prompt of 400 kB (the real tokenizer, about a second of work) is tokenized off the event loop."""
+    """A prompt of 400 kB is tokenized off the event loop: the tokenizer is held busy until /health has answered
+    (were tokenizing on the event loop, /health would wait for it, a minute, and find it done)."""
     import random
     import string
     import threading
@@ -124,11 +125,12 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(reference, monkeypatch)
     from lollm.server import ModelServer, create_app
 
     model_server = ModelServer(reference.loaded, name=NAME, context=reference.model.max_context, max_running=1)
-    started, done = threading.Event(), threading.Event()
+    started, done, release = threading.Event(), threading.Event(), threading.Event()
     encode = model_server.tokenizer.encode
 
     def watched_encode(text, **kwargs):
         started.set()
+        release.wait(timeout=60)  # hold the tokenizer busy until /health has answered (or a minute has passed)
         try:
             return encode(text, **kwargs)
         finally:
@@ -147,6 +149,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(reference, monkeypatch)
             asked = time.monotonic()
             status, health = serving.http(root + "/health")
             waited, while_busy = time.monotonic() - asked, not done.is_set()
+            release.set()
             big.join(timeout=300)
     finally:
         model_server.close()
