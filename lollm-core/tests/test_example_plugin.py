@@ -193,8 +193,8 @@ def break_the_toy(project: Path) -> None:
     path = project / "src" / "lollm_toy" / "modeling.py"
     text = path.read_text()
     before = text
-    text = text.replace("positions = torch.arange(start, start + T, device=input_ids.device)",
-                        "positions = torch.arange(0, T, device=input_ids.device)")
+    text = text.replace("positions = token_positions(start, T, input_ids.device)",
+                        "positions = token_positions(0, T, input_ids.device)")
     text = text.replace("if hidden_states is not None and i < self.num_layers - 1:", "if hidden_states is not None:")
     assert text != before
     path.write_text(text)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lollm.attention import attend
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
 from lollm.errors import ConfigError
 from lollm.build import WeightLayout, build_model
 from lollm.loader import Checkpoint
@@ -106,6 +107,10 @@ class ToyCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def advance(self, T: int) -> None:
+        """The forward's last move: the T new positions are now part of the cache."""
+        self.length += T
+
     def rollback(self, length: int) -> None:
         """Forget positions from ``length`` on (the stale values are simply overwritten later)."""
         self.length = length
@@ -125,7 +130,7 @@ class ToyAttention(nn.Module):
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor, start: int, cache: ToyCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start, cache: ToyCache | None) -> torch.Tensor:
         B, T, C = x.shape  # (1, T, hidden)
 
         def split(t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, heads, T, head_dim)
@@ -159,7 +164,7 @@ class ToyBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = ToyMLP(config)
 
-    def forward(self, x: torch.Tensor, start: int, cache: ToyCache | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start, cache: ToyCache | None) -> torch.Tensor:
         x = x + self.self_attn(self.ln_1(x), start, cache)  # pre-norm attention, residual
         return x + self.mlp(self.ln_2(x))  # pre-norm MLP, residual
 
@@ -191,13 +196,26 @@ class ToyForCausalLM(nn.Module):
         weight = self.lm_head.weight
         return ToyCache(self.config, max_tokens, weight.device, weight.dtype)
 
+    def cache_layers(self) -> list[CacheLayer]:
+        """What each cache layer holds, for core's batched engine (lollm.batch): every layer full attention."""
+        c = self.config
+        return [CacheLayer("full", c.num_attention_heads, c.head_dim)] * c.num_hidden_layers
+
     def forward(self, input_ids, cache=None, *, logits_to_keep=0, hidden_states=None):
-        start = cache.length if cache is not None else 0
+        """input_ids (1, T) -> logits (1, T or the rows kept, vocab).
+
+        With a ToyCache the T tokens are one sequence's, at ``cache.length ..``. In an
+        engine step (lollm.engine) the cache is core's PagedCache: the T tokens are several
+        sequences' laid end to end, ``cache.length`` is a lollm.batch.Batch saying where
+        each sits, and ``logits_to_keep`` a tensor of rows. token_positions, attend and
+        keep_logit_rows take either form, so the steps below are the same for both.
+        """
+        start = cache.length if cache is not None else 0  # an int, or an engine step's Batch
         T = input_ids.shape[1]
-        if start + T > self.max_context:
-            raise RuntimeError(f"lollm_toy: positions up to {start + T} exceed the context {self.max_context}")
         # 1. Embed the tokens and add the learned position of each.
-        positions = torch.arange(start, start + T, device=input_ids.device)
+        positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
+        if int(positions.max()) >= self.max_context:
+            raise RuntimeError(f"lollm_toy: positions up to {int(positions.max()) + 1} exceed the context {self.max_context}")
         x = self.model.embed_tokens(input_ids) + self.model.embed_positions(positions)[None]  # (1, T, hidden)
         if hidden_states is not None:
             hidden_states.append(x)
@@ -211,10 +229,9 @@ class ToyForCausalLM(nn.Module):
         if hidden_states is not None:
             hidden_states.append(x)
         if cache is not None:
-            cache.length = start + T
-        # 4. Logits, only for the positions the caller needs.
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
+            cache.advance(T)
+        # 4. Logits, only for the positions the caller needs (an engine step: each sequence's last).
+        x = keep_logit_rows(x, logits_to_keep)
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
 
     def logit_lens(self, hidden, *, normed=False):
