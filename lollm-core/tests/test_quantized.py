@@ -160,16 +160,19 @@ def test_packed_weights_within_the_stated_bound(type_name):
     assert float(err.mean()) > 0  # requantization and bfloat16 do change the weights: the bound is not vacuous
 
 
+@pytest.mark.parametrize("rows", [3, 40])
 @pytest.mark.parametrize("type_name", INT4_TYPES + INT8_TYPES)
-def test_packed_linear_equals_float_matmul_within_bound(type_name):
-    """y = x W^T + b for x of 3 rows: |y - y_ref| <= |x| · bound(W) + 2**-7 |x| · |W| (x rounded to bfloat16, output too)."""
+def test_packed_linear_equals_float_matmul_within_bound(type_name, rows):
+    """y = x W^T + b for x of 2 x rows: |y - y_ref| <= |x| · bound(W) + 2**-7 |x| · |W| (x rounded to bfloat16, output too).
+
+    2 x 40 rows take Int8Linear's many-rows path (dequantize, then one bfloat16 matmul) where the CPU has it."""
     raw, ref = gguf_matrix(type_name)
     bias = nn.Parameter(torch.randn(N), requires_grad=False)
     layer = linear_from_gguf(raw, type_name, (N, K), bias)
-    x = torch.randn(2, 3, K)
+    x = torch.randn(2, rows, K)
     W = torch.from_numpy(ref)
     y = layer(x)
-    assert y.shape == (2, 3, N) and y.dtype == torch.float32
+    assert y.shape == (2, rows, N) and y.dtype == torch.float32
     y_ref = x @ W.T + bias
     bound = x.abs() @ weight_bound(layer, ref).T + 2 * BF16_EPS * (x.abs() @ W.abs().T) + BF16_EPS * y_ref.abs()
     assert ((y - y_ref).abs() <= bound).all()
@@ -338,3 +341,23 @@ def test_weight_flag_defaults():
     assert pick("safetensors", quantize="int8").mode == "int8"  # quantize alone means weights auto
     with pytest.raises(LollmError, match="group size 48"):
         pick("safetensors", weights="auto", quantize="int4", group_size=48)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_many_rows_path_agrees_with_the_kernel(grouped, monkeypatch):
+    """The dequantize-then-matmul path (forced, whatever the CPU) gives the kernel's outputs within
+    bfloat16 roundings: each path rounds once per output (or group) at 2**-9 of its size."""
+    import lollm.quantized as quantized
+
+    raw, ref = gguf_matrix("Q8_0")
+    layer = linear_from_gguf(raw, "Q8_0", (N, K), None, grouped=grouped)
+    x = torch.randn(24, K)
+    monkeypatch.setattr(quantized, "_NATIVE_BF16", False)
+    assert layer.gemm_rows() is None
+    kernel = layer(x)
+    monkeypatch.setattr(quantized, "_NATIVE_BF16", True)
+    assert layer.gemm_rows() <= 24
+    many = layer(x)
+    products = x.to(torch.bfloat16).float().abs() @ (layer.codes.float().abs() * layer.kernel_scale.float()[..., None]).transpose(0, 1).reshape(N, K).T
+    assert ((many - kernel).abs() <= 3 * BF16_EPS * products + 1e-6).all()
+    assert not torch.equal(many, kernel)  # two paths indeed: the bound is not checking one path against itself

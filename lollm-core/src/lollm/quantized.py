@@ -62,6 +62,28 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 HEAD_GROUP_SIZE = 32
 #: Weights handled per slice when packing, so temporaries stay a few MB.
 _SLICE_WEIGHTS = 1 << 20
+#: Rows (tokens) from which :class:`Int8Linear` stops calling torch's int8 kernel and runs one
+#: bfloat16 matrix multiplication over weights it dequantizes on the fly (see :func:`gemm_rows`).
+#: Per-channel layers (one int8 matrix) and grouped ones (the output head: one kernel call per
+#: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
+GEMM_MIN_ROWS = 20
+GEMM_MIN_ROWS_GROUPED = 10
+#: Output channels dequantized at a time on that path (about 1.8 MB of bfloat16 at 896 inputs).
+_GEMM_CHANNELS = 1024
+
+
+def native_bf16_matmul() -> bool:
+    """True when this CPU multiplies bfloat16 matrices in hardware (AVX-512 BF16 or AMX tiles).
+
+    Without it a bfloat16 matmul is emulated and the dequantize-then-multiply path of
+    :class:`Int8Linear` would not pay off, so it stays on the int8 kernel at every row count.
+    """
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
+_NATIVE_BF16 = native_bf16_matmul()
 
 
 @dataclass(frozen=True)
@@ -219,7 +241,20 @@ class Int8Linear(nn.Module):
     bias: float parameter ``(out_features,)`` or None.
 
     forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed
-    by ``_weight_int8pack_mm`` with bfloat16 activations.
+    with bfloat16 activations in one of two ways, by the number of rows M (tokens):
+
+    * few rows (a decode step): ``_weight_int8pack_mm``. The kernel reads the int8 codes
+      once *per row*, so its time grows with M: 16 rows cost about 7 times one row.
+    * many rows (a prefill, or an engine step of many sequences; at least
+      :data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
+      with native bfloat16 matmul): the codes are dequantized to bfloat16,
+      ``w = q * s``, a slice of output channels at a time, and one matrix multiplication
+      reads each slice once for all M rows. The dequantization costs about as much as the
+      kernel's 16 to 32 rows, and then barely grows with M.
+
+    Both compute ``x · (q * s)`` from the same codes and bfloat16 scales; they differ in
+    where bfloat16 rounds (the product ``q * s`` here, the per-group outputs there), a few
+    parts in a thousand of a logit (docs/quantized-execution.md, "Many rows").
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
@@ -231,9 +266,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("kernel_scale", scale.to(KERNEL_DTYPE))
         self.bias = bias
 
+    def gemm_rows(self) -> int | None:
+        """From how many rows forward dequantizes and multiplies once (None: never, on this CPU)."""
+        if not _NATIVE_BF16:
+            return None
+        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 else GEMM_MIN_ROWS_GROUPED
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
-        if self.codes.shape[0] == 1:
+        many = self.gemm_rows()
+        if many is not None and flat.shape[0] >= many:
+            y = self._dequantized_matmul(flat)  # (M, N)
+        elif self.codes.shape[0] == 1:
             y = torch.ops.aten._weight_int8pack_mm(flat, self.codes[0], self.kernel_scale[0])  # (M, N)
         else:
             pieces = flat.view(flat.shape[0], -1, self.group_size)  # (M, G, group_size)
@@ -242,6 +286,24 @@ class Int8Linear(nn.Module):
                 y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), self.codes[g], self.kernel_scale[g])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (M, K) bfloat16 -> (M, N) float32: ``flat @ (q * s).T``, dequantizing 1024 channels at a time.
+
+        The codes become bfloat16 exactly (|q| <= 127 fits its 8 significant bits). One group
+        (per channel): multiply by the codes, then scale each output channel. Groups: scale
+        each group's codes first (``w = q * s``, rounded to bfloat16), then multiply once.
+        """
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
+        for n0 in range(0, self.out_features, _GEMM_CHANNELS):
+            n1 = min(n0 + _GEMM_CHANNELS, self.out_features)
+            q = self.codes[:, n0:n1].to(KERNEL_DTYPE)  # (G, n, group_size)
+            if self.codes.shape[0] == 1:
+                y[:, n0:n1] = (flat @ q[0].T) * self.kernel_scale[0, n0:n1]
+            else:  # (G, n, group_size) -> the slice's weights laid out (n, K)
+                w = (q * self.kernel_scale[:, n0:n1, None]).transpose(0, 1).reshape(n1 - n0, self.in_features)
+                y[:, n0:n1] = flat @ w.T
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,0 +1,83 @@
+"""Int8Linear by row count: torch's int8 kernel beside dequantize-then-multiply, on Qwen2.5-0.5B's shapes.
+
+    python lollm-core/benchmarks/bench_int8_rows.py                # 2 threads, rows 1 .. 256
+    python lollm-core/benchmarks/bench_int8_rows.py --threads 1 --rounds 5
+
+``_weight_int8pack_mm`` reads the int8 codes once per row of activations, so its
+time grows with the rows: right for a decode step (1 row), wrong for a prefill or
+an engine step of many sequences. The other path dequantizes the codes to
+bfloat16 1024 channels at a time and runs one bfloat16 matrix multiplication for
+all rows (:meth:`lollm.quantized.Int8Linear._dequantized_matmul`). The table gives
+both times per matrix (medians of rounds that alternate A B A B) and the row count
+where lollm switches (:data:`lollm.quantized.GEMM_MIN_ROWS`, ``GEMM_MIN_ROWS_GROUPED``).
+
+Shapes: the MLP's 4864 x 896 (per-channel int8, one kernel call) and the output
+head's 151936 x 896 in groups of 32 (one kernel call per group). Not a test: on a
+shared machine figures are noisy; read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lollm.quantized import GEMM_MIN_ROWS, GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul
+
+
+def timed(fn, repeat: int) -> float:
+    """Milliseconds per call, after one warm-up call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def kernel_path(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel whatever the row count (forward's few-rows branch)."""
+    flat = x.to(torch.bfloat16)
+    if layer.codes.shape[0] == 1:
+        return torch.ops.aten._weight_int8pack_mm(flat, layer.codes[0], layer.kernel_scale[0])
+    pieces = flat.view(flat.shape[0], -1, layer.group_size)
+    y = torch.zeros(flat.shape[0], layer.out_features)  # float32, as forward sums the groups
+    for g in range(layer.codes.shape[0]):
+        y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), layer.codes[g], layer.kernel_scale[g])
+    return y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="1,4,8,16,32,64,256")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    layers = {
+        "mlp 4864x896, per channel": Int8Linear(torch.randint(-127, 128, (1, 4864, 896), dtype=torch.int8, generator=g),
+                                                torch.rand(1, 4864, generator=g) * 0.01),
+        "head 151936x896, groups of 32": Int8Linear(torch.randint(-127, 128, (28, 151936, 32), dtype=torch.int8, generator=g),
+                                                    torch.rand(28, 151936, generator=g) * 0.01),
+    }
+    print(f"threads {args.threads}; native bfloat16 matmul: {native_bf16_matmul()}; lollm switches at "
+          f"{GEMM_MIN_ROWS} rows (per channel), {GEMM_MIN_ROWS_GROUPED} (grouped)")
+    print(f"{'matrix':32} {'rows':>5} {'kernel ms':>10} {'dequant+mm ms':>14} {'kernel/dequant':>15} {'max |Δ| / max |y|':>18}")
+    for name, layer in layers.items():
+        repeat = 20 if layer.out_features < 10000 else 2
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, layer.in_features, generator=g)
+            a, b = [], []
+            for _ in range(args.rounds):  # A B A B: a noisy machine hits both alike
+                a.append(timed(lambda: kernel_path(layer, x), repeat))
+                b.append(timed(lambda: layer._dequantized_matmul(x.to(torch.bfloat16)), repeat))
+            ref = kernel_path(layer, x).float()
+            diff = float((layer._dequantized_matmul(x.to(torch.bfloat16)) - ref).abs().max() / ref.abs().max())
+            ka, kb = statistics.median(a), statistics.median(b)
+            print(f"{name:32} {rows:5d} {ka:10.2f} {kb:14.2f} {ka / kb:15.2f} {diff:18.1e}")
+
+
+if __name__ == "__main__":
+    main()
