@@ -46,7 +46,7 @@ from rich.markup import escape
 
 from lollm import cli_report as show
 from lollm.cli_checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
-                              check_run_flags, check_threads, open_checkpoint)
+                              check_run_flags, check_serve_flags, check_threads, open_checkpoint)
 from lollm.cli_inputs import encode_prompts, messages, read_prompts, read_stdin, read_tokenize_text
 from lollm.cli_options import (App, Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
                                GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag,
@@ -542,12 +542,8 @@ def serve(
     check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                     sampling=user)
     check_ctx_size(ctx_size)
-    if not 0 <= port <= 65535:  # before the model loads, not a traceback from the socket after it
-        raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
-    for flag, value, low in (("--max-running", max_running, 1), ("--kv-blocks", kv_blocks, 1),
-                             ("--max-batch-tokens", max_batch_tokens, 1), ("--max-queue", max_queue, 1)):
-        if value is not None and value < low:
-            raise LollmError(f"{flag} must be >= {low}, got {value}")
+    check_serve_flags(port=port, max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
+                      max_queue=max_queue)
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 

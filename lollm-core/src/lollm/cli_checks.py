@@ -92,6 +92,17 @@ def check_ctx_size(ctx_size: Optional[int]) -> None:
                          f"leave it out for the default (4096, at most the model's context)")
 
 
+def check_serve_flags(*, port: int, max_running: int, kv_blocks: Optional[int], max_batch_tokens: int,
+                      max_queue: int) -> None:
+    """``lollm serve``'s port and engine sizes, before the model loads (not a traceback from the socket after it)."""
+    if not 0 <= port <= 65535:
+        raise LollmError(f"--port must be a TCP port from 0 to 65535, got {port}")
+    for flag, value in (("--max-running", max_running), ("--kv-blocks", kv_blocks),
+                        ("--max-batch-tokens", max_batch_tokens), ("--max-queue", max_queue)):
+        if value is not None and value < 1:
+            raise LollmError(f"{flag} must be >= 1, got {value}")
+
+
 def check_attn(options: LoadOptions) -> None:
     """The backend named by --attn or $LOLLM_ATTN, checked before the model is looked for (lollm.attention
     imports torch: only when one is named; its device check comes again in :func:`open_checkpoint`)."""
