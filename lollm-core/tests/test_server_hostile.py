@@ -165,7 +165,9 @@ def test_health_answers_while_a_prompt_is_being_tokenized(server, monkeypatch):
 
 
 def test_one_request_at_a_time_has_a_bounded_queue_too(loaded, monkeypatch):
-    """The single-sequence path (the toy family has no cache_layers()): one runs, one waits, the next gets 503."""
+    """The single-sequence path (a family without cache_layers(): the toy's class here, with the method
+    taken away): one runs, one waits, the next gets 503."""
+    monkeypatch.delattr(type(loaded.model), "cache_layers")
     one_at_a_time = ModelServer(loaded, name=NAME, context=CONTEXT, max_queue=1)
     assert one_at_a_time.engine_loop is None and "cache_layers" in one_at_a_time.single_reason
     release, running = threading.Event(), threading.Event()
@@ -251,15 +253,25 @@ def test_a_tiny_top_p_keeps_the_most_likely_token():
 # -- a bug: one 500 with a JSON body, one log line -----------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["engine", "single"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_unexpected_exception_is_a_500_with_a_json_body_and_one_log_line(server, client, monkeypatch, caplog, stream):
-    def broken(job):
+def test_an_unexpected_exception_is_a_500_with_a_json_body_and_one_log_line(loaded, monkeypatch, caplog, stream, path):
+    from starlette.testclient import TestClient
+
+    def broken(*args):
         raise RuntimeError("the worker broke\nsecond line of the message")
 
-    monkeypatch.setattr(server, "run", broken)
-    with caplog.at_level(logging.DEBUG, logger="lollm.server"):
-        caplog.clear()
-        response = client.post("/v1/chat/completions", json={"model": NAME, "messages": HELLO, "stream": stream})
+    # the batched engine's step, or the single worker's run (a family without cache_layers(), or --mtp)
+    server = ModelServer(loaded, name=NAME, context=CONTEXT, batched=path == "engine")
+    assert (server.engine_loop is not None) == (path == "engine")
+    monkeypatch.setattr(*((server.engine_loop.engine, "step") if path == "engine" else (server, "run")), broken)
+    try:
+        with TestClient(create_app(server), raise_server_exceptions=False) as client, \
+                caplog.at_level(logging.DEBUG, logger="lollm.server"):
+            caplog.clear()
+            response = client.post("/v1/chat/completions", json={"model": NAME, "messages": HELLO, "stream": stream})
+    finally:
+        server.close()
     if stream:  # the answer had begun: the error comes as an event
         assert response.status_code == 200
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
