@@ -97,7 +97,7 @@ def test_page_shows_markup_as_text(loaded, browser, monkeypatch):  # noqa: F811
                                 prefill_seconds=0.01, decode_seconds=0.01)
 
     monkeypatch.setattr(server_module, "generate", hostile)
-    server = ModelServer(loaded, name=NAME, context=64)
+    server = ModelServer(loaded, name=NAME, context=64, batched=False)  # the single path calls the patched generate
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
         _say(browser, TYPED)
