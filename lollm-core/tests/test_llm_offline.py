@@ -244,6 +244,15 @@ def test_bad_conversations_and_a_pool_too_small(llm, tokenizer):
         small.generate([[1, 2], list(range(1, 7))], GREEDY, max_new_tokens=4)
 
 
+def test_a_constraint_compiled_for_another_vocabulary_is_refused(llm):
+    from lollm.structured import CompiledConstraint
+
+    other = CompiledConstraint.__new__(CompiledConstraint)
+    other.vocab_size = VOCAB + 1
+    with pytest.raises(GenerationError, match=f"compiled for {VOCAB + 1} ids, the model has {VOCAB}"):
+        llm.generate(["a"], constraint=other)
+
+
 def test_engine_sizing(monkeypatch):
     model = ToyLM(vocab_size=VOCAB)
     config = engine_config_for(model, [40, 17, 100])

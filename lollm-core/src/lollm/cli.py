@@ -2,7 +2,7 @@
 
 Commands::
 
-    lollm run       MODEL --prompt TEXT      generate text, streamed to stdout
+    lollm run       MODEL --prompt TEXT      generate text, streamed to stdout (--prompts-file: many, batched)
     lollm chat      MODEL                    a conversation in the terminal (the cache carries over)
     lollm serve     MODEL                    an OpenAI-compatible HTTP server
     lollm families                           the installed family plugins
@@ -10,6 +10,7 @@ Commands::
     lollm parity    MODEL                    our logits against transformers'
     lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
+                    (--concurrency 1,4,16: the batched engine's throughput and latency per level)
     lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
     lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
     lollm list      [--json]                 the models in the Hugging Face cache and lollm's cache

@@ -285,7 +285,12 @@ class LLM:
         """``constraint`` compiled for this model's vocabulary (once per call; None stays None)."""
         from lollm.structured import CompiledConstraint, OutputConstraint, compile_constraint
 
-        if constraint is None or isinstance(constraint, CompiledConstraint):
+        if constraint is None:
+            return None
+        if isinstance(constraint, CompiledConstraint):
+            if constraint.vocab_size != self.model.vocab_size:
+                raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has "
+                                      f"{self.model.vocab_size}")
             return constraint
         if not isinstance(constraint, OutputConstraint):
             raise GenerationError(f"constraint must be a lollm.structured.OutputConstraint, got {type(constraint).__name__}")
@@ -332,12 +337,12 @@ class LLM:
 
         engine = self._engine_for(requests)
         runs: dict[str, _Run] = {}
-        for req in requests:
-            rid = engine.add_request(req.ids, sampling=req.sampling, max_new_tokens=req.max_new_tokens,
-                                     stop_ids=self.stop_ids, logprobs=logprobs, constraint=constraint)
-            runs[rid] = _Run(req, engine.requests[rid], self.tokenizer, self.stop_ids, stop)
         done: dict[int, Completion] = {}
         try:
+            for req in requests:
+                rid = engine.add_request(req.ids, sampling=req.sampling, max_new_tokens=req.max_new_tokens,
+                                         stop_ids=self.stop_ids, logprobs=logprobs, constraint=constraint)
+                runs[rid] = _Run(req, engine.requests[rid], self.tokenizer, self.stop_ids, stop)
             with use_backend(self.loaded.attn):
                 while engine.has_unfinished():
                     for out in engine.step():
@@ -351,7 +356,7 @@ class LLM:
                         if on_completion is not None:
                             on_completion(done[run.request.index])
         except BaseException:
-            self._engine = None  # an interrupted engine holds half-run requests: the next call starts afresh
+            self._engine = None  # an engine left holding half-run requests: the next call starts afresh
             raise
         return done
 
