@@ -10,6 +10,8 @@
     nox -s bench_qwen3_5   the same on a random-weight Qwen3.5 of the real 0.8B shape
     nox -s bench_chat  a 10-turn chat on the real Qwen2.5: time per turn with and without prefix reuse
     nox -s bench_structured    decode speed on the real Qwen2.5 with and without a JSON-schema token mask
+    nox -s bench_batching  the batched engine on the real Qwen2.5 GGUF at 1/4/16 requests at once, beside the
+                           single-sequence decode rate and transformers' continuous batching
     nox -s compare_grammar_libraries   xgrammar beside llguidance: compile time and mask time per token
     nox -s fuzz_runtime    the property tests of chat templates and plugins, many random examples (minutes)
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
@@ -317,6 +319,15 @@ def bench_structured(session: nox.Session) -> None:
     """Decode tok/s on the real Qwen2.5 GGUF with and without a JSON-schema mask (alternating rounds), and compile time."""
     _install(session, "-e", CORE, "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_structured.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_batching(session: nox.Session) -> None:
+    """Engine output tok/s at 1, 4, 16 requests at once on the real Qwen2.5 GGUF (packed), beside the single-sequence
+    decode rate and transformers' continuous batching on the derived safetensors; TTFT p50/p95. Not tagged "tests":
+    a measurement, never run by CI (-- --levels 1,4,16 --rounds 3 --prompt-tokens 128 --new-tokens 64)."""
+    _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/bench_batching.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session

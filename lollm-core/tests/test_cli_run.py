@@ -275,6 +275,7 @@ def test_many_prompts_from_a_file_load_the_model_once(invoke, ckpt, tmp_path):
         assert (alone["text"], alone["ids"]) == (line["text"], line["ids"])
     text = ok(invoke("run", ckpt, "--prompts-file", prompts, *GREEDY))
     assert len(STATS.findall(text.stderr)) == 2 and "[prompt 2/2]" in text.stderr
+    assert "family cannot run batched" in text.stderr  # the toy family has no cache_layers(): said once
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(json.dumps("two\nlines") + "\n")
     done = ok(invoke("run", ckpt, "--prompts-file", jsonl, *GREEDY, "--json"))

@@ -2,7 +2,7 @@
 
 Commands::
 
-    lollm run       MODEL --prompt TEXT      generate text, streamed to stdout
+    lollm run       MODEL --prompt TEXT      generate text, streamed to stdout (--prompts-file: many, batched)
     lollm chat      MODEL                    a conversation in the terminal (the cache carries over)
     lollm serve     MODEL                    an OpenAI-compatible HTTP server
     lollm families                           the installed family plugins
@@ -10,6 +10,7 @@ Commands::
     lollm parity    MODEL                    our logits against transformers'
     lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
+                    (--concurrency 1,4,16: the batched engine's throughput and latency per level)
     lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
     lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
     lollm list      [--json]                 the models in the Hugging Face cache and lollm's cache
@@ -172,8 +173,9 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
                   max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool, constraint: Any = None) -> None:
     """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt.
 
-    ``constraint``: the :class:`lollm.structured.OutputConstraint` of --json-schema / --regex /
-    --grammar (None: free text), compiled here once for the model's vocabulary.
+    Several prompts run batched through one engine when the model can (:mod:`lollm.cli_batch`), else
+    one after another (a note says why). ``constraint``: the :class:`lollm.structured.OutputConstraint`
+    of --json-schema / --regex / --grammar (None: free text), compiled here once for the model's vocabulary.
     """
     from lollm.generate import stop_token_ids
     from lollm.sampling import describe_sampling
@@ -185,6 +187,14 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
         constraint = compile_constraint(constraint, loaded.tokenizer, vocab_size=loaded.model.vocab_size, stop_ids=stops)
     if not as_json:
         err.print("[dim]" + escape(describe_sampling(sampling, everything=verbose)) + "[/dim]", soft_wrap=True)
+    if len(prompts) > 1:
+        from lollm.cli_batch import batch_reason, run_batched
+
+        reason = batch_reason(loaded, drafter)
+        if reason is None:
+            return run_batched(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop_strings,
+                               max_new_tokens=max_new_tokens, as_json=as_json, constraint=constraint)
+        show.note(f"note: {reason}")
     for number, (text, ids) in enumerate(zip(prompts, all_ids), start=1):
         if len(prompts) > 1 and not as_json:
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
@@ -400,6 +410,7 @@ def bench(
     as_json: with_help(Json, "Print the figures as JSON.") = False,
     attn: Attn = None,
     tp: with_help(Tp, "Our model split over N CPU processes started by torchrun: `torchrun --nproc-per-node N -m lollm bench --tp N --no-reference …`; every rank runs the rounds, rank 0 prints (docs/tensor-parallel.md).") = 1,
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", metavar="N,N,...", help="Measure the batched engine instead: at each level, N requests of --prompt-tokens and --new-tokens submitted at once; output tok/s, TTFT and inter-token latency p50/p95 (docs/offline-batch.md)."),
     model_opt: ModelOpt = None,
 ) -> None:
     """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
@@ -407,6 +418,17 @@ def bench(
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     check_threads(threads)  # before torch is imported
+    if concurrency is not None:
+        from lollm.cli_batch import bench_concurrency, parse_levels
+
+        levels = parse_levels(concurrency)
+        if tp != 1:
+            raise LollmError(f"--concurrency measures the batched engine, which does not run under --tp {tp}")
+        check_family(family_name)
+        options = load_options("bench", device="cpu", dtype=dtype, attn=attn, weights=weights, quantize=quantize,
+                               group_size=group_size, family=family_name)
+        return bench_concurrency(model, options, levels=levels, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                                 rounds=rounds, threads=threads, as_json=as_json)
     LoadOptions(tp=tp)  # an impossible --tp is named before what it would mean for the reference
     if tp != 1 and not no_reference:
         raise LollmError(f"--tp {tp}: bench cannot compare with transformers under --tp (it would run whole in one "

@@ -48,11 +48,14 @@ def weights_summary(loaded: Any) -> None:
         err.print("[dim]" + escape(summary.line() + kept) + "[/dim]", soft_wrap=True)
 
 
-def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, drafter: Any = None) -> None:
+def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, drafter: Any = None,
+               extra: Optional[dict[str, Any]] = None) -> None:
     """The end of one generation of ``run``: a JSON object on stdout, or a newline and the statistics line on stderr.
 
     With a ``drafter`` (:mod:`lollm.drafting`), a second line says how many of its drafts were accepted
     (JSON: ``"speculative": {"drafter", "drafted", "accepted"}``, and ``"mtp"`` as before for the draft head).
+    ``extra``: more keys of the JSON object (a batched run's ``"batched"``: its time to first token and
+    cached prompt tokens).
     """
     dtype = str(loaded.dtype).removeprefix("torch.")
     if as_json:
@@ -73,6 +76,7 @@ def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json:
             data["speculative"] = {"drafter": drafter.name, "drafted": result.drafted, "accepted": result.accepted}
             if drafter.name == "MTP":
                 data["mtp"] = {"drafted": result.drafted, "accepted": result.accepted}
+        data.update(extra or {})
         print(json.dumps(data, ensure_ascii=False))
         sys.stdout.flush()
         return
