@@ -84,23 +84,25 @@ def test_a_regex_constraint_is_applied_per_request(llm):
         assert c.token_ids == solo.new_ids
 
 
-def _snippet_namespace(model_path: Path, capsys) -> dict:
-    """docs/offline-batch.md's snippet, its model replaced by ``model_path``; the names it defines."""
-    text = DOC.read_text(encoding="utf-8")
+def _snippet_namespace(model_path: Path, capsys, doc: Path = DOC) -> dict:
+    """The offline batch snippet of ``doc`` (docs/offline-batch.md, README.md), its model replaced by
+    ``model_path``; the names it defines."""
+    text = doc.read_text(encoding="utf-8")
     match = re.search(r"<!-- tested: offline batch snippet -->\s*```python\n(.*?)```", text, re.S)
-    assert match, f"{DOC} has no python block after '<!-- tested: offline batch snippet -->'"
+    assert match, f"{doc} has no python block after '<!-- tested: offline batch snippet -->'"
     code = match.group(1)
     spec = re.search(r'LLM\("([^"]+)"', code).group(1)
     namespace: dict = {}
-    exec(compile(code.replace(spec, str(model_path)), str(DOC), "exec"), namespace)
+    exec(compile(code.replace(spec, str(model_path)), str(doc), "exec"), namespace)
     printed = capsys.readouterr().out
     for c in namespace["completions"]:
         assert f"[{c.index}] {c.finish_reason}, {len(c.token_ids)} tokens" in printed and c.text in printed
     return namespace
 
 
-def test_the_docs_snippet_runs_on_a_tiny_checkpoint(chat_checkpoint, capsys):
-    namespace = _snippet_namespace(chat_checkpoint, capsys)
+@pytest.mark.parametrize("doc", [DOC, DOC.parents[1] / "README.md"], ids=["offline-batch.md", "README.md"])
+def test_the_docs_snippet_runs_on_a_tiny_checkpoint(chat_checkpoint, capsys, doc):
+    namespace = _snippet_namespace(chat_checkpoint, capsys, doc)
     assert len(namespace["completions"]) == 3 and namespace["llm"].batched
 
 
