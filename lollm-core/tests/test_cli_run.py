@@ -275,7 +275,11 @@ def test_many_prompts_from_a_file_load_the_model_once(invoke, ckpt, tmp_path):
         assert (alone["text"], alone["ids"]) == (line["text"], line["ids"])
     text = ok(invoke("run", ckpt, "--prompts-file", prompts, *GREEDY))
     assert len(STATS.findall(text.stderr)) == 2 and "[prompt 2/2]" in text.stderr
-    assert "family cannot run batched" in text.stderr  # the toy family has no cache_layers(): said once
+    assert "cannot run batched" not in text.stderr and "[batched: 2 prompts in one engine" in text.stderr
+    assert all("batched" in line for line in lines)  # the JSON says each prompt ran in the engine
+    one_by_one = ok(invoke("run", ckpt, "--prompts-file", prompts, *GREEDY, "--prompt-lookup"))
+    assert "--prompt-lookup decodes speculatively, which the engine does not: one prompt at a time" in one_by_one.stderr
+    assert len(STATS.findall(one_by_one.stderr)) == 2 and "[batched:" not in one_by_one.stderr
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text(json.dumps("two\nlines") + "\n")
     done = ok(invoke("run", ckpt, "--prompts-file", jsonl, *GREEDY, "--json"))

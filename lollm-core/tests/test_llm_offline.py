@@ -190,8 +190,10 @@ def test_a_family_without_cache_layers_runs_one_by_one_and_says_so(tokenizer, ca
         assert not a.batched and len(a.token_times) == len(a.token_ids)
 
 
-def test_the_toy_family_loaded_from_a_folder_falls_back(tmp_path, monkeypatch):
-    """LLM(path) loads as `lollm run` does; the documented toy family has no cache_layers()."""
+@pytest.mark.parametrize("batched", [True, False])
+def test_the_toy_family_loaded_from_a_folder(tmp_path, monkeypatch, batched):
+    """LLM(path) loads as `lollm run` does. The documented toy family runs batched; without its
+    cache_layers() (taken from its class here) it falls back to one prompt at a time. Both equal solo runs."""
     from _core_helpers import write_site
     from test_cli_run import write_checkpoint
     from test_example_plugin import EXAMPLE
@@ -203,8 +205,12 @@ def test_the_toy_family_loaded_from_a_folder_falls_back(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(plugins, "_REGISTRY", None)
     llm = LLM(str(write_checkpoint(tmp_path / "toy")), device="cpu", threads=1)
+    if not batched:
+        monkeypatch.delattr(type(llm.model), "cache_layers")
+        llm = LLM(str(write_checkpoint(tmp_path / "toy2")), device="cpu", threads=1)
     done = llm.generate(["hello", "the quick brown fox"], GREEDY, max_new_tokens=4)
-    assert not llm.batched and [len(c.token_ids) > 0 for c in done] == [True, True]
+    assert llm.batched == batched and [len(c.token_ids) > 0 for c in done] == [True, True]
+    assert all(c.batched == batched for c in done)
     for c in done:
         assert c.token_ids == generate(llm.model, c.prompt_ids, max_new_tokens=4, sampling=GREEDY,
                                        stop_ids=llm.stop_ids).new_ids
