@@ -309,31 +309,7 @@ def check_concurrent_requests(client, model: str, reference: Reference, max_toke
     questions = ["What is a fox?", "Count to three.", "Say hello.", "Why is the sky blue?"]
     jobs = [[{"role": "user", "content": q}] for q in questions]
     expected = [reference.generate(reference.chat_ids(m), max_tokens).text for m in jobs]
-    answers: dict[int, str] = {}
-    errors: list[BaseException] = []
-
-    def ask(i: int) -> None:
-        try:
-            if i % 2:
-                stream = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, stream=True,
-                                                        **GREEDY)
-                answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-            else:
-                reply = client.chat.completions.create(model=model, messages=jobs[i], max_tokens=max_tokens, **GREEDY)
-                answers[i] = reply.choices[0].message.content
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    assert [answers.get(i) for i in range(len(jobs))] == expected
-
-
-# -- the batched engine behind the server (lollm.serving_engine) ------------------------------------
+    assert [text for text, _ in ask_at_once(client, model, jobs, max_tokens)] == expected
 
 
 def metrics(base_url: str) -> dict[str, Any]:
