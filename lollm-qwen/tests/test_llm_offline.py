@@ -119,14 +119,21 @@ def real_llm():
 
 @pytest.mark.real
 def test_real_gguf_8_prompts_equal_their_solo_greedy_runs(real_llm):
-    from lollm.testing.batching import assert_same_greedy
+    """Packed weights: an engine step of many rows and a lone decode step of one take different kernels
+    (lollm.quantized.Int8Linear), whose logits part by bfloat16 roundings. A near-tie is therefore
+    judged against that measured difference (path_noise, times the kit's noise factor), not 1e-3."""
+    from lollm.testing.batching import TIE_BOUND, assert_same_greedy, path_noise
+    from lollm.testing.conformance import NOISE_FACTOR
 
     done = real_llm.generate(REAL_PROMPTS, GREEDY, max_new_tokens=24)
     assert real_llm.batched and real_llm.model.weights_summary.packed > 0
     with torch.inference_mode():
         for c in done:
             solo = alone(real_llm, c.prompt_ids, n=24)
-            assert_same_greedy(real_llm.model, c.prompt_ids, c.token_ids, solo.new_ids, f"prompt {c.index}")
+            noise = path_noise(real_llm.model, c.prompt_ids + solo.new_ids[:8])
+            assert noise < 0.5, f"prompt {c.index}: the two paths part by {noise:.3g} in a logit"  # bfloat16-sized, not a bug
+            assert_same_greedy(real_llm.model, c.prompt_ids, c.token_ids, solo.new_ids, f"prompt {c.index}",
+                               tie_bound=max(TIE_BOUND, NOISE_FACTOR * noise))
             if c.token_ids == solo.new_ids:
                 assert (c.text, c.finish_reason) == (solo.text, solo.stop_reason)
     assert done[1].text.strip() and "Paris" in done[1].text

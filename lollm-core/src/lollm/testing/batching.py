@@ -51,6 +51,27 @@ def assert_same_greedy(model: Any, prompt: list[int], got: list[int], want: list
     assert len(got) == len(want), f"{what}: {len(got)} tokens batched, {len(want)} alone"
 
 
+@torch.inference_mode()
+def path_noise(model: Any, prompt: list[int], decode: int = 8) -> float:
+    """How far a model's own two ways of computing a logit part, on ``prompt``: max |Δ logit|.
+
+    One forward over the whole prompt (many rows at once, as in a prefill or a full engine
+    step) against a prefill of all but the last ``decode`` tokens and then one token at a
+    time (a decode step's one row). A float model gives float rounding (about 1e-5); packed
+    GGUF weights take different kernels at one row and at many
+    (:class:`lollm.quantized.Int8Linear`), so their logits part by bfloat16 roundings. A
+    caller that compares an engine run with a lone run of such a model derives its
+    ``tie_bound`` from this figure instead of :data:`TIE_BOUND`.
+    """
+    decode = max(1, min(decode, len(prompt) - 1))
+    head = len(prompt) - decode
+    whole = model(torch.tensor([prompt]))[0, head:].double()  # (decode, V): the logits after each of the last tokens
+    cache = model.new_cache(len(prompt))
+    model(torch.tensor([prompt[:head]]), cache, logits_to_keep=1)
+    steps = torch.stack([model(torch.tensor([[token]]), cache)[0, -1] for token in prompt[head:]]).double()
+    return float((whole - steps).abs().max())
+
+
 def run_engine(engine: Engine, arrivals: list[tuple[int, list[int], int]]) -> dict[str, Request]:
     """Run ``arrivals`` (step at which it arrives, prompt, max_new_tokens) to the end; each request's record."""
     records: dict[str, Request] = {}
