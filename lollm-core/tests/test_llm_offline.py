@@ -220,13 +220,13 @@ def test_the_toy_family_loaded_from_a_folder(tmp_path, monkeypatch, batched):
 
 BAD = [
     ([], {}, "no prompts"),
-    (["ok", ""], {}, "prompt 1 is empty"),
-    (["ok", 3], {}, "prompt 1: expected a str or a list of token ids"),
+    (["ok", ""], {}, "prompts[1] is empty"),
+    (["ok", 3], {}, "prompts[1]: expected a str or a list of token ids"),
     (42, {}, "prompts must be a str or a list, got int"),
     (["ok", [1, 2]], {}, "mix text and token ids"),
-    ([[1, 2], []], {}, "prompt 1: the prompt is empty"),
-    ([[1, 2], [1, VOCAB]], {}, f"prompt 1: the prompt holds the token id {VOCAB}"),
-    ([[1, 2], [1] * 200], {}, "prompt 1: the prompt has 200 tokens, but the model's context is 128"),
+    ([[1, 2], []], {}, "prompts[1]: the prompt is empty"),
+    ([[1, 2], [1, VOCAB]], {}, f"prompts[1]: the prompt holds the token id {VOCAB}"),
+    ([[1, 2], [1] * 200], {}, "prompts[1]: the prompt has 200 tokens, but the model's context is 128"),
     (["a", "b"], {"sampling": [GREEDY]}, "1 SamplingParams for 2 prompts"),
     (["a"], {"sampling": {"temperature": 0}}, "sampling must be a SamplingParams"),
     (["a"], {"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1"),
@@ -246,7 +246,7 @@ def test_bad_conversations_and_a_pool_too_small(llm, tokenizer):
     with pytest.raises(GenerationError, match="conversation 1: expected a non-empty list of messages"):
         llm.chat([[{"role": "user", "content": "hi"}], []])
     small = LLM.from_loaded(loaded_of(ToyLM(vocab_size=VOCAB), tokenizer), engine=EngineConfig(kv_blocks=2, block_size=4))
-    with pytest.raises(GenerationError, match="prompt 1: .* cannot fit the engine's KV pool"):
+    with pytest.raises(GenerationError, match=r"prompts\[1\]: .* cannot fit the engine's KV pool"):
         small.generate([[1, 2], list(range(1, 7))], GREEDY, max_new_tokens=4)
 
 

@@ -99,7 +99,8 @@ def test_bench_concurrency_prints_the_figures(invoke, chat_checkpoint):
 
 
 @pytest.mark.parametrize("value, needle", [("0,2", "every level must be >= 1"), ("a,2", "whole numbers"),
-                                           ("2,2", "given twice")])
+                                           ("2,2", "given twice"),
+                                           ("1,100000000", "GiB of KV cache, more than half the")])
 def test_bench_concurrency_refuses_bad_levels(chat_checkpoint, value, needle):
     from typer.testing import CliRunner
 
@@ -108,3 +109,18 @@ def test_bench_concurrency_refuses_bad_levels(chat_checkpoint, value, needle):
 
     done = CliRunner().invoke(app, ["bench", str(chat_checkpoint), "--concurrency", value])
     assert isinstance(done.exception, LollmError) and needle in str(done.exception) and "--concurrency" in str(done.exception)
+
+
+def test_a_bad_prompt_of_the_file_is_counted_as_the_headers_count(chat_checkpoint, tmp_path):
+    """The second prompt is too long for the context: the error names it 2/2, as its header would."""
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+    from lollm.errors import GenerationError
+
+    path = tmp_path / "prompts.txt"
+    context = json.loads((chat_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    path.write_text("hello\n" + "fox " * (context + 10) + "\n")
+    done = CliRunner().invoke(app, ["run", str(chat_checkpoint), "--prompts-file", str(path), *GREEDY])
+    assert isinstance(done.exception, GenerationError), done.stdout
+    assert str(done.exception).startswith("prompt 2/2: the prompt has "), done.exception

@@ -126,6 +126,20 @@ def measure_level(engine: Any, prompts: list[list[int]], new_tokens: int) -> tup
     return tokens / (end - submitted), ttfts, itls
 
 
+def check_pool_fits(model: Any, blocks: int, block_size: int, level: int) -> None:
+    """Raise LollmError when ``blocks`` KV blocks would take more than half the device's free memory
+    (the engine's own default limit), naming the level that asks for them, before anything is allocated."""
+    from lollm.engine.cache import block_bytes
+    from lollm.engine.engine import _model_dtype
+    from lollm.memory import free_memory
+
+    need = blocks * block_bytes(model.cache_layers(), block_size, _model_dtype(model))
+    free = free_memory(next(model.parameters()).device)
+    if free and need > free // 2:
+        raise LollmError(f"--concurrency {level}: {level} requests at once need {need / 2**30:.1f} GiB of KV cache, "
+                         f"more than half the {free / 2**30:.1f} GiB free; give smaller levels or fewer tokens")
+
+
 def run_concurrency(model: Any, ids: list[int], levels: list[int], *, new_tokens: int, rounds: int, threads: int,
                     log: Callable[[str], None] | None = None) -> ConcurrencyResult:
     """Measure ``levels`` in ``rounds`` alternating rounds on ``model`` (a loaded family model).
@@ -140,6 +154,7 @@ def run_concurrency(model: Any, ids: list[int], levels: list[int], *, new_tokens
         raise LollmError(f"--concurrency: the {type(model).__name__} model cannot run batched (no cache_layers())")
     block = EngineConfig.block_size
     per_request = -(-(len(ids) + new_tokens) // block)
+    check_pool_fits(model, per_request * max(levels), block, max(levels))
     engine = Engine(model, EngineConfig(kv_blocks=per_request * max(levels), max_sequences=max(levels),
                                         max_batch_tokens=max(256, max(levels)), prefix_caching=False))
     measure_level(engine, [ids[:16]], 2)  # warm-up: the first steps allocate and pick kernels

@@ -118,7 +118,7 @@ def run(
     device: Device = "auto",
     dtype: Dtype = "auto",
     threads: Threads = None,
-    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", metavar="FILE", help="Generate for every prompt of this file, one per line (a .jsonl file: one JSON string per line; '-': stdin); the model loads once."),
+    prompts_file: Optional[str] = typer.Option(None, "--prompts-file", metavar="FILE", help="Generate for every prompt of this file, one per line (a .jsonl file: one JSON string per line; '-': stdin, plain text one per line); the model loads once."),
     parse_special: ParseSpecial = True,
     as_json: with_help(Json, "Print one JSON object per prompt (text, ids, timings, stop reason, sampling) instead of streaming the text.") = False,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every sampling setting and where it came from, not only those that change something."),

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from lollm import cli_report as show
 from lollm.cli_report import err, out
+from lollm.errors import GenerationError
 
 
 def batch_reason(loaded: Any, drafter: Any) -> str | None:
@@ -69,7 +70,7 @@ def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sa
     """
     import typer
 
-    from lollm.llm import LLM
+    from lollm.llm import LLM, PromptError
 
     llm = LLM.from_loaded(loaded)
     printer = _InOrder(loaded, prompts, sampling, as_json)
@@ -79,6 +80,8 @@ def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sa
                             on_completion=printer.take)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    except PromptError as bad:  # counted as the [prompt i/n] headers count: from 1
+        raise GenerationError(f"prompt {bad.index + 1}/{len(prompts)}: {bad.detail}") from None
     seconds = time.perf_counter() - started
     if not as_json:
         tokens = sum(len(c.token_ids) for c in done)
@@ -95,7 +98,7 @@ def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sa
 def parse_levels(text: str) -> list[int]:
     """``--concurrency 1,4,16`` as [1, 4, 16] (ascending: the lowest is the ratios' base); LollmError naming the
     flag for anything but distinct positive whole numbers."""
-    from lollm.errors import LollmError
+    from lollm.errors import LollmError, GenerationError
 
     try:
         levels = [int(part) for part in text.split(",")]
@@ -141,7 +144,7 @@ def concurrency_report(result: Any, *, model: str, as_json: bool) -> None:
         return
     base = result.levels[0].concurrency
     title = (f"bench --concurrency: {model} (prompt {result.prompt_tokens}, {result.new_tokens} new tokens per request, "
-             f"{result.rounds} rounds, {result.threads} threads; medians)")
+             f"{result.rounds} round{'s' if result.rounds != 1 else ''}, {result.threads} threads; medians)")
     table = Table(title=escape(title))
     for col in ("requests at once", "output tok/s", f"× vs {base}", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms",
                 "ITL p95 ms"):

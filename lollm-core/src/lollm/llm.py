@@ -52,6 +52,15 @@ MAX_RUNNING = 64
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
+class PromptError(GenerationError):
+    """One prompt of a batch is bad: ``index`` is its place in the list (0-based, as Python counts),
+    ``detail`` what is wrong. The message reads ``prompts[3]: the prompt has ... tokens, ...``."""
+
+    def __init__(self, index: int, detail: str):
+        super().__init__(f"prompts[{index}]{'' if detail.startswith(':') else ' '}{detail}")
+        self.index, self.detail = index, detail.lstrip(": ")
+
+
 @dataclass
 class Completion:
     """One prompt's result.
@@ -245,7 +254,7 @@ class LLM:
         if isinstance(prompt, (list, tuple)):
             return list(prompt)  # token ids, checked with the others in _requests
         if not prompt:
-            raise GenerationError(f"prompt {index} is empty: there is nothing to continue")
+            raise PromptError(index, "is empty: there is nothing to continue")
         has_template = self.tokenizer.chat_template is not None
         if chat and not has_template:
             raise GenerationError("chat=True: the checkpoint has no chat template (give chat=False for raw text)")
@@ -278,7 +287,7 @@ class LLM:
                 if len(ids) >= context:
                     raise GenerationError(f"the prompt has {len(ids)} tokens, but the model's context is {context}")
             except GenerationError as exc:
-                raise GenerationError(f"prompt {i}: {exc}") from None
+                raise PromptError(i, f": {exc}") from None
         return [_Request(i, p, ids, s, max_new_tokens) for i, (p, ids, s) in enumerate(zip(prompts, all_ids, settings))]
 
     def _compiled(self, constraint: Any) -> Any:
@@ -377,7 +386,7 @@ class LLM:
         for req in requests:
             need = len(req.ids) + min(req.max_new_tokens, context - len(req.ids))
             if need > kept.capacity:
-                raise GenerationError(f"prompt {req.index}: {len(req.ids)} prompt + {need - len(req.ids)} new tokens "
+                raise PromptError(req.index, f": {len(req.ids)} prompt + {need - len(req.ids)} new tokens "
                                       f"cannot fit the engine's KV pool ({kept.capacity} positions): give the "
                                       f"EngineConfig more kv_blocks, or ask for fewer tokens")
         return kept
@@ -479,7 +488,7 @@ def _prompt_list(prompts: Any, what: str = "prompt") -> list[Any]:
         for i, p in enumerate(prompts):
             ok = isinstance(p, str) or (isinstance(p, (list, tuple)) and all(type(t) is int for t in p))
             if not ok:
-                raise GenerationError(f"prompt {i}: expected a str or a list of token ids (ints), got {p!r:.80}")
+                raise PromptError(i, f": expected a str or a list of token ids (ints), got {p!r:.80}")
         if len({isinstance(p, str) for p in prompts}) > 1:
             raise GenerationError("prompts mix text and token ids: give all of one kind")
     return list(prompts)
