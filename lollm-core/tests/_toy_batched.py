@@ -84,12 +84,13 @@ class ToyLM(nn.Module):
         return self.head(keep_logit_rows(torch.tanh(x), logits_to_keep))
 
     def _running_sum(self, x, start, cache):
-        """h_t = 0.5 h_{t-1} + x_t over each sequence's own rows, from (and into) its own state."""
+        """h_t = 0.9 h_{t-1} + x_t over each sequence's own rows, from (and into) its own state (a slow decay:
+        the state of 20 tokens back still counts, so a wrong restored state shows)."""
         segments = start.segments() if isinstance(start, Batch) else [(0, x.shape[1])]
         out = torch.empty_like(x)
         for b, (lo, hi) in enumerate(segments):
             state = cache.state(1, b)["running"] if cache is not None else torch.zeros(self.width)  # (C,), in place
             for t in range(lo, hi):
-                state.mul_(0.5).add_(x[0, t])
+                state.mul_(0.9).add_(x[0, t])
                 out[0, t] = state
         return out

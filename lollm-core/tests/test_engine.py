@@ -16,7 +16,8 @@ from lollm.engine.blocks import BlockPool, block_hash
 from lollm.errors import GenerationError
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
-from lollm.testing.batching import check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit
+from lollm.testing.batching import (GREEDY, check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
+                                    run_engine)
 
 PROMPT = [(7 * i + 3) % 40 for i in range(40)]
 
@@ -82,7 +83,46 @@ def test_requests_equal_solo_runs(toy):
 
 def test_prefix_cache_hit(toy):
     req = check_prefix_cache_hit(toy, PROMPT)
-    assert (req.cached_tokens > 0) != toy.recurrent  # never with a recurrent state
+    assert req.cached_tokens > 0  # with a recurrent state: up to a block with a snapshot
+
+
+def test_a_recurrent_prefix_is_shared_only_where_a_snapshot_exists():
+    """Prompt chunks of a recurrent model end on block boundaries, where the states are saved; a second
+    prompt resumes from the deepest one it shares (not past it), and equals its run alone."""
+    toy = ToyLM(recurrent=True)
+    engine = Engine(toy, EngineConfig(kv_blocks=64, block_size=4, max_sequences=4, max_batch_tokens=10))
+    first = PROMPT[:30]
+    run_engine(engine, [(0, first, 2)])
+    # chunks of 10 tokens stop at 8, 16, 24, 28 (block boundaries, the last one before the prompt's
+    # last token), then 28..30; the decode step computes position 30 only: 4 snapshots
+    assert len(engine.snapshots) == 4
+    second = first[:27] + [(first[27] + 1) % toy.vocab_size] + first[28:]
+    req = run_engine(engine, [(0, second, 4)])["req-1"]
+    assert req.cached_tokens == 24  # the deepest shared block with a snapshot ends at 24 (they part at 27)
+    again = run_engine(engine, [(0, first, 2)])["req-2"]
+    assert again.cached_tokens == 28  # the same prompt again: up to the boundary before its last token
+    assert req.tokens[req.prompt_len:] == generate(toy, second, max_new_tokens=4, sampling=GREEDY).new_ids
+
+
+def test_without_snapshots_a_recurrent_model_shares_nothing():
+    toy = ToyLM(recurrent=True)
+    engine = Engine(toy, EngineConfig(kv_blocks=64, block_size=4, max_sequences=4, state_snapshots=0))
+    run_engine(engine, [(0, PROMPT[:30], 2)])
+    assert engine.snapshots is None and run_engine(engine, [(0, PROMPT[:30], 2)])["req-1"].cached_tokens == 0
+
+
+def test_the_prefix_check_catches_a_state_not_restored(monkeypatch):
+    """A mutant engine that attaches the cached blocks but leaves the recurrent state at zero fails the kit's check."""
+    from lollm.engine.snapshots import StateSnapshots
+
+    def from_zero(self, name, slot_states):
+        for layer in slot_states:
+            for tensor in layer.values():
+                tensor.zero_()
+
+    monkeypatch.setattr(StateSnapshots, "restore", from_zero)
+    with pytest.raises(AssertionError, match="no near-tie"):
+        check_prefix_cache_hit(ToyLM(recurrent=True), PROMPT)
 
 
 def test_preemption_and_abort(toy):
@@ -112,7 +152,10 @@ def test_a_forward_of_many_sequences_is_one_call(toy):
         engine.add_request(PROMPT[s:s + 5], sampling=SamplingParams(temperature=0), max_new_tokens=6)
     while engine.has_unfinished():
         engine.step()
-    assert calls[0] == 20 and calls[1:] == [4] * 5  # one prefill step of 4 x 5 tokens, then 4 rows per decode step
+    if toy.recurrent:  # prompts cut at the block boundary before their last token (a snapshot point)
+        assert calls == [16, 4] + [4] * 5  # 4 x 4 prompt tokens, 4 x the last one, then 4 rows per decode step
+    else:
+        assert calls == [20] + [4] * 5  # one prefill step of 4 x 5 tokens, then 4 rows per decode step
 
 
 # -- refusals and finish reasons ---------------------------------------------------------

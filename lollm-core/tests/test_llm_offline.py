@@ -135,7 +135,7 @@ def test_more_prompts_than_running_slots(tokenizer, monkeypatch):
 
 
 def test_the_engine_is_kept_and_its_prefix_cache_serves_the_next_call(tokenizer):
-    llm = LLM.from_loaded(loaded_of(ToyLM(vocab_size=VOCAB, recurrent=False), tokenizer))  # recurrent: no prefix cache
+    llm = LLM.from_loaded(loaded_of(ToyLM(vocab_size=VOCAB, recurrent=False), tokenizer))  # whole blocks, no snapshots
     first = llm.generate([PROMPTS[3], PROMPTS[0]], GREEDY, max_new_tokens=4)[0]
     engine = llm._engine
     again = llm.generate([PROMPTS[3]], GREEDY, max_new_tokens=4)  # a smaller batch fits the kept pool

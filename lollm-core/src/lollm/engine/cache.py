@@ -53,6 +53,10 @@ class KVPool:
         """True when some layer keeps a recurrent state (prefix blocks alone cannot restore it)."""
         return any(spec.kind == "recurrent" for spec in self.layers)
 
+    def slot_states(self, slot: int) -> list[dict[str, torch.Tensor]]:
+        """Every layer's recurrent states of sequence slot ``slot``: views (a snapshot copies them, a restore writes them)."""
+        return [{name: tensor[slot] for name, tensor in states.items()} for states in self.states]
+
     def clear_state(self, slot: int) -> None:
         """Zero sequence slot ``slot``'s recurrent states (a new sequence starts from zero)."""
         for states in self.states:

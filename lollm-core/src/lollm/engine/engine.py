@@ -41,6 +41,7 @@ from lollm.batch import Batch
 from lollm.engine.blocks import BlockPool
 from lollm.engine.cache import KVPool, PagedCache, block_bytes
 from lollm.engine.scheduler import Request, Scheduler
+from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
 from lollm.generate import Step, _Sequence, check_prompt_ids
 from lollm.memory import free_memory
@@ -78,7 +79,10 @@ class EngineConfig:
     block_size:       positions per block.
     max_sequences:    the most requests running at once.
     max_batch_tokens: the most tokens in one forward (decode tokens + prefill chunks).
-    prefix_caching:   share full prompt blocks between requests (never for recurrent models).
+    prefix_caching:   share full prompt blocks between requests.
+    state_snapshots:  for a model with a recurrent layer: how many recurrent-state snapshots
+                      (lollm.engine.snapshots) to keep, the points where a prefix can be shared
+                      (0: such a model shares none).
     """
 
     kv_blocks: int | None = None
@@ -86,6 +90,7 @@ class EngineConfig:
     max_sequences: int = 64
     max_batch_tokens: int = 256
     prefix_caching: bool = True
+    state_snapshots: int = 8
 
 
 def _model_dtype(model: Any) -> torch.dtype:
@@ -126,9 +131,12 @@ class Engine:
         layers = model.cache_layers()
         num_blocks = _pool_blocks(model, config, self.device, dtype)
         self.kv = KVPool(layers, num_blocks, config.block_size, config.max_sequences, device=self.device, dtype=dtype)
+        recurrent_sharing = config.prefix_caching and self.kv.recurrent and config.state_snapshots > 0
+        self.snapshots = StateSnapshots(config.state_snapshots) if recurrent_sharing else None
         self.scheduler = Scheduler(BlockPool(num_blocks, config.block_size), max_sequences=config.max_sequences,
                                    max_batch_tokens=config.max_batch_tokens,
-                                   prefix_caching=config.prefix_caching and not self.kv.recurrent)
+                                   prefix_caching=config.prefix_caching and (recurrent_sharing or not self.kv.recurrent),
+                                   snapshots=self.snapshots)
         self.requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -186,7 +194,10 @@ class Engine:
         plan = self.scheduler.schedule()
         for slot in self.scheduler.cleared_slots:
             self.kv.clear_state(slot)
+        for slot, name in self.scheduler.restored_slots:  # a recurrent model resuming after a cached prefix
+            self.snapshots.restore(name, self.kv.slot_states(slot))
         self.scheduler.cleared_slots.clear()
+        self.scheduler.restored_slots.clear()
         if not plan:
             return []
         logits = self._forward(plan)  # (B, V)
@@ -194,10 +205,17 @@ class Engine:
         for b, (req, n) in enumerate(plan):
             req.computed += n
             self.scheduler.name_full_blocks(req)
+            self._snapshot(req)
             if req.computed == len(req.tokens):  # else a prefill chunk with more to come: nothing to sample yet
                 rows.append(b)
         picks = self._greedy_picks(plan, logits, rows)
         return [EngineOutput(plan[b][0].request_id, self._choose(plan[b][0], logits[b], picks.get(b))) for b in rows]
+
+    def _snapshot(self, req: Request) -> None:
+        """A recurrent model's request whose computed tokens end on a named block: save its states there."""
+        size = self.config.block_size
+        if self.snapshots is not None and req.computed % size == 0 and len(req.names) == req.computed // size > 0:
+            self.snapshots.save(req.names[-1], self.kv.slot_states(req.slot))
 
     @staticmethod
     def _greedy_picks(plan: list[tuple[Request, int]], logits: torch.Tensor, rows: list[int]) -> dict[int, int]:

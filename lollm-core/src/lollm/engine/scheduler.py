@@ -15,6 +15,10 @@ is **preempted by recompute**: its blocks go back to the pool, it returns to the
 of the waiting queue with every token it has so far, and later it is prefilled again
 (its own full blocks may still be in the prefix cache then). Its sampler keeps its
 state, so the tokens it goes on to produce are those of an uninterrupted run.
+
+A model with a recurrent layer shares a prefix only up to a block that has a
+recurrent-state snapshot (:mod:`lollm.engine.snapshots`); the scheduler then ends its
+prompt chunks on block boundaries, where the engine can take snapshots.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lollm.engine.blocks import BlockPool, block_hash
+from lollm.engine.snapshots import StateSnapshots
 
 
 @dataclass(eq=False)
@@ -69,17 +74,20 @@ class Scheduler:
     pool:             the block bookkeeping.
     max_sequences:    the most requests running at once (sequence slots).
     max_batch_tokens: the most tokens in one step (decode tokens + prefill chunks).
-    prefix_caching:   reuse named full blocks (turned off for models with recurrent state,
-                      whose state a block of keys cannot restore).
+    prefix_caching:   reuse named full blocks.
+    snapshots:        for a model with recurrent state: the saved states; a prefix is reused
+                      only up to a block that has one (None: a model without recurrent state).
     """
 
-    def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int, prefix_caching: bool):
+    def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int, prefix_caching: bool,
+                 snapshots: StateSnapshots | None = None):
         self.pool, self.max_sequences, self.max_batch_tokens = pool, max_sequences, max_batch_tokens
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.snapshots = prefix_caching, snapshots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_sequences))
-        self.cleared_slots: list[int] = []  # slots handed out this step: their state must be zeroed
+        self.cleared_slots: list[int] = []  # slots handed out this step: their state must be zeroed ...
+        self.restored_slots: list[tuple[int, bytes]] = []  # ... or set from the snapshot of this name
 
     def schedule(self) -> list[tuple[Request, int]]:
         """The next step: (request, number of its tokens to run), running requests first."""
@@ -89,24 +97,45 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted a moment ago, to make room for an older one
                 continue
-            n = min(len(req.tokens) - req.computed, budget)
+            n = self._chunk(req, budget)
             if self._make_room(req, req.computed + n):
                 plan.append((req, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_sequences:
             req = self.waiting[0]
+            if self.snapshots is not None and req.names and req.names[-1] not in self.snapshots:
+                self._release(req)  # the snapshot it attached to was dropped while it waited: attach again
             if req.computed == 0 and not req.blocks:
                 self._attach_prefix(req)
-            n = min(len(req.tokens) - req.computed, budget)
+            n = self._chunk(req, budget)
             if not self._reserve(req, req.computed + n):
                 break  # no blocks for its first chunk: it waits, and so does everyone behind it
             self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
-            self.cleared_slots.append(req.slot)
+            if req.computed and self.snapshots is not None:  # it resumes after a cached prefix
+                self.restored_slots.append((req.slot, req.names[-1]))
+            else:
+                self.cleared_slots.append(req.slot)
             self.running.append(req)
             plan.append((req, n))
             budget -= n
         return plan
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """How many of req's uncomputed tokens run this step: as many as the budget allows.
+
+        A model with recurrent state (``snapshots``) stops a chunk at the last block boundary it
+        crosses before the final token: the engine saves the states there, so a later prompt that
+        shares this one up to its last token can resume from that boundary (its last token is
+        always computed). A decode step (one token) is never cut.
+        """
+        n = min(len(req.tokens) - req.computed, budget)
+        if self.snapshots is not None:
+            size = self.pool.block_size
+            boundary = min(req.computed + n, len(req.tokens) - 1) // size * size
+            if req.computed < boundary < req.computed + n:
+                n = boundary - req.computed
+        return n
 
     def _make_room(self, req: Request, positions: int) -> bool:
         """Blocks for ``positions``, preempting the newest running requests if needed; False if ``req`` itself went."""
@@ -138,6 +167,10 @@ class Scheduler:
             req.blocks.append(block)
             req.names.append(name)
             previous = name
+        if self.snapshots is not None:  # recurrent state: back to the deepest block with a snapshot
+            while req.names and req.names[-1] not in self.snapshots:
+                req.names.pop()
+                self.pool.release(req.blocks.pop())
         req.computed = len(req.blocks) * size
         if req.preemptions == 0:
             req.cached_tokens = req.computed

@@ -881,7 +881,7 @@ class FamilyConformance:
         check_engine_equals_solo(model, prompt_ids[0].tolist(), tie_bound=self.self_consistency_max_abs_diff)
 
     def test_engine_prefix_cache_hit_equals_cold_run(self, model, prompt_ids):
-        """A prompt that shares cached blocks reuses them (never with recurrent state) and equals a cold run."""
+        """A prompt that shares cached blocks reuses them (with recurrent state: up to a snapshot) and equals a cold run."""
         check_prefix_cache_hit(model, prompt_ids[0].tolist())
 
     def test_engine_preemption_and_abort(self, model, prompt_ids):

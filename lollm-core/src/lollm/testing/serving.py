@@ -212,7 +212,8 @@ def cached_again(client, prompt_tokens: int) -> int:
 
     One request at a time (a PromptCache): all but the last. The batched engine (``/health``
     says ``batching``): every full block of ``block_size`` before the last token, since its
-    prefix cache shares whole blocks only; none where it keeps no prefix cache (recurrent state).
+    prefix cache shares whole blocks only (a model with recurrent state as well: its prompt chunks
+    stop at that boundary, where the engine saves a state snapshot); none with no prefix cache.
     """
     batching = health(str(client.base_url).rstrip("/")).get("batching")
     if batching is None:
