@@ -186,3 +186,26 @@ def test_stop_ids_end_a_request(toy):
     while engine.has_unfinished():
         outs += engine.step()
     assert [o.step.token for o in outs] == alone[: alone.index(alone[2]) + 1] and outs[-1].step.finish == "stop"
+
+
+def test_a_request_waiting_for_blocks_pins_none_of_them(toy):
+    """A waiting request whose prompt starts with cached blocks takes them only when it is admitted: held
+    while it waits, they kept a running request from growing (it preempted itself over and over)."""
+    engine = Engine(toy, EngineConfig(kv_blocks=12, block_size=4, max_sequences=2, max_batch_tokens=8, state_snapshots=1))
+    first = PROMPT[:17]
+    run_engine(engine, [(0, first, 1)])  # its blocks stay cached
+    long = [(t + 3) % toy.vocab_size for t in PROMPT[:30]]  # needs 11 of the 12 blocks by its end
+    late = first + [5, 6, 7]  # shares first's cached blocks, and waits for the long one
+    ids = {engine.add_request(long, sampling=GREEDY, max_new_tokens=12): (long, 12)}
+    engine.step()
+    ids[engine.add_request(late, sampling=GREEDY, max_new_tokens=3)] = (late, 3)
+    got: dict[str, list[int]] = {}
+    for _ in range(500):  # hang guard: the run needs about 30 steps
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out.step.token)
+    assert not engine.has_unfinished(), "the requests never finished: a waiting request starved the running one"
+    for rid, (prompt, n) in ids.items():
+        assert got[rid] == generate(toy, prompt, max_new_tokens=n, sampling=GREEDY).new_ids, rid
+    assert engine.scheduler.pool.num_free == 12

@@ -103,13 +103,14 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_sequences:
             req = self.waiting[0]
-            if self.snapshots is not None and req.names and req.names[-1] not in self.snapshots:
-                self._release(req)  # the snapshot it attached to was dropped while it waited: attach again
-            if req.computed == 0 and not req.blocks:
-                self._attach_prefix(req)
+            self._attach_prefix(req)
             n = self._chunk(req, budget)
             if not self._reserve(req, req.computed + n):
-                break  # no blocks for its first chunk: it waits, and so does everyone behind it
+                # no blocks for its first chunk: it waits, and so does everyone behind it. It lets go of the
+                # cached blocks it took: a waiting request pinning them could starve the running ones
+                # (and a recurrent model's snapshot may be gone by its next try). It attaches again then.
+                self._release(req)
+                break
             self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
             if req.computed and self.snapshots is not None:  # it resumes after a cached prefix
@@ -156,7 +157,7 @@ class Scheduler:
 
     def _attach_prefix(self, req: Request) -> None:
         """Take every cached full block the request's tokens start with (leaving at least one token to compute)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or req.blocks:
             return
         size, previous = self.pool.block_size, b""
         for i in range((len(req.tokens) - 1) // size):
