@@ -129,15 +129,13 @@ def measure_level(engine: Any, prompts: list[list[int]], new_tokens: int) -> tup
 def check_pool_fits(model: Any, blocks: int, block_size: int, level: int) -> None:
     """Raise LollmError when ``blocks`` KV blocks would take more than half the device's free memory
     (the engine's own default limit), naming the level that asks for them, before anything is allocated."""
-    from lollm.engine.cache import block_bytes
-    from lollm.engine.engine import _model_dtype
-    from lollm.memory import free_memory
+    from lollm.engine.cache import pool_room
 
-    need = blocks * block_bytes(model.cache_layers(), block_size, _model_dtype(model))
-    free = free_memory(next(model.parameters()).device)
-    if free and need > free // 2:
-        raise LollmError(f"--concurrency {level}: {level} requests at once need {need / 2**30:.1f} GiB of KV cache, "
-                         f"more than half the {free / 2**30:.1f} GiB free; give smaller levels or fewer tokens")
+    room = pool_room(model, block_size)
+    if room.free_bytes and blocks > room.half_free_blocks:
+        raise LollmError(f"--concurrency {level}: {level} requests at once need {blocks * room.block_bytes / 2**30:.1f} "
+                         f"GiB of KV cache, more than half the {room.free_bytes / 2**30:.1f} GiB free; give smaller "
+                         f"levels or fewer tokens")
 
 
 def run_concurrency(model: Any, ids: list[int], levels: list[int], *, new_tokens: int, rounds: int, threads: int,

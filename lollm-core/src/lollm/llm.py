@@ -382,9 +382,7 @@ class LLM:
                                                              kept.config.max_sequences < config.max_sequences)):
             self._engine = None  # let the old pool go before the new one is made
             self._engine = kept = Engine(self.model, config)
-        context = self.model.max_context
-        for req in requests:
-            need = len(req.ids) + min(req.max_new_tokens, context - len(req.ids))
+        for req, need in zip(requests, requests_positions(self.model, requests)):
             if need > kept.capacity:
                 raise PromptError(req.index, f": {len(req.ids)} prompt + {need - len(req.ids)} new tokens "
                                       f"cannot fit the engine's KV pool ({kept.capacity} positions): give the "
@@ -451,9 +449,7 @@ def engine_config_for(model: Any, positions: Sequence[int], *, max_running: int 
     their turn. Raises GenerationError when even the longest request alone does not fit that half.
     """
     from lollm.engine import EngineConfig
-    from lollm.engine.cache import block_bytes
-    from lollm.engine.engine import _model_dtype
-    from lollm.memory import free_memory
+    from lollm.engine.cache import pool_room
 
     if not positions:
         raise GenerationError("no requests to size the engine for")
@@ -461,15 +457,13 @@ def engine_config_for(model: Any, positions: Sequence[int], *, max_running: int 
     blocks = sorted((-(-n // size) for n in positions), reverse=True)
     running = min(len(blocks), max_running)
     wanted = sum(blocks[:running])
-    per_block = max(block_bytes(model.cache_layers(), size, _model_dtype(model)), 1)
-    free = free_memory(next(model.parameters()).device)
-    if free is not None:
-        limit = free // 2 // per_block
-        if blocks[0] > limit:
+    room = pool_room(model, size)
+    if room.free_bytes is not None:
+        if blocks[0] > room.half_free_blocks:
             raise GenerationError(f"a request of {max(positions)} positions "
-                                  f"needs {blocks[0] * per_block / 2**20:.0f} MiB of KV blocks, but half the free memory "
-                                  f"is {free / 2 / 2**20:.0f} MiB: ask for fewer tokens")
-        wanted = min(wanted, limit)
+                                  f"needs {blocks[0] * room.block_bytes / 2**20:.0f} MiB of KV blocks, but half the free "
+                                  f"memory is {room.free_bytes / 2 / 2**20:.0f} MiB: ask for fewer tokens")
+        wanted = min(wanted, room.half_free_blocks)
     return EngineConfig(kv_blocks=max(wanted, blocks[0]), max_sequences=running, max_batch_tokens=max_batch_tokens)
 
 

@@ -52,20 +52,17 @@ def serve_kv_blocks(model: Any, context: int, max_running: int, block_size: int)
     one full context (then the request waits for memory rather than being refused). Raises
     LollmError when even one context does not fit in the free memory.
     """
-    from lollm.engine.cache import block_bytes
-    from lollm.engine.engine import _model_dtype
-    from lollm.memory import free_memory
+    from lollm.engine.cache import pool_room
 
-    per_block = max(block_bytes(model.cache_layers(), block_size, _model_dtype(model)), 1)
+    room = pool_room(model, block_size)
     one_context = -(-context // block_size)
     wanted = max(one_context, max_running * -(-min(context, DEFAULT_POSITIONS_PER_SEQUENCE) // block_size))
-    free = free_memory(next(model.parameters()).device)
-    if free is None:
+    if room.free_bytes is None:
         return wanted
-    if one_context * per_block > free:
-        raise LollmError(f"the KV pool needs {one_context * per_block / 2**20:.0f} MiB for one request of the context "
-                         f"({context} positions), but {free / 2**20:.0f} MiB are free: lower --ctx-size")
-    return max(one_context, min(wanted, free // 2 // per_block))
+    if one_context * room.block_bytes > room.free_bytes:
+        raise LollmError(f"the KV pool needs {one_context * room.block_bytes / 2**20:.0f} MiB for one request of the "
+                         f"context ({context} positions), but {room.free_bytes / 2**20:.0f} MiB are free: lower --ctx-size")
+    return max(one_context, min(wanted, room.half_free_blocks))
 
 
 class EngineRun:

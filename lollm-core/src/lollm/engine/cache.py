@@ -25,6 +25,8 @@ releasing their blocks early would need a block table per layer kind.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,6 +70,41 @@ def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype) -
     """Bytes one block takes over all layers: 2 (K and V) x block_size x K x D x element size, summed."""
     size = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.stores_keys)
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's activations: that of its first floating-point parameter (the pool's dtype)."""
+    for p in itertools.chain(model.parameters(), model.buffers()):
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+@dataclass(frozen=True)
+class PoolRoom:
+    """What one KV block of a model costs, and the memory free for blocks on its device.
+
+    block_bytes: :func:`block_bytes` of the model's cache layers (at least 1).
+    free_bytes:  the device's free memory (:func:`lollm.memory.free_memory`), None when unknown.
+    Every sizer of a pool (the engine's default, ``lollm serve``, ``lollm.LLM``, ``bench --concurrency``)
+    keeps to at most half the free memory: :attr:`half_free_blocks`.
+    """
+
+    block_bytes: int
+    free_bytes: int | None
+
+    @property
+    def half_free_blocks(self) -> int | None:
+        """Blocks that fit in half the free memory (None: the free memory is unknown)."""
+        return None if self.free_bytes is None else self.free_bytes // 2 // self.block_bytes
+
+
+def pool_room(model: Any, block_size: int) -> PoolRoom:
+    """The :class:`PoolRoom` of ``model`` with blocks of ``block_size`` positions."""
+    from lollm.memory import free_memory
+
+    per_block = max(block_bytes(model.cache_layers(), block_size, model_dtype(model)), 1)
+    return PoolRoom(per_block, free_memory(next(model.parameters()).device))
 
 
 class PagedCache:

@@ -39,12 +39,11 @@ import torch
 
 from lollm.batch import Batch
 from lollm.engine.blocks import BlockPool
-from lollm.engine.cache import KVPool, PagedCache, block_bytes
+from lollm.engine.cache import KVPool, PagedCache, model_dtype, pool_room
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
 from lollm.generate import Step, _Sequence, check_prompt_ids
-from lollm.memory import free_memory
 from lollm.sampling import SamplingParams
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
@@ -93,24 +92,15 @@ class EngineConfig:
     state_snapshots: int = 8
 
 
-def _model_dtype(model: Any) -> torch.dtype:
-    """The dtype of the model's activations: that of its first floating-point parameter."""
-    for p in itertools.chain(model.parameters(), model.buffers()):
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
-def _pool_blocks(model: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+def _pool_blocks(model: Any, config: EngineConfig) -> int:
     """How many blocks the pool gets: the configured number, or the default of :class:`EngineConfig`."""
     if config.kv_blocks is not None:
         if config.kv_blocks < 1:
             raise GenerationError(f"kv_blocks must be >= 1, got {config.kv_blocks}")
         return config.kv_blocks
-    per_block = max(block_bytes(model.cache_layers(), config.block_size, dtype), 1)
     wanted = config.max_sequences * -(-min(2048, model.max_context) // config.block_size)
-    free = free_memory(device)
-    return max(1, min(wanted, free // 2 // per_block)) if free else wanted
+    room = pool_room(model, config.block_size)
+    return max(1, min(wanted, room.half_free_blocks)) if room.free_bytes else wanted
 
 
 class Engine:
@@ -127,9 +117,9 @@ class Engine:
             raise GenerationError(f"{type(model).__name__} has no cache_layers(): its family cannot run batched yet")
         self.model, self.config = model, config
         self.device = next(model.parameters()).device
-        dtype = _model_dtype(model)
+        dtype = model_dtype(model)
         layers = model.cache_layers()
-        num_blocks = _pool_blocks(model, config, self.device, dtype)
+        num_blocks = _pool_blocks(model, config)
         self.kv = KVPool(layers, num_blocks, config.block_size, config.max_sequences, device=self.device, dtype=dtype)
         recurrent_sharing = config.prefix_caching and self.kv.recurrent and config.state_snapshots > 0
         self.snapshots = StateSnapshots(config.state_snapshots) if recurrent_sharing else None
