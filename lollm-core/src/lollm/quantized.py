@@ -22,12 +22,13 @@ keeps the integers instead and multiplies with torch's packed CPU kernels:
   same kernels as the float path). :class:`Int8Embedding` looks rows up in
   int8 codes, and can share them with an :class:`Int8Linear` (tied embeddings).
 
-Both linear kernels take their activations in bfloat16 (they are slow with
+Both torch kernels take their activations in bfloat16 (they are slow with
 float32 ones): each layer rounds its input to bfloat16, multiplies, and gives
 its output back in the input's dtype, so the rest of the model (norms,
-attention, the residual stream) stays float32. docs/quantized-execution.md
-shows the measurements that chose bfloat16 over dynamically quantized int8
-activations.
+attention, the residual stream) stays float32. For a decode step,
+:class:`Int8Linear` calls lollm's own kernel instead where it could be built
+(:mod:`lollm.native`, docs/native-kernel.md): int8 activations in blocks of 32,
+as llama.cpp multiplies, through integer dot-product instructions.
 
 Nothing here ever holds a float copy of a whole matrix: packing works through
 a matrix a slice of rows at a time.
@@ -68,6 +69,12 @@ _SLICE_WEIGHTS = 1 << 20
 #: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
 GEMM_MIN_ROWS = 20
 GEMM_MIN_ROWS_GROUPED = 10
+#: Rows up to which :class:`Int8Linear` calls lollm's native kernel (lollm.native) where it is built:
+#: per-channel layers gain at 1 and 2 rows and tie with torch's kernel from 4 on; grouped layers (the
+#: output head) gain at every count below the dequantizing path, which they then reach at 20 rows
+#: instead of 10. Measured by benchmarks/bench_int8_rows.py.
+NATIVE_MAX_ROWS = 2
+NATIVE_MAX_ROWS_GROUPED = 19
 #: Output channels dequantized at a time on that path (about 1.8 MB of bfloat16 at 896 inputs).
 _GEMM_CHANNELS = 1024
 
@@ -240,11 +247,18 @@ class Int8Linear(nn.Module):
       kernel_scale:  the same in bfloat16, the kernel's dtype.
     bias: float parameter ``(out_features,)`` or None.
 
-    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed
-    with bfloat16 activations in one of two ways, by the number of rows M (tokens):
+    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed in one
+    of three ways, by the number of rows M (tokens):
 
-    * few rows (a decode step): ``_weight_int8pack_mm``. The kernel reads the int8 codes
-      once *per row*, so its time grows with M: 16 rows cost about 7 times one row.
+    * the fewest rows (a decode step; up to :data:`NATIVE_MAX_ROWS`, or
+      :data:`NATIVE_MAX_ROWS_GROUPED` for grouped layers), where lollm's native kernel is
+      built (:mod:`lollm.native`, docs/native-kernel.md): x becomes int8 in blocks of 32
+      with one scale each (llama.cpp's Q8_0 activations), each block meets 32 codes in
+      integer dot-product instructions, and the sums are scaled in float32 by the exact
+      scales ``scale``.
+    * few rows otherwise: ``_weight_int8pack_mm`` with bfloat16 activations. The kernel
+      reads the int8 codes once *per row*, so its time grows with M: 16 rows cost about
+      7 times one row.
     * many rows (a prefill, or an engine step of many sequences; at least
       :data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
       with native bfloat16 matmul): the codes are dequantized to bfloat16,
@@ -252,9 +266,10 @@ class Int8Linear(nn.Module):
       reads each slice once for all M rows. The dequantization costs about as much as the
       kernel's 16 to 32 rows, and then barely grows with M.
 
-    Both compute ``x · (q * s)`` from the same codes and bfloat16 scales; they differ in
-    where bfloat16 rounds (the product ``q * s`` here, the per-group outputs there), a few
-    parts in a thousand of a logit (docs/quantized-execution.md, "Many rows").
+    All three compute ``x · (q * s)`` from the same codes; they differ in where they round
+    (x to int8 per block in the first; x, the scales and ``q * s`` or the per-group outputs
+    to bfloat16 in the others): a few parts in a thousand of a logit
+    (docs/quantized-execution.md, "Many rows"; docs/native-kernel.md).
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
@@ -270,10 +285,27 @@ class Int8Linear(nn.Module):
         """From how many rows forward dequantizes and multiplies once (None: never, on this CPU)."""
         if not _NATIVE_BF16:
             return None
-        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 else GEMM_MIN_ROWS_GROUPED
+        if self.codes.shape[0] == 1:
+            return GEMM_MIN_ROWS
+        return NATIVE_MAX_ROWS_GROUPED + 1 if self.native_rows() else GEMM_MIN_ROWS_GROUPED
+
+    def native_rows(self) -> int:
+        """Up to how many rows forward runs lollm's native kernel (0: never; it is off, not built, or cannot take this layer)."""
+        from lollm import native
+
+        if self.group_size % 32 or self.codes.device.type != "cpu" or not (self.codes.is_contiguous() and self.scale.is_contiguous()):
+            return 0
+        if native.block_int8_op() is None:
+            return 0
+        return NATIVE_MAX_ROWS if self.codes.shape[0] == 1 else NATIVE_MAX_ROWS_GROUPED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # (M, K)
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        if rows.shape[0] <= self.native_rows():  # int8 activations in blocks of 32 (lollm.native)
+            y = torch.ops.lollm_native.block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        flat = rows.to(KERNEL_DTYPE)
         many = self.gemm_rows()
         if many is not None and flat.shape[0] >= many:
             y = self._dequantized_matmul(flat)  # (M, N)
@@ -526,8 +558,13 @@ class WeightsSummary:
         return sum(n for (_, kept), n in self.counts.items() if not kept.startswith(("float", "bfloat16")))
 
     def line(self) -> str:
+        """The summary; where int8 layers were kept, it also says whether lollm's native kernel runs them (lollm.native)."""
         parts = [f"{stored}→{kept} ×{n}" for (stored, kept), n in sorted(self.counts.items()) if n]
         text = f"weights ({self.requested}): " + ", ".join(parts) + f"; {self.model_bytes / 1e6:.0f} MB in memory"
+        if any(kept.startswith("int8") for _, kept in self.counts):
+            from lollm import native
+
+            text += f"; {native.status()}"
         if self.dequantized:
             shown = ", ".join(self.dequantized[:3]) + (f" and {len(self.dequantized) - 3} more" if len(self.dequantized) > 3 else "")
             text += f"; dequantized (no packed form for their type): {shown}"

@@ -1,0 +1,147 @@
+"""lollm's native CPU kernel: a packed int8 linear layer with int8 activations (``block_int8.cpp``).
+
+A packed decode step is a matrix-vector product per layer, and its cost is
+reading the weights. torch's ``_weight_int8pack_mm`` reads them at about half the
+rate llama.cpp's hand-written dot products reach on the same core, and its time
+grows with every row (token) it is given. ``block_int8.cpp`` is our own kernel,
+written to be read (docs/native-kernel.md): the activations become int8 in
+blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each block of 32
+weights meets them in one integer dot-product instruction (AVX-VNNI's vpdpbusd,
+or AVX2's vpmaddubsw), and the int32 sums are scaled in float32.
+
+It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
+and ninja are needed; ninja comes with lollm-core), for this CPU
+(``-march=native``), and cached under torch's extension folder
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), one build per
+CPU model. Where it cannot be built, :class:`lollm.quantized.Int8Linear` keeps
+torch's kernel, and :func:`status` says why. ``LOLLM_NATIVE=0`` turns it off.
+
+Model math stays PyTorch: this file computes ``x @ w.T`` for a layer whose
+weights the loader already holds as int8 codes and scales, nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+#: The environment variable that turns the kernel off ("0").
+ENV = "LOLLM_NATIVE"
+SOURCE = Path(__file__).with_name("block_int8.cpp")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "op" (the callable or None) and "why" (one line), once decided
+
+
+def _cpu_tag() -> str:
+    """A digest of what the build depends on: the source, this CPU's features, torch's version."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(platform.machine().encode())
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                digest.update(line.encode())
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        digest.update(platform.processor().encode())
+    return digest.hexdigest()[:12]
+
+
+def _missing_tool() -> str | None:
+    """Why a build cannot start here, or None. Puts the ninja that lollm-core installs on PATH
+    (a venv's bin folder is not on it when its scripts are run by their full path)."""
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except (ImportError, AttributeError):
+        pass  # a ninja on PATH serves as well
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} not found; set CXX or install g++)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+#: The other versions of steps 2 and 3, built by the tests beside the native one (flags added to -march=native).
+VARIANTS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-avx512f"]}
+
+
+def _compile(name: str, flags: list[str]) -> None:
+    """Compile block_int8.cpp into extension ``name`` (or load its cached build); raises what torch raises."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():
+        print("lollm: compiling the native int8 kernel for this CPU (once, about a minute)", file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+        extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+    )
+
+
+def _build():
+    """Compile (or load the cached build of) block_int8.cpp; returns (op or None, one line)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None, f"off ({ENV}=0)"
+    missing = _missing_tool()
+    if missing:
+        return None, f"not built: {missing}"
+    try:
+        _compile(f"lollm_native_{_cpu_tag()}", [])
+    except (RuntimeError, OSError, ImportError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
+        print(f"lollm: the native int8 kernel did not build ({first}); torch's kernels run instead "
+              f"({ENV}=0 skips the try)", file=sys.stderr, flush=True)
+        return None, f"not built: {first}"
+    ops = torch.ops.lollm_native
+    return ops.block_int8_linear, f"on ({ops.instruction_set()})"
+
+
+def build_variant(variant: str):
+    """The ops of another version of steps 2 and 3 (``"avx2"``, ``"portable"``), built for the tests.
+
+    Returns the namespace ``torch.ops.lollm_native_<variant>`` (``block_int8_linear``,
+    ``instruction_set``). Raises RuntimeError where it cannot be built.
+    """
+    namespace = f"lollm_native_{variant}"
+    _compile(f"{namespace}_{_cpu_tag()}", [*VARIANTS[variant], f"-DLOLLM_NATIVE_NAMESPACE={namespace}"])
+    return getattr(torch.ops, namespace)
+
+
+def block_int8_op():
+    """The kernel as a callable ``(x, codes, scale) -> y``, or None where it is off or cannot be built.
+
+    x: ``(M, K)`` float32, contiguous, CPU; codes: ``(groups, N, group_size)`` int8,
+    ``group_size`` a multiple of 32; scale: ``(groups, N)`` float32. Returns ``(M, N)``
+    float32, ``y[m, n] = sum_k x[m, k] * codes[k // gs, n, k % gs] * scale[k // gs, n]``
+    with x rounded to int8 per block of 32 (scale max|x| / 127).
+
+    The first call decides, under a lock, once per process: it compiles or loads the build.
+    """
+    if "op" not in _state:
+        with _lock:
+            if "op" not in _state:
+                _state["op"], _state["why"] = _build()
+    return _state["op"]
+
+
+def status() -> str:
+    """One line: whether the kernel runs, and why not (it decides first, as :func:`block_int8_op` does)."""
+    block_int8_op()
+    return f"native int8 kernel: {_state['why']}"

@@ -1,0 +1,315 @@
+// lollm's one hand-written CPU kernel: a linear layer over int8 weights kept in
+// blocks, with int8 activations and integer dot products.
+//
+// Read it next to docs/native-kernel.md. What it computes, for an Int8Linear
+// (lollm/quantized.py) whose weights are w[n, k] = codes[g, n, k % gs] * scale[g, n]:
+//
+//   1. each row of x is cut into blocks of 32 values; a block becomes int8
+//      codes xq and one float scale xd = max|x| / 127 ("Q8_0 activations", the
+//      form llama.cpp multiplies in);
+//   2. for every output channel n and every block of 32 weights, the 32
+//      products codes * xq are summed as integers (exact, int32);
+//   3. that sum is scaled by the two float scales, xd * scale[g, n], and added
+//      to the channel's float32 accumulator.
+//
+// Why it is faster than torch's _weight_int8pack_mm at one row: a decode step
+// is a matrix-vector product whose cost is reading the weights. Step 2 reads
+// each weight byte once and needs one instruction per 32 of them on a CPU with
+// VNNI (vpdpbusd: 32 u8 x s8 products summed in groups of 4 into int32 lanes),
+// and each row of codes, once read, stays in the L1 cache while every row of x
+// (the tokens of a speculative verify, the sequences of an engine step) takes
+// its turn: rows cost little more than one.
+//
+// Three versions of steps 2 and 3, chosen when this file is compiled
+// (-march=native on the machine that runs it): AVX-512 VNNI (two blocks per
+// vpdpbusd), AVX2 (one block per vpmaddubsw + vpmaddwd), and plain C++ for every
+// other CPU. All three compute the same integer sums; only the order of the float
+// additions differs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // values per activation block (and per weight group, at least)
+constexpr int64_t kChannels = 16;  // output channels one task computes (a task's share of the work)
+
+// Step 1: x (M, K) float32 -> codes (M, K) int8 and scales (M, K / 32) float32.
+// Each block: d = max|x| / 127, q = round(x / d) (ties to even); a block of zeros
+// gets d = 0 and q = 0; a block holding a NaN or an infinity gets d = NaN, so that
+// the outputs it touches are NaN (as a float product's would be), never a number.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      finite = finite && std::isfinite(xb[j]);
+    }
+    const float scale = finite ? amax / 127.f : NAN;
+    if (!finite) amax = 0.f;
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    d[i] = scale;
+    for (int64_t j = 0; j < kBlock; ++j) q[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 on CPUs with AVX-512 VNNI: two blocks of 32 per instruction.
+//
+// vpdpbusd multiplies an *unsigned* byte by a signed one and sums each 4
+// products into an int32 lane. The weights are made unsigned as they are read
+// (w + 128, one xor), and the extra 128 * sum(x) that this adds to each lane
+// depends on the activations only: it is computed once per call (`offset`) and
+// is the lane's starting value, so the instruction leaves exactly sum(w * x).
+// ---------------------------------------------------------------------------
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define LOLLM_AVX512 1
+#include <immintrin.h>
+
+// x in the form the loops read, per row: codes xq (K bytes), each int32 lane's
+// -128 * (sum of its 4 codes) (K / 4), and each block's scale once per lane (K / 4).
+// `paired` repeats every block twice (64 bytes, 16 lanes), for the layers in groups
+// of 32, whose one instruction takes two channels against the same block.
+struct WideRows {
+  int64_t width;  // bytes of codes per row
+  std::vector<int8_t> q;
+  std::vector<int32_t> offset;
+  std::vector<float> d;
+  WideRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k, bool paired)
+      : width(paired ? 2 * k : k), q(rows * width), offset(rows * width / 4), d(rows * width / 4) {
+    const int64_t copies = paired ? 2 : 1;
+    for (int64_t b = 0; b < rows * k / kBlock; ++b)
+      for (int64_t copy = 0; copy < copies; ++copy) {
+        const int64_t at = (b * copies + copy) * kBlock;
+        std::copy(xq + b * kBlock, xq + (b + 1) * kBlock, q.begin() + at);
+        for (int64_t lane = 0; lane < 8; ++lane) {
+          const int8_t* four = xq + b * kBlock + 4 * lane;
+          offset[at / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
+          d[at / 4 + lane] = xd[b];
+        }
+      }
+  }
+};
+
+// 64 bytes of codes made unsigned (w + 128), or the first 32 (lanes above zero) when
+// only one block is left.
+inline __m512i unsigned_codes(const int8_t* w, bool two) {
+  return _mm512_xor_si512(_mm512_maskz_loadu_epi8(two ? ~0ULL : 0xFFFFFFFFULL, w), _mm512_set1_epi8(char(0x80)));
+}
+
+// Layers with one scale per channel (group_size = K, or another multiple of 32 above it):
+// a channel's codes are contiguous; one instruction takes two neighbouring blocks, and
+// each piece of codes, once read, meets up to 4 rows of x.
+template <int R>
+void channel_rows(const int8_t* w, int64_t group_size, const WideRows& x, int64_t row, int64_t col, float* sums) {
+  const int8_t* q[R];
+  const int32_t* offset[R];
+  const float* d[R];
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) {
+    const int64_t at = (row + i) * x.width + col;  // the first byte of this row's codes
+    q[i] = x.q.data() + at, offset[i] = x.offset.data() + at / 4, d[i] = x.d.data() + at / 4;
+    acc[i] = _mm512_setzero_ps();
+  }
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  int64_t p = 0;
+  for (; 64 * p + 64 <= group_size; ++p) {  // whole pairs of blocks
+    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * p), flip);
+    for (int i = 0; i < R; ++i) {
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(offset[i] + 16 * p), wu, _mm512_loadu_si512(q[i] + 64 * p));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(d[i] + 16 * p), acc[i]);
+    }
+  }
+  if (64 * p < group_size) {  // a last lone block: lanes 0-7, zeros above
+    const __m512i wu = unsigned_codes(w + 64 * p, false);
+    for (int i = 0; i < R; ++i) {
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_maskz_loadu_epi32(0x00FF, offset[i] + 16 * p), wu,
+                                            _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q[i] + 64 * p));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_maskz_loadu_ps(0x00FF, d[i] + 16 * p), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size,
+                   const WideRows& x, int64_t rows, int64_t n0, int64_t n1, float* out) {
+  float sums[4];
+  for (int64_t c = n0; c < n1; ++c) {
+    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* w = codes + (g * n + c) * group_size;
+      for (int64_t r = 0; r < rows; r += 4) {
+        const int64_t take = std::min<int64_t>(4, rows - r);
+        if (take == 4) channel_rows<4>(w, group_size, x, r, g * group_size, sums);
+        if (take == 3) channel_rows<3>(w, group_size, x, r, g * group_size, sums);
+        if (take == 2) channel_rows<2>(w, group_size, x, r, g * group_size, sums);
+        if (take == 1) channel_rows<1>(w, group_size, x, r, g * group_size, sums);
+        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += sums[i] * ws[g * n + c];
+      }
+    }
+  }
+}
+
+// Layers in groups of 32 (the output head: codes (K / 32, N, 32)): block b of channels
+// c and c + 1 lie side by side, so one instruction takes both channels against the
+// same block of x (`paired`); lanes 0-7 sum channel c, lanes 8-15 channel c + 1.
+void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n, const WideRows& x,
+                int64_t rows, int64_t n0, int64_t n1, float* out) {
+  const int64_t pairs = (n1 - n0 + 1) / 2;
+  std::vector<__m512> acc(rows * pairs, _mm512_setzero_ps());
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t c = n0 + 2 * p;
+      const bool two = c + 1 < n1;
+      const __m512i wu = unsigned_codes(codes + (b * n + c) * kBlock, two);
+      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(ws[b * n + c]), _mm256_set1_ps(two ? ws[b * n + c + 1] : 0.f), 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * x.width + b * 64;
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), wu, _mm512_loadu_si512(x.q.data() + at));
+        const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x.d.data() + at / 4));
+        acc[r * pairs + p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r * pairs + p]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512 a = acc[r * pairs + p];
+      const int64_t c = n0 + 2 * p;
+      out[r * n + c] = _mm512_mask_reduce_add_ps(0x00FF, a);
+      if (c + 1 < n1) out[r * n + c + 1] = _mm512_mask_reduce_add_ps(0xFF00, a);
+    }
+}
+
+#else
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 elsewhere: one block at a time (AVX2), or plain C++.
+// ---------------------------------------------------------------------------
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// One block: 8 int32 lanes whose sum is sum_j w[j] * x[j]. vpmaddubsw multiplies an
+// unsigned byte by a signed one, so the signs move onto x: |w| * (x * sign(w)) = w * x
+// (|-128| = 128 fits an unsigned byte; x is never -128, so x * sign(w) fits a signed one).
+inline __m256i block_dot(const int8_t* w, const int8_t* x) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i aw = _mm256_abs_epi8(wv);       // |w| as unsigned bytes
+  const __m256i sx = _mm256_sign_epi8(xv, wv);  // x * sign(w), 0 where w = 0
+  const __m256i pairs = _mm256_maddubs_epi16(aw, sx);  // 16 sums of 2, at most 2 * 128 * 127: no saturation
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+inline float group_dot(const int8_t* w, const int8_t* xq, const float* xd, int64_t blocks, float w_scale) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b)
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w + b * kBlock, xq + b * kBlock)), _mm256_set1_ps(xd[b] * w_scale), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+inline float group_dot(const int8_t* w, const int8_t* xq, const float* xd, int64_t blocks, float w_scale) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) sum += int32_t(w[b * kBlock + j]) * int32_t(xq[b * kBlock + j]);
+    acc += float(sum) * (xd[b] * w_scale);
+  }
+  return acc;
+}
+#endif
+
+// Output channels n0 .. n1 for every row: each channel's group of codes, once read, stays
+// in L1 while every row of x takes its turn.
+void channels_narrow(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size,
+                     const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t n0, int64_t n1, float* out) {
+  const int64_t group_blocks = group_size / kBlock;
+  for (int64_t c = n0; c < n1; ++c)
+    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t c = n0; c < n1; ++c)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t first = (r * k + g * group_size) / kBlock;
+        out[r * n + c] += group_dot(codes + (g * n + c) * group_size, xq + first * kBlock, xd + first, group_blocks, ws[g * n + c]);
+      }
+}
+#endif
+
+// y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n].
+at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "block_int8_linear: x must be a contiguous float32 CPU matrix (M, K)");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.device().is_cpu(),
+              "block_int8_linear: codes must be contiguous int8 (groups, N, group_size) on the CPU");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t groups = codes.size(0), n = codes.size(1), group_size = codes.size(2);
+  TORCH_CHECK(groups * group_size == k && group_size % kBlock == 0,
+              "block_int8_linear: codes (", groups, ", ", n, ", ", group_size, ") do not fit x's ", k,
+              " columns in groups that are a multiple of 32");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == n && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && scale.device().is_cpu(),
+              "block_int8_linear: scale must be contiguous float32 (groups, N) on the CPU");
+
+  std::vector<int8_t> xq(rows * k);  // step 1
+  std::vector<float> xd(rows * (k / kBlock));
+  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* out = y.data_ptr<float>();
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* ws = scale.data_ptr<float>();
+#if defined(LOLLM_AVX512)
+  const WideRows wide(xq.data(), xd.data(), rows, k, group_size == kBlock);
+#endif
+  const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
+  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
+#if defined(LOLLM_AVX512)
+      if (group_size == kBlock)
+        pairs_wide(w, ws, groups, n, wide, rows, n0, n1, out);
+      else
+        channels_wide(w, ws, groups, n, group_size, wide, rows, n0, n1, out);
+#else
+      channels_narrow(w, ws, groups, n, group_size, xq.data(), xd.data(), rows, k, n0, n1, out);
+#endif
+    }
+  });
+  return y;
+}
+
+// Which version of step 2 this build compiled (lollm.native.status names it).
+std::string instruction_set() {
+#if defined(LOLLM_AVX512)
+  return "AVX-512 VNNI";
+#elif defined(__AVX2__)
+  return "AVX2";
+#else
+  return "portable C++";
+#endif
+}
+
+}  // namespace
+
+// The operators' namespace: lollm_native, or another name for the test builds of the
+// other versions (lollm.native.build_variant), which load beside it.
+#ifndef LOLLM_NATIVE_NAMESPACE
+#define LOLLM_NATIVE_NAMESPACE lollm_native
+#endif
+#define LOLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+LOLLM_LIBRARY(LOLLM_NATIVE_NAMESPACE, m) {
+  m.def("block_int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &block_int8_linear);
+  m.def("instruction_set() -> str", &instruction_set);
+}
