@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lollm import native
-from lollm.quantized import NATIVE_MAX_ROWS, NATIVE_MAX_ROWS_GROUPED, Int8Linear
+from lollm.quantized import GEMM_MIN_ROWS, Int8Linear
 
 #: (groups, N, group_size): per channel with an even and an odd number of blocks (a lone last
 #: block), several groups of 64 and of 96, and groups of 32 (the head's layout) with N odd.
@@ -109,20 +109,23 @@ def test_bad_arguments_name_the_operator():
 
 
 def test_int8linear_takes_the_kernel_for_few_rows_within_the_activation_rounding():
-    """Int8Linear's few-row route is the kernel, and its error against the float product of the
+    """Int8Linear's few-row route is the kernel, a row's output does not depend on the rows beside
+    it (a batch of rows equals each row alone, bit for bit), and its error against the float product of the
     dequantized weights stays within what rounding x to int8 per block allows: each x moves by at
     most half a step (max|x| / 254 in its block), so |y - x·w| <= sum_k |w_k| * step_k / 2."""
     kernel()
     gen = torch.Generator().manual_seed(3)
-    for groups, n, group_size, most in [(1, 64, 256, NATIVE_MAX_ROWS), (8, 64, 32, NATIVE_MAX_ROWS_GROUPED)]:
+    for groups, n, group_size in [(1, 64, 256), (1, 40, 96), (8, 64, 32)]:
         codes, scale = random_layer(groups, n, group_size, gen)
         layer = Int8Linear(codes, scale)
-        assert layer.native_rows() == most
+        assert layer.uses_native() and layer.gemm_rows() in (None, GEMM_MIN_ROWS)
         w = (codes.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, -1)
-        for rows in (1, most):
+        for rows in (1, 7, GEMM_MIN_ROWS - 1):
             x = torch.randn(rows, groups * group_size, generator=gen)
             y = layer(x)
             assert torch.equal(y, torch.ops.lollm_native.block_int8_linear(x, codes, scale))
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+            assert torch.equal(y, alone), "a row's output changed with the rows beside it"
             half_step = (x.double().view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(rows, -1)
             bound = half_step @ w.abs().T + 1e-4
             assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
@@ -141,11 +144,11 @@ from lollm import native
 from lollm.quantized import Int8Linear
 layer = Int8Linear(torch.randint(-127, 128, (1, 16, 64), dtype=torch.int8), torch.rand(1, 16))
 y = layer(torch.randn(1, 64))
-print(native.status(), layer.native_rows(), tuple(y.shape))
+print(native.status(), layer.uses_native(), tuple(y.shape))
 """
 
 
 def test_off_switch_and_a_missing_compiler_fall_back_to_torch():
-    assert run_python(FALLBACK, LOLLM_NATIVE="0") == "native int8 kernel: off (LOLLM_NATIVE=0) 0 (1, 16)"
+    assert run_python(FALLBACK, LOLLM_NATIVE="0") == "native int8 kernel: off (LOLLM_NATIVE=0) False (1, 16)"
     out = run_python(FALLBACK, LOLLM_NATIVE="1", CXX="/nonexistent/c++")
-    assert out.startswith("native int8 kernel: not built: no C++ compiler ('/nonexistent/c++' not found") and out.endswith("0 (1, 16)")
+    assert out.startswith("native int8 kernel: not built: no C++ compiler ('/nonexistent/c++' not found") and out.endswith("False (1, 16)")

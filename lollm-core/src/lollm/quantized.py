@@ -69,12 +69,6 @@ _SLICE_WEIGHTS = 1 << 20
 #: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
 GEMM_MIN_ROWS = 20
 GEMM_MIN_ROWS_GROUPED = 10
-#: Rows up to which :class:`Int8Linear` calls lollm's native kernel (lollm.native) where it is built:
-#: per-channel layers gain at 1 and 2 rows and tie with torch's kernel from 4 on; grouped layers (the
-#: output head) gain at every count below the dequantizing path, which they then reach at 20 rows
-#: instead of 10. Measured by benchmarks/bench_int8_rows.py.
-NATIVE_MAX_ROWS = 2
-NATIVE_MAX_ROWS_GROUPED = 19
 #: Output channels dequantized at a time on that path (about 1.8 MB of bfloat16 at 896 inputs).
 _GEMM_CHANNELS = 1024
 
@@ -250,15 +244,15 @@ class Int8Linear(nn.Module):
     forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed in one
     of three ways, by the number of rows M (tokens):
 
-    * the fewest rows (a decode step; up to :data:`NATIVE_MAX_ROWS`, or
-      :data:`NATIVE_MAX_ROWS_GROUPED` for grouped layers), where lollm's native kernel is
-      built (:mod:`lollm.native`, docs/native-kernel.md): x becomes int8 in blocks of 32
-      with one scale each (llama.cpp's Q8_0 activations), each block meets 32 codes in
-      integer dot-product instructions, and the sums are scaled in float32 by the exact
-      scales ``scale``.
-    * few rows otherwise: ``_weight_int8pack_mm`` with bfloat16 activations. The kernel
-      reads the int8 codes once *per row*, so its time grows with M: 16 rows cost about
-      7 times one row.
+    * few rows (a decode step, a speculative verify, an engine step of up to 19 sequences),
+      where lollm's native kernel is built (:mod:`lollm.native`, docs/native-kernel.md): x
+      becomes int8 in blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each
+      block meets 32 codes in integer dot-product instructions, and the sums are scaled in
+      float32 by the exact scales ``scale``. Each row is computed alone, the same way
+      whatever M is: a row's output does not depend on the rows beside it.
+    * few rows where it is not built: ``_weight_int8pack_mm`` with bfloat16 activations.
+      That kernel reads the int8 codes once *per row*, so its time grows with M: 16 rows
+      cost about 7 times one row.
     * many rows (a prefill, or an engine step of many sequences; at least
       :data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
       with native bfloat16 matmul): the codes are dequantized to bfloat16,
@@ -282,38 +276,35 @@ class Int8Linear(nn.Module):
         self.bias = bias
 
     def gemm_rows(self) -> int | None:
-        """From how many rows forward dequantizes and multiplies once (None: never, on this CPU)."""
+        """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).
+
+        Where lollm's native kernel runs the fewer rows, both layouts switch at :data:`GEMM_MIN_ROWS`
+        (the kernel beats torch's grouped calls, which switch at :data:`GEMM_MIN_ROWS_GROUPED`)."""
         if not _NATIVE_BF16:
             return None
-        if self.codes.shape[0] == 1:
-            return GEMM_MIN_ROWS
-        return NATIVE_MAX_ROWS_GROUPED + 1 if self.native_rows() else GEMM_MIN_ROWS_GROUPED
+        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 or self.uses_native() else GEMM_MIN_ROWS_GROUPED
 
-    def native_rows(self) -> int:
-        """Up to how many rows forward runs lollm's native kernel (0: never; it is off, not built, or cannot take this layer)."""
+    def uses_native(self) -> bool:
+        """Whether the rows below :meth:`gemm_rows` go through lollm's native kernel (:mod:`lollm.native`):
+        it is built and on, and this layer's codes are contiguous CPU tensors in groups of a multiple of 32."""
         from lollm import native
 
-        if self.group_size % 32 or self.codes.device.type != "cpu" or not (self.codes.is_contiguous() and self.scale.is_contiguous()):
-            return 0
-        if native.block_int8_op() is None:
-            return 0
-        return NATIVE_MAX_ROWS if self.codes.shape[0] == 1 else NATIVE_MAX_ROWS_GROUPED
+        fits = self.group_size % 32 == 0 and self.codes.device.type == "cpu"
+        fits = fits and self.codes.is_contiguous() and self.scale.is_contiguous()
+        return fits and native.block_int8_op() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        if rows.shape[0] <= self.native_rows():  # int8 activations in blocks of 32 (lollm.native)
-            y = torch.ops.lollm_native.block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        flat = rows.to(KERNEL_DTYPE)
         many = self.gemm_rows()
-        if many is not None and flat.shape[0] >= many:
-            y = self._dequantized_matmul(flat)  # (M, N)
+        if many is not None and rows.shape[0] >= many:
+            y = self._dequantized_matmul(rows.to(KERNEL_DTYPE))  # (M, N)
+        elif self.uses_native():  # int8 activations in blocks of 32, integer dot products (lollm.native)
+            y = torch.ops.lollm_native.block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
         elif self.codes.shape[0] == 1:
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.codes[0], self.kernel_scale[0])  # (M, N)
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.codes[0], self.kernel_scale[0])  # (M, N)
         else:
-            pieces = flat.view(flat.shape[0], -1, self.group_size)  # (M, G, group_size)
-            y = torch.zeros(flat.shape[0], self.out_features, dtype=torch.float32)
+            pieces = rows.to(KERNEL_DTYPE).view(rows.shape[0], -1, self.group_size)  # (M, G, group_size)
+            y = torch.zeros(rows.shape[0], self.out_features, dtype=torch.float32)
             for g in range(self.codes.shape[0]):
                 y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), self.codes[g], self.kernel_scale[g])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -86,9 +86,12 @@ struct WideRows {
   std::vector<int8_t> q;
   std::vector<int32_t> offset;
   std::vector<float> d;
-  WideRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k, bool paired)
-      : width(paired ? 2 * k : k), q(rows * width), offset(rows * width / 4), d(rows * width / 4) {
-    const int64_t copies = paired ? 2 : 1;
+  std::vector<float> surplus;  // per row and group: sum over its lanes of d * 128 * (the lane's 4 codes' sum)
+  const float* block_d;        // each block's scale once (rows, K / 32)
+  WideRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t group_size)
+      : width(group_size == kBlock ? 2 * k : k), q(rows * width), offset(rows * width / 4), d(rows * width / 4),
+        surplus(rows * (k / group_size), 0.f), block_d(xd) {
+    const int64_t copies = group_size == kBlock ? 2 : 1;
     for (int64_t b = 0; b < rows * k / kBlock; ++b)
       for (int64_t copy = 0; copy < copies; ++copy) {
         const int64_t at = (b * copies + copy) * kBlock;
@@ -97,6 +100,7 @@ struct WideRows {
           const int8_t* four = xq + b * kBlock + 4 * lane;
           offset[at / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
           d[at / 4 + lane] = xd[b];
+          if (copy == 0) surplus[b * kBlock / group_size] -= xd[b] * float(offset[at / 4 + lane]);
         }
       }
   }
@@ -114,36 +118,40 @@ inline __m512i unsigned_codes(const int8_t* w, bool two) {
 template <int R>
 void channel_rows(const int8_t* w, int64_t group_size, const WideRows& x, int64_t row, int64_t col, float* sums) {
   const int8_t* q[R];
-  const int32_t* offset[R];
   const float* d[R];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) {
     const int64_t at = (row + i) * x.width + col;  // the first byte of this row's codes
-    q[i] = x.q.data() + at, offset[i] = x.offset.data() + at / 4, d[i] = x.d.data() + at / 4;
+    q[i] = x.q.data() + at, d[i] = x.block_d + at / kBlock;
     acc[i] = _mm512_setzero_ps();
   }
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 0-7: block 0
   int64_t p = 0;
   for (; 64 * p + 64 <= group_size; ++p) {  // whole pairs of blocks
     const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * p), flip);
     for (int i = 0; i < R; ++i) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(offset[i] + 16 * p), wu, _mm512_loadu_si512(q[i] + 64 * p));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(d[i] + 16 * p), acc[i]);
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(q[i] + 64 * p));
+      const __m512 two_d = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d[i] + 2 * p))));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(halves, two_d), acc[i]);
     }
   }
   if (64 * p < group_size) {  // a last lone block: lanes 0-7, zeros above
     const __m512i wu = unsigned_codes(w + 64 * p, false);
     for (int i = 0; i < R; ++i) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_maskz_loadu_epi32(0x00FF, offset[i] + 16 * p), wu,
-                                            _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q[i] + 64 * p));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_maskz_loadu_ps(0x00FF, d[i] + 16 * p), acc[i]);
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q[i] + 64 * p));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(d[i][2 * p])), acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
+// Here the 128 * sum(xq) that the unsigned weights add is taken off after the scaling:
+// summed over a group, sum_b d[b] * 128 * sum(xq in b) is the same for every channel, so
+// it is computed once per row and group (`surplus`), and the loop reads no offsets.
 void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size,
                    const WideRows& x, int64_t rows, int64_t n0, int64_t n1, float* out) {
+  const std::vector<float>& surplus = x.surplus;
   float sums[4];
   for (int64_t c = n0; c < n1; ++c) {
     for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
@@ -155,7 +163,7 @@ void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t
         if (take == 3) channel_rows<3>(w, group_size, x, r, g * group_size, sums);
         if (take == 2) channel_rows<2>(w, group_size, x, r, g * group_size, sums);
         if (take == 1) channel_rows<1>(w, group_size, x, r, g * group_size, sums);
-        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += sums[i] * ws[g * n + c];
+        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += (sums[i] - surplus[(r + i) * groups + g]) * ws[g * n + c];
       }
     }
   }
@@ -270,7 +278,7 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
 #if defined(LOLLM_AVX512)
-  const WideRows wide(xq.data(), xd.data(), rows, k, group_size == kBlock);
+  const WideRows wide(xq.data(), xd.data(), rows, k, group_size);
 #endif
   const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
