@@ -149,6 +149,6 @@ print(native.status(), layer.uses_native(), tuple(y.shape))
 
 
 def test_off_switch_and_a_missing_compiler_fall_back_to_torch():
-    assert run_python(FALLBACK, LOLLM_NATIVE="0") == "native int8 kernel: off (LOLLM_NATIVE=0) False (1, 16)"
+    assert run_python(FALLBACK, LOLLM_NATIVE="0") == "native kernel: off (LOLLM_NATIVE=0) False (1, 16)"
     out = run_python(FALLBACK, LOLLM_NATIVE="1", CXX="/nonexistent/c++")
-    assert out.startswith("native int8 kernel: not built: no C++ compiler ('/nonexistent/c++' not found") and out.endswith("False (1, 16)")
+    assert out.startswith("native kernel: not built: no C++ compiler ('/nonexistent/c++' not found") and out.endswith("False (1, 16)")

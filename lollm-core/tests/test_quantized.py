@@ -32,6 +32,14 @@ from lollm.quantized import (
     quantize_int8_rows,
 )
 from lollm.weights import load_weights
+from lollm import native
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    """These tests are about torch's packed kernels and their bounds: lollm's native kernel, whose
+    own tests are tests/test_native.py, is off here (the load builds Int4Linear, Int8Linear calls torch)."""
+    monkeypatch.setattr(native, "_state", {"op": None, "why": "off (tests of torch's kernels)"})
 
 from conftest_gguf import F16_FIELDS
 

@@ -65,7 +65,7 @@ def test_real_gguf_quantized_agrees_with_float32():
     import os
 
     from lollm.pipeline import open_model
-    from lollm.testing.quantized import EVAL_TEXT, compare, logits_of
+    from lollm.testing.quantized import EVAL_TEXT, compare, decode_logits_of, logits_of
     from lollm.testing.real_models import fetch_gguf
 
     path = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
@@ -78,6 +78,9 @@ def test_real_gguf_quantized_agrees_with_float32():
     summary = packed.model.weights_summary
     agreement = compare(reference, logits_of(packed.model, ids), ids)
     print(summary.line(), f"top-1 {agreement.top1_rate:.3f}, perplexity ratio {agreement.perplexity_ratio:.4f}")
+    stepped = compare(reference[:128], decode_logits_of(packed.model, ids[:128]), ids[:128])  # the decode route
+    print(f"one position at a time (128): top-1 {stepped.top1_rate:.3f}, perplexity ratio {stepped.perplexity_ratio:.4f}")
+    assert stepped.top1_rate >= 0.95 and abs(stepped.perplexity_ratio - 1) <= 0.02
     assert summary.counts[("Q4_K", "int4 groups of 32")] == 12 and summary.counts[("Q8_0", "int8 groups of 32")] == 1
     assert summary.model_bytes <= 1.3 * os.path.getsize(path)
     assert agreement.top1_rate >= 0.95

@@ -87,7 +87,7 @@ def _compile(name: str, flags: list[str]) -> None:
 
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not (build_dir / f"{name}.so").exists():
-        print("lollm: compiling the native int8 kernel for this CPU (once, about a minute)", file=sys.stderr, flush=True)
+        print("lollm: compiling the native kernel for this CPU (once, a few seconds to a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(
         name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
@@ -106,7 +106,7 @@ def _build():
     except (RuntimeError, OSError, ImportError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
-        print(f"lollm: the native int8 kernel did not build ({first}); torch's kernels run instead "
+        print(f"lollm: the native kernel did not build ({first}); torch's kernels run instead "
               f"({ENV}=0 skips the try)", file=sys.stderr, flush=True)
         return None, f"not built: {first}"
     ops = torch.ops.lollm_native
@@ -144,4 +144,4 @@ def block_int8_op():
 def status() -> str:
     """One line: whether the kernel runs, and why not (it decides first, as :func:`block_int8_op` does)."""
     block_int8_op()
-    return f"native int8 kernel: {_state['why']}"
+    return f"native kernel: {_state['why']}"

@@ -87,6 +87,16 @@ def logits_of(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids]), None)[0].float()
 
 
+@torch.inference_mode()
+def decode_logits_of(model, ids: list[int]) -> torch.Tensor:
+    """The same logits as :func:`logits_of`, computed as decode steps do: one position at a time
+    through the model's cache, so that every packed layer sees one row (lollm's native kernel where
+    it runs; docs/native-kernel.md). ``(T, vocab)`` float32."""
+    cache = model.new_cache(len(ids))
+    rows = [model(torch.tensor([[token]]), cache)[0, -1].float() for token in ids]
+    return torch.stack(rows)
+
+
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     """``exp`` of the mean negative log-likelihood of ``ids[1:]`` given ``logits[:-1]`` ``(T, vocab)``."""
     logp = torch.log_softmax(logits[:-1].double(), dim=-1)
