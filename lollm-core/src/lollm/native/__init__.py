@@ -86,7 +86,7 @@ def _compile(name: str, flags: list[str]) -> None:
     from torch.utils import cpp_extension
 
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists():
+    if not (build_dir / f"{name}.so").exists() and sys.stderr.isatty():  # on a terminal only: logs and tests stay clean
         print("lollm: compiling the native kernel for this CPU (once, a few seconds to a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(
         name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
