@@ -131,11 +131,9 @@ def test_int8linear_takes_the_kernel_for_few_rows_within_the_activation_rounding
             assert ((y.double() - x.double() @ w.T).abs() <= bound).all()
 
 
-def run_python(code: str, **env) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, **env})
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
 
 
 FALLBACK = """
@@ -148,7 +146,24 @@ print(native.status(), layer.uses_native(), tuple(y.shape))
 """
 
 
-def test_off_switch_and_a_missing_compiler_fall_back_to_torch():
-    assert run_python(FALLBACK, LOLLM_NATIVE="0") == "native kernel: off (LOLLM_NATIVE=0) False (1, 16)"
-    out = run_python(FALLBACK, LOLLM_NATIVE="1", CXX="/nonexistent/c++")
+def status_line(**env) -> str:
+    result = run_python(FALLBACK, **env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_off_switch_and_a_missing_or_broken_compiler_fall_back_to_torch(tmp_path):
+    assert status_line(LOLLM_NATIVE="0") == "native kernel: off (LOLLM_NATIVE=0) False (1, 16)"
+    assert status_line(LOLLM_NATIVE="off") == "native kernel: off (LOLLM_NATIVE=off) False (1, 16)"
+    fresh = {"LOLLM_NATIVE": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty")}  # nothing built there yet
+    out = status_line(CXX="/nonexistent/c++", **fresh)
     assert out.startswith("native kernel: not built: no C++ compiler ('/nonexistent/c++' not found") and out.endswith("False (1, 16)")
+    out = status_line(CXX="false", **fresh)  # a "compiler" that fails every command, its --version check included
+    assert out.startswith("native kernel: not built: ") and out.endswith("False (1, 16)")
+
+
+def test_a_cached_build_loads_without_a_compiler_and_a_bad_switch_is_refused():
+    kernel()  # built (and cached) in this process's extension folder
+    assert status_line(LOLLM_NATIVE="1", CXX="/nonexistent/c++").startswith("native kernel: on (")
+    result = run_python(FALLBACK, LOLLM_NATIVE="maybe")
+    assert result.returncode != 0 and "LOLLM_NATIVE='maybe': use 0 (off) or 1 (on)" in result.stderr

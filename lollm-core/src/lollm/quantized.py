@@ -274,6 +274,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.float())
         self.register_buffer("kernel_scale", scale.to(KERNEL_DTYPE))
         self.bias = bias
+        from lollm import native
+
+        native.block_int8_op()  # decided (built, on a first run) while the model loads, not at its first token
 
     def gemm_rows(self) -> int | None:
         """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).

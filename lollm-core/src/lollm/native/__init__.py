@@ -14,7 +14,8 @@ and ninja are needed; ninja comes with lollm-core), for this CPU
 (``-march=native``), and cached under torch's extension folder
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), one build per
 CPU model. Where it cannot be built, :class:`lollm.quantized.Int8Linear` keeps
-torch's kernel, and :func:`status` says why. ``LOLLM_NATIVE=0`` turns it off.
+torch's kernel, and :func:`status` says why. ``LOLLM_NATIVE=0`` turns it off. A build
+already in the folder is loaded without a compiler.
 
 Model math stays PyTorch: this file computes ``x @ w.T`` for a layer whose
 weights the loader already holds as int8 codes and scales, nothing else.
@@ -26,14 +27,16 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-#: The environment variable that turns the kernel off ("0").
+#: The environment variable that turns the kernel off ("0", "off", "false", "no") or on (unset, "1", "on", "true", "yes").
 ENV = "LOLLM_NATIVE"
+_OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 SOURCE = Path(__file__).with_name("block_int8.cpp")
 
 _lock = threading.Lock()
@@ -81,12 +84,25 @@ def _missing_tool() -> str | None:
 VARIANTS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-avx512f"]}
 
 
-def _compile(name: str, flags: list[str]) -> None:
-    """Compile block_int8.cpp into extension ``name`` (or load its cached build); raises what torch raises."""
+def _cached(name: str) -> Path | None:
+    """The built library of extension ``name`` in torch's extension folder, if it is there."""
     from torch.utils import cpp_extension
 
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists() and sys.stderr.isatty():  # on a terminal only: logs and tests stay clean
+    library = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
+    return library if library.exists() else None
+
+
+def _compile(name: str, flags: list[str]) -> None:
+    """Load the cached build of extension ``name`` (its name carries the source's and the CPU's digest,
+    so a library of that name is this source built for this CPU), or compile block_int8.cpp into it.
+    Raises what torch raises."""
+    from torch.utils import cpp_extension
+
+    library = _cached(name)
+    if library is not None:
+        torch.ops.load_library(str(library))
+        return
+    if sys.stderr.isatty():  # on a terminal only: logs and tests stay clean
         print("lollm: compiling the native kernel for this CPU (once, a few seconds to a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(
         name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
@@ -95,15 +111,22 @@ def _compile(name: str, flags: list[str]) -> None:
 
 
 def _build():
-    """Compile (or load the cached build of) block_int8.cpp; returns (op or None, one line)."""
-    if os.environ.get(ENV, "1") == "0":
-        return None, f"off ({ENV}=0)"
-    missing = _missing_tool()
+    """Load or compile block_int8.cpp; returns (op or None, one line). LollmError for a value of
+    LOLLM_NATIVE that is neither on nor off."""
+    choice = os.environ.get(ENV, "1").strip().lower()
+    if choice in _OFF:
+        return None, f"off ({ENV}={os.environ[ENV]})"
+    if choice not in _ON:
+        from lollm.errors import LollmError
+
+        raise LollmError(f"{ENV}={os.environ[ENV]!r}: use 0 (off) or 1 (on)")
+    name = f"lollm_native_{_cpu_tag()}"
+    missing = None if _cached(name) else _missing_tool()
     if missing:
         return None, f"not built: {missing}"
     try:
-        _compile(f"lollm_native_{_cpu_tag()}", [])
-    except (RuntimeError, OSError, ImportError) as exc:
+        _compile(name, [])
+    except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
         print(f"lollm: the native kernel did not build ({first}); torch's kernels run instead "
