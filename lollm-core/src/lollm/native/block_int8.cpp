@@ -12,13 +12,17 @@
 //   3. that sum is scaled by the two float scales, xd * scale[g, n], and added
 //      to the channel's float32 accumulator.
 //
-// Why it is faster than torch's _weight_int8pack_mm at one row: a decode step
-// is a matrix-vector product whose cost is reading the weights. Step 2 reads
-// each weight byte once and needs one instruction per 32 of them on a CPU with
-// VNNI (vpdpbusd: 32 u8 x s8 products summed in groups of 4 into int32 lanes),
-// and each row of codes, once read, stays in the L1 cache while every row of x
-// (the tokens of a speculative verify, the sequences of an engine step) takes
-// its turn: rows cost little more than one.
+// Why it is faster than torch's _weight_int8pack_mm: a decode step is a
+// matrix-vector product whose cost is reading the weights. Step 2 reads each
+// weight byte once and needs one instruction per 64 of them on a CPU with
+// AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products summed in groups of 4 into 16
+// int32 lanes). Each row of codes, once read, stays in the L1 cache while every
+// row of x (the tokens of a speculative verify, the sequences of an engine step)
+// takes its turn: the weights are read from memory once, and each extra row pays
+// only its own arithmetic (docs/native-kernel.md, section 4, measures it).
+//
+// Each row of x is computed alone, by the same instructions in the same order
+// whatever rows are beside it, so a batch gives each row what it gives alone.
 //
 // Three versions of steps 2 and 3, chosen when this file is compiled
 // (-march=native on the machine that runs it): AVX-512 VNNI (two blocks per
@@ -70,17 +74,20 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d)
 // vpdpbusd multiplies an *unsigned* byte by a signed one and sums each 4
 // products into an int32 lane. The weights are made unsigned as they are read
 // (w + 128, one xor), and the extra 128 * sum(x) that this adds to each lane
-// depends on the activations only: it is computed once per call (`offset`) and
-// is the lane's starting value, so the instruction leaves exactly sum(w * x).
+// depends on the activations only, so it is computed once per call: for layers
+// in groups of 32 it is each lane's starting value (`offset`), so the instruction
+// leaves exactly sum(w * x); for per-channel layers it is taken off once per row,
+// after the scaling (`surplus`), and the inner loop reads no offsets at all.
 // ---------------------------------------------------------------------------
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define LOLLM_AVX512 1
 #include <immintrin.h>
 
 // x in the form the loops read, per row: codes xq (K bytes), each int32 lane's
-// -128 * (sum of its 4 codes) (K / 4), and each block's scale once per lane (K / 4).
-// `paired` repeats every block twice (64 bytes, 16 lanes), for the layers in groups
-// of 32, whose one instruction takes two channels against the same block.
+// -128 * (sum of its 4 codes) (K / 4), each block's scale once per lane (K / 4), and
+// per group the surplus sum(d * 128 * sum(xq)). For layers in groups of 32
+// (group_size == 32) every block is repeated twice (64 bytes, 16 lanes): their one
+// instruction takes two channels against the same block.
 struct WideRows {
   int64_t width;  // bytes of codes per row
   std::vector<int8_t> q;
