@@ -271,6 +271,17 @@ def test_wrong_architecture_is_refused(tiny_gguf):
 # ============================================================ the real Qwen2.5-Coder GGUF
 
 
+def test_bench_of_a_gguf_says_when_llama_cpp_is_not_measured(tiny_gguf, monkeypatch):
+    import lollm.bench as bench
+
+    monkeypatch.setattr(bench, "llama_cpp_available", lambda: False)
+    path = str(tiny_gguf("qwen2", True))
+    result = bench.run_bench(path, ids=list(range(3, 11)), new_tokens=2, rounds=1, threads=1, reference=False)
+    assert [e.name for e in result.engines] == ["lollm"] and result.note == bench.NO_LLAMA_CPP
+    quiet = bench.run_bench(path, ids=list(range(3, 11)), new_tokens=2, rounds=1, threads=1, reference=False, llama_cpp=False)
+    assert quiet.note == ""
+
+
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
     from lollm.testing.real_models import fetch_gguf

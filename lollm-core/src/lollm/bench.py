@@ -53,6 +53,8 @@ BENCH_TEXT = (
 
 #: Said instead of the reference's figures when transformers is not installed.
 NO_REFERENCE = "reference: transformers is not installed, so only lollm's figures are shown (pip install 'lollm-core[parity]')"
+NO_LLAMA_CPP = ("llama.cpp: llama-cpp-python is not installed, so llama.cpp is not measured beside this GGUF "
+                "(pip install 'lollm-core[bench]'; --no-llama-cpp leaves it out without this note)")
 
 
 def _status_kib(field_name: str) -> int | None:
@@ -361,7 +363,8 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     Both are loaded in this process and measured in ``rounds`` alternating
     rounds, on ``ids`` when given (else ``prompt_tokens`` ids of :data:`BENCH_TEXT`). Without transformers installed the reference is skipped and
     ``BenchResult.note`` says so. For a GGUF with ``llama_cpp`` on and ``llama-cpp-python``
-    installed, :class:`LlamaCppEngine` runs in the same rounds (with or without transformers). Raises LollmError
+    installed, :class:`LlamaCppEngine` runs in the same rounds (with or without transformers); not installed,
+    ``BenchResult.note`` says so (:data:`NO_LLAMA_CPP`). Raises LollmError
     when the reference cannot read the same weights as lollm.
     """
     import torch
@@ -394,6 +397,8 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     if llama_cpp and checkpoint.fmt == "gguf" and llama_cpp_available():
         gguf = checkpoint.weights.gguf.path  # the one file both read
         engines.append(LlamaCppEngine(str(gguf), torch.get_num_threads(), len(ids) + new_tokens + 16))
+    elif llama_cpp and checkpoint.fmt == "gguf":
+        note = "\n".join(filter(None, [note, NO_LLAMA_CPP]))
     figures = [measure_load(engine) for engine in engines]
     alternate(engines, figures, ids, new_tokens, rounds, log)
     return BenchResult(figures, len(ids), new_tokens, torch.get_num_threads(), note)
