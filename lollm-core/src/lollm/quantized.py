@@ -240,6 +240,7 @@ class Int8Linear(nn.Module):
       scale:         ``(groups, out_features)`` float32, the exact scales (an :class:`Int8Embedding` reads these).
       kernel_scale:  the same in bfloat16, the kernel's dtype.
     bias: float parameter ``(out_features,)`` or None.
+    native: whether lollm's native kernel takes the few-row steps, decided when the layer is made.
 
     forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed in one
     of three ways, by the number of rows M (tokens):
@@ -276,7 +277,8 @@ class Int8Linear(nn.Module):
         self.bias = bias
         from lollm import native
 
-        native.block_int8_op()  # decided (built, on a first run) while the model loads, not at its first token
+        # Decided (and built, on a first run) while the model loads, not at its first token.
+        self.native = self.group_size % 32 == 0 and native.block_int8_op() is not None
 
     def gemm_rows(self) -> int | None:
         """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).
@@ -285,16 +287,13 @@ class Int8Linear(nn.Module):
         (the kernel beats torch's grouped calls, which switch at :data:`GEMM_MIN_ROWS_GROUPED`)."""
         if not _NATIVE_BF16:
             return None
-        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 or self.uses_native() else GEMM_MIN_ROWS_GROUPED
+        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 or self.native else GEMM_MIN_ROWS_GROUPED
 
     def uses_native(self) -> bool:
         """Whether the rows below :meth:`gemm_rows` go through lollm's native kernel (:mod:`lollm.native`):
-        it is built and on, and this layer's codes are contiguous CPU tensors in groups of a multiple of 32."""
-        from lollm import native
-
-        fits = self.group_size % 32 == 0 and self.codes.device.type == "cpu"
-        fits = fits and self.codes.is_contiguous() and self.scale.is_contiguous()
-        return fits and native.block_int8_op() is not None
+        it was built and on when this layer was made (``self.native``: groups of a multiple of 32), and
+        the codes are contiguous CPU tensors."""
+        return self.native and self.codes.is_cpu and self.codes.is_contiguous() and self.scale.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)

@@ -6,7 +6,7 @@ rate llama.cpp's hand-written dot products reach on the same core, and its time
 grows with every row (token) it is given. ``block_int8.cpp`` is our own kernel,
 written to be read (docs/native-kernel.md): the activations become int8 in
 blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each block of 32
-weights meets them in one integer dot-product instruction (AVX-VNNI's vpdpbusd,
+weights meets them in integer dot-product instructions (AVX-512 VNNI's vpdpbusd,
 or AVX2's vpmaddubsw), and the int32 sums are scaled in float32.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler

@@ -75,39 +75,44 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d)
 // products into an int32 lane. The weights are made unsigned as they are read
 // (w + 128, one xor), and the extra 128 * sum(x) that this adds to each lane
 // depends on the activations only, so it is computed once per call: for layers
-// in groups of 32 it is each lane's starting value (`offset`), so the instruction
-// leaves exactly sum(w * x); for per-channel layers it is taken off once per row,
-// after the scaling (`surplus`), and the inner loop reads no offsets at all.
+// in groups of 32 it is each lane's starting value (PairedRows::offset), so the
+// instruction leaves exactly sum(w * x); for per-channel layers it is taken off once
+// per row and group, after the scaling (row_surplus), and the inner loop reads
+// nothing but codes, activations and block scales.
 // ---------------------------------------------------------------------------
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define LOLLM_AVX512 1
 #include <immintrin.h>
 
-// x in the form the loops read, per row: codes xq (K bytes), each int32 lane's
-// -128 * (sum of its 4 codes) (K / 4), each block's scale once per lane (K / 4), and
-// per group the surplus sum(d * 128 * sum(xq)). For layers in groups of 32
-// (group_size == 32) every block is repeated twice (64 bytes, 16 lanes): their one
-// instruction takes two channels against the same block.
-struct WideRows {
-  int64_t width;  // bytes of codes per row
+// Per-channel layers: per row and group, sum_b d[b] * 128 * sum(xq in b), the amount
+// the unsigned weights add to every channel's scaled sum (rows, K / group_size).
+std::vector<float> row_surplus(const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t group_size) {
+  std::vector<float> surplus(rows * (k / group_size), 0.f);
+  for (int64_t b = 0; b < rows * k / kBlock; ++b) {
+    int32_t total = 0;
+    for (int64_t j = 0; j < kBlock; ++j) total += xq[b * kBlock + j];
+    surplus[b * kBlock / group_size] += xd[b] * 128.f * float(total);
+  }
+  return surplus;
+}
+
+// Layers in groups of 32: x in the form their loop reads, every block repeated twice
+// (their one instruction takes two channels against the same block): codes (2K bytes
+// a row), each int32 lane's -128 * (sum of its 4 codes) and each lane's block scale
+// (K / 2 each).
+struct PairedRows {
   std::vector<int8_t> q;
   std::vector<int32_t> offset;
   std::vector<float> d;
-  std::vector<float> surplus;  // per row and group: sum over its lanes of d * 128 * (the lane's 4 codes' sum)
-  const float* block_d;        // each block's scale once (rows, K / 32)
-  WideRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t group_size)
-      : width(group_size == kBlock ? 2 * k : k), q(rows * width), offset(rows * width / 4), d(rows * width / 4),
-        surplus(rows * (k / group_size), 0.f), block_d(xd) {
-    const int64_t copies = group_size == kBlock ? 2 : 1;
+  PairedRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k) : q(2 * rows * k), offset(rows * k / 2), d(rows * k / 2) {
     for (int64_t b = 0; b < rows * k / kBlock; ++b)
-      for (int64_t copy = 0; copy < copies; ++copy) {
-        const int64_t at = (b * copies + copy) * kBlock;
+      for (int64_t copy = 0; copy < 2; ++copy) {
+        const int64_t at = (2 * b + copy) * kBlock;
         std::copy(xq + b * kBlock, xq + (b + 1) * kBlock, q.begin() + at);
         for (int64_t lane = 0; lane < 8; ++lane) {
           const int8_t* four = xq + b * kBlock + 4 * lane;
           offset[at / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
           d[at / 4 + lane] = xd[b];
-          if (copy == 0) surplus[b * kBlock / group_size] -= xd[b] * float(offset[at / 4 + lane]);
         }
       }
   }
@@ -123,13 +128,14 @@ inline __m512i unsigned_codes(const int8_t* w, bool two) {
 // a channel's codes are contiguous; one instruction takes two neighbouring blocks, and
 // each piece of codes, once read, meets up to 4 rows of x.
 template <int R>
-void channel_rows(const int8_t* w, int64_t group_size, const WideRows& x, int64_t row, int64_t col, float* sums) {
+void channel_rows(const int8_t* w, int64_t group_size, const int8_t* xq, const float* xd, int64_t k, int64_t row,
+                  int64_t col, float* sums) {
   const int8_t* q[R];
   const float* d[R];
   __m512 acc[R];
   for (int i = 0; i < R; ++i) {
-    const int64_t at = (row + i) * x.width + col;  // the first byte of this row's codes
-    q[i] = x.q.data() + at, d[i] = x.block_d + at / kBlock;
+    const int64_t at = (row + i) * k + col;  // the first of this row's codes in this group
+    q[i] = xq + at, d[i] = xd + at / kBlock;
     acc[i] = _mm512_setzero_ps();
   }
   const __m512i flip = _mm512_set1_epi8(char(0x80));
@@ -155,21 +161,21 @@ void channel_rows(const int8_t* w, int64_t group_size, const WideRows& x, int64_
 
 // Here the 128 * sum(xq) that the unsigned weights add is taken off after the scaling:
 // summed over a group, sum_b d[b] * 128 * sum(xq in b) is the same for every channel, so
-// it is computed once per row and group (`surplus`), and the loop reads no offsets.
-void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size,
-                   const WideRows& x, int64_t rows, int64_t n0, int64_t n1, float* out) {
-  const std::vector<float>& surplus = x.surplus;
+// it is computed once per row and group (row_surplus), and the loop reads no offsets.
+void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size, const int8_t* xq,
+                   const float* xd, const std::vector<float>& surplus, int64_t rows, int64_t n0, int64_t n1, float* out) {
+  const int64_t k = groups * group_size;
   float sums[4];
   for (int64_t c = n0; c < n1; ++c) {
     for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t* w = codes + (g * n + c) * group_size;
       for (int64_t r = 0; r < rows; r += 4) {
-        const int64_t take = std::min<int64_t>(4, rows - r);
-        if (take == 4) channel_rows<4>(w, group_size, x, r, g * group_size, sums);
-        if (take == 3) channel_rows<3>(w, group_size, x, r, g * group_size, sums);
-        if (take == 2) channel_rows<2>(w, group_size, x, r, g * group_size, sums);
-        if (take == 1) channel_rows<1>(w, group_size, x, r, g * group_size, sums);
+        const int64_t take = std::min<int64_t>(4, rows - r), col = g * group_size;
+        if (take == 4) channel_rows<4>(w, group_size, xq, xd, k, r, col, sums);
+        if (take == 3) channel_rows<3>(w, group_size, xq, xd, k, r, col, sums);
+        if (take == 2) channel_rows<2>(w, group_size, xq, xd, k, r, col, sums);
+        if (take == 1) channel_rows<1>(w, group_size, xq, xd, k, r, col, sums);
         for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += (sums[i] - surplus[(r + i) * groups + g]) * ws[g * n + c];
       }
     }
@@ -179,7 +185,7 @@ void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t
 // Layers in groups of 32 (the output head: codes (K / 32, N, 32)): block b of channels
 // c and c + 1 lie side by side, so one instruction takes both channels against the
 // same block of x (`paired`); lanes 0-7 sum channel c, lanes 8-15 channel c + 1.
-void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n, const WideRows& x,
+void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n, const PairedRows& x,
                 int64_t rows, int64_t n0, int64_t n1, float* out) {
   const int64_t pairs = (n1 - n0 + 1) / 2;
   std::vector<__m512> acc(rows * pairs, _mm512_setzero_ps());
@@ -190,7 +196,7 @@ void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n,
       const __m512i wu = unsigned_codes(codes + (b * n + c) * kBlock, two);
       const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(ws[b * n + c]), _mm256_set1_ps(two ? ws[b * n + c + 1] : 0.f), 1);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t at = r * x.width + b * 64;
+        const int64_t at = (r * blocks + b) * 64;  // this row's copy of block b, twice
         const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), wu, _mm512_loadu_si512(x.q.data() + at));
         const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x.d.data() + at / 4));
         acc[r * pairs + p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r * pairs + p]);
@@ -285,17 +291,19 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
 #if defined(LOLLM_AVX512)
-  const WideRows wide(xq.data(), xd.data(), rows, k, group_size);
+  const bool paired = group_size == kBlock;
+  const PairedRows wide(xq.data(), xd.data(), paired ? rows : 0, k);  // only the grouped loop reads it
+  const std::vector<float> surplus = paired ? std::vector<float>() : row_surplus(xq.data(), xd.data(), rows, k, group_size);
 #endif
   const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
       const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
 #if defined(LOLLM_AVX512)
-      if (group_size == kBlock)
+      if (paired)
         pairs_wide(w, ws, groups, n, wide, rows, n0, n1, out);
       else
-        channels_wide(w, ws, groups, n, group_size, wide, rows, n0, n1, out);
+        channels_wide(w, ws, groups, n, group_size, xq.data(), xd.data(), surplus, rows, n0, n1, out);
 #else
       channels_narrow(w, ws, groups, n, group_size, xq.data(), xd.data(), rows, k, n0, n1, out);
 #endif
