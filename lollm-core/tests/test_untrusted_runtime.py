@@ -77,7 +77,7 @@ class TinyLM(nn.Module):
 
     def new_cache(self, max_tokens: int) -> Cache:
         cache = Cache(max_tokens, self.width)
-        if not isinstance(cache.kv, torch._subclasses.fake_tensor.FakeTensor):
+        if not cache.kv.is_meta:
             self.real_caches += 1
         return cache
 

@@ -121,7 +121,7 @@ def test_sliding_layer_cache_bytes_bounded_by_window_after_4000_tokens(tiny):
     prompt = prompt_ids(8)
     result = generate(model, prompt, max_new_tokens=4000, sampling=SamplingParams(temperature=0.0))
     assert len(result.new_ids) == 4000
-    cache = made[-1]  # the cache the loop allocated (lollm.memory first sizes one built from fake tensors)
+    cache = made[-1]  # the cache the loop allocated (lollm.memory first sizes one built on the meta device)
     assert cache.length >= 4000
     cfg = model.config
     per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, float32

@@ -282,6 +282,30 @@ def test_bench_of_a_gguf_says_when_llama_cpp_is_not_measured(tiny_gguf, monkeypa
     assert quiet.note == ""
 
 
+_LOAD_AND_GENERATE = """
+import sys
+import torch
+from lollm.generate import generate
+from lollm.options import LoadOptions
+from lollm.pipeline import open_model
+from lollm.sampling import SamplingParams
+loaded = open_model(sys.argv[1], LoadOptions(weights="auto"))
+with torch.inference_mode():
+    result = generate(loaded.model, [3, 4, 5], max_new_tokens=3, sampling=SamplingParams(temperature=0.0), attn=loaded.attn)
+assert len(result.new_ids) == 3
+print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
+"""
+
+
+def test_load_and_generate_import_neither_dynamo_nor_triton(tiny_gguf):
+    """Building the modules (lollm.build.on_meta) and sizing the cache (lollm.memory) stay off
+    torch._dynamo: importing it (and Triton with it) costs about 150 MB of resident memory."""
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_GENERATE, str(tiny_gguf("qwen2", True))],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
     from lollm.testing.real_models import fetch_gguf

@@ -17,7 +17,8 @@ family's declarations as data:
 :func:`build_model` then does, in order:
 
 1. build the module tree on the meta device (shapes, no memory), or this
-   rank's share of it under ``--tp`` (:class:`lollm.tensor_parallel.Sharding`);
+   rank's share of it under ``--tp`` (:class:`lollm.tensor_parallel.Sharding`),
+   with ``nn.init``'s random fills skipped (:func:`on_meta`);
 2. compute the buffers no checkpoint holds: every submodule that defines
    ``materialize(device, dtype)`` (RoPE's inverse frequencies, scales) is called;
 3. stream the weights in through the name map (:func:`lollm.weights.load_weights`),
@@ -33,11 +34,44 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lollm.errors import ConfigError, LollmError, WeightsError
 from lollm.options import LoadOptions
 from lollm.tensor_parallel import Sharding, TensorParallelError
 from lollm.weights import load_weights
+
+class _SkipInit(TorchFunctionMode):
+    """Turns every ``torch.nn.init`` function (``normal_``, ``kaiming_uniform_``, ...) into a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **(kwargs or {}))
+
+
+class on_meta:
+    """``with on_meta(): model = cls(config)``: build modules on the meta device, skipping ``nn.init``.
+
+    ``nn.Linear`` and ``nn.Embedding`` fill their new parameters with random values in
+    their constructors. On the meta device there are no values, but torch still runs
+    the fill through its Python reference ops, and those import ``torch._dynamo`` (with
+    Triton beside it when installed): about 150 MB of resident memory and a second or
+    two, for numbers the checkpoint overwrites anyway. So the fills are skipped; every
+    parameter is then loaded from the checkpoint (:func:`lollm.weights.load_weights`
+    refuses a model tensor the file does not fill).
+    """
+
+    def __enter__(self):
+        self._device, self._skip = torch.device("meta"), _SkipInit()
+        self._device.__enter__()
+        self._skip.__enter__()  # entered last, so it sees each call first
+        return self
+
+    def __exit__(self, *exc):
+        self._skip.__exit__(*exc)
+        return self._device.__exit__(*exc)
+
 
 #: ".12." in "model.layers.12.mlp.up_proj.weight": the first layer index of a tensor name.
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -142,7 +176,7 @@ def build_model(model_class: Callable[..., nn.Module], config: Any, weights: Any
     # 1. The module tree on the meta device: shapes and dtypes, no memory (this rank's share under --tp).
     sharding = _sharding(options, layout, config)
     if sharding is None:
-        with torch.device("meta"):
+        with on_meta():
             model = model_class(config, **model_kwargs)
     else:
         model = sharding.build(model_class, **model_kwargs)

@@ -539,7 +539,9 @@ class Sharding:
         each pattern matches on a checkpoint that has everything). Raises
         TensorParallelError for a config field N does not divide.
         """
-        with torch.device("meta"):
+        from lollm.build import on_meta  # lollm.build imports this module
+
+        with on_meta():
             full = cls(self.config, *args, **kwargs)
             full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters(remove_duplicate=False)}
             names = set(full_shapes) | {n for n, _ in full.named_modules() if n}

@@ -868,6 +868,16 @@ class FamilyConformance:
                     assert got == int(logits.argmax()), f"greedy step {step}: loop chose {got}, forward says {int(logits.argmax())}"
                 seq.append(got)
 
+    def test_cache_size_is_measured_exactly(self, model):
+        """lollm.memory sizes the cache on the meta device (no storage) before the loop allocates it:
+        the bytes it finds are the bytes of the cache ``new_cache`` really builds."""
+        from lollm.memory import cache_bytes, tensor_bytes
+
+        for positions in (1, 37):
+            need = cache_bytes(model, positions)
+            assert need is not None, f"new_cache({positions}) could not be built on the meta device"
+            assert need == tensor_bytes(model.new_cache(positions)), f"cache for {positions} positions"
+
     def test_chunked_prefill_equals_whole(self, model, prompt_ids, sliding_window):
         """The shared loop's chunked prefill (lollm.prefill) gives a whole prefill's logits and greedy tokens."""
         check_chunked_prefill_is_exact(model, prompt_ids[0].tolist(), window=sliding_window,
