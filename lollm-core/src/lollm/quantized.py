@@ -335,6 +335,86 @@ class Int8Linear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
 
+class Q5Linear(nn.Module):
+    """``nn.Linear`` over a Q5_0 matrix kept in its own 5-bit codes: ``w[n, k] = (u[n, k] - 16) * d[n, k // 32]``.
+
+    A Q5_0 file stores 5.5 bits a weight (a 5-bit code u in 0..31 and a float16
+    scale d per block of 32). :class:`Int8Linear` would hold 8; this layer holds the
+    file's bits, rearranged so that two blocks unpack with a few instructions
+    (docs/native-kernel.md, "Q5_0 in its own bits"), and uses lollm's native kernel
+    (:func:`lollm.native.block_q5_op`). It is made only where that kernel is built:
+    elsewhere a Q5_0 matrix becomes an :class:`Int8Linear`.
+
+    Buffers (channel n's blocks in pairs 2p, 2p + 1; K a multiple of 64):
+      nibbles: ``(out_features, in_features / 2)`` uint8; byte j of pair p = the low
+               4 bits of u of block 2p's weight j, | those of block 2p + 1's << 4.
+      high:    ``(out_features, in_features / 8)`` uint8; 8 bytes a pair, a little-endian
+               64-bit word: bit j = the 5th bit of block 2p's u[j], bit 32 + j block 2p + 1's.
+      scale:   ``(out_features, in_features / 32)`` float16, the file's d.
+    bias: float parameter ``(out_features,)`` or None.
+
+    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype. Below
+    :data:`GEMM_MIN_ROWS` rows (on a CPU with native bfloat16 matmul; every row count
+    elsewhere) the native kernel computes it, each row alone, as for :class:`Int8Linear`;
+    from there the weights are dequantized to bfloat16 a slice of channels at a time and
+    multiplied once.
+    """
+
+    def __init__(self, nibbles: torch.Tensor, high: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
+        super().__init__()
+        self.out_features, half = nibbles.shape
+        self.in_features = 2 * half
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("high", high)
+        self.register_buffer("scale", scale)
+        self.bias = bias
+
+    @classmethod
+    def from_blocks(cls, read_rows, shape: tuple[int, int], bias: nn.Parameter | None = None) -> "Q5Linear":
+        """From a GGUF Q5_0 matrix: ``read_rows(start, stop)`` gives the file's bytes of rows ``start .. stop``
+        (22 bytes a block: d float16, qh 4 bytes, qs 16 bytes; ``lollm.gguf.quants.dequantize_q5_0``)."""
+        n, k = shape
+        pairs = k // 64
+        nibbles = torch.empty(n, k // 2, dtype=torch.uint8)
+        high = torch.empty(n, k // 8, dtype=torch.uint8)
+        scale = torch.empty(n, k // 32, dtype=torch.float16)
+        for start, stop in _row_slices(n, k):
+            blocks = torch.from_numpy(read_rows(start, stop).reshape(stop - start, pairs, 2, 22))
+            scale[start:stop] = blocks[..., 0:2].contiguous().view(torch.float16).reshape(stop - start, -1)
+            high[start:stop] = blocks[..., 2:6].reshape(stop - start, -1)  # the two qh words, back to back
+            qs = blocks[..., 6:22]  # (r, pairs, 2, 16): byte j = low 4 bits of u[j] | of u[j + 16] << 4
+            low = torch.cat([qs & 15, qs >> 4], dim=-1)  # (r, pairs, 2, 32): the low 4 bits of u[0 .. 31]
+            nibbles[start:stop] = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(stop - start, -1)
+        return cls(nibbles, high, scale, bias)
+
+    def dequantize(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+        """Channels ``n0 .. n1`` as float32 ``(n1 - n0, in_features)``: ``(u - 16) * d``."""
+        nib, high = self.nibbles[n0:n1], self.high[n0:n1]
+        rows = nib.shape[0]
+        pairs = nib.view(rows, -1, 32)  # (r, K / 64, 32): byte j = block 2p's low bits | block 2p + 1's << 4
+        low = torch.stack([pairs & 15, pairs >> 4], dim=2)  # (r, K / 64, 2 blocks, 32)
+        bits = (high.view(rows, -1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # (r, K / 8, 8): bit i of byte j
+        u = low | (bits.view(rows, -1, 2, 32) << 4)  # the 64-bit word's bit 32 * b + j is block b's weight j
+        return ((u.float() - 16) * self.scale[n0:n1].float().view(rows, -1, 2, 1)).view(rows, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        if _NATIVE_BF16 and rows.shape[0] >= GEMM_MIN_ROWS:
+            flat = rows.to(KERNEL_DTYPE)
+            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            for n0 in range(0, self.out_features, _GEMM_CHANNELS):  # dequantize a slice of channels, multiply once
+                n1 = min(n0 + _GEMM_CHANNELS, self.out_features)
+                w = torch.ops.lollm_native.block_q5_dequantize(self.nibbles[n0:n1], self.high[n0:n1], self.scale[n0:n1])
+                y[:, n0:n1] = flat @ w.T  # w: (n1 - n0, K) bfloat16, (u - 16) * d rounded once
+        else:  # int8 activations in blocks of 32, integer dot products (lollm.native)
+            y = torch.ops.lollm_native.block_q5_linear(rows.float().contiguous(), self.nibbles, self.high, self.scale)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 # ---------------------------------------------------------------------------
 # The embeddings
 # ---------------------------------------------------------------------------
@@ -469,6 +549,8 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
     the bytes of those rows, so that a big matrix is read a slice at a time;
     shape: ``(out_features, in_features)``.
     Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with the file's codes (groups of 32);
+    Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes, where lollm's native kernel is
+    built (and K is a multiple of 64; not for ``grouped``);
     Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`, requantized per row, or with
     ``grouped`` in groups of 32 (exact for Q8_0 and Q5_0; used for the output
     head). A 4-bit matrix whose row count the int4 kernel cannot tile (not a
@@ -492,6 +574,8 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
             q, s, o = (torch.from_numpy(a) for a in affine4(read_rows(start, stop), ggml_type))
             layer.fill_rows(start, q.view(stop - start, k), s.view(stop - start, -1), o.view(stop - start, -1))
         return layer
+    if ggml_type == "Q5_0" and not grouped and k % 64 == 0 and _native_q5():
+        return Q5Linear.from_blocks(read_rows, shape, bias)
     if ggml_type in INT8_TYPES and grouped:
         return Int8Linear(*int8_groups_from_gguf(read_rows, ggml_type, shape, HEAD_GROUP_SIZE), bias)
     if ggml_type in INT8_TYPES or ggml_type in INT4_TYPES:
@@ -500,6 +584,12 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
 
         return Int8Linear(*int8_from_float_rows(n, k, rows), bias)
     return None
+
+
+def _native_q5() -> bool:
+    from lollm import native
+
+    return native.block_q5_op() is not None
 
 
 def linear_from_float(weight: torch.Tensor, quantization: Quantization, bias: nn.Parameter | None) -> nn.Module:
@@ -521,6 +611,8 @@ def describe(module: nn.Module) -> str:
     """How a packed module stores its matrix, for the load summary (``"int4 groups of 32"`` …)."""
     if isinstance(module, Int4Linear):
         return f"int4 groups of {module.group_size}"
+    if isinstance(module, Q5Linear):
+        return "Q5_0 blocks (5-bit codes)"
     if isinstance(module, Int8Linear):
         return "int8 per channel" if module.codes.shape[0] == 1 else f"int8 groups of {module.group_size}"
     if isinstance(module, BlockEmbedding):

@@ -164,6 +164,18 @@ def block_int8_op():
     return _state["op"]
 
 
+def block_q5_op():
+    """The Q5_0 kernel ``(x, nibbles, high, scale) -> y``, or None where the native build is off or missing.
+
+    x: ``(M, K)`` float32, K a multiple of 64; nibbles ``(N, K / 2)`` and high ``(N, K / 8)``
+    uint8, scale ``(N, K / 32)`` float16: a Q5_0 matrix in the pairs of blocks that
+    :class:`lollm.quantized.Q5Linear` holds (block_int8.cpp, above ``unpack_q5_pair``).
+    Returns ``(M, N)`` float32, x rounded to int8 per block of 32 as for
+    :func:`block_int8_op`. Built with it, in the same library.
+    """
+    return None if block_int8_op() is None else torch.ops.lollm_native.block_q5_linear
+
+
 def status() -> str:
     """One line: whether the kernel runs, and why not (it decides first, as :func:`block_int8_op` does)."""
     block_int8_op()

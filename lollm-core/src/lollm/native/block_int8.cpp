@@ -32,12 +32,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -65,6 +67,23 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d)
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     d[i] = scale;
     for (int64_t j = 0; j < kBlock; ++j) q[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
+  }
+}
+
+// Q5_0 weights kept as the file's 5-bit codes (block_q5_linear, Q5Linear in lollm/quantized.py).
+// A Q5_0 block holds 32 weights w = (u - 16) * d, u a 5-bit code (0..31), d a float16
+// scale. Channel n's blocks are held in pairs (2p, 2p + 1), 64 weights in 40 bytes:
+//   nibbles (N, K / 2):  32 bytes a pair; byte j = low 4 bits of u[2p][j] | those of u[2p + 1][j] << 4
+//   high    (N, K / 8):   8 bytes a pair, one little-endian 64-bit word: bit j = the 5th bit
+//                        of u[2p][j], bit 32 + j that of u[2p + 1][j] (the file's two qh words)
+//   scale   (N, K / 32): float16, the file's d.
+// Unpacked: 64 signed codes u - 16, block 2p then block 2p + 1.
+inline void unpack_q5_pair(const uint8_t* nibbles, const uint8_t* high, int8_t* codes) {
+  uint64_t bits;
+  std::memcpy(&bits, high, 8);  // little-endian, as on x86 and arm64
+  for (int j = 0; j < 32; ++j) {
+    codes[j] = int8_t(((nibbles[j] & 15) | ((bits >> j) & 1) << 4) - 16);
+    codes[32 + j] = int8_t(((nibbles[j] >> 4) | ((bits >> (32 + j)) & 1) << 4) - 16);
   }
 }
 
@@ -212,6 +231,73 @@ void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n,
     }
 }
 
+// Q5_0 layers: x in the form their loop reads: each int32 lane's -16 * (sum of its 4 codes),
+// so that vpdpbusd over the unsigned codes u leaves sum((u - 16) * x), and each lane's block
+// scale (K / 4 of each a row).
+struct LaneRows {
+  std::vector<int32_t> offset;
+  std::vector<float> d;
+  LaneRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k) : offset(rows * k / 4), d(rows * k / 4) {
+    for (int64_t i = 0; i < rows * k / 4; ++i) {
+      const int8_t* four = xq + 4 * i;
+      offset[i] = -16 * (four[0] + four[1] + four[2] + four[3]);
+      d[i] = xd[i / 8];
+    }
+  }
+};
+
+// A pair of Q5_0 blocks as 64 unsigned codes u (0..31): the low 4 bits of block 2p in bytes
+// 0-31, of block 2p + 1 in bytes 32-63, then 16 added where the high bit is set.
+inline __m512i q5_codes(const uint8_t* nibbles, const uint8_t* high) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i first = _mm256_and_si256(v, low4), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+  uint64_t bits;
+  std::memcpy(&bits, high, 8);
+  return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
+}
+
+// Channel c of a Q5_0 layer against R rows of x: each pair of blocks, unpacked once, meets
+// every row; lanes 0-7 hold block 2p's sums, lanes 8-15 block 2p + 1's.
+template <int R>
+void q5_channel_rows(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t k, const int8_t* xq,
+                     const LaneRows& x, int64_t row, float* sums) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t p = 0; p < k / 64; ++p) {
+    const __m512i u = q5_codes(nibbles + 32 * p, high + 8 * p);
+    int32_t two;  // the pair's two float16 scales
+    std::memcpy(&two, scale + 2 * p, 4);
+    const __m512 w_scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
+    for (int i = 0; i < R; ++i) {
+      const int64_t at = (row + i) * k + 64 * p;
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), u, _mm512_loadu_si512(xq + at));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w_scale, _mm512_loadu_ps(x.d.data() + at / 4)), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t n, int64_t k,
+                 const int8_t* xq, const float* xd, const LaneRows& x, int64_t rows, int64_t n0, int64_t n1, float* out) {
+  float sums[4];
+  for (int64_t c = n0; c < n1; ++c) {
+    const uint8_t* nib = nibbles + c * k / 2;
+    const uint8_t* hb = high + c * k / 8;
+    const at::Half* sc = scale + c * k / 32;
+    for (int64_t r = 0; r < rows; r += 4) {
+      const int64_t take = std::min<int64_t>(4, rows - r);
+      if (take == 4) q5_channel_rows<4>(nib, hb, sc, k, xq, x, r, sums);
+      if (take == 3) q5_channel_rows<3>(nib, hb, sc, k, xq, x, r, sums);
+      if (take == 2) q5_channel_rows<2>(nib, hb, sc, k, xq, x, r, sums);
+      if (take == 1) q5_channel_rows<1>(nib, hb, sc, k, xq, x, r, sums);
+      for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] = sums[i];
+    }
+  }
+}
+
 #else
 // ---------------------------------------------------------------------------
 // Steps 2 and 3 elsewhere: one block at a time (AVX2), or plain C++.
@@ -267,6 +353,27 @@ void channels_narrow(const int8_t* codes, const float* ws, int64_t groups, int64
 }
 #endif
 
+#if !defined(LOLLM_AVX512)
+// Q5_0 layers elsewhere: each pair of blocks is unpacked to 64 signed codes once, then
+// every row takes its turn, one block at a time.
+void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t n, int64_t k,
+                 const int8_t* xq, const float* xd, int64_t rows, int64_t n0, int64_t n1, float* out) {
+  int8_t codes[64];
+  for (int64_t c = n0; c < n1; ++c) {
+    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
+    for (int64_t p = 0; p < k / 64; ++p) {
+      unpack_q5_pair(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p, codes);
+      const float d0 = float(scale[c * k / 32 + 2 * p]), d1 = float(scale[c * k / 32 + 2 * p + 1]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t first = (r * k + 64 * p) / kBlock;
+        out[r * n + c] += group_dot(codes, xq + first * kBlock, xd + first, 1, d0) +
+                          group_dot(codes + kBlock, xq + (first + 1) * kBlock, xd + first + 1, 1, d1);
+      }
+    }
+  }
+}
+#endif
+
 // y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n].
 at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
@@ -312,6 +419,88 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
+// y (M, N) = x (M, K) @ w.T for Q5_0 weights kept in their 5-bit codes (layout above unpack_q5_pair).
+at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "block_q5_linear: x must be a contiguous float32 CPU matrix (M, K)");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 64 == 0, "block_q5_linear: x's ", k, " columns are not whole pairs of 32-value blocks");
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.size(1) == k / 2 && nibbles.scalar_type() == at::kByte &&
+                  nibbles.is_contiguous() && nibbles.device().is_cpu(),
+              "block_q5_linear: nibbles must be contiguous uint8 (N, K / 2) on the CPU, K = ", k);
+  const int64_t n = nibbles.size(0);
+  TORCH_CHECK(high.dim() == 2 && high.size(0) == n && high.size(1) == k / 8 && high.scalar_type() == at::kByte &&
+                  high.is_contiguous() && high.device().is_cpu(),
+              "block_q5_linear: high must be contiguous uint8 (N, K / 8) on the CPU, N = ", n, ", K = ", k);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == k / kBlock && scale.scalar_type() == at::kHalf &&
+                  scale.is_contiguous() && scale.device().is_cpu(),
+              "block_q5_linear: scale must be contiguous float16 (N, K / 32) on the CPU, N = ", n, ", K = ", k);
+
+  std::vector<int8_t> xq(rows * k);  // step 1, as for int8 weights
+  std::vector<float> xd(rows * (k / kBlock));
+  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
+#if defined(LOLLM_AVX512)
+  const LaneRows lanes(xq.data(), xd.data(), rows, k);
+#endif
+  at::Tensor y = at::empty({rows, n}, x.options());
+  float* out = y.data_ptr<float>();
+  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
+  const uint8_t* hb = high.data_ptr<uint8_t>();
+  const at::Half* sc = scale.data_ptr<at::Half>();
+  at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
+#if defined(LOLLM_AVX512)
+      q5_channels(nib, hb, sc, n, k, xq.data(), xd.data(), lanes, rows, n0, n1, out);
+#else
+      q5_channels(nib, hb, sc, n, k, xq.data(), xd.data(), rows, n0, n1, out);
+#endif
+    }
+  });
+  return y;
+}
+
+// The weights of a Q5_0 matrix as bfloat16 (N, K): (u - 16) * d, rounded once. The many-rows
+// path (a prefill) multiplies these in one bfloat16 matmul, a slice of channels at a time.
+at::Tensor block_q5_dequantize(const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale) {
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous() && nibbles.device().is_cpu() &&
+                  nibbles.size(1) % 32 == 0,
+              "block_q5_dequantize: nibbles must be contiguous uint8 (N, K / 2) on the CPU, K a multiple of 64");
+  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
+  TORCH_CHECK(high.dim() == 2 && high.size(0) == n && high.size(1) == k / 8 && high.scalar_type() == at::kByte &&
+                  high.is_contiguous() && high.device().is_cpu(),
+              "block_q5_dequantize: high must be contiguous uint8 (N, K / 8) on the CPU, N = ", n, ", K = ", k);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == k / kBlock && scale.scalar_type() == at::kHalf &&
+                  scale.is_contiguous() && scale.device().is_cpu(),
+              "block_q5_dequantize: scale must be contiguous float16 (N, K / 32) on the CPU, N = ", n, ", K = ", k);
+  at::Tensor w = at::empty({n, k}, nibbles.options().dtype(at::kBFloat16));
+  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
+  const uint8_t* hb = high.data_ptr<uint8_t>();
+  const at::Half* sc = scale.data_ptr<at::Half>();
+  c10::BFloat16* out = w.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n * (k / 64), 64, [&](int64_t first, int64_t last) {
+    for (int64_t pair = first; pair < last; ++pair) {  // pair = c * (K / 64) + p: 64 weights of channel c
+#if defined(LOLLM_AVX512) && defined(__AVX512BF16__)
+      const __m512i u = q5_codes(nib + 32 * pair, hb + 8 * pair);
+      for (int b = 0; b < 2; ++b) {
+        const __m512 d = _mm512_set1_ps(float(sc[2 * pair + b]));
+        for (int quarter = 0; quarter < 2; ++quarter) {
+          const __m128i bytes = _mm512_extracti32x4_epi32(u, 2 * b + quarter);
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(16)));
+          const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(v, d));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * pair + 32 * b + 16 * quarter), reinterpret_cast<const __m256i&>(h));
+        }
+      }
+#else
+      int8_t codes[64];
+      unpack_q5_pair(nib + 32 * pair, hb + 8 * pair, codes);
+      for (int j = 0; j < 64; ++j) out[64 * pair + j] = c10::BFloat16(float(codes[j]) * float(sc[2 * pair + j / 32]));
+#endif
+    }
+  });
+  return w;
+}
+
 // Which version of step 2 this build compiled (lollm.native.status names it).
 std::string instruction_set() {
 #if defined(LOLLM_AVX512)
@@ -334,5 +523,7 @@ std::string instruction_set() {
 
 LOLLM_LIBRARY(LOLLM_NATIVE_NAMESPACE, m) {
   m.def("block_int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &block_int8_linear);
+  m.def("block_q5_linear(Tensor x, Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_linear);
+  m.def("block_q5_dequantize(Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_dequantize);
   m.def("instruction_set() -> str", &instruction_set);
 }
