@@ -44,11 +44,11 @@ def kernel_path(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """The int8 kernel whatever the row count (forward's few-rows branch)."""
     flat = x.to(torch.bfloat16)
     if layer.codes.shape[0] == 1:
-        return torch.ops.aten._weight_int8pack_mm(flat, layer.codes[0], layer.kernel_scale[0])
+        return torch.ops.aten._weight_int8pack_mm(flat, layer.codes[0], layer._bf16_scale()[0])
     pieces = flat.view(flat.shape[0], -1, layer.group_size)
     y = torch.zeros(flat.shape[0], layer.out_features)  # float32, as forward sums the groups
     for g in range(layer.codes.shape[0]):
-        y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), layer.codes[g], layer.kernel_scale[g])
+        y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), layer.codes[g], layer._bf16_scale()[g])
     return y
 
 

@@ -16,23 +16,31 @@ import sys
 import pytest
 import torch
 
+import numpy as np
+
 from lollm import native
-from lollm.quantized import GEMM_MIN_ROWS, Int8Linear
+from lollm.gguf.quants import dequantize
+from lollm.quantized import GEMM_MIN_ROWS, Int8Linear, Q5Linear, linear_from_gguf
 
 #: (groups, N, group_size): per channel with an even and an odd number of blocks (a lone last
 #: block), several groups of 64 and of 96, and groups of 32 (the head's layout) with N odd.
 SHAPES = [(1, 48, 896), (1, 33, 96), (1, 17, 160), (3, 40, 64), (2, 19, 96), (28, 101, 32), (3, 7, 32)]
 
 
-def q8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float64: x rounded to int8 per block of 32 (scale max|x| / 127), times w = q * s."""
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per block of 32 (scale max|x| / 127), back in float64: what the kernel multiplies."""
     m, k = x.shape
-    groups, n, group_size = codes.shape
     blocks = x.double().view(m, k // 32, 32)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     xq = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0.0)  # ties to even, as nearbyint
-    w = (codes.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, k)
-    return (xq * d).view(m, k) @ w.T
+    return (xq * d).view(m, k)
+
+
+def q8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: x rounded to int8 per block of 32, times w = q * s."""
+    groups, n, group_size = codes.shape
+    w = (codes.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, groups * group_size)
+    return q8_activations(x) @ w.T
 
 
 def kernel():
@@ -167,3 +175,109 @@ def test_a_cached_build_loads_without_a_compiler_and_a_bad_switch_is_refused():
     assert status_line(LOLLM_NATIVE="1", CXX="/nonexistent/c++").startswith("native kernel: on (")
     result = run_python(FALLBACK, LOLLM_NATIVE="maybe")
     assert result.returncode != 0 and "LOLLM_NATIVE='maybe': use 0 (off) or 1 (on)" in result.stderr
+
+
+# ---------------------------------------------------------------- Q5_0 in its own 5-bit codes
+
+
+def random_q5_rows(n: int, k: int, gen: torch.Generator) -> np.ndarray:
+    """A Q5_0 matrix as a GGUF file holds it: (n, K / 32 * 22) bytes, blocks of d (float16), qh, qs.
+    Block 0 of row 0 has every code at 31 (qh all ones, qs 0xFF), block 1 every code at 0 (w = -16 d),
+    and the last block of the last row a zero scale."""
+    blocks = torch.randint(0, 256, (n, k // 32, 22), dtype=torch.uint8, generator=gen)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    d[-1, -1] = 0.0
+    blocks[..., 0:2] = d.view(torch.uint8).view(n, k // 32, 2)
+    blocks[0, 0, 2:] = 255
+    blocks[0, 1, 2:] = 0
+    return blocks.view(n, -1).numpy()
+
+
+def q5_layer(n: int, k: int, gen: torch.Generator) -> tuple[Q5Linear, torch.Tensor, np.ndarray]:
+    """(the layer, the file's weights dequantized by lollm.gguf in float32 (n, K), the file's bytes)."""
+    rows = random_q5_rows(n, k, gen)
+    w = torch.from_numpy(dequantize(rows.reshape(-1), "Q5_0")).view(n, k)
+    return Q5Linear.from_blocks(lambda a, b: rows[a:b].reshape(-1), (n, k)), w, rows
+
+
+def test_a_q5_layer_holds_the_files_bits_and_gives_back_its_weights():
+    layer, w, rows = q5_layer(40, 192, torch.Generator().manual_seed(10))
+    assert torch.equal(layer.dequantize(), w), "the codes were rearranged, not changed"
+    assert torch.equal(layer.dequantize(8, 24), w[8:24])
+    held = sum(b.numel() * b.element_size() for b in (layer.nibbles, layer.high, layer.scale))
+    assert held == rows.nbytes, "5.5 bits a weight, as in the file"
+
+
+def q5_versions():
+    yield "native", kernel() and native.block_q5_op(), torch.ops.lollm_native.block_q5_dequantize
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    for variant in native.VARIANTS:
+        ops = native.build_variant(variant)
+        yield variant, ops.block_q5_linear, ops.block_q5_dequantize
+
+
+def test_every_version_computes_the_q5_product_and_dequantizes_to_bfloat16():
+    gen = torch.Generator().manual_seed(11)
+    for name, linear, dequantize_bf16 in q5_versions():
+        for n, k in [(48, 896), (17, 64), (33, 192)]:
+            layer, w, _ = q5_layer(n, k, gen)
+            for rows in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(rows, k, generator=gen) * 3
+                x[0, :32] = 0.0
+                want = q8_activations(x) @ w.double().T
+                got = linear(x, layer.nibbles, layer.high, layer.scale).double()
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                assert err < 1e-5, f"{name}: Q5_0 ({n}, {k}), {rows} rows: relative error {err:.2e}"
+            wb = dequantize_bf16(layer.nibbles, layer.high, layer.scale)
+            assert wb.dtype == torch.bfloat16 and torch.equal(wb, w.to(torch.bfloat16)), f"{name}: bfloat16 weights"
+
+
+def test_q5linear_rows_alone_within_the_activation_rounding_and_the_many_rows_route():
+    kernel()
+    gen = torch.Generator().manual_seed(12)
+    layer, w, _ = q5_layer(64, 256, gen)
+    w = w.double()
+    for rows in (1, 7, GEMM_MIN_ROWS - 1):
+        x = torch.randn(rows, 256, generator=gen)
+        y = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+        assert torch.equal(y, alone), "a row's output changed with the rows beside it"
+        half_step = (x.double().view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(rows, -1)
+        assert ((y.double() - x.double() @ w.T).abs() <= half_step @ w.abs().T + 1e-4).all()
+    x = torch.randn(GEMM_MIN_ROWS + 5, 256, generator=gen)  # bfloat16 weights, activations and outputs, one matmul
+    want = x.bfloat16().double() @ layer.dequantize().bfloat16().double().T
+    err = (layer(x).double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all(), "beyond rounding the output to bfloat16"
+
+
+def test_q5_a_non_finite_activation_makes_its_row_nan_and_bad_arguments_name_the_operator():
+    kernel()
+    layer, _, _ = q5_layer(16, 128, torch.Generator().manual_seed(13))
+    x = torch.randn(3, 128)
+    x[1, 70] = float("nan")
+    y = torch.ops.lollm_native.block_q5_linear(x, layer.nibbles, layer.high, layer.scale)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+    op = torch.ops.lollm_native.block_q5_linear
+    with pytest.raises(RuntimeError, match="block_q5_linear: x's 96 columns are not whole pairs"):
+        op(torch.randn(2, 96), layer.nibbles, layer.high, layer.scale)
+    with pytest.raises(RuntimeError, match="block_q5_linear: high must be"):
+        op(x, layer.nibbles, layer.high[:, :4], layer.scale)
+    with pytest.raises(RuntimeError, match="block_q5_linear: scale must be contiguous float16"):
+        op(x, layer.nibbles, layer.high, layer.scale.float())
+    with pytest.raises(RuntimeError, match="block_q5_dequantize: nibbles must be"):
+        torch.ops.lollm_native.block_q5_dequantize(layer.nibbles.to(torch.int8), layer.high, layer.scale)
+
+
+def test_gguf_q5_0_matrices_become_q5linear_where_the_kernel_runs(monkeypatch):
+    import lollm.quantized as quantized
+
+    kernel()
+    rows = random_q5_rows(32, 128, torch.Generator().manual_seed(14))
+    raw = rows.reshape(-1)
+    assert isinstance(linear_from_gguf(raw, "Q5_0", (32, 128), None), Q5Linear)
+    assert isinstance(linear_from_gguf(raw, "Q5_0", (32, 128), None, grouped=True), Int8Linear)  # the head's layout
+    odd = random_q5_rows(32, 96, torch.Generator().manual_seed(15)).reshape(-1)  # 3 blocks a row: no whole pairs
+    assert isinstance(linear_from_gguf(odd, "Q5_0", (32, 96), None), Int8Linear)
+    monkeypatch.setattr(quantized, "_native_q5", lambda: False)  # no native kernel: int8 per channel
+    assert isinstance(linear_from_gguf(raw, "Q5_0", (32, 128), None), Int8Linear)

@@ -69,7 +69,8 @@ _SLICE_WEIGHTS = 1 << 20
 #: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
 GEMM_MIN_ROWS = 20
 GEMM_MIN_ROWS_GROUPED = 10
-#: Output channels dequantized at a time on that path (about 1.8 MB of bfloat16 at 896 inputs).
+#: Output channels dequantized at a time on that path (about 10 MB of bfloat16 at 4864 inputs; 256
+#: took 8 MB off a Qwen2.5 prefill's peak but made it 8% slower).
 _GEMM_CHANNELS = 1024
 
 
@@ -238,7 +239,8 @@ class Int8Linear(nn.Module):
     Buffers:
       codes:         ``(groups, out_features, group_size)`` int8.
       scale:         ``(groups, out_features)`` float32, the exact scales (an :class:`Int8Embedding` reads these).
-      kernel_scale:  the same in bfloat16, the kernel's dtype.
+    kernel_scale: the same in bfloat16, torch's kernel's dtype; None where the native kernel
+                  takes the few-row steps (``native``).
     bias: float parameter ``(out_features,)`` or None.
     native: whether lollm's native kernel takes the few-row steps, decided when the layer is made.
 
@@ -273,12 +275,14 @@ class Int8Linear(nn.Module):
         self.in_features = groups * self.group_size
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.float())
-        self.register_buffer("kernel_scale", scale.to(KERNEL_DTYPE))
         self.bias = bias
         from lollm import native
 
         # Decided (and built, on a first run) while the model loads, not at its first token.
         self.native = self.group_size % 32 == 0 and native.block_int8_op() is not None
+        # torch's kernel reads bfloat16 scales: kept beside the float32 ones only where it runs the
+        # few-row steps (for the head that copy is 8.5 MB; the many-rows path converts a slice at a time).
+        self.register_buffer("kernel_scale", None if self.native else scale.to(KERNEL_DTYPE))
 
     def gemm_rows(self) -> int | None:
         """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).
@@ -303,14 +307,20 @@ class Int8Linear(nn.Module):
         elif self.uses_native():  # int8 activations in blocks of 32, integer dot products (lollm.native)
             y = torch.ops.lollm_native.block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
         elif self.codes.shape[0] == 1:
-            y = torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.codes[0], self.kernel_scale[0])  # (M, N)
+            y = torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.codes[0], self._bf16_scale()[0])  # (M, N)
         else:
             pieces = rows.to(KERNEL_DTYPE).view(rows.shape[0], -1, self.group_size)  # (M, G, group_size)
             y = torch.zeros(rows.shape[0], self.out_features, dtype=torch.float32)
+            scale = self._bf16_scale()
             for g in range(self.codes.shape[0]):
-                y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), self.codes[g], self.kernel_scale[g])
+                y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), self.codes[g], scale[g])
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _bf16_scale(self) -> torch.Tensor:
+        """The scales in bfloat16 for torch's kernel: the kept copy, or made now (a layer that has
+        the native kernel but sits where it cannot run, such as a GPU)."""
+        return self.kernel_scale if self.kernel_scale is not None else self.scale.to(KERNEL_DTYPE)
 
     def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         """flat (M, K) bfloat16 -> (M, N) float32: ``flat @ (q * s).T``, dequantizing 1024 channels at a time.
@@ -323,10 +333,11 @@ class Int8Linear(nn.Module):
         for n0 in range(0, self.out_features, _GEMM_CHANNELS):
             n1 = min(n0 + _GEMM_CHANNELS, self.out_features)
             q = self.codes[:, n0:n1].to(KERNEL_DTYPE)  # (G, n, group_size)
+            s = self.scale[:, n0:n1].to(KERNEL_DTYPE)  # (G, n)
             if self.codes.shape[0] == 1:
-                y[:, n0:n1] = (flat @ q[0].T) * self.kernel_scale[0, n0:n1]
+                y[:, n0:n1] = (flat @ q[0].T) * s[0]
             else:  # (G, n, group_size) -> the slice's weights laid out (n, K)
-                w = (q * self.kernel_scale[:, n0:n1, None]).transpose(0, 1).reshape(n1 - n0, self.in_features)
+                w = (q * s[:, :, None]).transpose(0, 1).reshape(n1 - n0, self.in_features)
                 y[:, n0:n1] = flat @ w.T
         return y
 

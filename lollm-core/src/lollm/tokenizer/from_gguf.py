@@ -282,12 +282,17 @@ def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
     if merges_raw is None:
         raise TokenizerError(f"{source}: a gpt2 tokenizer needs {PREFIX}merges")
     merges = []
+    # A merge's two halves are vocabulary tokens: pointing at the vocabulary's own strings
+    # instead of new copies keeps about 16 MB fewer strings for 151,387 merges (Qwen2.5).
+    same = {token: token for token in tokens}
     for rank, merge in enumerate(merges_raw):
         # llama.cpp cuts at the first space after the first character.
         cut = merge.find(" ", 1) if isinstance(merge, str) else -1
         if cut < 0:
             raise TokenizerError(f"{source}: {PREFIX}merges[{rank}] = {merge!r} is not two tokens separated by a space")
-        merges.append((merge[:cut], merge[cut + 1 :]))
+        first, second = merge[:cut], merge[cut + 1 :]
+        merges.append((same.get(first, first), same.get(second, second)))
+    del same
     model = BPE(_vocab(tokens, source), merges, ignore_merges=pre.ignore_merges, source=source)
     steps = [RegexSplit(pattern, source=source) for pattern in pre.regexes]
     steps.append(ByteLevel(add_prefix_space=False, use_regex=False, source=source))
