@@ -61,14 +61,22 @@ def tensor_bytes(obj: Any, depth: int = 4) -> int:
 
 
 def _meta_allocations():
+    import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._device import _device_constructors  # torch.device(...)'s own list
+
+    # torch.zeros_like(t) of a meta tensor runs through torch's Python reference ops, which import
+    # sympy (40 MB); the plain constructor of the same shape and dtype does not.
+    like = {torch.zeros_like: torch.zeros, torch.ones_like: torch.ones, torch.empty_like: torch.empty}
 
     class AllocateOnMeta(TorchFunctionMode):
         """Every tensor constructor called inside puts its tensor on the meta device."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
+            if func in like and isinstance(args[0], torch.Tensor) and not kwargs.get("memory_format"):
+                source = args[0]
+                return like[func](source.shape, dtype=kwargs.get("dtype") or source.dtype, device="meta")
             if func in _device_constructors():
                 kwargs["device"] = "meta"
             return func(*args, **kwargs)

@@ -59,6 +59,7 @@ transformers only for the parity test (``lollm-core[parity]``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import json
 import os
@@ -868,6 +869,19 @@ class FamilyConformance:
                     assert got == int(logits.argmax()), f"greedy step {step}: loop chose {got}, forward says {int(logits.argmax())}"
                 seq.append(got)
 
+    def test_load_and_cache_sizing_import_neither_dynamo_nor_sympy(self, load, checkpoint_dir):
+        """Building the modules (lollm.build.on_meta) and sizing a cache (lollm.memory) import neither
+        torch._dynamo (with Triton: about 150 MB of resident memory) nor sympy (40 MB), which torch's
+        Python reference ops pull in on first use; a lone ``lollm run`` process never needs them."""
+        from lollm.memory import cache_bytes
+
+        # torch.fx.experimental.symbolic_shapes: where torch's reference ops reach sympy from
+        with refused_imports("torch._dynamo", "sympy", "triton", "torch.fx.experimental.symbolic_shapes") as attempts:
+            model = load(load_checkpoint(checkpoint_dir))
+            need = cache_bytes(model, 37)
+        assert not attempts, f"the load or the cache's sizing imported {attempts}"
+        assert need is not None
+
     def test_cache_size_is_measured_exactly(self, model):
         """lollm.memory sizes the cache on the meta device (no storage) before the loop allocates it:
         the bytes it finds are the bytes of the cache ``new_cache`` really builds."""
@@ -1098,6 +1112,32 @@ def prefill_chunk_sizes(prompt_length: int, window: int | None = None) -> list[i
 
 
 @torch.inference_mode()
+@contextlib.contextmanager
+def refused_imports(*names: str):
+    """Inside: importing any of ``names`` (or a submodule) raises ImportError, and its name is added to
+    the yielded list. Modules already imported are hidden while inside (so a lazy ``import`` in a
+    function reaches the refusal) and put back afterwards, untouched."""
+    import importlib.abc
+
+    attempts: list[str] = []
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if any(fullname == n or fullname.startswith(n + ".") for n in names):
+                attempts.append(fullname)
+                raise ImportError(f"{fullname} is refused here (lollm.testing.conformance.refused_imports)")
+            return None
+
+    hidden = {m: sys.modules.pop(m) for m in list(sys.modules) if any(m == n or m.startswith(n + ".") for n in names)}
+    finder = Refuse()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield attempts
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.update(hidden)
+
+
 def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int | None = None,
                                    max_new_tokens: int = 6, max_abs_diff: float = 1e-3) -> list[int]:
     """A prefill run in chunks (:data:`lollm.prefill.PREFILL_CHUNK_TOKENS` set small) equals a whole one.
