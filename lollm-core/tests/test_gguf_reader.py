@@ -303,3 +303,27 @@ def test_closed_file(tmp_path):
 def test_tensor_info_fields():
     info = GGUFTensorInfo("x", (3, 64), "Q8_0", 96, 3 * 2 * 34)
     assert info.ne == (64, 3) and info.n_elements == 192 and info.type_info.block_size == 32
+
+
+def test_a_long_string_array_is_checked_at_open_and_decoded_from_the_file_when_used(tmp_path):
+    """More than BIG_ARRAY_LEN strings (a vocabulary) come back as a StringArray: checked when the file
+    opens, then decoded from the memory map on each use, and equal to the list gguf-py reads."""
+    from lollm.gguf.reader import StringArray
+
+    words = [f"tok{i}" if i % 7 else "ünï ✓" for i in range(BIG_ARRAY_LEN + 5)] + [""]
+    path = write(tmp_path, "vocab.gguf", GGUFBuilder(kvs=[("t.vocab", ARRAY, (STRING, words))]).build())
+    f = GGUFFile(path)
+    vocab = f.metadata["t.vocab"]
+    assert isinstance(vocab, StringArray) and len(vocab) == len(words)
+    assert vocab == words and vocab.tolist() == words and list(vocab) == gguf.GGUFReader(path).fields["t.vocab"].contents()
+    assert (vocab[0], vocab[7], vocab[-1], vocab[-2], vocab[3:6]) == (words[0], words[7], "", words[-2], words[3:6])
+    with pytest.raises(IndexError):
+        vocab[len(words)]
+    f.close()  # the array keeps its own view of the map
+    assert vocab[-2] == words[-2]
+
+    bad = list(words)
+    bad[BIG_ARRAY_LEN + 2] = b"h\xffllo"  # not UTF-8, past the first BIG_ARRAY_LEN strings
+    path = write(tmp_path, "bad.gguf", GGUFBuilder(kvs=[("t.vocab", ARRAY, (STRING, bad))]).build())
+    with pytest.raises(GGUFError, match=rf"string {BIG_ARRAY_LEN + 2} of array 't.vocab' at offset \d+ is not valid UTF-8"):
+        GGUFFile(path)

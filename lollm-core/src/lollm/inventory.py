@@ -114,7 +114,9 @@ def summarize(value: Any, max_items: int = 8, max_chars: int = 120) -> str:
             value = value.tolist()
     except ImportError:  # pragma: no cover
         pass
-    if isinstance(value, (list, tuple)):
+    from lollm.gguf.reader import StringArray
+
+    if isinstance(value, (list, tuple, StringArray)):
         if len(value) > max_items:
             head = ", ".join(summarize(v, 3, 40) for v in value[:max_items])
             return f"[{head}, …] ({len(value)} items)"

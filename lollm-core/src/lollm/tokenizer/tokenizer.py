@@ -25,6 +25,8 @@ metadata); it never imports torch.
 
 from __future__ import annotations
 
+import operator
+
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -119,12 +121,17 @@ class Tokenizer:
         self._chat_templates = dict(chat_templates or {})
 
         # id -> token string for the whole vocabulary; added tokens win.
-        self._id_to_token: dict[int, str] = {token_id: token for token, token_id in model.vocab.items()}
+        by_id: dict[int, str] = {token_id: token for token, token_id in model.vocab.items()}
         for added in added_vocabulary.tokens:
-            self._id_to_token[added.id] = added.content
+            by_id[added.id] = added.content
+        self.vocab_size: int = max(by_id) + 1 if by_id else 0
+        self._id_to_token: list[str | None] | dict[int, str] = by_id
+        if self.vocab_size <= 2 * len(by_id) + 1024:  # ids nearly dense (every real vocabulary): a list, a
+            # fifth of the dict's memory (4 MB fewer for Qwen2.5's 151,665 ids, 8 MB for Gemma 3's 262,144)
+            self._id_to_token = [by_id.get(i) for i in range(self.vocab_size)]
+        del by_id
         self._token_bytes_cache: dict[int, bytes] = {}
 
-        self.vocab_size: int = max(self._id_to_token) + 1 if self._id_to_token else 0
         self.bos_token_id: int | None = self._named_token_id("bos_token")
         self.eos_token_id: int | None = self._named_token_id("eos_token")
         self.pad_token_id: int | None = self._named_token_id("pad_token")
@@ -195,9 +202,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         """The raw vocabulary string of an id (``'Ġhello'`` for " hello"); unknown ids are an error."""
         try:
-            return self._id_to_token[token_id]
-        except (KeyError, TypeError):
-            raise TokenizerError(f"token id {token_id!r} is not in the vocabulary (vocab_size {self.vocab_size})") from None
+            i = operator.index(token_id)  # an int, numpy or torch integer; not a float or a str
+        except TypeError:
+            i = -1
+        table = self._id_to_token
+        token = (table[i] if 0 <= i < len(table) else None) if isinstance(table, list) else table.get(i)
+        if token is None:
+            raise TokenizerError(f"token id {token_id!r} is not in the vocabulary (vocab_size {self.vocab_size})")
+        return token
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for (b' hello' for 'Ġhello'; a piece of a character for a split emoji)."""
