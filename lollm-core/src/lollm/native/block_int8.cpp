@@ -1,5 +1,7 @@
 // lollm's one hand-written CPU kernel: a linear layer over int8 weights kept in
-// blocks, with int8 activations and integer dot products.
+// blocks, with int8 activations and integer dot products. The same library holds
+// its sibling for Q5_0 weights kept in their 5-bit codes (block_q5_linear, and
+// block_q5_dequantize for the many-rows path), further down.
 //
 // Read it next to docs/native-kernel.md. What it computes, for an Int8Linear
 // (lollm/quantized.py) whose weights are w[n, k] = codes[g, n, k % gs] * scale[g, n]:
