@@ -1,4 +1,4 @@
-"""A toy causal LM with one attention layer and one recurrent layer, for the core engine tests.
+"""A toy causal LM with one attention layer (optionally over a sliding window) and one recurrent layer, for the core engine tests.
 
 Small enough to read in one sitting, and it follows the batch seam (lollm.batch) the way
 a family does: ``start = cache.length`` (an int, or the engine's Batch), positions from
@@ -44,10 +44,12 @@ class ToyCache:
 class ToyLM(nn.Module):
     """input_ids (1, T) -> logits; layer 0 attention (2 KV heads, 4 query heads), layer 1 a decaying running sum."""
 
-    def __init__(self, vocab_size: int = 40, width: int = 16, recurrent: bool = True, max_context: int = 128, seed: int = 0):
+    def __init__(self, vocab_size: int = 40, width: int = 16, recurrent: bool = True, max_context: int = 128, seed: int = 0,
+                 window: int | None = None):
         super().__init__()
         torch.manual_seed(seed)
         self.vocab_size, self.max_context, self.num_layers, self.eos_token_ids = vocab_size, max_context, 2, ()
+        self.window = window  # layer 0 attends over a sliding window of this many positions (None: all)
         self.recurrent, self.width, self.heads, self.kv_heads, self.dim = recurrent, width, 4, 2, width // 4
         self.embed = nn.Embedding(vocab_size, width)
         self.position = nn.Embedding(max_context, width)
@@ -59,7 +61,8 @@ class ToyLM(nn.Module):
                 p.normal_(0, 0.8)
 
     def cache_layers(self) -> list[CacheLayer]:
-        layers = [CacheLayer("full", self.kv_heads, self.dim)]
+        layers = [CacheLayer("sliding", self.kv_heads, self.dim, window=self.window) if self.window
+                  else CacheLayer("full", self.kv_heads, self.dim)]
         if self.recurrent:
             layers.append(CacheLayer("recurrent", state={"running": (self.width,)}, state_dtype=torch.float32))
         return layers
@@ -76,7 +79,7 @@ class ToyLM(nn.Module):
         q, k, v = (t.view(1, T, -1, D).transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.update(0, k, v)
-        x = x + self.out(attend(q, k, v, start=start, layer=0).transpose(1, 2).reshape(1, T, H * D))
+        x = x + self.out(attend(q, k, v, start=start, window=self.window, layer=0).transpose(1, 2).reshape(1, T, H * D))
         if self.recurrent:
             x = x + self._running_sum(x, start, cache)
         if cache is not None:

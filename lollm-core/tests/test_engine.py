@@ -16,8 +16,8 @@ from lollm.engine.blocks import BlockPool, block_hash
 from lollm.errors import GenerationError
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
-from lollm.testing.batching import (GREEDY, check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
-                                    run_engine)
+from lollm.testing.batching import (GREEDY, assert_same_greedy, check_engine_equals_solo, check_preemption_and_abort,
+                                    check_prefix_cache_hit, check_window_blocks_released, pool_is_full, run_engine)
 
 PROMPT = [(7 * i + 3) % 40 for i in range(40)]
 
@@ -209,3 +209,65 @@ def test_a_request_waiting_for_blocks_pins_none_of_them(toy):
     for rid, (prompt, n) in ids.items():
         assert got[rid] == generate(toy, prompt, max_new_tokens=n, sampling=GREEDY).new_ids, rid
     assert engine.scheduler.pool.num_free == 12
+
+
+# -- sliding-window layers: their own pool, blocks given back as the window moves on ----------------
+
+
+def test_window_blocks_leave_with_the_window():
+    windowed = ToyLM(recurrent=False, window=8)
+    req = check_window_blocks_released(windowed, PROMPT)
+    assert req is not None
+    assert check_window_blocks_released(ToyLM(recurrent=False), PROMPT) is None  # no sliding layer: one pool
+    check_engine_equals_solo(windowed, PROMPT)
+    check_preemption_and_abort(windowed, PROMPT)
+
+
+def test_a_prefix_hit_is_cut_back_to_where_its_window_blocks_are_cached():
+    """The full layers' blocks of a prefix are cached, but the window pool has handed one of the blocks the
+    new request's first window needs to someone else: the hit ends a block earlier, where the window's
+    blocks are all there, and the request still equals its lone run."""
+    windowed = ToyLM(recurrent=False, window=8)
+    engine = Engine(windowed, EngineConfig(kv_blocks=64, block_size=4, max_sequences=2, max_batch_tokens=8))
+    first = run_engine(engine, [(0, PROMPT[:37], 2)])["req-0"]
+    names = [block_hash(b"", PROMPT[:4])]
+    for i in range(1, 9):
+        names.append(block_hash(names[-1], PROMPT[4 * i : 4 * i + 4]))
+    window_pool = engine.scheduler.window_pool
+    assert all(name in engine.scheduler.pool.by_name for name in names) and first.cached_tokens == 0
+    block = window_pool.by_name.pop(names[8])  # as if the pool had handed block 8 of the window to another request
+    del window_pool.name_of[block]
+    second = PROMPT[:36] + [5, 6, 7]
+    req = run_engine(engine, [(0, second, 3)])["req-1"]
+    assert req.cached_tokens == 32, "the hit should stop where block 8's window copy went missing"
+    assert_same_greedy(windowed, second, req.tokens[req.prompt_len:], generate(windowed, second, max_new_tokens=3,
+                                                                             sampling=GREEDY).new_ids, "cut-back hit")
+    pool_is_full(engine)
+
+
+def test_a_batch_checks_its_window_tables():
+    batch = Batch(starts=[8], counts=[1], block_tables=[[0, 1, 2]], block_size=4, state_slots=[0],
+                  window_tables=[[-1, 5, 6]], window=4)
+    assert batch.window_slots.tolist() == [6 * 4] and batch.tables_for(4) == [[-1, 5, 6]] and batch.tables_for(None) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="released for a window of 4"):
+        batch.tables_for(8)
+    with pytest.raises(ValueError, match="has no block for position 8"):
+        Batch(starts=[8], counts=[1], block_tables=[[0, 1, 2]], block_size=4, state_slots=[0], window_tables=[[5, 6, -1]], window=4)
+
+
+def test_metrics_show_the_window_pool_where_there_is_one():
+    """`lollm serve`'s /metrics gains the window pool's gauges for a model with sliding-window layers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from lollm.serving_metrics import ServerMetrics
+
+    def gauges(model):
+        engine = Engine(model, EngineConfig(kv_blocks=32, block_size=4, max_sequences=2, max_batch_tokens=8))
+        text = ServerMetrics(engine.stats, kv_blocks=True).render().decode()
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.type == "gauge"}
+
+    windowed = gauges(ToyLM(recurrent=False, window=8))
+    # 2 sequences x (window 8 - 1 + a step of 8 tokens, in blocks of 4, + 1) = 2 x 5 window blocks
+    assert windowed["lollm_kv_window_blocks_total"] == 2 * 5 and windowed["lollm_kv_window_blocks_used"] == 0
+    assert windowed["lollm_kv_blocks_total"] == 32
+    assert "lollm_kv_window_blocks_total" not in gauges(ToyLM(recurrent=False))

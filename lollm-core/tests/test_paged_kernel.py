@@ -184,15 +184,43 @@ def test_the_layout_is_built_once_per_engine_step(kernels):
     from lollm.kernels.paged_attention import _layout_of
 
     _, _, _, batch = engine_step(2, 1, 16, 4, (3, 0, 6), (1, 20, 2), torch.float32)
-    seqs, rows, layout = _layout_of(batch, torch.device(DEVICE))
+    seqs, rows, layout = _layout_of(batch, torch.device(DEVICE), None)
     assert seqs == [0, 2] and rows.tolist() == [0, 21, 22]
     assert layout.tables.dtype == torch.int32 and layout.tables.shape == (2, 2)
     assert layout.tables[0].tolist() == batch.block_tables[0] + [0]  # padded with block 0
     assert layout.rows.tolist() == [0, 1] and layout.max_count == 2 and layout.max_keys == 8
-    assert _layout_of(batch, torch.device(DEVICE))[2] is layout
+    assert _layout_of(batch, torch.device(DEVICE), None)[2] is layout
+    assert _layout_of(batch, torch.device(DEVICE), 3)[2] is layout  # no window tables: every layer reads the same
     other = Batch(starts=batch.starts, counts=batch.counts, block_tables=batch.block_tables, block_size=4,
-                  state_slots=batch.state_slots)
-    assert _layout_of(other, torch.device(DEVICE))[2] is not layout
+                  state_slots=batch.state_slots, window_tables=[[b + 100 for b in t] for t in batch.block_tables], window=3)
+    assert _layout_of(other, torch.device(DEVICE), None)[2] is not layout
+    windowed = _layout_of(other, torch.device(DEVICE), 3)[2]  # sliding layers: the window tables, kept too
+    assert windowed.tables[0].tolist() == [b + 100 for b in batch.block_tables[0]] + [0]
+    assert _layout_of(other, torch.device(DEVICE), 3)[2] is windowed
+    assert _layout_of(other, torch.device(DEVICE), None)[2] is not windowed
+
+
+def test_window_tables_with_blocks_given_back(kernels):
+    """A sliding-window layer in the engine reads its own pool through window tables whose blocks before
+    each sequence's window are -1 (given back) and hold NaN: the paged kernel and the seam's gather both
+    start at the window's first block, and equal the same step over the whole tables."""
+    W, bs, starts, counts = 6, 4, (40, 19, 3), (1, 3, 2)
+    q, k_pool, v_pool, batch = engine_step(4, 2, 64, bs, starts, counts, torch.float32, seed=6)
+    tables, k_released, v_released = [], k_pool.clone(), v_pool.clone()
+    for table, s in zip(batch.block_tables, starts):
+        first = max(0, s - W + 1) // bs
+        for block in table[:first]:
+            k_released[block], v_released[block] = float("nan"), float("nan")
+        tables.append([-1] * first + table[first:])
+    windowed = Batch(starts=batch.starts, counts=batch.counts, block_tables=batch.block_tables, block_size=bs,
+                     state_slots=batch.state_slots, window_tables=tables, window=W)
+    assert any(-1 in t for t in tables)
+    want = sdpa_reference(q, k_pool, v_pool, batch, window=W)
+    got_sdpa = sdpa_reference(q, k_released, v_released, windowed, window=W)
+    assert torch.isfinite(got_sdpa).all() and (got_sdpa - want).abs().max() < 1e-12
+    got, covered = kernels.paged_attention_batch(q, k_released, v_released, windowed, window=W)
+    assert all(covered)
+    check(got, q, k_pool, v_pool, batch, window=W)
 
 
 def test_what_the_paged_kernel_does_not_cover_is_a_clear_error(kernels):

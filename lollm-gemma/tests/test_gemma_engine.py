@@ -8,7 +8,7 @@ others decode, and the blocks (4 positions) never line up with the window (6). E
 request must still produce the greedy tokens it produces alone (lollm.generate).
 
 gemma4 has no kit subclass here (its tiny checkpoints are checked against the reference
-in test_gemma_parity_tiny.py), so the kit's three engine checks run on it below.
+in test_gemma_parity_tiny.py), so the kit's four engine checks run on it below.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from _gemma_testing import WINDOW, load_ours, prompt_ids
 
 from lollm.engine import Engine, EngineConfig
 from lollm.testing.batching import (assert_same_greedy, check_engine_equals_solo, check_preemption_and_abort,
-                                    check_prefix_cache_hit, pool_is_full, run_engine, solo)
+                                    check_prefix_cache_hit, check_window_blocks_released, pool_is_full, run_engine,
+                                    solo)
 
 #: gemma2 (soft-caps), gemma3 (5 sliding : 1 global), gemma4 E2B (per-layer embeddings, KV-sharing
 #: layers, global head dim 2x), gemma4 with K = V global layers of their own KV-head count.
@@ -122,10 +123,11 @@ def test_engine_prompts_longer_than_the_window_equal_solo_runs(tiny, name):
 
 @pytest.mark.parametrize("name", GEMMA4)
 def test_gemma4_passes_the_kits_engine_checks(tiny, name):
-    """The kit's three engine tests, on the kit's prompt length (3 W + 2)."""
+    """The kit's four engine tests, on the kit's prompt length (3 W + 2)."""
     model = load_ours(tiny(name, "transformers5"))
     prompt = prompt_ids(3 * WINDOW + 2, seed=3)
     check_engine_equals_solo(model, prompt)
     req = check_prefix_cache_hit(model, prompt)
     assert req.cached_tokens > 0
     check_preemption_and_abort(model, prompt)
+    assert check_window_blocks_released(model, prompt) is not None  # its shared layers read the window pool too

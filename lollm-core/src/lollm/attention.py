@@ -512,7 +512,10 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
     1. every other sequence's queries are the rows ``lo:hi`` of the N;
     2. its keys are gathered from its blocks: ``pool[block_table]`` (n, block_size, K, D)
        laid end to end and cut at its length, ``starts[b] + counts[b]`` positions,
-       in position order (so ``ring`` never applies here);
+       in position order (so ``ring`` never applies here). A sliding-window layer reads
+       its own pool through the batch's window tables (:meth:`Batch.tables_for`), from the
+       block where its first query's window starts: the blocks before it may be released;
+       the keys still end at the newest query, as :func:`key_positions` expects;
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
     On a CPU the loop costs little beside the shared matmuls; on a GPU the gather copies
@@ -533,11 +536,15 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         out, covered = backend.attend_paged(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
     else:
         out, covered = q.new_empty(q.shape), [False] * len(batch.counts)  # (1, H, N, D)
-    for (lo, hi), first, table, done in zip(batch.segments(), batch.starts, batch.block_tables, covered):
+    size = batch.block_size
+    for (lo, hi), first, table, done in zip(batch.segments(), batch.starts, batch.tables_for(window), covered):
         if done:
             continue
-        S = first + (hi - lo)
-        blocks = torch.tensor(table, dtype=torch.long, device=k_pool.device)
+        # a sliding-window layer reads from the block of its first query's window on (the blocks
+        # before it may be released: -1 in a window table); the keys still end at its last query
+        skip = max(0, first - window + 1) // size if window is not None else 0
+        S = first + (hi - lo) - skip * size
+        blocks = torch.tensor(table[skip:], dtype=torch.long, device=k_pool.device)
         k = k_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
         v = v_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
         q_b = q[:, :, lo:hi]  # (1, H, T_b, D)

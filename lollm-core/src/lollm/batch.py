@@ -86,9 +86,15 @@ class Batch:
                   they cover ``starts[b] + counts[b]`` positions.
     block_size:   positions per KV block.
     state_slots:  (B,) ints: the row of each sequence in the recurrent-state storage.
+    window_tables: for a model with sliding-window layers: B block tables into those layers'
+                  own pool (:class:`lollm.engine.cache.KVPool`), as long as ``block_tables``,
+                  with -1 for the blocks that left every window (released: no query of
+                  this step or later reads them); None when the engine keeps no such pool.
+    window:       the window W those tables were released by (the largest of the model's).
     positions:    (N,) int64: token i of sequence b sits at ``starts[b] + i``.
     slots:        (N,) int64: the flat pool slot each new token's keys go to,
                   ``block * block_size + offset``.
+    window_slots: (N,) int64: the same in the sliding-window layers' pool (None without one).
     last_rows:    (B,) int64: the row of each sequence's last token in the N (whose logits
                   the engine samples from).
     """
@@ -98,22 +104,48 @@ class Batch:
     block_tables: list[list[int]]
     block_size: int
     state_slots: list[int]
+    window_tables: list[list[int]] | None = None
+    window: int | None = None
     positions: torch.Tensor = field(init=False)
     slots: torch.Tensor = field(init=False)
+    window_slots: torch.Tensor | None = field(init=False)
     last_rows: torch.Tensor = field(init=False)
 
     def __post_init__(self):
-        positions, slots = [], []
-        for start, count, table in zip(self.starts, self.counts, self.block_tables, strict=True):
-            if len(table) * self.block_size < start + count:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {start + count} positions")
-            for p in range(start, start + count):
-                positions.append(p)
-                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
-        self.positions = torch.tensor(positions, dtype=torch.long)
-        self.slots = torch.tensor(slots, dtype=torch.long)
+        self.positions = torch.tensor([p for start, count in zip(self.starts, self.counts, strict=True)
+                                       for p in range(start, start + count)], dtype=torch.long)
+        self.slots = self._slots(self.block_tables, "block table")
+        self.window_slots = None
+        if self.window_tables is not None:
+            if self.window is None or self.window < 1 or len(self.window_tables) != len(self.block_tables):
+                raise ValueError(f"window tables want a window >= 1 and one table per sequence, got window "
+                                 f"{self.window} and {len(self.window_tables)} tables for {len(self.block_tables)}")
+            self.window_slots = self._slots(self.window_tables, "window table")
         ends = torch.tensor(self.counts, dtype=torch.long).cumsum(0)
         self.last_rows = ends - 1
+
+    def _slots(self, tables: list[list[int]], what: str) -> torch.Tensor:
+        """(N,) int64: the flat slot ``block * block_size + offset`` of each new token in ``tables``."""
+        slots = []
+        for start, count, table in zip(self.starts, self.counts, tables, strict=True):
+            if len(table) * self.block_size < start + count:
+                raise ValueError(f"a {what} of {len(table)} blocks cannot hold {start + count} positions")
+            for p in range(start, start + count):
+                block = table[p // self.block_size]
+                if block < 0:
+                    raise ValueError(f"a {what} has no block for position {p}, which this step writes")
+                slots.append(block * self.block_size + p % self.block_size)
+        return torch.tensor(slots, dtype=torch.long)
+
+    def tables_for(self, window: int | None) -> list[list[int]]:
+        """The block tables a layer reads: the window tables for a sliding-window layer (``window`` set)
+        where the engine keeps them, else ``block_tables``. ValueError for a window larger than the one
+        the window tables were released by (that layer would need keys already given back)."""
+        if window is None or self.window_tables is None:
+            return self.block_tables
+        if window > self.window:
+            raise ValueError(f"a layer with a window of {window} reads window tables released for a window of {self.window}")
+        return self.window_tables
 
     @property
     def num_tokens(self) -> int:

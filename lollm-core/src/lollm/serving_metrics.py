@@ -10,6 +10,7 @@ name                                      type       what
 lollm_requests_running                    gauge      requests in the running batch (prefill or decode)
 lollm_requests_waiting                    gauge      requests queued, not running yet
 lollm_kv_blocks_used / _total             gauge      KV blocks held by requests / in the pool (engine)
+lollm_kv_window_blocks_used / _total      gauge      the same in the sliding-window layers' own pool
 lollm_generated_tokens_total              counter    tokens generated; its rate is the output tok/s
 lollm_prompt_tokens_total                 counter    prompt tokens of finished requests
 lollm_prompt_cached_tokens_total          counter    of those, the ones the prefix cache supplied
@@ -47,7 +48,8 @@ class ServerMetrics:
     """The metrics of one server on their own ``CollectorRegistry``.
 
     stats: called at each scrape; returns a dict with "running" and "waiting" (ints), and with a
-           batched engine "kv_blocks_used" and "kv_blocks_total" (the kv gauges exist only then).
+           batched engine "kv_blocks_used" and "kv_blocks_total" (the kv gauges exist only then),
+           and "kv_window_blocks_used" / "_total" for a model with sliding-window layers.
     Raises ImportError when prometheus-client is missing (see :func:`metrics_available`).
     """
 
@@ -60,6 +62,9 @@ class ServerMetrics:
         if kv_blocks:
             gauges |= {"kv_blocks_used": "KV cache blocks held by requests",
                        "kv_blocks_total": "KV cache blocks in the pool"}
+            if "kv_window_blocks_used" in stats():  # sliding-window layers: their own pool (lollm.engine.cache)
+                gauges |= {"kv_window_blocks_used": "sliding-window layers' KV blocks held by requests",
+                           "kv_window_blocks_total": "sliding-window layers' KV blocks in their pool"}
         for key, text in gauges.items():
             name = f"lollm_requests_{key}" if key in ("running", "waiting") else f"lollm_{key}"
             Gauge(name, text, registry=registry).set_function(lambda key=key: stats()[key])

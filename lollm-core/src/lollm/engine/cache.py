@@ -19,8 +19,18 @@ for recurrent layers:
   and each sequence's length is the engine's to advance;
 * ``state(layer, b)``: sequence b's recurrent state tensors (views: update them in place).
 
-Sliding-window layers are paged like full ones (their attention masks the window);
-releasing their blocks early would need a block table per layer kind.
+**Sliding-window layers have a pool of their own.** Their attention reads only the last
+W positions, so the blocks before a sequence's window are never read again: the
+scheduler gives them back as the sequence moves on (``Request.window_table``, -1 for a
+block given back), while the full layers keep every block. The two kinds therefore
+need two block tables per sequence and two pools of block ids, so that a sliding
+layer's released block costs nothing in the full layers' tensors::
+
+    full layers:     k, v (num_blocks, ...)          seq A: block_table  [b3, b0, b5, b7]
+    sliding layers:  k, v (num_window_blocks, ...)   seq A: window_table [-1, -1, w2, w0]
+
+A sequence holds at most ``window_blocks_per_sequence`` window blocks however long it
+grows: 49 for a window of 512, blocks of 16 and steps of 256 tokens.
 """
 
 from __future__ import annotations
@@ -34,17 +44,35 @@ import torch
 from lollm.batch import Batch, CacheLayer
 
 
+def largest_window(layers: list[CacheLayer]) -> int | None:
+    """The largest window of the sliding-window layers (None: the model has none)."""
+    windows = [spec.window for spec in layers if spec.kind == "sliding"]
+    return max(windows) if windows else None
+
+
+def window_blocks_per_sequence(window: int, block_size: int, max_batch_tokens: int) -> int:
+    """The most window blocks one sequence holds at once: a step of up to ``max_batch_tokens`` new
+    tokens reads the W - 1 positions before its first one, and those may straddle one more block."""
+    return -(-(window - 1 + max_batch_tokens) // block_size) + 1
+
+
 class KVPool:
-    """The engine's cache tensors for ``num_blocks`` blocks and ``max_sequences`` state slots."""
+    """The engine's cache tensors for ``num_blocks`` blocks and ``max_sequences`` state slots.
+
+    ``num_window_blocks``: the sliding-window layers' own pool (None: they share ``num_blocks``
+    ids with the full layers, and no block is released early).
+    """
 
     def __init__(self, layers: list[CacheLayer], num_blocks: int, block_size: int, max_sequences: int, *,
-                 device: torch.device | str, dtype: torch.dtype):
+                 device: torch.device | str, dtype: torch.dtype, num_window_blocks: int | None = None):
         self.layers, self.num_blocks, self.block_size = list(layers), num_blocks, block_size
+        self.num_window_blocks = num_window_blocks
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.states: list[dict[str, torch.Tensor]] = []
         for spec in self.layers:
-            shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            windowed = spec.kind == "sliding" and num_window_blocks is not None
+            shape = (num_window_blocks if windowed else num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
             self.k.append(torch.zeros(shape, device=device, dtype=dtype) if spec.stores_keys else None)
             self.v.append(torch.zeros(shape, device=device, dtype=dtype) if spec.stores_keys else None)
             self.states.append({name: torch.zeros((max_sequences, *dims), device=device, dtype=spec.state_dtype or dtype)
@@ -66,10 +94,10 @@ class KVPool:
                 tensor[slot].zero_()
 
 
-def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers: 2 (K and V) x block_size x K x D x element size, summed."""
+def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype, kinds: tuple[str, ...] = ("full", "sliding")) -> int:
+    """Bytes one block takes over the layers of ``kinds``: 2 (K and V) x block_size x K x D x element size, summed."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.stores_keys)
+    return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.kind in kinds)
 
 
 def model_dtype(model: Any) -> torch.dtype:
@@ -112,7 +140,11 @@ class PagedCache:
 
     def __init__(self, pool: KVPool, batch: Batch):
         self.pool, self.batch = pool, batch
-        self.slots = batch.slots.to(pool.k[0].device if pool.k and pool.k[0] is not None else "cpu")
+        device = next((k.device for k in pool.k if k is not None), torch.device("cpu"))
+        self.slots = batch.slots.to(device)
+        self.window_slots = batch.window_slots.to(device) if batch.window_slots is not None else None
+        if (pool.num_window_blocks is None) != (self.window_slots is None):
+            raise ValueError("the pool and the batch disagree on whether sliding-window layers have their own blocks")
 
     @property
     def length(self) -> Batch:
@@ -132,8 +164,9 @@ class PagedCache:
         if k_pool is None:
             raise ValueError(f"cache layer {layer} is {self.pool.layers[layer].kind!r}: it stores no keys")
         K, D = k_pool.shape[2], k_pool.shape[3]
-        k_pool.view(-1, K, D)[self.slots] = k[0].transpose(0, 1).to(k_pool.dtype)  # (N, K, D)
-        v_pool.view(-1, K, D)[self.slots] = v[0].transpose(0, 1).to(v_pool.dtype)
+        slots = self.window_slots if self.pool.layers[layer].kind == "sliding" and self.window_slots is not None else self.slots
+        k_pool.view(-1, K, D)[slots] = k[0].transpose(0, 1).to(k_pool.dtype)  # (N, K, D)
+        v_pool.view(-1, K, D)[slots] = v[0].transpose(0, 1).to(v_pool.dtype)
         return k_pool, v_pool
 
     def advance(self, T: int) -> None:

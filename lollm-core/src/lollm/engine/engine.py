@@ -20,7 +20,8 @@ Each :meth:`Engine.step` is the whole lesson in four moves:
    seed, logprobs and a grammar mask are per request: the same ``choose`` as the
    single-sequence loop, so a request samples exactly as it would alone);
 4. finished requests (an end-of-sequence id, their token budget, the context) leave and
-   their blocks go back to the pool; new full blocks are named for the prefix cache.
+   their blocks go back to the pool; new full blocks are named for the prefix cache (and
+   the sliding-window layers' blocks that left every window went back before the step).
 
 The single-sequence loop (:mod:`lollm.generate`) stays the reference: the tests hold every
 request's greedy tokens to those of the same request run alone.
@@ -39,7 +40,7 @@ import torch
 
 from lollm.batch import Batch
 from lollm.engine.blocks import BlockPool
-from lollm.engine.cache import KVPool, PagedCache, model_dtype, pool_room
+from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, pool_room, window_blocks_per_sequence
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
@@ -74,7 +75,10 @@ class EngineConfig:
     """The engine's sizes.
 
     kv_blocks:        blocks in the pool (None: room for ``max_sequences`` x 2048 positions,
-                      at most half the device's free memory).
+                      at most half the device's free memory). A model with sliding-window layers
+                      gets a second pool for them, of ``max_sequences`` x
+                      :func:`~lollm.engine.cache.window_blocks_per_sequence` blocks at most
+                      (never more than ``kv_blocks``): their blocks go back as windows move on.
     block_size:       positions per block.
     max_sequences:    the most requests running at once.
     max_batch_tokens: the most tokens in one forward (decode tokens + prefill chunks).
@@ -120,13 +124,19 @@ class Engine:
         dtype = model_dtype(model)
         layers = model.cache_layers()
         num_blocks = _pool_blocks(model, config)
-        self.kv = KVPool(layers, num_blocks, config.block_size, config.max_sequences, device=self.device, dtype=dtype)
+        self.window = largest_window(layers)
+        window_blocks = None if self.window is None else min(
+            num_blocks, config.max_sequences * window_blocks_per_sequence(self.window, config.block_size, config.max_batch_tokens))
+        self.kv = KVPool(layers, num_blocks, config.block_size, config.max_sequences, device=self.device, dtype=dtype,
+                         num_window_blocks=window_blocks)
         recurrent_sharing = config.prefix_caching and self.kv.recurrent and config.state_snapshots > 0
         self.snapshots = StateSnapshots(config.state_snapshots) if recurrent_sharing else None
         self.scheduler = Scheduler(BlockPool(num_blocks, config.block_size), max_sequences=config.max_sequences,
                                    max_batch_tokens=config.max_batch_tokens,
                                    prefix_caching=config.prefix_caching and (recurrent_sharing or not self.kv.recurrent),
-                                   snapshots=self.snapshots)
+                                   snapshots=self.snapshots,
+                                   window_pool=None if window_blocks is None else BlockPool(window_blocks, config.block_size),
+                                   window=self.window)
         self.requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -235,9 +245,12 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over the planned tokens, end to end; the logits of each request's last row, (B, V)."""
+        windowed = self.scheduler.window_pool is not None
         batch = Batch(starts=[req.computed for req, _ in plan], counts=[n for _, n in plan],
                       block_tables=[req.blocks for req, _ in plan], block_size=self.config.block_size,
-                      state_slots=[req.slot for req, _ in plan])
+                      state_slots=[req.slot for req, _ in plan],
+                      window_tables=[req.window_table for req, _ in plan] if windowed else None,
+                      window=self.window if windowed else None)
         ids = [t for req, n in plan for t in req.tokens[req.computed : req.computed + n]]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
         return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows)[0]  # (B, V)
@@ -260,7 +273,11 @@ class Engine:
         return step
 
     def stats(self) -> dict[str, int]:
-        """running / waiting requests, KV blocks used / total (for /metrics and the bench)."""
-        pool = self.scheduler.pool
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self._inbox),
-                "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}
+        """running / waiting requests, KV blocks used / total (for /metrics and the bench); with sliding-window
+        layers also their own pool's blocks used / total."""
+        pool, window_pool = self.scheduler.pool, self.scheduler.window_pool
+        out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self._inbox),
+               "kv_blocks_used": pool.num_used, "kv_blocks_total": pool.num_blocks}
+        if window_pool is not None:
+            out |= {"kv_window_blocks_used": window_pool.num_used, "kv_window_blocks_total": window_pool.num_blocks}
+        return out

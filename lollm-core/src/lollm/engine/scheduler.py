@@ -19,6 +19,13 @@ state, so the tokens it goes on to produce are those of an uninterrupted run.
 A model with a recurrent layer shares a prefix only up to a block that has a
 recurrent-state snapshot (:mod:`lollm.engine.snapshots`); the scheduler then ends its
 prompt chunks on block boundaries, where the engine can take snapshots.
+
+A model with sliding-window layers keeps their keys in a pool of their own
+(``window_pool``, :mod:`lollm.engine.cache`): each request has a second block table
+there, and before each step the blocks that left its window (every position before
+``computed - W + 1``) go back to that pool. A prefix-cache hit then needs, in that pool,
+only the blocks its first step's window reads; the hit is cut back to a length where
+they are all still cached.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class Request:
     stop_ids:     token ids that end it (end of sequence).
     computed:     how many of ``tokens`` have their keys/values in the cache.
     blocks:       its block table.
+    window_table: its block table in the sliding-window layers' pool (as long as ``blocks``;
+                  -1 where a block left the window and went back); empty without that pool.
     names:        the prefix-cache names of its full blocks, in order.
     slot:         its row in the recurrent-state storage while it runs.
     cached_tokens: prompt tokens the prefix cache supplied on admission.
@@ -56,6 +65,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    window_table: list[int] = field(default_factory=list)
     names: list[bytes] = field(default_factory=list)
     slot: int | None = None
     cached_tokens: int = 0
@@ -77,12 +87,19 @@ class Scheduler:
     prefix_caching:   reuse named full blocks.
     snapshots:        for a model with recurrent state: the saved states; a prefix is reused
                       only up to a block that has one (None: a model without recurrent state).
+    window_pool:      for a model with sliding-window layers: their own block ids, given back
+                      as each request's window moves on (None: they share ``pool``'s).
+    window:           the largest window W of those layers (with ``window_pool``).
     """
 
     def __init__(self, pool: BlockPool, *, max_sequences: int, max_batch_tokens: int, prefix_caching: bool,
-                 snapshots: StateSnapshots | None = None):
+                 snapshots: StateSnapshots | None = None, window_pool: BlockPool | None = None,
+                 window: int | None = None):
+        if (window_pool is None) != (window is None):
+            raise ValueError("a window pool goes with its window, and a window with its pool")
         self.pool, self.max_sequences, self.max_batch_tokens = pool, max_sequences, max_batch_tokens
         self.prefix_caching, self.snapshots = prefix_caching, snapshots
+        self.window_pool, self.window = window_pool, window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_sequences))
@@ -148,12 +165,28 @@ class Scheduler:
         return True
 
     def _reserve(self, req: Request, positions: int) -> bool:
-        """Grow req's block table to cover ``positions``; False (nothing taken) when the pool lacks blocks."""
+        """Grow req's block tables to cover ``positions``; False (nothing taken) when a pool lacks blocks.
+
+        First the window blocks its next step no longer reads go back (:meth:`_leave_window`)."""
+        self._leave_window(req)
         needed = -(-positions // self.pool.block_size) - len(req.blocks)
-        if needed > self.pool.num_free:
+        if needed > self.pool.num_free or (self.window_pool is not None and needed > self.window_pool.num_free):
             return False
-        req.blocks.extend(self.pool.allocate() for _ in range(max(needed, 0)))
+        for _ in range(max(needed, 0)):
+            req.blocks.append(self.pool.allocate())
+            if self.window_pool is not None:
+                req.window_table.append(self.window_pool.allocate())
         return True
+
+    def _leave_window(self, req: Request) -> None:
+        """Give back req's window blocks before its window: its next query, at ``computed``, reads
+        positions from ``computed - W + 1`` on, and so does every later one."""
+        if self.window_pool is None:
+            return
+        for i in range(max(0, req.computed - self.window + 1) // self.pool.block_size):
+            if req.window_table[i] >= 0:
+                self.window_pool.release(req.window_table[i])
+                req.window_table[i] = -1
 
     def _attach_prefix(self, req: Request) -> None:
         """Take every cached full block the request's tokens start with (leaving at least one token to compute)."""
@@ -172,9 +205,31 @@ class Scheduler:
             while req.names and req.names[-1] not in self.snapshots:
                 req.names.pop()
                 self.pool.release(req.blocks.pop())
+        while not self._attach_window(req):  # back to a length whose window blocks are all cached
+            req.names.pop()
+            self.pool.release(req.blocks.pop())
         req.computed = len(req.blocks) * size
         if req.preemptions == 0:
             req.cached_tokens = req.computed
+
+    def _attach_window(self, req: Request) -> bool:
+        """Take, from the window pool, the cached blocks that req's first step reads after its
+        prefix of ``len(req.blocks)`` blocks (those before are -1); False (nothing taken) when one is
+        gone. True at once without a window pool, or with no prefix."""
+        if self.window_pool is None:
+            return True
+        size, count = self.pool.block_size, len(req.blocks)
+        first = max(0, count * size - self.window + 1) // size
+        taken: list[int] = []
+        for name in req.names[first:count]:
+            block = self.window_pool.lookup(name)
+            if block is None:
+                for got in taken:
+                    self.window_pool.release(got)
+                return False
+            taken.append(block)
+        req.window_table = [-1] * first + taken
+        return True
 
     def name_full_blocks(self, req: Request) -> None:
         """Name every block the request has filled since the last call, so later prompts can share it."""
@@ -184,13 +239,18 @@ class Scheduler:
         for i in range(len(req.names), req.computed // size):
             name = block_hash(req.names[-1] if req.names else b"", req.tokens[i * size : (i + 1) * size])
             self.pool.name(req.blocks[i], name)
+            if self.window_pool is not None and req.window_table[i] >= 0:
+                self.window_pool.name(req.window_table[i], name)
             req.names.append(name)
 
     def _release(self, req: Request) -> None:
         """Give back req's blocks (the last first, so the pool reuses a prompt's tail before its head) and its slot."""
         for block in reversed(req.blocks):
             self.pool.release(block)
-        req.blocks, req.names, req.computed = [], [], 0
+        for block in reversed(req.window_table):
+            if block >= 0:
+                self.window_pool.release(block)
+        req.blocks, req.window_table, req.names, req.computed = [], [], [], 0
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None

@@ -158,7 +158,8 @@ class PagedLayout:
     """Where B sequences' queries and keys are, as the paged kernel reads it (tensors on the device).
 
     tables:    (B, max_blocks) int32: row b is sequence b's block table, padded with 0
-               (padding is never read: positions past a sequence's length are masked).
+               (padding is never read: positions past a sequence's length are masked; nor
+               are the -1 of a window table, before the window the loop starts at).
     starts:    (B,) int32: positions sequence b already holds before this step.
     counts:    (B,) int32: its new tokens (its queries), T_b >= 1.
     rows:      (B,) int32: the row of its first query in q's N (counts' running sum before b).
@@ -248,25 +249,31 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
-# An engine step calls attention once per layer with the same Batch: its layout is built once
-# and kept here, with a weak reference to the Batch it belongs to.
-_last_layout: tuple[weakref.ref, torch.device, list[int], torch.Tensor, PagedLayout] | None = None
+# An engine step calls attention once per layer with the same Batch: its layouts (one over the block
+# tables, one over the window tables of sliding-window layers) are built once and kept here, with a
+# weak reference to the Batch they belong to.
+_last_layouts: tuple[weakref.ref, torch.device, dict[bool, tuple[list[int], torch.Tensor, PagedLayout]]] | None = None
 
 
-def _layout_of(batch: Batch, device: torch.device) -> tuple[list[int], torch.Tensor, PagedLayout]:
-    """The sequences of ``batch`` the paged kernel takes, the rows of their queries in the N, and their layout."""
-    global _last_layout
-    if _last_layout is not None and _last_layout[0]() is batch and _last_layout[1] == device:
-        return _last_layout[2], _last_layout[3], _last_layout[4]
-    seqs = [b for b, count in enumerate(batch.counts) if count <= PAGED_MAX_QUERIES]
-    segments = batch.segments()
-    rows = torch.tensor([row for b in seqs for row in range(*segments[b])], dtype=torch.long).to(device)
-    layout = None
-    if seqs:
-        layout = PagedLayout.build([batch.starts[b] for b in seqs], [batch.counts[b] for b in seqs],
-                                   [batch.block_tables[b] for b in seqs], device)
-    _last_layout = (weakref.ref(batch), device, seqs, rows, layout)
-    return seqs, rows, layout
+def _layout_of(batch: Batch, device: torch.device, window: int | None) -> tuple[list[int], torch.Tensor, PagedLayout]:
+    """The sequences of ``batch`` the paged kernel takes, the rows of their queries in the N, and their layout
+    over the tables a layer with this ``window`` reads (:meth:`lollm.batch.Batch.tables_for`)."""
+    global _last_layouts
+    if _last_layouts is None or _last_layouts[0]() is not batch or _last_layouts[1] != device:
+        _last_layouts = (weakref.ref(batch), device, {})
+    tables = batch.tables_for(window)
+    kept = _last_layouts[2]
+    key = tables is not batch.block_tables
+    if key not in kept:
+        seqs = [b for b, count in enumerate(batch.counts) if count <= PAGED_MAX_QUERIES]
+        segments = batch.segments()
+        rows = torch.tensor([row for b in seqs for row in range(*segments[b])], dtype=torch.long).to(device)
+        layout = None
+        if seqs:
+            layout = PagedLayout.build([batch.starts[b] for b in seqs], [batch.counts[b] for b in seqs],
+                                       [tables[b] for b in seqs], device)
+        kept[key] = (seqs, rows, layout)
+    return kept[key]
 
 
 def paged_attention_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch, *,
@@ -278,7 +285,7 @@ def paged_attention_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     K, D). Returns (out (1, H, N, D) in q's dtype, covered (B,) bools): the rows of sequence b are
     filled when ``covered[b]``; the others (long prefill chunks) are left for the caller, unset.
     """
-    seqs, rows, layout = _layout_of(batch, q.device)
+    seqs, rows, layout = _layout_of(batch, q.device, window)
     kw = dict(window=window, softcap=softcap, scale=scale)
     if len(seqs) == len(batch.counts):  # a pure decode step: every row
         return paged_attention(q, k_pool, v_pool, layout, **kw), [True] * len(seqs)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lollm.engine import Engine, EngineConfig
+from lollm.engine.cache import largest_window, window_blocks_per_sequence
 from lollm.engine.scheduler import Request
 from lollm.generate import generate
 from lollm.sampling import SamplingParams
@@ -103,9 +104,10 @@ def mixed_prompts(prompt: list[int], count: int = 5) -> list[list[int]]:
 
 
 def pool_is_full(engine: Engine) -> None:
-    pool = engine.scheduler.pool
-    assert pool.num_free == pool.num_blocks and not any(pool.refs), (
-        f"after every request ended, {pool.num_used} of {pool.num_blocks} KV blocks are still taken")
+    for what, pool in (("KV", engine.scheduler.pool), ("sliding-window KV", engine.scheduler.window_pool)):
+        if pool is not None:
+            assert pool.num_free == pool.num_blocks and not any(pool.refs), (
+                f"after every request ended, {pool.num_used} of {pool.num_blocks} {what} blocks are still taken")
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_sequences))
 
 
@@ -166,3 +168,40 @@ def check_preemption_and_abort(model: Any, prompt: list[int], *, max_new_tokens:
     assert not engine.has_unfinished()
     pool_is_full(engine)
     return list(records.values())
+
+
+def check_window_blocks_released(model: Any, prompt: list[int], *, max_new_tokens: int = 6) -> Request | None:
+    """A model with sliding-window layers keeps their keys in a pool of their own and gives back the blocks
+    that left the window: one request with a prompt of several windows runs in chunks of 8 tokens through
+    blocks of 4; after every step its window table has -1 for every block before the window its step read
+    and at most :func:`~lollm.engine.cache.window_blocks_per_sequence` live blocks; the window pool's peak
+    use is below the full pool's; the tokens equal the lone run's; both pools are full again afterwards.
+    A model without such layers gets no window pool (returns None)."""
+    size, chunk = 4, 8
+    engine = Engine(model, EngineConfig(kv_blocks=512, block_size=size, max_sequences=2, max_batch_tokens=chunk))
+    window = largest_window(model.cache_layers())
+    if window is None:
+        assert engine.scheduler.window_pool is None and engine.kv.num_window_blocks is None
+        return None
+    assert len(prompt) >= 2 * window + size, f"a prompt of {len(prompt)} tokens is too short for a window of {window}"
+    n = max(1, min(max_new_tokens, int(model.max_context) - len(prompt) - 1))
+    rid = engine.add_request(prompt, sampling=GREEDY, max_new_tokens=n)
+    req, got, peak = engine.requests[rid], [], {"full": 0, "window": 0}
+    while engine.has_unfinished():
+        read_from = max(0, req.computed - window + 1) // size  # the first block this step's window reads
+        outs = engine.step()
+        got += [o.step.token for o in outs if o.request_id == rid]
+        if outs and outs[-1].finished:
+            break
+        table = req.window_table
+        assert all(b == -1 for b in table[:read_from]), f"window blocks before block {read_from} were kept: {table}"
+        assert all(b >= 0 for b in table[read_from:]), f"a block inside the window was given back: {table}"
+        live = sum(b >= 0 for b in table)
+        assert live <= window_blocks_per_sequence(window, size, chunk), f"{live} live window blocks"
+        stats = engine.stats()
+        peak["full"] = max(peak["full"], stats["kv_blocks_used"])
+        peak["window"] = max(peak["window"], stats["kv_window_blocks_used"])
+    assert peak["window"] < peak["full"], f"the window pool never used fewer blocks than the full one: {peak}"
+    assert_same_greedy(model, prompt, got, solo(model, prompt, n), "a prompt of several windows")
+    pool_is_full(engine)
+    return req

@@ -81,7 +81,8 @@ from lollm.plugins import InstalledFamily, Registry, build_registry
 from lollm.options import LoadOptions
 from lollm.quantized import Quantization
 from lollm.testing.coverage import DELTA_RULE_CHUNK, check_coverage
-from lollm.testing.batching import check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit
+from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
+                                    check_window_blocks_released)
 
 __all__ = ["FamilyConformance", "NoiseFloor", "check_prompt_cache_turns", "measure_noise_floor", "reference_sensitivity"]
 
@@ -903,6 +904,11 @@ class FamilyConformance:
         """Requests of different lengths, some arriving mid-decode, chunked prefill mixed with decode:
         each one's greedy tokens equal its run alone; the block pool is full again afterwards."""
         check_engine_equals_solo(model, prompt_ids[0].tolist(), tie_bound=self.self_consistency_max_abs_diff)
+
+    def test_engine_releases_sliding_window_blocks(self, model, prompt_ids):
+        """Sliding-window layers keep their keys in the engine's second pool and give back the blocks that
+        left the window (a family without such layers gets no second pool)."""
+        check_window_blocks_released(model, prompt_ids[0].tolist(), max_new_tokens=4)
 
     def test_engine_prefix_cache_hit_equals_cold_run(self, model, prompt_ids):
         """A prompt that shares cached blocks reuses them (with recurrent state: up to a snapshot) and equals a cold run."""
