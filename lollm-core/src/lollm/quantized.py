@@ -69,9 +69,15 @@ _SLICE_WEIGHTS = 1 << 20
 #: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
 GEMM_MIN_ROWS = 20
 GEMM_MIN_ROWS_GROUPED = 10
-#: Output channels dequantized at a time on that path (about 10 MB of bfloat16 at 4864 inputs; 256
-#: took 8 MB off a Qwen2.5 prefill's peak but made it 8% slower).
-_GEMM_CHANNELS = 1024
+#: Weights dequantized at a time on that path (2 MB of bfloat16): 1,170 output channels of a matrix
+#: with 896 inputs, 215 of one with 4,864. A fixed 1,024 channels made the widest slices 10 MB.
+_GEMM_SLICE_WEIGHTS = 1 << 20
+
+
+def gemm_slices(out_features: int, in_features: int) -> list[tuple[int, int]]:
+    """The output-channel slices ``(n0, n1)`` the many-rows path dequantizes one at a time."""
+    step = max(1, _GEMM_SLICE_WEIGHTS // in_features)
+    return [(n0, min(n0 + step, out_features)) for n0 in range(0, out_features, step)]
 
 
 def native_bf16_matmul() -> bool:
@@ -323,15 +329,14 @@ class Int8Linear(nn.Module):
         return self.kernel_scale if self.kernel_scale is not None else self.scale.to(KERNEL_DTYPE)
 
     def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (M, K) bfloat16 -> (M, N) float32: ``flat @ (q * s).T``, dequantizing 1024 channels at a time.
+        """flat (M, K) bfloat16 -> (M, N) float32: ``flat @ (q * s).T``, dequantizing 2 MB of weights at a time (:func:`gemm_slices`).
 
         The codes become bfloat16 exactly (|q| <= 127 fits its 8 significant bits). One group
         (per channel): multiply by the codes, then scale each output channel. Groups: scale
         each group's codes first (``w = q * s``, rounded to bfloat16), then multiply once.
         """
         y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
-        for n0 in range(0, self.out_features, _GEMM_CHANNELS):
-            n1 = min(n0 + _GEMM_CHANNELS, self.out_features)
+        for n0, n1 in gemm_slices(self.out_features, self.in_features):
             q = self.codes[:, n0:n1].to(KERNEL_DTYPE)  # (G, n, group_size)
             s = self.scale[:, n0:n1].to(KERNEL_DTYPE)  # (G, n)
             if self.codes.shape[0] == 1:
@@ -413,8 +418,7 @@ class Q5Linear(nn.Module):
         if _NATIVE_BF16 and rows.shape[0] >= GEMM_MIN_ROWS:
             flat = rows.to(KERNEL_DTYPE)
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            for n0 in range(0, self.out_features, _GEMM_CHANNELS):  # dequantize a slice of channels, multiply once
-                n1 = min(n0 + _GEMM_CHANNELS, self.out_features)
+            for n0, n1 in gemm_slices(self.out_features, self.in_features):  # dequantize a slice, multiply once
                 w = torch.ops.lollm_native.block_q5_dequantize(self.nibbles[n0:n1], self.high[n0:n1], self.scale[n0:n1])
                 y[:, n0:n1] = flat @ w.T  # w: (n1 - n0, K) bfloat16, (u - 16) * d rounded once
         else:  # int8 activations in blocks of 32, integer dot products (lollm.native)
