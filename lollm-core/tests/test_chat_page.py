@@ -164,6 +164,16 @@ def test_banner_names_url_model_family_and_a_curl_line(loaded):  # noqa: F811
     assert json.loads(curl[curl.index("-d") + 1])["model"] == NAME
 
 
+def test_a_base_models_banner_shows_a_plain_completion(loaded, monkeypatch):  # noqa: F811
+    """Without a chat template /v1/chat/completions answers 400, so the line to paste asks /v1/completions."""
+    server = ModelServer(loaded, name=NAME, context=64)
+    monkeypatch.setattr(server, "tokenizer", type("Base", (), {"chat_template": None})())
+    curl = shlex.split(banner(server, "toy on cpu", "127.0.0.1", 8123)[2].removeprefix("try: "))
+    assert curl[:2] == ["curl", "http://127.0.0.1:8123/v1/completions"]
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert body["model"] == NAME and "prompt" in body and "messages" not in body
+
+
 def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
     """serve()'s announcer logs the banner only after uvicorn has bound the port: its URLs answer at that moment."""
     import threading

@@ -379,3 +379,12 @@ def test_schemathesis_cases_get_only_the_answers_the_schema_documents(server):
         case.call_and_validate(checks=checks)
 
     check()
+
+
+def test_a_request_without_a_model_says_so(client):
+    """No "model" in the body: a 400 naming the parameter and this server's model (not "the model None")."""
+    answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "model" and error["code"] == "missing_required_parameter"
+    assert f"the request has no 'model': name the model this server serves, {NAME!r}" == error["message"]

@@ -549,6 +549,9 @@ class ModelServer:
 
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
+        if model is None:
+            raise ApiError(400, f"the request has no 'model': name the model this server serves, {self.name!r}",
+                           param="model", code="missing_required_parameter")
         if model != self.name:
             raise ApiError(404, f"the model {_show(model)} does not exist here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
@@ -1192,7 +1195,11 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
     if host in ("0.0.0.0", "::"):
         shown = "127.0.0.1"
     root = f"http://{shown}:{port}"
-    body = json.dumps({"model": server.name, "messages": [{"role": "user", "content": "Hello!"}]})
+    if server.tokenizer.chat_template is not None:
+        endpoint, body = "chat/completions", {"model": server.name, "messages": [{"role": "user", "content": "Hello!"}]}
+    else:  # a base model: its /v1/chat/completions answers 400, so the line shows a plain prompt
+        endpoint, body = "completions", {"model": server.name, "prompt": "Once upon a time", "max_tokens": 32}
+    body = json.dumps(body)
     key = ' -H "Authorization: Bearer $LOLLM_API_KEY"' if server.api_key else ""  # the key itself is never printed
     if server.engine_loop is not None:
         config = server.engine_loop.engine.config
@@ -1203,7 +1210,7 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
     return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
             + (" (API key required)" if server.api_key else ""),
             f"chat page: {root}/",
-            f"try: curl {root}/v1/chat/completions -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+            f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
             batching]
 
 
