@@ -41,6 +41,7 @@ from lollm.options import LoadOptions
 from lollm.tensor_parallel import Sharding, TensorParallelError
 from lollm.weights import load_weights
 
+
 class _SkipInit(TorchFunctionMode):
     """Turns every ``torch.nn.init`` function (``normal_``, ``kaiming_uniform_``, ...) into a no-op."""
 

@@ -7,7 +7,7 @@ loop asks :func:`check_cache_fits`. The rule:
 
 1. Build the cache the family would build, but on the *meta* device (every
    tensor has its shape and dtype and no storage): while ``new_cache`` runs,
-   :class:`AllocateOnMeta` sends every tensor constructor (``torch.zeros``,
+   the mode of :func:`_meta_allocations` sends every tensor constructor (``torch.zeros``,
    ``torch.empty``, ...) to the meta device, whatever device the family asks
    for. Then add up the bytes of the tensors the cache holds. This is exact for
    any family (sliding-window layers that keep fewer positions included) and

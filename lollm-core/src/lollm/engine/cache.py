@@ -94,10 +94,10 @@ class KVPool:
                 tensor[slot].zero_()
 
 
-def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype, kinds: tuple[str, ...] = ("full", "sliding")) -> int:
-    """Bytes one block takes over the layers of ``kinds``: 2 (K and V) x block_size x K x D x element size, summed."""
+def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers: 2 (K and V) x block_size x K x D x element size, summed."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.kind in kinds)
+    return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.stores_keys)
 
 
 def model_dtype(model: Any) -> torch.dtype:

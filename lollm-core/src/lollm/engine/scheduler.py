@@ -183,10 +183,11 @@ class Scheduler:
         positions from ``computed - W + 1`` on, and so does every later one."""
         if self.window_pool is None:
             return
-        for i in range(max(0, req.computed - self.window + 1) // self.pool.block_size):
-            if req.window_table[i] >= 0:
-                self.window_pool.release(req.window_table[i])
-                req.window_table[i] = -1
+        i = max(0, req.computed - self.window + 1) // self.pool.block_size - 1
+        while i >= 0 and req.window_table[i] >= 0:  # the blocks given back are a prefix: walk back to it
+            self.window_pool.release(req.window_table[i])
+            req.window_table[i] = -1
+            i -= 1
 
     def _attach_prefix(self, req: Request) -> None:
         """Take every cached full block the request's tokens start with (leaving at least one token to compute)."""

@@ -421,22 +421,28 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   return y;
 }
 
+// The three tensors of a Q5_0 matrix with K inputs (layout above unpack_q5_pair), checked for `op`.
+void check_q5_weights(const char* op, const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale, int64_t k) {
+  TORCH_CHECK(k > 0 && k % 64 == 0 && nibbles.dim() == 2 && nibbles.size(1) == k / 2 && nibbles.scalar_type() == at::kByte &&
+                  nibbles.is_contiguous() && nibbles.device().is_cpu(),
+              op, ": nibbles must be contiguous uint8 (N, K / 2) on the CPU, K a multiple of 64 (K = ", k, ")");
+  const int64_t n = nibbles.size(0);
+  TORCH_CHECK(high.dim() == 2 && high.size(0) == n && high.size(1) == k / 8 && high.scalar_type() == at::kByte &&
+                  high.is_contiguous() && high.device().is_cpu(),
+              op, ": high must be contiguous uint8 (N, K / 8) on the CPU, N = ", n, ", K = ", k);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == k / kBlock && scale.scalar_type() == at::kHalf &&
+                  scale.is_contiguous() && scale.device().is_cpu(),
+              op, ": scale must be contiguous float16 (N, K / 32) on the CPU, N = ", n, ", K = ", k);
+}
+
 // y (M, N) = x (M, K) @ w.T for Q5_0 weights kept in their 5-bit codes (layout above unpack_q5_pair).
 at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
               "block_q5_linear: x must be a contiguous float32 CPU matrix (M, K)");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % 64 == 0, "block_q5_linear: x's ", k, " columns are not whole pairs of 32-value blocks");
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.size(1) == k / 2 && nibbles.scalar_type() == at::kByte &&
-                  nibbles.is_contiguous() && nibbles.device().is_cpu(),
-              "block_q5_linear: nibbles must be contiguous uint8 (N, K / 2) on the CPU, K = ", k);
+  check_q5_weights("block_q5_linear", nibbles, high, scale, k);
   const int64_t n = nibbles.size(0);
-  TORCH_CHECK(high.dim() == 2 && high.size(0) == n && high.size(1) == k / 8 && high.scalar_type() == at::kByte &&
-                  high.is_contiguous() && high.device().is_cpu(),
-              "block_q5_linear: high must be contiguous uint8 (N, K / 8) on the CPU, N = ", n, ", K = ", k);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == k / kBlock && scale.scalar_type() == at::kHalf &&
-                  scale.is_contiguous() && scale.device().is_cpu(),
-              "block_q5_linear: scale must be contiguous float16 (N, K / 32) on the CPU, N = ", n, ", K = ", k);
 
   std::vector<int8_t> xq(rows * k);  // step 1, as for int8 weights
   std::vector<float> xd(rows * (k / kBlock));
@@ -465,16 +471,9 @@ at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const
 // The weights of a Q5_0 matrix as bfloat16 (N, K): (u - 16) * d, rounded once. The many-rows
 // path (a prefill) multiplies these in one bfloat16 matmul, a slice of channels at a time.
 at::Tensor block_q5_dequantize(const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale) {
-  TORCH_CHECK(nibbles.dim() == 2 && nibbles.scalar_type() == at::kByte && nibbles.is_contiguous() && nibbles.device().is_cpu() &&
-                  nibbles.size(1) % 32 == 0,
-              "block_q5_dequantize: nibbles must be contiguous uint8 (N, K / 2) on the CPU, K a multiple of 64");
-  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
-  TORCH_CHECK(high.dim() == 2 && high.size(0) == n && high.size(1) == k / 8 && high.scalar_type() == at::kByte &&
-                  high.is_contiguous() && high.device().is_cpu(),
-              "block_q5_dequantize: high must be contiguous uint8 (N, K / 8) on the CPU, N = ", n, ", K = ", k);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) == k / kBlock && scale.scalar_type() == at::kHalf &&
-                  scale.is_contiguous() && scale.device().is_cpu(),
-              "block_q5_dequantize: scale must be contiguous float16 (N, K / 32) on the CPU, N = ", n, ", K = ", k);
+  const int64_t k = nibbles.dim() == 2 ? 2 * nibbles.size(1) : 0;
+  check_q5_weights("block_q5_dequantize", nibbles, high, scale, k);
+  const int64_t n = nibbles.size(0);
   at::Tensor w = at::empty({n, k}, nibbles.options().dtype(at::kBFloat16));
   const uint8_t* nib = nibbles.data_ptr<uint8_t>();
   const uint8_t* hb = high.data_ptr<uint8_t>();

@@ -26,7 +26,6 @@ metadata); it never imports torch.
 from __future__ import annotations
 
 import operator
-
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
