@@ -81,7 +81,8 @@ def _missing_tool() -> str | None:
 
 
 #: The other versions of steps 2 and 3, built by the tests beside the native one (flags added to -march=native).
-VARIANTS = {"avx2": ["-mno-avx512f"], "portable": ["-mno-avx2", "-mno-avx512f"]}
+VARIANTS = {"vnni": ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"], "avx2": ["-mno-avx512f"],
+            "portable": ["-mno-avx2", "-mno-avx512f"]}
 
 
 def _cached(name: str) -> Path | None:
@@ -174,6 +175,17 @@ def block_q5_op():
     :func:`block_int8_op`. Built with it, in the same library.
     """
     return None if block_int8_op() is None else torch.ops.lollm_native.block_q5_linear
+
+
+def tile_min_rows() -> int:
+    """From how many rows the kernel multiplies with AMX tiles instead of its vector loops; 0 where it never does.
+
+    The tiles run on CPUs with AMX-INT8 (Intel Xeon since Sapphire Rapids) where Linux lends
+    them to the process, unless ``LOLLM_AMX=0``. Each route gives a row the same output whatever
+    rows are beside it; the two routes round the float32 sums in a different order
+    (docs/native-kernel.md, section 9). 0 also where the kernel is off or not built.
+    """
+    return 0 if block_int8_op() is None else int(torch.ops.lollm_native.tile_min_rows())
 
 
 def status() -> str:

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -300,6 +301,180 @@ void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* sc
   }
 }
 
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 with AMX tiles (Intel Xeon since Sapphire Rapids): 16 channels
+// against 16 rows of x in one instruction.
+//
+// A tile is a two-dimensional register of up to 16 rows of 64 bytes. tdpbssd C, A, B
+// multiplies A, one block of 32 int8 codes for each of 16 channels (16 x 32 bytes), by
+// B, the same block of 32 int8 activations for each of 16 rows of x, and adds each
+// channel's 32 products with each row into C, 16 x 16 int32: 8,192 multiply-adds in
+// one instruction, where vpdpbusd does 64. B is stored four bytes at a time:
+// B[i][4m + j] = xq[m][4i + j] (TileRows). The int32 sums are exact, as in the loops
+// above; each block's sums are then scaled, d[m, b] * scale[n, b], and added in
+// float32 to one 16-lane vector per channel (lane m: row m).
+//
+// Rows never mix: a row's outputs come from the same instructions in the same order
+// whatever rows are beside it (rows past the last are zeros), so a batch still gives
+// each row exactly what it gives alone. Linux lends the tile registers to a process
+// that asks (arch_prctl); where it refuses, the loops above run.
+// ---------------------------------------------------------------------------
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define LOLLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t kTileRows = 16;    // rows of x (and channels) one tile instruction takes
+constexpr int64_t kTileMinRows = 8;  // from this many rows the tiles beat the vector loops (docs/native-kernel.md, section 9)
+
+// Whether the tiles run: not turned off by LOLLM_AMX=0 (read once, for benchmarks and
+// comparisons), and lent to this process by Linux (asked once: ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    const char* choice = std::getenv("LOLLM_AMX");
+    const std::string off = choice == nullptr ? "" : choice;
+    if (off == "0" || off == "off" || off == "false" || off == "no") return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return permitted;
+}
+
+// The shapes of the three tiles, loaded into a thread before its first tile instruction
+// (another library, oneDNN's matmul among them, may have changed them on this thread since).
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {64, 64, 64, 64, 32, 32, 64, 64};  // tiles 0-3: C (16 x 16 int32); 4, 5: A (16 x 32 codes); 6, 7: B (8 x 64)
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
+};
+
+// x in the form B tiles read, 16 rows to a group (zeros past the last row):
+//   q (groups, blocks, 8, 64): q[g][b][i][4m + j] = xq[16g + m][32b + 4i + j]
+//   d (groups, blocks, 16):    d[g][b][m] = xd[16g + m][b]
+struct TileRows {
+  int64_t groups, blocks;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  TileRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k)
+      : groups((rows + kTileRows - 1) / kTileRows), blocks(k / kBlock), q(groups * k * kTileRows, 0), d(groups * blocks * kTileRows, 0.f) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g = r / kTileRows, m = r % kTileRows, tile = g * blocks + b;
+        d[tile * kTileRows + m] = xd[r * blocks + b];
+        for (int64_t i = 0; i < kBlock / 4; ++i) std::memcpy(&q[(tile * 8 + i) * 64 + 4 * m], xq + r * k + b * kBlock + 4 * i, 4);
+      }
+  }
+};
+
+// One task's 16 channels as tiles read them: block b of channel c (0..15) at
+// codes + c * stride + at(b), and the block's scales, ws[16 b + c].
+struct TileChannels {
+  const int8_t* codes;
+  int64_t stride, group_size, group_stride;  // block b lies in group 32b / group_size, group_stride bytes apart
+  std::vector<float> ws;
+  int64_t at(int64_t b) const { return (b * kBlock / group_size) * group_stride + b * kBlock % group_size; }
+};
+
+// Blocks b .. b + 3 of one group of rows: their products go to tiles 0-3 (C), through
+// A tiles 4, 5 and B tiles 6, 7. Tile numbers are part of the instruction, hence spelled out.
+inline void four_blocks(const TileChannels& w, const int8_t* xq, int64_t b) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, w.codes + w.at(b), w.stride); _tile_loadd(6, xq + b * 512, 64);
+  _tile_loadd(5, w.codes + w.at(b + 1), w.stride); _tile_loadd(7, xq + (b + 1) * 512, 64);
+  _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 5, 7);
+  _tile_loadd(4, w.codes + w.at(b + 2), w.stride); _tile_loadd(6, xq + (b + 2) * 512, 64);
+  _tile_loadd(5, w.codes + w.at(b + 3), w.stride); _tile_loadd(7, xq + (b + 3) * 512, 64);
+  _tile_dpbssd(2, 4, 6); _tile_dpbssd(3, 5, 7);
+}
+
+// Step 3 for `count` blocks from b whose int32 sums (channel, row) lie in `sums`, 256 a block.
+inline void scale_blocks(const int32_t* sums, int64_t count, const TileChannels& w, const float* d, int64_t b, __m512* acc) {
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 row_scales = _mm512_loadu_ps(d + (b + i) * kTileRows);  // d[m, b + i] for the 16 rows
+    const float* channel_scales = w.ws.data() + kTileRows * (b + i);
+    for (int c = 0; c < kTileRows; ++c) {
+      const __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(sums + kTileRows * (kTileRows * i + c)));
+      acc[c] = _mm512_fmadd_ps(s, _mm512_mul_ps(row_scales, _mm512_set1_ps(channel_scales[c])), acc[c]);
+    }
+  }
+}
+
+// Channels n0 .. n1 (at most 16) of every row: out[r * n + n0 + c]. Four blocks at a time,
+// pipelined: while the tiles multiply blocks b .. b + 3, the vector units scale the four
+// before them (the tile instructions run beside the vector ones).
+void tile_channels(const TileChannels& w, const TileRows& x, int64_t rows, int64_t n, int64_t n0, int64_t n1, float* out) {
+  alignas(64) int32_t sums[2][4 * kTileRows * kTileRows];  // two sets of four C tiles, one filling while one is scaled
+  alignas(64) float done[kTileRows * kTileRows];
+  const int64_t quads = x.blocks / 4;
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int8_t* xq = x.q.data() + g * x.blocks * 512;
+    const float* d = x.d.data() + g * x.blocks * kTileRows;
+    __m512 acc[kTileRows];
+    for (int c = 0; c < kTileRows; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < quads; ++q) {
+      four_blocks(w, xq, 4 * q);
+      if (q > 0) scale_blocks(sums[(q - 1) % 2], 4, w, d, 4 * (q - 1), acc);
+      _tile_stored(0, sums[q % 2], 64); _tile_stored(1, sums[q % 2] + 256, 64);
+      _tile_stored(2, sums[q % 2] + 512, 64); _tile_stored(3, sums[q % 2] + 768, 64);
+    }
+    if (quads > 0) scale_blocks(sums[(quads - 1) % 2], 4, w, d, 4 * (quads - 1), acc);
+    for (int64_t b = 4 * quads; b < x.blocks; ++b) {  // the last one to three blocks, one at a time
+      _tile_zero(0);
+      _tile_loadd(4, w.codes + w.at(b), w.stride); _tile_loadd(6, xq + b * 512, 64);
+      _tile_dpbssd(0, 4, 6);
+      _tile_stored(0, sums[0], 64);
+      scale_blocks(sums[0], 1, w, d, b, acc);
+    }
+    for (int c = 0; c < kTileRows; ++c) _mm512_store_ps(done + kTileRows * c, acc[c]);
+    for (int64_t m = 0; m < std::min(kTileRows, rows - g * kTileRows); ++m)
+      for (int64_t c = 0; c < n1 - n0; ++c) out[(g * kTileRows + m) * n + n0 + c] = done[kTileRows * c + m];
+  }
+}
+
+// An Int8Linear's channels n0 .. n1 through tiles. A task of fewer than 16 channels (the
+// last) copies its codes into a buffer padded with zeros, so that no tile reads past the matrix.
+void int8_tile_task(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size, const TileRows& x,
+                    int64_t rows, int64_t n0, int64_t n1, std::vector<int8_t>& spare, float* out) {
+  const int64_t k = groups * group_size;
+  TileChannels w{codes + n0 * group_size, group_size, group_size, n * group_size, std::vector<float>(k / kBlock * kTileRows, 0.f)};
+  for (int64_t b = 0; b < k / kBlock; ++b)
+    for (int64_t c = 0; c < n1 - n0; ++c) w.ws[kTileRows * b + c] = ws[(b * kBlock / group_size) * n + n0 + c];
+  if (n1 - n0 < kTileRows) {
+    spare.assign(kTileRows * k, 0);
+    for (int64_t c = 0; c < n1 - n0; ++c)
+      for (int64_t b = 0; b < k / kBlock; ++b) std::memcpy(&spare[c * k + b * kBlock], w.codes + c * w.stride + w.at(b), kBlock);
+    w.codes = spare.data(), w.stride = k, w.group_size = k, w.group_stride = 0;
+  }
+  tile_channels(w, x, rows, n, n0, n1, out);
+}
+
+// A Q5_0 layer's channels n0 .. n1 through tiles: the 16 channels' codes unpacked to signed
+// bytes u - 16 once (16 x K bytes), then every group of rows meets them.
+void q5_tile_task(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t k, const TileRows& x,
+                  int64_t rows, int64_t n, int64_t n0, int64_t n1, std::vector<int8_t>& spare, float* out) {
+  spare.assign(kTileRows * k, 0);
+  TileChannels w{spare.data(), k, k, 0, std::vector<float>(k / kBlock * kTileRows, 0.f)};
+  for (int64_t c = 0; c < n1 - n0; ++c) {
+    const int64_t ch = n0 + c;
+    for (int64_t p = 0; p < k / 64; ++p) {
+      const __m512i u = q5_codes(nibbles + ch * k / 2 + 32 * p, high + ch * k / 8 + 8 * p);
+      _mm512_storeu_si512(&spare[c * k + 64 * p], _mm512_sub_epi8(u, _mm512_set1_epi8(16)));
+    }
+    for (int64_t b = 0; b < k / kBlock; ++b) w.ws[kTileRows * b + c] = float(scale[ch * (k / kBlock) + b]);
+  }
+  tile_channels(w, x, rows, n, n0, n1, out);
+}
+
+// Runs tasks first .. last of 16 channels through `task`, with the tile shapes loaded in
+// this thread for the duration (and the tiles handed back after).
+template <class Task>
+void with_tiles(int64_t first, int64_t last, Task task) {
+  static const TileShapes shapes;
+  _tile_loadconfig(&shapes);
+  for (int64_t t = first; t < last; ++t) task(t);
+  _tile_release();
+}
+#endif
+
 #else
 // ---------------------------------------------------------------------------
 // Steps 2 and 3 elsewhere: one block at a time (AVX2), or plain C++.
@@ -399,12 +574,24 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   float* out = y.data_ptr<float>();
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
+  const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
+#if defined(LOLLM_AMX)
+  if (rows >= kTileMinRows && tiles_permitted()) {
+    const TileRows tiled(xq.data(), xd.data(), rows, k);
+    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+      std::vector<int8_t> spare;
+      with_tiles(first, last, [&](int64_t task) {
+        int8_tile_task(w, ws, groups, n, group_size, tiled, rows, task * kChannels, std::min(n, (task + 1) * kChannels), spare, out);
+      });
+    });
+    return y;
+  }
+#endif
 #if defined(LOLLM_AVX512)
   const bool paired = group_size == kBlock;
   const PairedRows wide(xq.data(), xd.data(), paired ? rows : 0, k);  // only the grouped loop reads it
   const std::vector<float> surplus = paired ? std::vector<float>() : row_surplus(xq.data(), xd.data(), rows, k, group_size);
 #endif
-  const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
   at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
       const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
@@ -447,14 +634,26 @@ at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const
   std::vector<int8_t> xq(rows * k);  // step 1, as for int8 weights
   std::vector<float> xd(rows * (k / kBlock));
   quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
-#if defined(LOLLM_AVX512)
-  const LaneRows lanes(xq.data(), xd.data(), rows, k);
-#endif
   at::Tensor y = at::empty({rows, n}, x.options());
   float* out = y.data_ptr<float>();
   const uint8_t* nib = nibbles.data_ptr<uint8_t>();
   const uint8_t* hb = high.data_ptr<uint8_t>();
   const at::Half* sc = scale.data_ptr<at::Half>();
+#if defined(LOLLM_AMX)
+  if (rows >= kTileMinRows && tiles_permitted()) {
+    const TileRows tiled(xq.data(), xd.data(), rows, k);
+    at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
+      std::vector<int8_t> spare;
+      with_tiles(first, last, [&](int64_t task) {
+        q5_tile_task(nib, hb, sc, k, tiled, rows, n, task * kChannels, std::min(n, (task + 1) * kChannels), spare, out);
+      });
+    });
+    return y;
+  }
+#endif
+#if defined(LOLLM_AVX512)
+  const LaneRows lanes(xq.data(), xd.data(), rows, k);
+#endif
   at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
       const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
@@ -504,6 +703,9 @@ at::Tensor block_q5_dequantize(const at::Tensor& nibbles, const at::Tensor& high
 
 // Which version of step 2 this build compiled (lollm.native.status names it).
 std::string instruction_set() {
+#if defined(LOLLM_AMX)
+  if (tiles_permitted()) return "AVX-512 VNNI, AMX tiles from " + std::to_string(kTileMinRows) + " rows";
+#endif
 #if defined(LOLLM_AVX512)
   return "AVX-512 VNNI";
 #elif defined(__AVX2__)
@@ -511,6 +713,14 @@ std::string instruction_set() {
 #else
   return "portable C++";
 #endif
+}
+
+// From how many rows the tiles take over (0: never, in this build on this machine).
+int64_t tile_min_rows() {
+#if defined(LOLLM_AMX)
+  if (tiles_permitted()) return kTileMinRows;
+#endif
+  return 0;
 }
 
 }  // namespace
@@ -527,4 +737,5 @@ LOLLM_LIBRARY(LOLLM_NATIVE_NAMESPACE, m) {
   m.def("block_q5_linear(Tensor x, Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_linear);
   m.def("block_q5_dequantize(Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_dequantize);
   m.def("instruction_set() -> str", &instruction_set);
+  m.def("tile_min_rows() -> int", &tile_min_rows);
 }

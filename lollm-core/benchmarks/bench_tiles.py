@@ -1,0 +1,87 @@
+"""The native kernel's two routes by row count: AMX tiles against the AVX-512 VNNI vector loops.
+
+    python lollm-core/benchmarks/bench_tiles.py                    # 2 threads, rows 1 .. 64
+    python lollm-core/benchmarks/bench_tiles.py --threads 1 --rounds 5
+
+On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids) lollm's kernel multiplies from
+``lollm.native.tile_min_rows()`` rows with tiles, below that with its vector loops
+(docs/native-kernel.md, section 9). This script times both on Qwen2.5-0.5B's shapes: the
+vector loops from the test build without AMX (``lollm.native.build_variant("vnni")``), the
+tiles from the native build, in rounds that alternate A B A B. Below the tiles' row count the
+native build runs its vector loops too, so there the tiles are timed on the rows padded with
+zeros up to that count: a tile instruction takes 16 rows whatever their number, and the
+padding changes no row's output. It also gives the largest difference between the two routes' outputs,
+relative to the largest output (they round the float32 sums in a different order).
+Not a test: on a shared machine figures are noisy; read the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lollm import native
+
+
+def timed(fn, repeat: int) -> float:
+    """Milliseconds per call, after one warm-up call."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def layers(g: torch.Generator) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+    """name -> (operator, weights): Q5_0 in pairs of blocks, and int8 per channel and in groups of 32."""
+    def q5(n: int, k: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                torch.randint(0, 256, (n, k // 8), dtype=torch.uint8, generator=g),
+                (torch.rand(n, k // 32, generator=g) * 0.02).half())
+
+    def int8(groups: int, n: int, group_size: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randint(-127, 128, (groups, n, group_size), dtype=torch.int8, generator=g),
+                torch.rand(groups, n, generator=g) * 0.01)
+
+    return {
+        "Q5_0 4864x896 (gate, up)": ("block_q5_linear", q5(4864, 896)),
+        "Q5_0 896x896 (q, o)": ("block_q5_linear", q5(896, 896)),
+        "int8 896x4864 per channel (down)": ("block_int8_linear", int8(1, 896, 4864)),
+        "int8 151936x896 groups of 32 (head)": ("block_int8_linear", int8(28, 151936, 32)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", default="1,2,4,8,12,16,19,32,64")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native.tile_min_rows():
+        raise SystemExit(f"the tiles do not run here ({native.status()})")
+    tiles, vectors = torch.ops.lollm_native, native.build_variant("vnni")
+    g = torch.Generator().manual_seed(0)
+    print(f"threads {args.threads}; {native.status()}; ms per call, median of {args.rounds} rounds")
+    print(f"{'matrix':38} {'rows':>5} {'tiles':>9} {'vectors':>9} {'vectors / tiles':>16} {'max |Δ| / max |y|':>18}")
+    for name, (op, weights) in layers(g).items():
+        repeat = 20 if weights[0].shape[-2 if op == "block_int8_linear" else 0] < 10000 else 3
+        in_features = weights[0].shape[1] * 2 if op == "block_q5_linear" else weights[0].shape[0] * weights[0].shape[2]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, in_features, generator=g)
+            padded = torch.cat([x, x.new_zeros(max(0, native.tile_min_rows() - rows), in_features)])
+            a, b = [], []
+            for _ in range(args.rounds):  # A B A B: a noisy machine hits both alike
+                a.append(timed(lambda: getattr(tiles, op)(padded, *weights), repeat))
+                b.append(timed(lambda: getattr(vectors, op)(x, *weights), repeat))
+            ya, yb = getattr(tiles, op)(padded, *weights)[:rows], getattr(vectors, op)(x, *weights)
+            diff = float((ya - yb).abs().max() / yb.abs().max())
+            ta, tb = statistics.median(a), statistics.median(b)
+            print(f"{name:38} {rows:5d} {ta:9.3f} {tb:9.3f} {tb / ta:15.2f}× {diff:18.1e}")
+
+
+if __name__ == "__main__":
+    main()
