@@ -271,3 +271,25 @@ def test_metrics_show_the_window_pool_where_there_is_one():
     assert windowed["lollm_kv_window_blocks_total"] == 2 * 5 and windowed["lollm_kv_window_blocks_used"] == 0
     assert windowed["lollm_kv_blocks_total"] == 32
     assert "lollm_kv_window_blocks_total" not in gauges(ToyLM(recurrent=False))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_logit_in_a_greedy_batch_is_named_by_the_sampler(bad, monkeypatch):
+    """The batch's one argmax for plain greedy rows checks each row's sum; a NaN or an infinity
+    anywhere (here one logit of the last request's rows) must reach the request's own sampler, which
+    names it, and never be picked as a token."""
+    toy = ToyLM(recurrent=False)
+    head = toy.head.forward
+
+    def poisoned(x):
+        y = head(x)
+        y[..., -1, 5] = bad  # the last row: the last request's
+        return y
+
+    monkeypatch.setattr(toy.head, "forward", poisoned)
+    engine = Engine(toy, EngineConfig(kv_blocks=32, block_size=4, max_sequences=4))
+    for prompt in (PROMPT[:5], PROMPT[5:12]):
+        engine.add_request(prompt, sampling=GREEDY, max_new_tokens=3)
+    with pytest.raises(GenerationError, match="non-finite logits"):
+        while engine.has_unfinished():
+            engine.step()

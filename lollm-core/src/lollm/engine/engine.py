@@ -227,8 +227,10 @@ class Engine:
         plain = [b for b in rows if plan[b][0].seq.plain_greedy]
         if not plain:
             return {}
-        picked = logits[plain].float()  # (G, V)
-        if not bool(torch.isfinite(picked).all()):
+        picked = logits if plain == list(range(logits.shape[0])) else logits[plain]  # (G, V)
+        # A row's sum is finite only if every logit in it is (a sum too large for float32 would
+        # also refuse, and then the samplers decide): one pass over the logits, not four.
+        if not bool(torch.isfinite(picked.sum(dim=-1, dtype=torch.float32)).all()):
             return {}  # let each sampler name the problem
         return dict(zip(plain, picked.argmax(dim=-1).tolist()))
 
