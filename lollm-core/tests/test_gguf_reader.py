@@ -319,6 +319,9 @@ def test_a_long_string_array_is_checked_at_open_and_decoded_from_the_file_when_u
     assert (vocab[0], vocab[7], vocab[-1], vocab[-2], vocab[3:6]) == (words[0], words[7], "", words[-2], words[3:6])
     with pytest.raises(IndexError):
         vocab[len(words)]
+    for chunk in (1, 7, len(words) - 1, len(words), len(words) + 1):  # iteration reads the offsets in chunks
+        vocab.ITER_CHUNK = chunk
+        assert list(vocab) == words, chunk
     f.close()  # the array keeps its own view of the map
     assert vocab[-2] == words[-2]
 

@@ -22,7 +22,7 @@ import tokenizers
 import lollm
 from lollm.errors import LollmError, TokenizerError
 from lollm.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
-from lollm.tokenizer.bpe import BPE
+from lollm.tokenizer.bpe import BPE, merge_symbols
 from lollm.tokenizer.byte_level import BYTE_TO_UNICODE, UNICODE_TO_BYTE, byte_symbols_to_bytes, text_to_byte_symbols
 
 DATA = Path(__file__).parent / "data"
@@ -163,7 +163,7 @@ def test_bpe_merge_loop_on_a_tiny_vocab():
     # A word with no learned pair stays as single characters.
     assert bpe.merge(list("wrc")) == ["w", "r", "c"]
     assert bpe.merge(["w"]) == ["w"]
-    assert bpe.merge_ranks[("lo", "w")] == 1
+    assert bpe.merge_rank("lo", "w") == 1 and bpe.merge_rank("l", "ow") is None
     # The cache gives the same answer, and callers cannot corrupt it.
     first = bpe.encode_word("lower")
     first.append(999)
@@ -181,6 +181,41 @@ def test_bpe_unknown_characters_and_bad_merges():
     ignore = BPE({"a": 0, "b": 1, "ab": 2, "ba": 3, "aba": 4}, [("a", "b")], ignore_merges=True)
     assert ignore.encode_word("aba") == [4]  # whole word found in the vocabulary: no merging
     assert BPE({"a": 0, "b": 1, "ab": 2, "ba": 3, "aba": 4}, [("a", "b")]).encode_word("aba") == [2, 0]
+
+
+def test_bpe_merge_table_agrees_with_a_dict_of_pairs():
+    """BPE keeps each merge under the token it forms (rank and left length per id); the pairs it
+    cannot put there go to a dict by pair: a second merge of one token with another split, and a
+    token whose id lies far past the others. Every lookup (an empty left part too) and every merge
+    equals the plain dict ``(first, second) -> first rank``."""
+    vocab = {c: i for i, c in enumerate("abcd")}
+    for token in ("ab", "abc", "bc", "cd", "abcd", "bcd", "aa", "aaa", ""):
+        vocab[token] = len(vocab)
+    vocab["dd"] = 10**6  # a far id: outside the arrays
+    merges = [
+        ("b", "c"), ("a", "b"), ("ab", "c"),  # "abc" only as "ab" + "c": not "a" + "bc"
+        ("c", "d"), ("a", "b"), ("", "a"),  # ("a", "b") again keeps rank 1; an empty left part
+        ("abc", "d"), ("ab", "cd"), ("a", "bcd"), ("bc", "d"),  # "abcd" three ways
+        ("a", "a"), ("aa", "a"), ("a", "aa"), ("d", "d"),
+    ]
+    bpe = BPE(vocab, merges)
+    reference: dict[tuple[str, str], int] = {}
+    for rank, pair in enumerate(merges):
+        reference.setdefault(pair, rank)
+    assert bpe.merge_rank("a", "b") == 1 and bpe.merge_rank("a", "bc") is None and bpe.merge_rank("d", "d") == 13
+    assert sorted(bpe._other_ranks) == [("a", "aa"), ("a", "bcd"), ("ab", "cd"), ("d", "d")]
+    assert bpe.merge(list("abc")) == ["a", "bc"] and bpe.merge(list("abcd")) == ["abcd"]
+    symbols = [*vocab, "x"]
+    for first in symbols:
+        for second in symbols:
+            assert bpe.merge_rank(first, second) == reference.get((first, second)), (first, second)
+    rng = random.Random(0)
+    for _ in range(300):
+        word = "".join(rng.choice("abcd") for _ in range(rng.randint(1, 12)))
+        expected = merge_symbols(list(word), lambda a, b: reference.get((a, b)))
+        assert bpe.merge(list(word)) == expected, word
+    with pytest.raises(TokenizerError, match="negative id"):
+        BPE({"a": 0, "b": -1}, [])
 
 
 def test_byte_to_unicode_table():

@@ -43,6 +43,7 @@ from lollm.tokenizer.sentencepiece import (
     UNKNOWN,
     UNUSED,
     USER_DEFINED,
+    SentencePieceBPE,
     SentencePieceNormalizer,
     parse_model_proto,
 )
@@ -130,6 +131,29 @@ def test_merge_loop_priorities_and_ties():
     scores = {"he": -1.0, "ll": -2.0, "hell": -3.0, "hello": -4.0, "lo": -0.5}
     assert merge_symbols(list("hello"), lambda x, y: -scores[x + y] if x + y in scores else None) == ["he", "l", "lo"]
     assert merge_symbols([], lambda x, y: 0) == [] and merge_symbols(["x"], lambda x, y: 0) == ["x"]
+
+
+def test_sentencepiece_bpe_tables():
+    """SentencePieceBPE finds a pair's priority through vocab and a scores array: float32 when that
+    holds every score exactly (ties stay ties), float64 otherwise (two scores float32 would round
+    together stay apart); only mergeable types are formed; an UNUSED piece is split back."""
+    chars = [("<unk>", 0.0, UNKNOWN)] + [(c, -10.0, NORMAL) for c in "abcd"]  # ids 0 .. 4
+    tie = SentencePieceBPE(iter(chars + [("ab", -1.0, NORMAL), ("bc", -1.0, NORMAL)]), byte_fallback=False, unk_id=0)
+    assert tie.scores.typecode == "f" and isinstance(tie.types, bytes) and tie.types[5] == NORMAL
+    assert tie.encode_word("abc") == [5, 3]  # a tie: the leftmost pair
+    near = [("ab", -1.0000000001, NORMAL), ("bc", -1.0, NORMAL)]  # both -1.0 in float32
+    apart = SentencePieceBPE(chars + near, byte_fallback=False, unk_id=0)
+    assert apart.scores.typecode == "d" and apart.encode_word("abc") == [1, 6]  # "bc" scores higher
+    kinds = chars + [("ab", -1.0, CONTROL), ("bc", -2.0, UNUSED), ("abc", -3.0, NORMAL), ("cd", -4.0, NORMAL)]
+    spm_like = SentencePieceBPE(kinds, byte_fallback=False, unk_id=0)  # forms NORMAL, USER_DEFINED, UNUSED
+    assert spm_like.encode_word("ab") == [1, 2] and spm_like.encode_word("bc") == [6]
+    everything = SentencePieceBPE(kinds, byte_fallback=False, unk_id=0, mergeable_types=frozenset(range(1, 7)))
+    assert everything.encode_word("ab") == [5]
+    resegment = SentencePieceBPE(kinds, byte_fallback=False, unk_id=0, resegment_unused=True)
+    assert resegment.encode_word("bc") == [2, 3] and resegment.encode_word("bcd") == [2, 3, 4]
+    assert resegment.encode_word("abc") == [7]  # "a" + "bc" (unused) -> "abc": nothing to split back
+    with pytest.raises(TokenizerError, match="unknown type 9"):
+        SentencePieceBPE([("a", 0.0, 9)], byte_fallback=False, unk_id=0)
 
 
 def test_sentencepiece_normalizer_rules():

@@ -286,10 +286,16 @@ class StringArray(Sequence):
             raise IndexError(f"string array index {index} out of range ({len(self)} strings)")
         return self._string(i)
 
+    #: Iteration turns this many offsets into Python ints at a time. All at once (10 MB of ints
+    #: and list for Gemma 3's 262,144 strings) left 3-4 MB more resident after a tokenizer was built.
+    ITER_CHUNK = 4096
+
     def __iter__(self):
-        buf, starts = self._buf, self._starts.tolist()
-        for start, stop in zip(starts, starts[1:]):
-            yield str(buf[start : stop - 8], "utf-8")
+        buf, n, chunk = self._buf, len(self), self.ITER_CHUNK
+        for first in range(0, n, chunk):
+            starts = self._starts[first : min(first + chunk, n) + 1].tolist()
+            for start, stop in zip(starts, starts[1:]):
+                yield str(buf[start : stop - 8], "utf-8")
 
     def tolist(self) -> list[str]:
         return list(self)

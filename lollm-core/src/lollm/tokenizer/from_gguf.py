@@ -46,9 +46,10 @@ key we do not know, a switch we do not implement) raises
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,7 +208,8 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     types = _array(metadata, "token_type", len(tokens), source)
     if types is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
         raise TokenizerError(f"{source}: {PREFIX}token_type must be a list of integers (one type per token)")
-    types = list(types) if types is not None else [NORMAL] * len(tokens)
+    if types is None:
+        types = [NORMAL] * len(tokens)
     bad = sorted({t for t in types if t not in _TOKEN_TYPES})
     if bad:
         raise TokenizerError(f"{source}: {PREFIX}token_type holds unknown type(s) {bad} (known: 1..6)")
@@ -278,25 +280,25 @@ def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
     pre = PRE_TOKENIZERS[pre_name]
     if _get(metadata, "add_space_prefix", bool, source):
         raise TokenizerError(f"{source}: {PREFIX}add_space_prefix with a gpt2 tokenizer is not implemented by lollm")
-    merges_raw = _get(metadata, "merges", list, source)
-    if merges_raw is None:
+    merges = _get(metadata, "merges", list, source, lazy=True)
+    if merges is None:
         raise TokenizerError(f"{source}: a gpt2 tokenizer needs {PREFIX}merges")
-    merges = []
-    # A merge's two halves are vocabulary tokens: pointing at the vocabulary's own strings
-    # instead of new copies keeps about 16 MB fewer strings for 151,387 merges (Qwen2.5).
-    same = {token: token for token in tokens}
-    for rank, merge in enumerate(merges_raw):
-        # llama.cpp cuts at the first space after the first character.
-        cut = merge.find(" ", 1) if isinstance(merge, str) else -1
-        if cut < 0:
-            raise TokenizerError(f"{source}: {PREFIX}merges[{rank}] = {merge!r} is not two tokens separated by a space")
-        first, second = merge[:cut], merge[cut + 1 :]
-        merges.append((same.get(first, first), same.get(second, second)))
-    del same
-    model = BPE(_vocab(tokens, source), merges, ignore_merges=pre.ignore_merges, source=source)
+    model = BPE(_vocab(tokens, source), _split_merges(merges, source), ignore_merges=pre.ignore_merges, source=source)
     steps = [RegexSplit(pattern, source=source) for pattern in pre.regexes]
     steps.append(ByteLevel(add_prefix_space=False, use_regex=False, source=source))
     return model, PreTokenizer(steps), None, ByteLevelDecoder(), pre.add_bos
+
+
+def _split_merges(merges: Iterable[Any], source: str) -> Iterator[tuple[str, str]]:
+    """``(first, second)`` of each ``"Ġ t"`` merge string, one at a time (the BPE keeps no string of them).
+
+    llama.cpp cuts a merge at the first space after its first character.
+    """
+    for rank, merge in enumerate(merges):
+        cut = merge.find(" ", 1) if isinstance(merge, str) else -1
+        if cut < 0:
+            raise TokenizerError(f"{source}: {PREFIX}merges[{rank}] = {merge!r} is not two tokens separated by a space")
+        yield merge[:cut], merge[cut + 1 :]
 
 
 def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], source: str):
@@ -304,18 +306,19 @@ def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], sou
     scores = _array(metadata, "scores", len(tokens), source)
     if scores is not None and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
         raise TokenizerError(f"{source}: {PREFIX}scores must be a list of finite numbers (one score per token)")
-    scores = [float(s) for s in scores] if scores is not None else [0.0] * len(tokens)
+    if scores is None:
+        scores = itertools.repeat(0.0)
     if _get(metadata, "remove_extra_whitespaces", bool, source):
         raise TokenizerError(f"{source}: {PREFIX}remove_extra_whitespaces is not implemented by lollm for 'llama'")
     add_space_prefix = _get(metadata, "add_space_prefix", bool, source)
     if add_space_prefix is None:
         add_space_prefix = True  # llama.cpp's default for SentencePiece vocabularies
     # llama.cpp spells a character that is no token with the byte tokens <0xNN>.
-    token_set = set(tokens)
-    byte_fallback = all(byte_token(b) in token_set for b in range(256))
+    byte_tokens = {token for token in tokens if len(token) == 6 and token.startswith("<0x")}
+    byte_fallback = all(byte_token(b) in byte_tokens for b in range(256))
     unk_id = _get(metadata, "unknown_token_id", int, source)
     model = SentencePieceBPE(
-        list(zip(tokens, scores, types)),
+        zip(tokens, scores, types),
         byte_fallback=byte_fallback,
         unk_id=unk_id,
         mergeable_types=frozenset(_TOKEN_TYPES),  # llama.cpp merges into any token
@@ -376,13 +379,19 @@ def _chat_templates(metadata: Mapping[str, Any], source: str) -> dict[str, ChatT
 # ------------------------------------------------------------------ helpers
 
 
-def _get(metadata: Mapping[str, Any], key: str, kind: type, source: str) -> Any:
-    """``metadata["tokenizer.ggml." + key]`` checked to be of type ``kind``, or None when absent."""
+def _get(metadata: Mapping[str, Any], key: str, kind: type, source: str, *, lazy: bool = False) -> Any:
+    """``metadata["tokenizer.ggml." + key]`` checked to be of type ``kind``, or None when absent.
+
+    A numpy array becomes a list; with ``lazy``, a GGUF :class:`~lollm.gguf.reader.StringArray`
+    stays one (its strings are then decoded one at a time as the caller iterates).
+    """
     value = metadata.get(PREFIX + key)
     if value is None:
         return None
     if kind is list and hasattr(value, "tolist"):
-        value = value.tolist()  # a numpy array
+        if lazy and isinstance(value, Sequence):
+            return value  # a StringArray (a numpy array is no Sequence)
+        value = value.tolist()  # a numpy array, or a StringArray read all at once
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if not ok:
         raise TokenizerError(f"{source}: {PREFIX}{key} should be {kind.__name__}, got {type(value).__name__}")
