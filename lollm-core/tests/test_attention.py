@@ -478,3 +478,58 @@ def test_an_engine_step_takes_a_backends_paged_path_for_the_rows_it_covers(monke
     assert paged_calls == [dict(window=4, softcap=None, scale=None)]
     assert loop_calls == [(6, 6, 0)]  # only sequence 1: 6 queries over its 6 gathered keys
     assert torch.equal(got, want)
+
+
+def _decode_step(H, K, D, block_size, starts, seed, counts=None):
+    """q (1, H, N, D), pools and the Batch of an engine step (by default one query each) over scattered
+    blocks; every slot no sequence has written, and every block no table lists, is NaN."""
+    from lollm.batch import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    counts = counts or [1] * len(starts)
+    needed = [-(-(s + c) // block_size) for s, c in zip(starts, counts)]
+    num_blocks = 1 + sum(needed) + 2
+    order = (1 + torch.randperm(num_blocks - 1, generator=g)).tolist()
+    tables = [order[sum(needed[:i]):sum(needed[: i + 1])] for i in range(len(starts))]
+    pools = []
+    for _ in range(2):
+        pool = torch.full((num_blocks, block_size, K, D), float("nan"))
+        for table, s, c in zip(tables, starts, counts):
+            flat = torch.randn(len(table) * block_size, K, D, generator=g)
+            flat[s + c :] = float("nan")
+            pool[table] = flat.view(len(table), block_size, K, D)
+        pools.append(pool)
+    batch = Batch(starts=list(starts), counts=list(counts), block_tables=tables, block_size=block_size,
+                  state_slots=list(range(len(starts))))
+    return torch.randn(1, H, sum(counts), D, generator=g), pools[0], pools[1], batch
+
+
+@pytest.mark.parametrize("counts", [None, [1, 3, 1, 1, 1]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 6, 1000])
+@pytest.mark.parametrize("heads", [(14, 2), (4, 4)])
+def test_a_decode_step_of_several_sequences_is_one_sdpa_call(window, heads, counts, monkeypatch):
+    """With the sdpa backend, the sequences of a step that bring one query each run in one call
+    (keys padded to the longest, a mask); a sequence with more queries (a prompt's chunk) keeps its
+    own call. Each row equals the per-sequence loop (here the eager backend in float64) within
+    float32 rounding, and no NaN of an unwritten slot, a padding block or a block released before
+    the window reaches it."""
+    H, K = heads
+    q, k_pool, v_pool, batch = _decode_step(H, K, 64, 4, starts=[0, 5, 17, 30, 3], seed=11, counts=counts)
+    if window is not None and window < 30:  # the engine gives back blocks before the window: -1, NaN there
+        batch.window_tables, batch.window = [list(t) for t in batch.block_tables], window
+        for table, s in zip(batch.window_tables, batch.starts):
+            for i in range(max(0, s - window + 1) // 4):
+                k_pool[table[i]], v_pool[table[i]], table[i] = float("nan"), float("nan"), -1
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(a[0].shape) or real_sdpa(*a, **kw))
+    with use_backend("sdpa"):
+        got = attend(q, k_pool, v_pool, start=batch, window=window)
+    if counts is None:
+        assert calls == [torch.Size([5, K, H // K, 64])], "one call for the five sequences"
+    else:  # the four decode rows at once, then sequence 1's three queries alone
+        assert calls == [torch.Size([4, K, H // K, 64]), torch.Size([1, H, 3, 64])]
+    with use_backend("eager"):
+        want = attend(q.double(), k_pool.double(), v_pool.double(), start=batch, window=window)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 1e-5

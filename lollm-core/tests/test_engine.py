@@ -293,3 +293,20 @@ def test_a_non_finite_logit_in_a_greedy_batch_is_named_by_the_sampler(bad, monke
     with pytest.raises(GenerationError, match="non-finite logits"):
         while engine.has_unfinished():
             engine.step()
+
+
+def test_the_batch_argmax_breaks_ties_as_the_greedy_sampler_does():
+    """Exactly equal best logits: the batch's pick is the first of them, as SamplingParams' greedy
+    argmax picks alone (so a tie never parts the engine from the lone run)."""
+    from types import SimpleNamespace
+
+    from lollm.sampling import Sampler
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    logits[0, [7, 30]] = 9.0
+    logits[2] = 1.5  # every logit equal
+    plan = [(SimpleNamespace(seq=SimpleNamespace(plain_greedy=True)), 0)] * 3
+    picks = Engine._greedy_picks(plan, logits, [0, 1, 2])
+    greedy = Sampler(GREEDY)
+    none = torch.zeros(0, dtype=torch.long)
+    assert picks == {b: greedy(logits[b], none) for b in range(3)} and picks[0] == 7 and picks[2] == 0

@@ -510,7 +510,7 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
        once over the whole batch: it reads each sequence's keys in place through its
        block table and sets the rows of the sequences it covers (decode and verify steps);
     1. every other sequence's queries are the rows ``lo:hi`` of the N;
-    2. its keys are gathered from its blocks: ``pool[block_table]`` (n, block_size, K, D)
+    2. its keys are gathered from its blocks: ``pool.index_select(0, block_table)`` (n, block_size, K, D)
        laid end to end and cut at its length, ``starts[b] + counts[b]`` positions,
        in position order (so ``ring`` never applies here). A sliding-window layer reads
        its own pool through the batch's window tables (:meth:`Batch.tables_for`), from the
@@ -518,8 +518,12 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
        the keys still end at the newest query, as :func:`key_positions` expects;
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
-    On a CPU the loop costs little beside the shared matmuls; on a GPU the gather copies
-    and the B launches are the cost, hence step 0 (docs/flash-attention.md, "Paged attention").
+    With the ``sdpa`` backend and no soft-cap, the sequences that bring one query each (the
+    decode rows of the step, when there are several) skip the loop: :func:`_attend_decode_rows`
+    runs them in one SDPA call, keys padded to the longest. On a CPU the loop's small calls cost
+    more than its arithmetic (at 16 sequences, about a fifth of a Qwen2.5-0.5B step); on a
+    GPU the gather copies and the B launches are the cost, hence step 0
+    (docs/flash-attention.md, "Paged attention"; docs/batching.md, section 7).
     """
     if _recorder.get() is not None:
         raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
@@ -536,6 +540,10 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         out, covered = backend.attend_paged(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
     else:
         out, covered = q.new_empty(q.shape), [False] * len(batch.counts)  # (1, H, N, D)
+    decoding = [b for b, done in enumerate(covered) if not done and batch.counts[b] == 1]
+    if backend.name == "sdpa" and softcap is None and len(decoding) > 1:
+        _attend_decode_rows(q, k_pool, v_pool, batch, decoding, window=window, scale=scale, out=out)
+        covered = [done or b in set(decoding) for b, done in enumerate(covered)]
     size = batch.block_size
     for (lo, hi), first, table, done in zip(batch.segments(), batch.starts, batch.tables_for(window), covered):
         if done:
@@ -545,9 +553,53 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
         skip = max(0, first - window + 1) // size if window is not None else 0
         S = first + (hi - lo) - skip * size
         blocks = torch.tensor(table[skip:], dtype=torch.long, device=k_pool.device)
-        k = k_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
-        v = v_pool[blocks].reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
+        # index_select gathers whole blocks, as pool[blocks] does, at a third of its cost on a CPU
+        k = k_pool.index_select(0, blocks).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
+        v = v_pool.index_select(0, blocks).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
         q_b = q[:, :, lo:hi]  # (1, H, T_b, D)
         _check_heads(q_b, k, v)
         out[:, :, lo:hi] = backend.attend(q_b, k, v, start=first, ring=False, window=window, softcap=softcap, scale=scale)
     return out  # (1, H, N, D)
+
+
+def _attend_decode_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch, rows: list[int], *,
+                        window: int | None, scale: float | None, out: torch.Tensor) -> None:
+    """Sequences ``rows`` of an engine step, one query each, in one SDPA call; writes their rows of ``out``.
+
+    q, out (1, H, N, D); k_pool, v_pool (blocks, block_size, K, D). For B sequences:
+
+    1. each one's blocks from where its window starts (as in :func:`_attend_batch`), padded
+       with block 0 to the longest list: (B, n) block ids, S = n * block_size key slots;
+    2. ``seen`` (B, S): slot j of sequence b holds a key its query sees, from the window's first
+       position to the query's own. Every other slot (the padding, a block's unwritten tail)
+       is masked, and set to 0 in k and v: such a slot may hold anything, even NaN, and
+       ``0 * NaN`` would reach the output;
+    3. the B queries, their H heads folded as the single-sequence decode folds them
+       (n_rep = H / K query rows per K/V head): (B, K, n_rep, D), one SDPA call with ``seen``
+       as its mask -> (B, K, n_rep, D).
+
+    SDPA pads nothing itself: a masked key adds exp(-inf) = 0. The sums run over other lengths
+    than one sequence's call, so a row may differ from it in the last bits (docs/batching.md).
+    """
+    B, H, D = len(rows), q.shape[1], q.shape[3]
+    K, size = k_pool.shape[2], batch.block_size
+    tables = batch.tables_for(window)
+    lists, ends, firsts = [], [], []
+    for b in rows:
+        query = batch.starts[b]  # the position of sequence b's one query
+        skip = max(0, query - window + 1) // size if window is not None else 0
+        lists.append(tables[b][skip:])
+        ends.append(query + 1 - skip * size)  # slots 0 .. ends-1 hold its keys up to the query
+        firsts.append(query - window + 1 - skip * size if window is not None else 0)  # its window's first slot
+    n = max(len(t) for t in lists)
+    blocks = torch.tensor([t + [0] * (n - len(t)) for t in lists], dtype=torch.long, device=k_pool.device)  # (B, n)
+    slot = torch.arange(n * size, device=k_pool.device)  # (S,)
+    seen = (slot < torch.tensor(ends, device=slot.device)[:, None]) & (slot >= torch.tensor(firsts, device=slot.device)[:, None])
+    hidden = ~seen[:, :, None, None]  # (B, S, 1, 1)
+    k = k_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill(hidden, 0).transpose(1, 2)  # (B, K, S, D)
+    v = v_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill(hidden, 0).transpose(1, 2)
+    segments = batch.segments()
+    at = torch.tensor([segments[b][0] for b in rows], device=q.device)  # (B,): each query's row in the N
+    q_rows = q[0].index_select(1, at).transpose(0, 1).reshape(B, K, H // K, D)  # (B, K, n_rep, D)
+    o = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=seen[:, None, None, :], scale=scale)  # (B, K, n_rep, D)
+    out[0, :, at] = o.reshape(B, H, D).transpose(0, 1)

@@ -232,7 +232,8 @@ class Engine:
         # also refuse, and then the samplers decide): one pass over the logits, not four.
         if not bool(torch.isfinite(picked.sum(dim=-1, dtype=torch.float32)).all()):
             return {}  # let each sampler name the problem
-        return dict(zip(plain, picked.argmax(dim=-1).tolist()))
+        # max(dim) gives argmax's index (the first of equal maxima) at a third of its time on a CPU
+        return dict(zip(plain, picked.max(dim=-1).indices.tolist()))
 
     def _take_inbox(self) -> None:
         """Move new requests to the waiting queue and drop aborted ones (between steps, on the stepping thread)."""

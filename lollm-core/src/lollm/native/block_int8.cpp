@@ -326,6 +326,7 @@ void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* sc
 
 constexpr int64_t kTileRows = 16;    // rows of x (and channels) one tile instruction takes
 constexpr int64_t kTileMinRows = 8;  // from this many rows the tiles beat the vector loops (docs/native-kernel.md, section 9)
+constexpr int64_t kStreamBytes = 4 << 20;  // outputs larger than this (beyond a core's L2) are written past the cache
 
 // Whether the tiles run: not turned off by LOLLM_AMX=0 (read once, for benchmarks and
 // comparisons), and lent to this process by Linux (asked once: ARCH_REQ_XCOMP_PERM for XTILEDATA).
@@ -371,6 +372,7 @@ struct TileChannels {
   const int8_t* codes;
   int64_t stride, group_size, group_stride;  // block b lies in group 32b / group_size, group_stride bytes apart
   std::vector<float> ws;
+  bool stream = false;  // write the outputs past the cache (an output of many megabytes)
   int64_t at(int64_t b) const { return (b * kBlock / group_size) * group_stride + b * kBlock % group_size; }
 };
 
@@ -424,9 +426,21 @@ void tile_channels(const TileChannels& w, const TileRows& x, int64_t rows, int64
       _tile_stored(0, sums[0], 64);
       scale_blocks(sums[0], 1, w, d, b, acc);
     }
+    // acc holds (channel, row); out wants (row, channel): each row's 16 channels gathered from
+    // done (16 floats apart), then written as one vector. A large output (the head's logits) is
+    // streamed past the cache: a whole 64-byte line written needs no read of it first.
     for (int c = 0; c < kTileRows; ++c) _mm512_store_ps(done + kTileRows * c, acc[c]);
-    for (int64_t m = 0; m < std::min(kTileRows, rows - g * kTileRows); ++m)
-      for (int64_t c = 0; c < n1 - n0; ++c) out[(g * kTileRows + m) * n + n0 + c] = done[kTileRows * c + m];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(kTileRows));
+    const __mmask16 present = static_cast<__mmask16>((1u << (n1 - n0)) - 1);
+    for (int64_t m = 0; m < std::min(kTileRows, rows - g * kTileRows); ++m) {
+      float* row = out + (g * kTileRows + m) * n + n0;
+      const __m512 channels = _mm512_i32gather_ps(column, done + m, 4);
+      if (w.stream && present == 0xFFFF && reinterpret_cast<uintptr_t>(row) % 64 == 0)
+        _mm512_stream_ps(row, channels);
+      else
+        _mm512_mask_storeu_ps(row, present, channels);
+    }
   }
 }
 
@@ -435,7 +449,8 @@ void tile_channels(const TileChannels& w, const TileRows& x, int64_t rows, int64
 void int8_tile_task(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size, const TileRows& x,
                     int64_t rows, int64_t n0, int64_t n1, std::vector<int8_t>& spare, float* out) {
   const int64_t k = groups * group_size;
-  TileChannels w{codes + n0 * group_size, group_size, group_size, n * group_size, std::vector<float>(k / kBlock * kTileRows, 0.f)};
+  TileChannels w{codes + n0 * group_size, group_size, group_size, n * group_size, std::vector<float>(k / kBlock * kTileRows, 0.f),
+                 rows * n * 4 > kStreamBytes};
   for (int64_t b = 0; b < k / kBlock; ++b)
     for (int64_t c = 0; c < n1 - n0; ++c) w.ws[kTileRows * b + c] = ws[(b * kBlock / group_size) * n + n0 + c];
   if (n1 - n0 < kTileRows) {
@@ -452,7 +467,7 @@ void int8_tile_task(const int8_t* codes, const float* ws, int64_t groups, int64_
 void q5_tile_task(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t k, const TileRows& x,
                   int64_t rows, int64_t n, int64_t n0, int64_t n1, std::vector<int8_t>& spare, float* out) {
   spare.assign(kTileRows * k, 0);
-  TileChannels w{spare.data(), k, k, 0, std::vector<float>(k / kBlock * kTileRows, 0.f)};
+  TileChannels w{spare.data(), k, k, 0, std::vector<float>(k / kBlock * kTileRows, 0.f), rows * n * 4 > kStreamBytes};
   for (int64_t c = 0; c < n1 - n0; ++c) {
     const int64_t ch = n0 + c;
     for (int64_t p = 0; p < k / 64; ++p) {
@@ -472,6 +487,7 @@ void with_tiles(int64_t first, int64_t last, Task task) {
   _tile_loadconfig(&shapes);
   for (int64_t t = first; t < last; ++t) task(t);
   _tile_release();
+  _mm_sfence();  // the streamed outputs are in memory before this thread's share is done
 }
 #endif
 
