@@ -1,6 +1,6 @@
 """The native kernel's two routes by row count: AMX tiles against the AVX-512 VNNI vector loops.
 
-    python lollm-core/benchmarks/bench_tiles.py                    # 2 threads, rows 1 .. 64
+    python lollm-core/benchmarks/bench_tiles.py                    # 2 threads, rows 1 .. 512
     python lollm-core/benchmarks/bench_tiles.py --threads 1 --rounds 5
 
 On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids) lollm's kernel multiplies from
@@ -11,7 +11,10 @@ tiles from the native build, in rounds that alternate A B A B. Below the tiles' 
 native build runs its vector loops too, so there the tiles are timed on the rows padded with
 zeros up to that count: a tile instruction takes 16 rows whatever their number, and the
 padding changes no row's output. It also gives the largest difference between the two routes' outputs,
-relative to the largest output (they round the float32 sums in a different order).
+relative to the largest output (they round the float32 sums in a different order). From 20
+rows it times a third route beside them, the layer's many-rows path (the weights dequantized to
+bfloat16 2 MB at a time, then one matmul each), to which the tiles hand over at
+``lollm.quantized.native_gemm_rows()`` rows.
 Not a test: on a shared machine figures are noisy; read the ratios of one run.
 """
 
@@ -24,6 +27,7 @@ import time
 import torch
 
 from lollm import native
+from lollm.quantized import Int8Linear, Q5Linear
 
 
 def timed(fn, repeat: int) -> float:
@@ -33,6 +37,12 @@ def timed(fn, repeat: int) -> float:
     for _ in range(repeat):
         fn()
     return (time.perf_counter() - start) / repeat * 1e3
+
+
+def many_rows_path(op: str, weights: tuple[torch.Tensor, ...]):
+    """The layer's dequantize-then-multiply path over the same weights: x (M, K) float32 -> (M, N)."""
+    layer = Q5Linear(*weights) if op == "block_q5_linear" else Int8Linear(*weights)
+    return lambda x: layer._dequantized_matmul(x.to(torch.bfloat16))
 
 
 def layers(g: torch.Generator) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
@@ -58,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="1,2,4,8,12,16,19,32,64")
+    parser.add_argument("--rows", default="1,4,8,16,19,32,64,128,256,512")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.tile_min_rows():
@@ -66,21 +76,27 @@ def main() -> None:
     tiles, vectors = torch.ops.lollm_native, native.build_variant("vnni")
     g = torch.Generator().manual_seed(0)
     print(f"threads {args.threads}; {native.status()}; ms per call, median of {args.rounds} rounds")
-    print(f"{'matrix':38} {'rows':>5} {'tiles':>9} {'vectors':>9} {'vectors / tiles':>16} {'max |Δ| / max |y|':>18}")
+    print(f"{'matrix':38} {'rows':>5} {'tiles':>9} {'vectors':>9} {'vectors / tiles':>16} {'max |Δ| / max |y|':>18} "
+          f"{'dequant+bf16':>13} {'dequant / tiles':>16}")
     for name, (op, weights) in layers(g).items():
-        repeat = 20 if weights[0].shape[-2 if op == "block_int8_linear" else 0] < 10000 else 3
+        many = many_rows_path(op, weights)
+        big = weights[0].shape[-2 if op == "block_int8_linear" else 0] >= 10000
+        repeat = 3 if big else 20
         in_features = weights[0].shape[1] * 2 if op == "block_q5_linear" else weights[0].shape[0] * weights[0].shape[2]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_features, generator=g)
             padded = torch.cat([x, x.new_zeros(max(0, native.tile_min_rows() - rows), in_features)])
-            a, b = [], []
-            for _ in range(args.rounds):  # A B A B: a noisy machine hits both alike
+            a, b, c = [], [], []
+            for _ in range(args.rounds):  # A B C A B C: a noisy machine hits all alike
                 a.append(timed(lambda: getattr(tiles, op)(padded, *weights), repeat))
                 b.append(timed(lambda: getattr(vectors, op)(x, *weights), repeat))
+                if rows >= 20:
+                    c.append(timed(lambda: many(x), repeat))
             ya, yb = getattr(tiles, op)(padded, *weights)[:rows], getattr(vectors, op)(x, *weights)
             diff = float((ya - yb).abs().max() / yb.abs().max())
             ta, tb = statistics.median(a), statistics.median(b)
-            print(f"{name:38} {rows:5d} {ta:9.3f} {tb:9.3f} {tb / ta:15.2f}× {diff:18.1e}")
+            tc = f"{statistics.median(c):13.3f} {statistics.median(c) / ta:15.2f}×" if c else ""
+            print(f"{name:38} {rows:5d} {ta:9.3f} {tb:9.3f} {tb / ta:15.2f}× {diff:18.1e} {tc}")
 
 
 if __name__ == "__main__":

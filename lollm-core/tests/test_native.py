@@ -20,7 +20,7 @@ import numpy as np
 
 from lollm import native
 from lollm.gguf.quants import dequantize
-from lollm.quantized import GEMM_MIN_ROWS, Int8Linear, Q5Linear, linear_from_gguf
+from lollm.quantized import Int8Linear, Q5Linear, linear_from_gguf, native_gemm_rows
 
 #: (groups, N, group_size): per channel with an even and an odd number of blocks (a lone last
 #: block), several groups of 64 and of 96, and groups of 32 (the head's layout) with N odd.
@@ -165,9 +165,9 @@ def test_int8linear_takes_the_kernel_for_few_rows_within_the_activation_rounding
     for groups, n, group_size in [(1, 64, 256), (1, 40, 96), (8, 64, 32)]:
         codes, scale = random_layer(groups, n, group_size, gen)
         layer = Int8Linear(codes, scale)
-        assert layer.uses_native() and layer.gemm_rows() in (None, GEMM_MIN_ROWS)
+        assert layer.uses_native() and layer.gemm_rows() in (None, native_gemm_rows())
         w = (codes.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, -1)
-        for rows in (1, 7, 8, GEMM_MIN_ROWS - 1):
+        for rows in (1, 7, 8, native_gemm_rows() - 1):
             x = torch.randn(rows, groups * group_size, generator=gen)
             y = layer(x)
             assert torch.equal(y, torch.ops.lollm_native.block_int8_linear(x, codes, scale))
@@ -276,13 +276,13 @@ def test_q5linear_rows_alone_within_the_activation_rounding_and_the_many_rows_ro
     gen = torch.Generator().manual_seed(12)
     layer, w, _ = q5_layer(64, 256, gen)
     w = w.double()
-    for rows in (1, 7, 8, GEMM_MIN_ROWS - 1):
+    for rows in (1, 7, 8, native_gemm_rows() - 1):
         x = torch.randn(rows, 256, generator=gen)
         y = layer(x)
         assert torch.equal(y, rows_alone(layer, x, gen)), "a row's output changed with the rows beside it"
         half_step = (x.double().view(rows, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(rows, -1)
         assert ((y.double() - x.double() @ w.T).abs() <= half_step @ w.abs().T + 1e-4).all()
-    x = torch.randn(GEMM_MIN_ROWS + 5, 256, generator=gen)  # bfloat16 weights, activations and outputs, one matmul
+    x = torch.randn(native_gemm_rows() + 5, 256, generator=gen)  # bfloat16 weights, activations and outputs, one matmul
     want = x.bfloat16().double() @ layer.dequantize().bfloat16().double().T
     err = (layer(x).double() - want).abs()
     assert (err <= want.abs() * 2**-8 + 1e-3 * want.abs().max()).all(), "beyond rounding the output to bfloat16"

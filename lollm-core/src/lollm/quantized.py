@@ -39,6 +39,7 @@ weights.py only says which of its tensors may stay packed.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -69,6 +70,10 @@ _SLICE_WEIGHTS = 1 << 20
 #: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
 GEMM_MIN_ROWS = 20
 GEMM_MIN_ROWS_GROUPED = 10
+#: The same crossing where lollm's native kernel multiplies with AMX tiles (docs/native-kernel.md,
+#: section 9): the tiles beat dequantize-then-multiply up to about 200 rows, and the two are even
+#: at 256 (benchmarks/bench_tiles.py), so every prefill chunk of 128 tokens stays on the tiles.
+GEMM_MIN_ROWS_TILES = 256
 #: Weights dequantized at a time on that path (2 MB of bfloat16): 1,170 output channels of a matrix
 #: with 896 inputs, 215 of one with 4,864. A fixed 1,024 channels made the widest slices 10 MB.
 _GEMM_SLICE_WEIGHTS = 1 << 20
@@ -92,6 +97,17 @@ def native_bf16_matmul() -> bool:
 
 
 _NATIVE_BF16 = native_bf16_matmul()
+
+
+@functools.cache
+def native_gemm_rows() -> int:
+    """From how many rows a layer on lollm's native kernel (:class:`Int8Linear` where ``native``,
+    :class:`Q5Linear`) dequantizes to bfloat16 and multiplies once, on a CPU with native bfloat16
+    matmul: :data:`GEMM_MIN_ROWS_TILES` where the kernel multiplies with AMX tiles
+    (:func:`lollm.native.tile_min_rows`), else :data:`GEMM_MIN_ROWS`. Decided once per process."""
+    from lollm import native
+
+    return GEMM_MIN_ROWS_TILES if native.tile_min_rows() else GEMM_MIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -253,17 +269,19 @@ class Int8Linear(nn.Module):
     forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed in one
     of three ways, by the number of rows M (tokens):
 
-    * few rows (a decode step, a speculative verify, an engine step of up to 19 sequences),
-      where lollm's native kernel is built (:mod:`lollm.native`, docs/native-kernel.md): x
+    * few rows (a decode step, a speculative verify, an engine step of up to 19 sequences;
+      with AMX tiles up to 255 rows, prompt chunks included), where lollm's native kernel is
+      built (:mod:`lollm.native`, docs/native-kernel.md): x
       becomes int8 in blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each
       block meets 32 codes in integer dot-product instructions, and the sums are scaled in
-      float32 by the exact scales ``scale``. Each row is computed alone, the same way
-      whatever M is: a row's output does not depend on the rows beside it.
+      float32 by the exact scales ``scale``. A row's output does not depend on the rows
+      beside it (from 8 rows the tiles add the float32 sums in another order than the
+      vector loops below 8: the last bits differ between the two).
     * few rows where it is not built: ``_weight_int8pack_mm`` with bfloat16 activations.
       That kernel reads the int8 codes once *per row*, so its time grows with M: 16 rows
       cost about 7 times one row.
     * many rows (a prefill, or an engine step of many sequences; at least
-      :data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
+      :func:`native_gemm_rows`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
       with native bfloat16 matmul): the codes are dequantized to bfloat16,
       ``w = q * s``, a slice of output channels at a time, and one matrix multiplication
       reads each slice once for all M rows. The dequantization costs about as much as the
@@ -293,11 +311,14 @@ class Int8Linear(nn.Module):
     def gemm_rows(self) -> int | None:
         """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).
 
-        Where lollm's native kernel runs the fewer rows, both layouts switch at :data:`GEMM_MIN_ROWS`
-        (the kernel beats torch's grouped calls, which switch at :data:`GEMM_MIN_ROWS_GROUPED`)."""
+        Where lollm's native kernel runs the fewer rows, both layouts switch at :func:`native_gemm_rows`
+        (:data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_TILES` with AMX tiles; the kernel beats torch's
+        grouped calls, which switch at :data:`GEMM_MIN_ROWS_GROUPED`)."""
         if not _NATIVE_BF16:
             return None
-        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 or self.native else GEMM_MIN_ROWS_GROUPED
+        if self.native:
+            return native_gemm_rows()
+        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 else GEMM_MIN_ROWS_GROUPED
 
     def uses_native(self) -> bool:
         """Whether the rows below :meth:`gemm_rows` go through lollm's native kernel (:mod:`lollm.native`):
@@ -370,8 +391,8 @@ class Q5Linear(nn.Module):
     bias: float parameter ``(out_features,)`` or None.
 
     forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype. Below
-    :data:`GEMM_MIN_ROWS` rows (on a CPU with native bfloat16 matmul; every row count
-    elsewhere) the native kernel computes it, each row alone, as for :class:`Int8Linear`;
+    :func:`native_gemm_rows` rows (20, or 256 with AMX tiles, on a CPU with native bfloat16
+    matmul; every row count elsewhere) the native kernel computes it, each row alone, as for :class:`Int8Linear`;
     from there the weights are dequantized to bfloat16 a slice of channels at a time and
     multiplied once.
     """
@@ -415,16 +436,21 @@ class Q5Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        if _NATIVE_BF16 and rows.shape[0] >= GEMM_MIN_ROWS:
-            flat = rows.to(KERNEL_DTYPE)
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            for n0, n1 in gemm_slices(self.out_features, self.in_features):  # dequantize a slice, multiply once
-                w = torch.ops.lollm_native.block_q5_dequantize(self.nibbles[n0:n1], self.high[n0:n1], self.scale[n0:n1])
-                y[:, n0:n1] = flat @ w.T  # w: (n1 - n0, K) bfloat16, (u - 16) * d rounded once
+        if _NATIVE_BF16 and rows.shape[0] >= native_gemm_rows():
+            y = self._dequantized_matmul(rows.to(KERNEL_DTYPE))  # (M, N)
         else:  # int8 activations in blocks of 32, integer dot products (lollm.native)
             y = torch.ops.lollm_native.block_q5_linear(rows.float().contiguous(), self.nibbles, self.high, self.scale)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat (M, K) bfloat16 -> (M, N) float32: the weights dequantized to bfloat16 2 MB at a time
+        (``(u - 16) * d`` rounded once, by the native ``block_q5_dequantize``), each slice multiplied once."""
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        for n0, n1 in gemm_slices(self.out_features, self.in_features):
+            w = torch.ops.lollm_native.block_q5_dequantize(self.nibbles[n0:n1], self.high[n0:n1], self.scale[n0:n1])
+            y[:, n0:n1] = flat @ w.T  # w: (n1 - n0, K) bfloat16
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -479,15 +479,20 @@ void q5_tile_task(const uint8_t* nibbles, const uint8_t* high, const at::Half* s
   tile_channels(w, x, rows, n, n0, n1, out);
 }
 
-// Runs tasks first .. last of 16 channels through `task`, with the tile shapes loaded in
-// this thread for the duration (and the tiles handed back after).
+// Steps 2 and 3 through tiles: x rearranged once (TileRows), then task(x, n0, n1, spare) for
+// every task of 16 channels, over torch's threads. Each thread loads the tile shapes before
+// its share (and hands the tiles back after); `spare` is its scratch buffer.
 template <class Task>
-void with_tiles(int64_t first, int64_t last, Task task) {
+void over_tile_tasks(const std::vector<int8_t>& xq, const std::vector<float>& xd, int64_t rows, int64_t k, int64_t n, Task task) {
   static const TileShapes shapes;
-  _tile_loadconfig(&shapes);
-  for (int64_t t = first; t < last; ++t) task(t);
-  _tile_release();
-  _mm_sfence();  // the streamed outputs are in memory before this thread's share is done
+  const TileRows tiled(xq.data(), xd.data(), rows, k);
+  at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
+    std::vector<int8_t> spare;
+    _tile_loadconfig(&shapes);
+    for (int64_t t = first; t < last; ++t) task(tiled, t * kChannels, std::min(n, (t + 1) * kChannels), spare);
+    _tile_release();
+    _mm_sfence();  // the streamed outputs are in memory before this thread's share is done
+  });
 }
 #endif
 
@@ -593,12 +598,8 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
 #if defined(LOLLM_AMX)
   if (rows >= kTileMinRows && tiles_permitted()) {
-    const TileRows tiled(xq.data(), xd.data(), rows, k);
-    at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-      std::vector<int8_t> spare;
-      with_tiles(first, last, [&](int64_t task) {
-        int8_tile_task(w, ws, groups, n, group_size, tiled, rows, task * kChannels, std::min(n, (task + 1) * kChannels), spare, out);
-      });
+    over_tile_tasks(xq, xd, rows, k, n, [&](const TileRows& x, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
+      int8_tile_task(w, ws, groups, n, group_size, x, rows, n0, n1, spare, out);
     });
     return y;
   }
@@ -657,12 +658,8 @@ at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const
   const at::Half* sc = scale.data_ptr<at::Half>();
 #if defined(LOLLM_AMX)
   if (rows >= kTileMinRows && tiles_permitted()) {
-    const TileRows tiled(xq.data(), xd.data(), rows, k);
-    at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
-      std::vector<int8_t> spare;
-      with_tiles(first, last, [&](int64_t task) {
-        q5_tile_task(nib, hb, sc, k, tiled, rows, n, task * kChannels, std::min(n, (task + 1) * kChannels), spare, out);
-      });
+    over_tile_tasks(xq, xd, rows, k, n, [&](const TileRows& x, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
+      q5_tile_task(nib, hb, sc, k, x, rows, n, n0, n1, spare, out);
     });
     return y;
   }
