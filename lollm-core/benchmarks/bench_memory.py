@@ -25,10 +25,10 @@ from lollm.bench import peak_bytes, reset_peak, rss_bytes
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("path")
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("path", help="a GGUF file")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, prefilled in chunks (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="greedy decode steps after it (default 8)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
 
     from lollm.generate import generate

@@ -66,9 +66,10 @@ def layers(g: torch.Generator) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="1,4,8,16,19,32,64,128,256,512")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are printed (default 3)")
+    parser.add_argument("--rows", default="1,4,8,16,19,32,64,128,256,512",
+                        help="row counts, comma-separated (default 1,4,8,16,19,32,64,128,256,512)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.tile_min_rows():

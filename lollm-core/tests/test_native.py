@@ -215,6 +215,25 @@ def test_a_cached_build_loads_without_a_compiler_and_a_bad_switch_is_refused():
     assert result.returncode != 0 and "LOLLM_NATIVE='maybe': use 0 (off) or 1 (on)" in result.stderr
 
 
+TILES = "from lollm import native, quantized; print(native.status(), native.tile_min_rows(), quantized.native_gemm_rows())"
+
+
+def test_the_amx_switch_turns_the_tiles_off_says_so_and_refuses_a_bad_value():
+    """LOLLM_AMX=0 (any spelling of off, in any case) keeps the vector loops and the 20-row crossing, and the
+    status line names the switch; a value that is neither on nor off is refused, as LOLLM_NATIVE's is."""
+    kernel()
+    for value in ("0", " OFF "):
+        result = run_python(TILES, LOLLM_AMX=value)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().endswith(f"; AMX tiles off: LOLLM_AMX={value}) 0 20")
+    result = run_python(TILES, LOLLM_AMX="1")
+    tiles = native.tile_min_rows()
+    assert result.returncode == 0 and result.stdout.strip().endswith(f"{tiles} {native_gemm_rows()}")
+    assert ("AMX tiles from" in result.stdout) == (tiles > 0)
+    result = run_python(TILES, LOLLM_AMX="banana")
+    assert result.returncode != 0 and "LOLLM_AMX='banana': use 0 (off) or 1 (on)" in result.stderr
+
+
 # ---------------------------------------------------------------- Q5_0 in its own 5-bit codes
 
 

@@ -144,7 +144,7 @@ def concurrency_report(result: Any, *, model: str, as_json: bool) -> None:
         return
     base = result.levels[0].concurrency
     title = (f"bench --concurrency: {model} (prompt {result.prompt_tokens}, {result.new_tokens} new tokens per request, "
-             f"{result.rounds} round{'s' if result.rounds != 1 else ''}, {result.threads} threads; medians)")
+             f"{result.rounds} round{'s' if result.rounds != 1 else ''}, {result.threads} thread{'s' if result.threads != 1 else ''}; medians)")
     table = Table(title=escape(title))
     for col in ("requests at once", "output tok/s", f"× vs {base}", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms",
                 "ITL p95 ms"):

@@ -290,7 +290,7 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
     kept = ("weights " + (f"--quantize {options.quantize}" if options.quantize else options.weights)) + ", "
     split = "" if tp == 1 else f"--tp {tp}: rank 0's load and shard, steps of all {tp} ranks together; "
     title = (f"bench: {model} ({options.dtype}, {kept}attn {options.attn}, prompt {result.prompt_tokens}, decode {new_tokens}, "
-             f"{rounds} rounds, {result.threads} threads{' per process' if tp != 1 else ''}; {split}medians)")
+             f"{rounds} rounds, {result.threads} thread{'s' if result.threads != 1 else ''}{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s",
                 "decode GB/s", "prefill / decode tok/s by CPU time"):

@@ -36,6 +36,8 @@ import torch
 
 #: The environment variable that turns the kernel off ("0", "off", "false", "no") or on (unset, "1", "on", "true", "yes").
 ENV = "LOLLM_NATIVE"
+#: The one that turns its AMX tiles off (the same values; block_int8.cpp reads it too, once).
+AMX_ENV = "LOLLM_AMX"
 _OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 SOURCE = Path(__file__).with_name("block_int8.cpp")
 
@@ -114,13 +116,10 @@ def _compile(name: str, flags: list[str]) -> None:
 def _build():
     """Load or compile block_int8.cpp; returns (op or None, one line). LollmError for a value of
     LOLLM_NATIVE that is neither on nor off."""
-    choice = os.environ.get(ENV, "1").strip().lower()
-    if choice in _OFF:
+    choice = _switch(ENV)
+    if choice == "off":
         return None, f"off ({ENV}={os.environ[ENV]})"
-    if choice not in _ON:
-        from lollm.errors import LollmError
-
-        raise LollmError(f"{ENV}={os.environ[ENV]!r}: use 0 (off) or 1 (on)")
+    tiles_off = _switch(AMX_ENV) == "off"
     name = f"lollm_native_{_cpu_tag()}"
     missing = None if _cached(name) else _missing_tool()
     if missing:
@@ -134,7 +133,19 @@ def _build():
               f"({ENV}=0 skips the try)", file=sys.stderr, flush=True)
         return None, f"not built: {first}"
     ops = torch.ops.lollm_native
-    return ops.block_int8_linear, f"on ({ops.instruction_set()})"
+    return ops.block_int8_linear, f"on ({ops.instruction_set()}{f'; AMX tiles off: {AMX_ENV}={os.environ[AMX_ENV]}' if tiles_off else ''})"
+
+
+def _switch(name: str) -> str:
+    """"on" or "off" from environment variable ``name`` (unset: on). LollmError for any other value."""
+    value = os.environ.get(name, "1")
+    if value.strip().lower() in _OFF:
+        return "off"
+    if value.strip().lower() in _ON:
+        return "on"
+    from lollm.errors import LollmError
+
+    raise LollmError(f"{name}={value!r}: use 0 (off) or 1 (on)")
 
 
 def build_variant(variant: str):

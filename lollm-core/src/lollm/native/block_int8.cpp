@@ -30,7 +30,9 @@
 // (-march=native on the machine that runs it): AVX-512 VNNI (two blocks per
 // vpdpbusd), AVX2 (one block per vpmaddubsw + vpmaddwd), and plain C++ for every
 // other CPU. All three compute the same integer sums; only the order of the float
-// additions differs.
+// additions differs. Where the CPU also has AMX tiles, a call of 8 rows or more
+// takes them instead (16 channels by 16 rows per instruction; the section after the
+// AVX-512 loops, and docs/native-kernel.md, section 9).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +41,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -315,9 +318,11 @@ void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* sc
 // float32 to one 16-lane vector per channel (lane m: row m).
 //
 // Rows never mix: a row's outputs come from the same instructions in the same order
-// whatever rows are beside it (rows past the last are zeros), so a batch still gives
-// each row exactly what it gives alone. Linux lends the tile registers to a process
-// that asks (arch_prctl); where it refuses, the loops above run.
+// whatever rows are beside it (rows past the last are zeros). The tiles take calls of
+// kTileMinRows rows or more; fewer rows (a lone decode step) take the loops above, which
+// add the same exact int32 sums in another float32 order, so a row there and here may
+// differ in the last bits. Linux lends the tile registers to a process that asks
+// (arch_prctl); where it refuses, the loops above run.
 // ---------------------------------------------------------------------------
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define LOLLM_AMX 1
@@ -332,15 +337,16 @@ constexpr int64_t kStreamBytes = 4 << 20;  // outputs larger than this (beyond a
 // comparisons), and lent to this process by Linux (asked once: ARCH_REQ_XCOMP_PERM for XTILEDATA).
 bool tiles_permitted() {
   static const bool permitted = [] {
-    const char* choice = std::getenv("LOLLM_AMX");
-    const std::string off = choice == nullptr ? "" : choice;
-    if (off == "0" || off == "off" || off == "false" || off == "no") return false;
+    std::string choice;  // LOLLM_AMX, trimmed and in lower case (lollm.native refuses other values than on/off)
+    for (const char* c = std::getenv("LOLLM_AMX"); c != nullptr && *c != 0; ++c)
+      if (!std::isspace(static_cast<unsigned char>(*c))) choice += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    if (choice == "0" || choice == "off" || choice == "false" || choice == "no") return false;
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   }();
   return permitted;
 }
 
-// The shapes of the three tiles, loaded into a thread before its first tile instruction
+// The shapes of the eight tiles, loaded into a thread before its first tile instruction
 // (another library, oneDNN's matmul among them, may have changed them on this thread since).
 struct alignas(64) TileShapes {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
