@@ -596,8 +596,9 @@ def _attend_decode_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
     slot = torch.arange(n * size, device=k_pool.device)  # (S,)
     seen = (slot < torch.tensor(ends, device=slot.device)[:, None]) & (slot >= torch.tensor(firsts, device=slot.device)[:, None])
     hidden = ~seen[:, :, None, None]  # (B, S, 1, 1)
-    k = k_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill(hidden, 0).transpose(1, 2)  # (B, K, S, D)
-    v = v_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill(hidden, 0).transpose(1, 2)
+    # in place: index_select made fresh copies, so zeroing them touches no pool slot
+    k = k_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill_(hidden, 0).transpose(1, 2)  # (B, K, S, D)
+    v = v_pool.index_select(0, blocks.view(-1)).view(B, n * size, K, D).masked_fill_(hidden, 0).transpose(1, 2)
     segments = batch.segments()
     at = torch.tensor([segments[b][0] for b in rows], device=q.device)  # (B,): each query's row in the N
     q_rows = q[0].index_select(1, at).transpose(0, 1).reshape(B, K, H // K, D)  # (B, K, n_rep, D)
