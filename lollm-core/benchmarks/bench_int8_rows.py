@@ -11,8 +11,10 @@ all rows (:meth:`lollm.quantized.Int8Linear._dequantized_matmul`). lollm's nativ
 kernel (:mod:`lollm.native`, docs/native-kernel.md) reads the codes once for all rows
 but pays its arithmetic per row. The table gives the three times per matrix (medians
 of rounds that alternate A B C A B C) and the row counts where lollm switches
-(:data:`lollm.quantized.GEMM_MIN_ROWS`, and ``GEMM_MIN_ROWS_GROUPED`` where the native
-kernel is not built).
+(:func:`lollm.quantized.native_gemm_rows`: 20, or 256 where the kernel has AMX tiles, and
+``GEMM_MIN_ROWS_GROUPED`` where the native kernel is not built). The native column here is
+the kernel at every row count, tiles from 8 rows included where they run
+(benchmarks/bench_tiles.py sets the two routes side by side).
 
 Shapes: the MLP's 4864 x 896 (per-channel int8, one kernel call) and the output
 head's 151936 x 896 in groups of 32 (one kernel call per group). Not a test: on a
@@ -28,7 +30,7 @@ import time
 import torch
 
 from lollm import native
-from lollm.quantized import GEMM_MIN_ROWS, GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul
+from lollm.quantized import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
 
 
 def timed(fn, repeat: int) -> float:
@@ -70,7 +72,7 @@ def main() -> None:
     }
     op = native.block_int8_op()
     print(f"threads {args.threads}; {native.status()}; native bfloat16 matmul: {native_bf16_matmul()}")
-    print(f"lollm dequantizes and multiplies from {GEMM_MIN_ROWS} rows; below, the native kernel where it is built, "
+    print(f"lollm dequantizes and multiplies from {native_gemm_rows()} rows; below, the native kernel where it is built, "
           f"else torch's int8 kernel (the grouped head then dequantizes from {GEMM_MIN_ROWS_GROUPED})")
     print(f"{'matrix':32} {'rows':>5} {'native ms':>10} {'torch int8 ms':>14} {'dequant+mm ms':>14} {'max |Δ| / max |y|':>18}")
     for name, layer in layers.items():

@@ -22,21 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
 from lollm.quantized import Int8Linear, Q5Linear
-
-
-def timed(fn, repeat: int) -> float:
-    """Milliseconds per call, after one warm-up call."""
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat * 1e3
 
 
 def many_rows_path(op: str, weights: tuple[torch.Tensor, ...]):

@@ -115,7 +115,7 @@ def _compile(name: str, flags: list[str]) -> None:
 
 def _build():
     """Load or compile block_int8.cpp; returns (op or None, one line). LollmError for a value of
-    LOLLM_NATIVE that is neither on nor off."""
+    LOLLM_NATIVE or LOLLM_AMX that is neither on nor off."""
     choice = _switch(ENV)
     if choice == "off":
         return None, f"off ({ENV}={os.environ[ENV]})"
