@@ -817,10 +817,10 @@ def test_tokenizer_chat_template_reads(qwen: Tokenizer):
     assert qwen.chat_template_reads("messages") and not qwen.chat_template_reads("enable_thinking")
 
 
-@pytest.mark.parametrize("gap", [0, 10**6], ids=["dense ids: a list", "a far id: a dict"])
+@pytest.mark.parametrize("gap", [0, 10**6], ids=["dense ids: positions", "a far id: an ids array"])
 def test_id_to_token_over_dense_and_sparse_ids(tmp_path, gap):
-    """Dense ids (every real vocabulary) keep id -> token as a list; a vocabulary whose last id lies far
-    past the others, as a dict. Both answer alike and refuse negative, missing, past-the-end and
+    """Dense ids (every real vocabulary) are the vocabulary's positions; a vocabulary whose last id lies far
+    past the others keeps its ids in an array. Both answer alike and refuse negative, missing, past-the-end and
     non-integer ids."""
     import json
 
@@ -832,7 +832,7 @@ def test_id_to_token_over_dense_and_sparse_ids(tmp_path, gap):
     data["model"]["vocab"]["zz"] = far
     (folder / "tokenizer.json").write_text(json.dumps(data))
     tok = load_tokenizer(folder)
-    assert isinstance(tok._id_to_token, dict if gap else list) and tok.vocab_size == far + 1
+    assert (tok._model.vocab._ids is None) == (gap == 0) and tok.vocab_size == far + 1
     assert tok.id_to_token(far) == "zz" and tok.id_to_token(np.int64(5)) == tok.id_to_token(5)
     missing = [TINY_VOCAB_SIZE + 1] if gap else []
     for bad in (-1, far + 1, 2.0, "3", *missing):

@@ -43,9 +43,10 @@ from __future__ import annotations
 import functools
 import heapq
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from lollm.errors import TokenizerError
+from lollm.tokenizer.vocabulary import Vocabulary
 
 #: How many distinct words :meth:`BPE.encode_word` remembers. Real text repeats
 #: words a lot ("the", "Ġ=", "ĊĠĠĠ"), so most words are merged only once.
@@ -126,7 +127,8 @@ def merge_symbols(symbols: list[str], priority: PairPriority) -> list[str]:
 class BPE:
     """A BPE vocabulary plus its ranked merges, able to encode single words (the Hugging Face flavour).
 
-    ``vocab`` maps each token string to its id (non-negative ints). ``merges``
+    ``vocab`` maps each token string to its id (non-negative ints; kept as a
+    :class:`~lollm.tokenizer.vocabulary.Vocabulary`, flat arrays). ``merges``
     gives the learned pairs in training order (any iterable, read once); the
     first pair has rank 0. ``unk_token`` (with ``fuse_unk``) says what to do
     with a character that is not in the vocabulary; byte-level vocabularies
@@ -141,7 +143,7 @@ class BPE:
 
     def __init__(
         self,
-        vocab: dict[str, int],
+        vocab: Mapping[str, int],
         merges: Iterable[tuple[str, str]],
         *,
         unk_token: str | None = None,
@@ -150,7 +152,7 @@ class BPE:
         ignore_merges: bool = False,
         source: str = "the BPE model",
     ) -> None:
-        self.vocab = vocab
+        self.vocab = vocab = Vocabulary.from_mapping(vocab, source=source)
         self.unk_token = unk_token
         self.fuse_unk = fuse_unk
         self.byte_fallback = byte_fallback
@@ -214,21 +216,19 @@ class BPE:
         past the others go to ``_other_ranks``, keyed by the pair.
         """
         vocab = self.vocab
-        if min(vocab.values(), default=0) < 0:
-            raise TokenizerError(f"{self.source}: the vocabulary has a negative id")
-        size = max(vocab.values(), default=-1) + 1
-        size = min(size, 2 * len(vocab) + 1024)  # a few far ids (a sparse vocabulary) stay out of the arrays
+        size = min(vocab.size, 2 * len(vocab) + 1024)  # a few far ids (a sparse vocabulary) stay out of the arrays
         self._rank = array("i", bytes(4 * size))
         self._split = array("i", [-1]) * size
         self._other_ranks: dict[tuple[str, str], int] = {}
+        find = vocab.get
         for rank, (first, second) in enumerate(merges):
-            for part in (first, second, first + second):
-                if part not in vocab:
+            token_id, split = find(first + second), len(first)
+            for part, found in ((first, find(first)), (second, find(second)), (first + second, token_id)):
+                if found is None:
                     raise TokenizerError(
                         f"{self.source}: merge #{rank} ({first!r}, {second!r}) uses {part!r}, "
                         "which is not in the vocabulary"
                     )
-            token_id, split = vocab[first + second], len(first)
             if token_id < size and self._split[token_id] in (-1, split):
                 if self._split[token_id] == -1:  # a pair listed twice keeps its first (lowest) rank
                     self._rank[token_id], self._split[token_id] = rank, split

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lollm.errors import TokenizerError
+from lollm.gguf.reader import StringArray
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE, byte_token
 from lollm.tokenizer.chat import ChatTemplate
@@ -61,6 +62,7 @@ from lollm.tokenizer.decoders import SPACE_MARKER, ByteLevelDecoder, SentencePie
 from lollm.tokenizer.pretokenize import GPT2_PATTERN, QWEN2_PATTERN, ByteLevel, PreTokenizer, RegexSplit
 from lollm.tokenizer.sentencepiece import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, SentencePieceBPE
 from lollm.tokenizer.tokenizer import Tokenizer
+from lollm.tokenizer.vocabulary import Vocabulary
 
 PREFIX = "tokenizer.ggml."
 
@@ -202,8 +204,8 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     unknown = sorted(k for k in metadata if k.startswith(PREFIX) and k[len(PREFIX):] not in _KNOWN_KEYS)
     if unknown:
         raise TokenizerError(f"{source}: tokenizer key(s) {', '.join(unknown)} are not implemented by lollm")
-    tokens = _get(metadata, "tokens", list, source)
-    if not tokens or not all(isinstance(t, str) for t in tokens):
+    tokens = _get(metadata, "tokens", list, source, lazy=True)  # a GGUF's StringArray stays in the file
+    if not tokens or not (isinstance(tokens, StringArray) or all(isinstance(t, str) for t in tokens)):
         raise TokenizerError(f"{source}: {PREFIX}tokens must be a non-empty list of strings")
     types = _array(metadata, "token_type", len(tokens), source)
     if types is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
@@ -227,8 +229,8 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     if model_name == "gpt2":
         model, pre_tokenizer, normalizer, decoder, default_bos = _gpt2(metadata, tokens, source)
     elif model_name == "llama":
-        tokens, added = _respell_space_tokens(tokens, types, added)
-        model, pre_tokenizer, normalizer, decoder, default_bos = _llama(metadata, tokens, types, source)
+        respelled, added = _respell_space_tokens(tokens, types, added)
+        model, pre_tokenizer, normalizer, decoder, default_bos = _llama(metadata, tokens, respelled, types, source)
     else:
         raise TokenizerError(
             f"{source}: {PREFIX}model {model_name!r} is not implemented by lollm (known: 'gpt2', 'llama')"
@@ -239,7 +241,7 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
         if token_id is not None:
             if not 0 <= token_id < len(tokens):
                 raise TokenizerError(f"{source}: {PREFIX}{key} = {token_id} is outside the vocabulary of {len(tokens)}")
-            special_tokens[name] = tokens[token_id]
+            special_tokens[name] = model.vocab.piece(token_id)
     prefix_ids, suffix_ids = [], []
     add_bos = _get(metadata, "add_bos_token", bool, source)
     add_eos = _get(metadata, "add_eos_token", bool, source)
@@ -283,7 +285,8 @@ def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
     merges = _get(metadata, "merges", list, source, lazy=True)
     if merges is None:
         raise TokenizerError(f"{source}: a gpt2 tokenizer needs {PREFIX}merges")
-    model = BPE(_vocab(tokens, source), _split_merges(merges, source), ignore_merges=pre.ignore_merges, source=source)
+    model = BPE(Vocabulary(tokens, source=source), _split_merges(merges, source), ignore_merges=pre.ignore_merges,
+                source=source)
     steps = [RegexSplit(pattern, source=source) for pattern in pre.regexes]
     steps.append(ByteLevel(add_prefix_space=False, use_regex=False, source=source))
     return model, PreTokenizer(steps), None, ByteLevelDecoder(), pre.add_bos
@@ -301,8 +304,10 @@ def _split_merges(merges: Iterable[Any], source: str) -> Iterator[tuple[str, str
         yield merge[:cut], merge[cut + 1 :]
 
 
-def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], source: str):
-    """SentencePiece BPE by score, spaces as "▁", byte fallback, optional "▁" prefix."""
+def _llama(metadata: Mapping[str, Any], tokens: Sequence[str], respelled: dict[int, str], types: list[int], source: str):
+    """SentencePiece BPE by score, spaces as "▁", byte fallback, optional "▁" prefix.
+
+    ``respelled``: id -> the spelling that replaces the file's (see :func:`_respell_space_tokens`)."""
     scores = _array(metadata, "scores", len(tokens), source)
     if scores is not None and not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) for s in scores):
         raise TokenizerError(f"{source}: {PREFIX}scores must be a list of finite numbers (one score per token)")
@@ -317,8 +322,9 @@ def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], sou
     byte_tokens = {token for token in tokens if len(token) == 6 and token.startswith("<0x")}
     byte_fallback = all(byte_token(b) in byte_tokens for b in range(256))
     unk_id = _get(metadata, "unknown_token_id", int, source)
+    texts = (respelled.get(i, token) for i, token in enumerate(tokens)) if respelled else tokens
     model = SentencePieceBPE(
-        zip(tokens, scores, types),
+        zip(texts, scores, types),
         byte_fallback=byte_fallback,
         unk_id=unk_id,
         mergeable_types=frozenset(_TOKEN_TYPES),  # llama.cpp merges into any token
@@ -338,8 +344,8 @@ def _llama(metadata: Mapping[str, Any], tokens: list[str], types: list[int], sou
 
 
 def _respell_space_tokens(
-    tokens: list[str], types: list[int], added: list[AddedToken]
-) -> tuple[list[str], list[AddedToken]]:
+    tokens: Sequence[str], types: list[int], added: list[AddedToken]
+) -> tuple[dict[int, str], list[AddedToken]]:
     """Give Gemma's whitespace tokens back their SentencePiece spelling ("▁▁" rather than "  ").
 
     Gemma's vocabulary has user-defined pieces made of 2 to 31 "▁". llama.cpp's
@@ -347,18 +353,18 @@ def _respell_space_tokens(
     raw text. SentencePiece matches "▁▁" in the text *after* spaces became "▁"
     (longest first, like any user-defined piece), and so do we: same ids on
     ordinary text, and also right on text that itself contains "▁" characters.
+
+    Returns the new spellings by id (the vocabulary takes them as it is built) and the
+    added tokens with them.
     """
-    if not any(types[t.id] == USER_DEFINED and " " in t.content for t in added):
-        return tokens, added
-    tokens = list(tokens)
-    respelled = []
+    respelled: dict[int, str] = {}
+    new_added = []
     for token in added:
         if types[token.id] == USER_DEFINED and " " in token.content:
-            content = token.content.replace(" ", SPACE_MARKER)
-            tokens[token.id] = content
+            content = respelled[token.id] = token.content.replace(" ", SPACE_MARKER)
             token = AddedToken(id=token.id, content=content, special=False, normalized=True)
-        respelled.append(token)
-    return tokens, respelled
+        new_added.append(token)
+    return respelled, new_added
 
 
 def _chat_templates(metadata: Mapping[str, Any], source: str) -> dict[str, ChatTemplate]:
@@ -403,12 +409,3 @@ def _array(metadata: Mapping[str, Any], key: str, length: int, source: str) -> l
     if values is not None and len(values) != length:
         raise TokenizerError(f"{source}: {PREFIX}{key} has {len(values)} entries for {length} tokens")
     return values
-
-
-def _vocab(tokens: list[str], source: str) -> dict[str, int]:
-    vocab: dict[str, int] = {}
-    for token_id, token in enumerate(tokens):
-        if token in vocab:
-            raise TokenizerError(f"{source}: token {token!r} appears twice (ids {vocab[token]} and {token_id})")
-        vocab[token] = token_id
-    return vocab

@@ -62,7 +62,7 @@ import functools
 import os
 import struct
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,7 @@ import regex
 from lollm.errors import TokenizerError
 from lollm.tokenizer.bpe import byte_token, merge_symbols
 from lollm.tokenizer.decoders import SPACE_MARKER
+from lollm.tokenizer.vocabulary import Vocabulary
 
 # Piece types, as in sentencepiece_model.proto (and GGUF's token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -366,10 +367,11 @@ class SentencePieceBPE:
     3. look every remaining symbol up; a symbol that is not a piece is a single
        unknown character: byte pieces, or ``<unk>``.
 
-    The tables: ``vocab`` (piece -> id), ``scores`` (an ``array`` of one float
-    per id) and ``types`` (``bytes``, one type per id). The priority of a pair
-    is found through ``vocab`` and ``scores``; a second dict piece -> priority
-    cost 14 MB for Gemma 3's 262,144 pieces.
+    The tables: ``vocab`` (piece -> id, a :class:`~lollm.tokenizer.vocabulary.Vocabulary`:
+    flat arrays, not a dict), ``scores`` (an ``array`` of one float per id) and
+    ``types`` (``bytes``, one type per id). The priority of a pair is found
+    through ``vocab`` and ``scores``; a second dict piece -> priority cost 14 MB
+    for Gemma 3's 262,144 pieces.
     """
 
     def __init__(
@@ -383,17 +385,19 @@ class SentencePieceBPE:
         source: str = "the SentencePiece model",
     ) -> None:
         self.source = source
-        self.vocab: dict[str, int] = {}
         scores = array("d")
         types = bytearray()
-        for token_id, (text, score, kind) in enumerate(pieces):
-            if text in self.vocab:
-                raise TokenizerError(f"{source}: piece {text!r} appears twice (ids {self.vocab[text]} and {token_id})")
-            if kind not in PIECE_TYPE_NAMES:
-                raise TokenizerError(f"{source}: piece #{token_id} {text!r} has unknown type {kind}")
-            self.vocab[text] = token_id
-            scores.append(score)
-            types.append(kind)
+
+        def texts() -> Iterator[str]:  # the pieces' texts, for the vocabulary; scores and types on the side
+            for token_id, (text, score, kind) in enumerate(pieces):
+                if kind not in PIECE_TYPE_NAMES:
+                    raise TokenizerError(f"{source}: piece #{token_id} {text!r} has unknown type {kind}")
+                scores.append(score)
+                types.append(kind)
+                yield text
+
+        #: piece -> id (and id -> piece), flat arrays (:class:`~lollm.tokenizer.vocabulary.Vocabulary`)
+        self.vocab = Vocabulary(texts(), source=source)
         #: score of each id (float32 when every score is one: a model file's and a GGUF's are)
         self.scores: array = _compact(scores)
         #: type of each id (NORMAL ... BYTE), one byte each
