@@ -1,12 +1,16 @@
-"""The vocabulary in flat arrays (lollm.tokenizer.vocabulary): it must answer exactly as a dict would."""
+"""The tokenizer's compact tables: the vocabulary in flat arrays (lollm.tokenizer.vocabulary), which must
+answer exactly as a dict would, and the added tokens' prefix-tree regex, which must match exactly as the
+plain longest-first alternation does."""
 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
 from lollm.errors import TokenizerError
+from lollm.tokenizer.added_tokens import MAX_TRIE_DEPTH, literal_pattern
 from lollm.tokenizer.vocabulary import Vocabulary
 
 
@@ -86,3 +90,35 @@ def test_a_real_sized_vocabulary_is_flat():
     assert [vocab.get(pieces[i]) for i in range(0, 262_144, 997)] == list(range(0, 262_144, 997))
     assert len(vocab._slots) >= 2 * len(pieces)
     assert sum(1 for entry in vocab._slots if entry >= 0) == len(pieces)
+
+
+def _alternation(contents: set[str]) -> re.Pattern:
+    """The plain matcher: every text, longest first (a regex tries its branches in order)."""
+    return re.compile("|".join(re.escape(c) for c in sorted(contents, key=lambda c: (-len(c), c))))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_prefix_tree_matches_as_the_longest_first_alternation(seed):
+    """Texts sharing prefixes, texts inside others, regex metacharacters: the same matches, span for span."""
+    rng = random.Random(seed)
+    alphabet = "ab<>|.*?()[]\\ \t▁中🙂"
+    contents = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 60))}
+    contents |= {"<unused1>", "<unused10>", "<unused101>", "\t", "\t\t", "\t\t\t"}
+    tree, plain = re.compile(literal_pattern(contents)), _alternation(contents)
+    pieces = sorted(contents) + list(alphabet) + ["<unused", "<unused1", "<unused10", "<unused1011"]
+    for _ in range(40):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert [m.span() for m in tree.finditer(text)] == [m.span() for m in plain.finditer(text)], text
+
+
+def test_a_deep_prefix_tree_is_written_flat():
+    """Tokens "a", "aa", ... nest one group per length; past MAX_TRIE_DEPTH the plain alternation is used
+    (Python's re parses groups recursively: a thousand nested groups exceed its recursion limit), and it
+    matches the same."""
+    deep = {"a" * n for n in range(1, 1200)}
+    pattern = literal_pattern(deep)
+    assert pattern == _alternation(deep).pattern
+    text = "a" * 2500 + "b" + "a" * 7
+    assert [m.span() for m in re.finditer(pattern, text)] == [(0, 1199), (1199, 2398), (2398, 2500), (2501, 2508)]
+    assert literal_pattern({"a" * n for n in range(1, 6)}) == "a(?:a(?:a(?:a(?:a|)|)|)|)"
+    assert literal_pattern({"a" * n for n in range(1, MAX_TRIE_DEPTH + 2)}).startswith("a(?:")

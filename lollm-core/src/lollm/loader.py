@@ -290,6 +290,8 @@ class Checkpoint:
                 gguf = getattr(self.weights, "gguf", None)  # errors name the file, not just "GGUF metadata"
                 source = f"GGUF file {gguf.path}" if gguf is not None else f"GGUF file {self.spec}"
                 self._tokenizer = load_gguf_tokenizer(self.config, source=source)
+                if gguf is not None:
+                    gguf.release_header_pages()  # the tokenizer holds its own tables now
             else:
                 from lollm.tokenizer import load_tokenizer
 

@@ -504,6 +504,30 @@ class GGUFFile:
         t = torch.from_numpy(self.dequantize_numpy(name))
         return t if dtype is None or dtype == torch.float32 else t.to(dtype)
 
+    def release_header_pages(self) -> int:
+        """Take the header's pages (the metadata: a tokenizer's strings, scores, merges) out of this
+        process's resident memory; returns how many bytes were released (0 where the OS cannot).
+
+        The header is read through the memory map, so the pages it touched count in the
+        process's resident memory (6.5 MB for Gemma 3's 262,144 tokens) for as long as the
+        map lives. Once the tokenizer has its own tables nothing reads them; Linux's
+        ``madvise(MADV_DONTNEED)`` on a read-only file mapping drops them from the process
+        and leaves them in the OS's page cache. A later read (a :class:`StringArray` used
+        again) faults them back in: nothing breaks, and nothing is copied.
+        """
+        import mmap
+
+        raw_map = getattr(self._map, "_mmap", None)  # numpy's memmap keeps its mmap.mmap here
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        length = self.data_offset - self.data_offset % mmap.PAGESIZE
+        if raw_map is None or advice is None or length <= 0:
+            return 0
+        try:
+            raw_map.madvise(advice, 0, length)
+        except (OSError, ValueError):
+            return 0
+        return length
+
     def close(self) -> None:
         """Drop this object's memory map (views from :meth:`raw` keep theirs alive until they go)."""
         self._map = None

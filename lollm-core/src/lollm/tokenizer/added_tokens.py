@@ -34,6 +34,7 @@ How the scan works (following the Hugging Face tokenizers library)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -65,6 +66,51 @@ class AddedToken:
 Piece = tuple[str, "int | None"]
 
 
+#: The most groups a prefix-tree pattern may nest (:func:`literal_pattern`); Python's ``re`` parses
+#: nested groups recursively, so a deeper tree (tokens "a", "aa", "aaa", ...) is written flat.
+MAX_TRIE_DEPTH = 100
+
+
+def literal_pattern(contents: Iterable[str]) -> str:
+    """One regex for many literal texts that matches the longest of them at a position: their prefix tree.
+
+    The plain way is an alternation with the longest texts first, ``<unused10>|<unused1>|<pad>``:
+    a regex tries its branches in order, so the longest text wins. Sharing the prefixes,
+    ``<(?:pad|unused1(?:0|))``, finds the same texts: the branches of one node start with
+    different characters, so at most one of them can go on, and the empty branch (a text
+    that ends at this node) comes last, so it is taken only when no longer text matches.
+    For Gemma 3's 6,414 added tokens the tree scans a text hundreds of times faster (one
+    path per position instead of 6,414 branches). The tree is built and written without
+    recursion; one that would nest more than :data:`MAX_TRIE_DEPTH` groups is written as
+    the plain alternation instead.
+    """
+    contents = set(contents)
+    root: dict = {}
+    for text in contents:
+        node = root
+        for char in text:
+            node = node.setdefault(char, {})
+        node[None] = True  # a text ends here
+    written: dict[int, tuple[str, int]] = {}  # id(node) -> (its pattern, groups nested in it), children first
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if not children_done:
+            stack.append((node, True))
+            stack.extend((child, False) for key, child in node.items() if key is not None)
+            continue
+        parts = [(re.escape(char), *written.pop(id(child)))
+                 for char, child in sorted((k, v) for k, v in node.items() if k is not None)]
+        branches = [char + pattern for char, pattern, _ in parts] + ([""] if None in node else [])
+        depth = max((d for _, _, d in parts), default=0)
+        written[id(node)] = ((branches[0], depth) if len(branches) == 1
+                             else ("(?:" + "|".join(branches) + ")", depth + 1))
+    pattern, depth = written[id(root)]
+    if depth > MAX_TRIE_DEPTH:
+        return "|".join(re.escape(c) for c in sorted(contents, key=lambda c: (-len(c), c)))
+    return pattern
+
+
 class AddedVocabulary:
     """All added tokens of a tokenizer, and the scan that cuts them out of a text."""
 
@@ -81,17 +127,15 @@ class AddedVocabulary:
         self._normalized_matcher = self._matcher([t for t in self.tokens if t.normalized])
 
     @staticmethod
-    def _matcher(tokens: list[AddedToken]) -> regex.Pattern | None:
-        """A regex that finds these tokens leftmost-longest.
+    def _matcher(tokens: list[AddedToken]) -> re.Pattern | None:
+        """A regex that finds these tokens leftmost-longest (:func:`literal_pattern`).
 
-        A regex alternation tries its branches in order at each position, so
-        listing longer tokens first makes the longest token win at the leftmost
-        position where any of them matches.
+        Python's own ``re``: for literal texts it needs nothing of ``regex``, whose compiled
+        form of Gemma 3's 6,414 tokens took 7 MB where ``re``'s takes 0.2 MB.
         """
         if not tokens:
             return None
-        contents = sorted({t.content for t in tokens}, key=lambda c: (-len(c), c))
-        return regex.compile("|".join(regex.escape(c) for c in contents))
+        return re.compile(literal_pattern(t.content for t in tokens))
 
     def split(
         self,
@@ -123,7 +167,7 @@ class AddedVocabulary:
             out.extend(self._find(piece_text, self._normalized_matcher, special and restore is None))
         return [(t, i) for t, i in out if i is not None or t]
 
-    def _find(self, text: str, matcher: regex.Pattern | None, special: bool) -> list[Piece]:
+    def _find(self, text: str, matcher: re.Pattern | None, special: bool) -> list[Piece]:
         if matcher is None or not text:
             return [(text, None)]
         pieces: list[Piece] = []

@@ -215,6 +215,7 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     bad = sorted({t for t in types if t not in _TOKEN_TYPES})
     if bad:
         raise TokenizerError(f"{source}: {PREFIX}token_type holds unknown type(s) {bad} (known: 1..6)")
+    types = bytes(types)  # one byte a token, not a list of 262,144 references
     if _get(metadata, "add_sep_token", bool, source):
         raise TokenizerError(f"{source}: {PREFIX}add_sep_token (BERT-style [SEP]) is not implemented by lollm")
     if PREFIX + "precompiled_charsmap" in metadata:
@@ -304,7 +305,7 @@ def _split_merges(merges: Iterable[Any], source: str) -> Iterator[tuple[str, str
         yield merge[:cut], merge[cut + 1 :]
 
 
-def _llama(metadata: Mapping[str, Any], tokens: Sequence[str], respelled: dict[int, str], types: list[int], source: str):
+def _llama(metadata: Mapping[str, Any], tokens: Sequence[str], respelled: dict[int, str], types: bytes, source: str):
     """SentencePiece BPE by score, spaces as "▁", byte fallback, optional "▁" prefix.
 
     ``respelled``: id -> the spelling that replaces the file's (see :func:`_respell_space_tokens`)."""
@@ -344,7 +345,7 @@ def _llama(metadata: Mapping[str, Any], tokens: Sequence[str], respelled: dict[i
 
 
 def _respell_space_tokens(
-    tokens: Sequence[str], types: list[int], added: list[AddedToken]
+    tokens: Sequence[str], types: bytes, added: list[AddedToken]
 ) -> tuple[dict[int, str], list[AddedToken]]:
     """Give Gemma's whitespace tokens back their SentencePiece spelling ("▁▁" rather than "  ").
 

@@ -5,11 +5,11 @@ costs about 35 MB: each piece is a ``str`` object (49 bytes of header before its
 characters), each id above 256 an ``int`` object (28 bytes), and the dict's table
 about 30 bytes a piece. The pieces' own text is 2.3 MB of UTF-8.
 
-:class:`Vocabulary` holds the same mapping in four arrays, 8.5 MB for Gemma 3::
+:class:`Vocabulary` holds the same mapping in four arrays, 6.5 MB for Gemma 3::
 
     utf8     every piece's UTF-8 bytes, end to end, in id order        "<pad><eos>...▁the..."
-    starts   (n + 1,) int64: piece i is utf8[starts[i]:starts[i + 1]]
-    hashes   (n,) int64: hash(piece i), Python's own string hash
+    starts   (n + 1,) uint32: piece i is utf8[starts[i]:starts[i + 1]]
+    hashes   (n,) uint32: the low 32 bits of hash(piece i), Python's own string hash
     slots    (2^k,) int32, 2^k >= 2n: a hash table of piece numbers, -1 where empty
 
 * **piece -> id** (``vocab.get("▁the")``): hash the text, start at slot
@@ -38,6 +38,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from lollm.errors import TokenizerError
 
 
+#: The hash bits kept per piece: enough to skip nearly every piece that is not the one looked for.
+LOW_32 = 0xFFFF_FFFF
+#: The most UTF-8 bytes all pieces together may take (their offsets are uint32).
+MAX_TEXT_BYTES = 0xFFFF_FFFF
+
+
 class Vocabulary(Mapping):
     """A read-only mapping piece (``str``) -> token id (``int``), stored as flat arrays (see the module).
 
@@ -55,7 +61,7 @@ class Vocabulary(Mapping):
 
     def __init__(self, pieces: Iterable[str], ids: Iterable[int] | None = None, *, source: str = "the vocabulary") -> None:
         self.source = source
-        utf8, starts, hashes = bytearray(), array("q", [0]), array("q")
+        utf8, starts, hashes = bytearray(), array("I", [0]), array("I")
         for index, piece in enumerate(pieces):
             if not isinstance(piece, str):
                 raise TokenizerError(f"{source}: token #{index} is a {type(piece).__name__}, not a string")
@@ -63,8 +69,10 @@ class Vocabulary(Mapping):
                 utf8 += piece.encode("utf-8")
             except UnicodeEncodeError:
                 raise TokenizerError(f"{source}: token #{index} {piece!r} has no UTF-8 spelling") from None
+            if len(utf8) > MAX_TEXT_BYTES:
+                raise TokenizerError(f"{source}: the tokens' text passes {MAX_TEXT_BYTES} bytes at token #{index}")
             starts.append(len(utf8))
-            hashes.append(self.hash_text(piece))
+            hashes.append(self.hash_text(piece) & LOW_32)
         self._utf8, self._starts = bytes(utf8), starts
         self._ids: array | None = None
         if ids is not None:
@@ -117,7 +125,7 @@ class Vocabulary(Mapping):
 
     def get(self, piece: str, default: int | None = None) -> int | None:
         """The id of ``piece``, or ``default`` when it is not in the vocabulary."""
-        h = self.hash_text(piece)
+        h = self.hash_text(piece) & LOW_32
         slots, hashes, mask = self._slots, self._hashes, self._mask
         i = h & mask
         while (entry := slots[i]) >= 0:  # an empty slot ends the search: the piece is not here
