@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import gguf  # noqa: E402  (lollm-core[parity]; an independent writer and reader to compare with)
 import numpy as np
 import pytest
@@ -330,3 +332,26 @@ def test_a_long_string_array_is_checked_at_open_and_decoded_from_the_file_when_u
     path = write(tmp_path, "bad.gguf", GGUFBuilder(kvs=[("t.vocab", ARRAY, (STRING, bad))]).build())
     with pytest.raises(GGUFError, match=rf"string {BIG_ARRAY_LEN + 2} of array 't.vocab' at offset \d+ is not valid UTF-8"):
         GGUFFile(path)
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+def test_the_header_pages_leave_the_resident_set_and_come_back_when_read(tmp_path):
+    """release_header_pages drops the pages the header's reading touched (a 2.6 MB vocabulary) from this
+    process's resident memory; the strings still read right afterwards (the pages fault back in)."""
+    words = [f"token number {i:07d}" for i in range(130_000)]
+    path = write(tmp_path, "vocab.gguf", GGUFBuilder(kvs=[("t.vocab", ARRAY, (STRING, words))]).build())
+    f = GGUFFile(path)
+    assert f.metadata["t.vocab"] == words  # every page of the header read through the map
+    before = _rss_file_kib()
+    released = f.release_header_pages()
+    after = _rss_file_kib()
+    assert released >= f.data_offset - 4096 and released > 2_000_000
+    assert before - after >= 0.8 * released / 1024, (before, after, released)
+    assert f.metadata["t.vocab"] == words and f.metadata["t.vocab"][-1] == words[-1]
+    f.close()
+    assert f.release_header_pages() == 0  # a closed file has no map to advise
