@@ -86,13 +86,17 @@ def random_layer(groups, n, group_size, gen):
     return codes, scale
 
 
-def test_every_version_computes_the_q8_product():
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_every_version_computes_the_q8_product(scale_dtype):
+    """Every route against the float64 reference, with float32 scales and with float16 ones (a Q8_0
+    file's d, as Int8Linear keeps them for the head): the reference reads the same values."""
     gen = torch.Generator().manual_seed(0)
     names = []
     for name, op in versions():
         names.append(name)
         for groups, n, group_size in SHAPES:
             codes, scale = random_layer(groups, n, group_size, gen)
+            scale = scale.to(scale_dtype)
             for rows in ROWS:
                 x = torch.randn(rows, groups * group_size, generator=gen) * 3
                 x[0, :32] = 0.0  # a block of zeros: scale 0, no division by it
@@ -102,6 +106,23 @@ def test_every_version_computes_the_q8_product():
                 err = (((got - want).abs() - tie_slack(x, w)).clamp(min=0).max() / want.abs().max()).item()
                 assert err < 1e-5, f"{name}: codes {tuple(codes.shape)}, {rows} rows: relative error {err:.2e}"
     print("versions checked:", names)
+
+
+def test_float16_scales_give_the_float32_outputs_bit_for_bit_and_other_dtypes_are_refused():
+    """The kernel reads float16 scales as float32 (exactly) and then does the same arithmetic: on every
+    route and row count, the same values in either dtype give the same outputs, bit for bit (so holding
+    the head's scales in float16 changes no logit). A scale of any other dtype is refused, named."""
+    gen = torch.Generator().manual_seed(4)
+    for name, op in versions():
+        for groups, n, group_size in SHAPES:
+            codes, scale = random_layer(groups, n, group_size, gen)
+            half = scale.half()
+            for rows in ROWS:
+                x = torch.randn(rows, groups * group_size, generator=gen)
+                assert torch.equal(op(x, codes, half), op(x, codes, half.float())), f"{name}: {tuple(codes.shape)}, {rows} rows"
+        for dtype, named in ((torch.bfloat16, "BFloat16"), (torch.float64, "Double"), (torch.int32, "Int")):
+            with pytest.raises(RuntimeError, match=f"block_int8_linear: scale must be float32 or float16, not {named}"):
+                op(x, codes, scale.to(dtype))
 
 
 def test_instruction_sets_are_named():
@@ -155,16 +176,20 @@ def test_bad_arguments_name_the_operator():
         op(torch.randn(2, 64), codes, scale[:, :4])
 
 
-def test_int8linear_takes_the_kernel_for_few_rows_within_the_activation_rounding():
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_int8linear_takes_the_kernel_for_few_rows_within_the_activation_rounding(scale_dtype):
     """Int8Linear's few-row route is the kernel, a row's output does not depend on the rows beside
     it (a batch of rows equals each row alone, bit for bit), and its error against the float product of the
     dequantized weights stays within what rounding x to int8 per block allows: each x moves by at
-    most half a step (max|x| / 254 in its block), so |y - x·w| <= sum_k |w_k| * step_k / 2."""
+    most half a step (max|x| / 254 in its block), so |y - x·w| <= sum_k |w_k| * step_k / 2.
+    With float16 scales (a Q8_0 head's) the layer keeps them so and the kernel reads them as they are."""
     kernel()
     gen = torch.Generator().manual_seed(3)
     for groups, n, group_size in [(1, 64, 256), (1, 40, 96), (8, 64, 32)]:
         codes, scale = random_layer(groups, n, group_size, gen)
+        scale = scale.to(scale_dtype)
         layer = Int8Linear(codes, scale)
+        assert layer.scale.dtype == scale_dtype
         assert layer.uses_native() and layer.gemm_rows() in (None, native_gemm_rows())
         w = (codes.double() * scale.double()[..., None]).transpose(0, 1).reshape(n, -1)
         for rows in (1, 7, 8, native_gemm_rows() - 1):

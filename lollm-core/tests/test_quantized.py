@@ -26,6 +26,7 @@ from lollm.quantized import (
     Int8Linear,
     Quantization,
     _pack_int4,
+    exact_scale,
     linear_from_float,
     linear_from_gguf,
     quantize_int4_groups,
@@ -112,15 +113,55 @@ def test_int4_packing_by_slices_of_64_rows_equals_packing_at_once():
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0"])
 def test_grouped_int8_keeps_q8_0_and_q5_0_exactly(type_name):
-    """The output head's form: codes * scale per group of 32 equals dequantize() bit for bit."""
+    """The output head's form: codes * scale per group of 32 equals dequantize() bit for bit, the scales
+    held in float16 as the file has them."""
     raw, ref = gguf_matrix(type_name)
     layer = linear_from_gguf(raw, type_name, (N, K), None, grouped=True)
-    assert isinstance(layer, Int8Linear) and layer.group_size == 32
+    assert isinstance(layer, Int8Linear) and layer.group_size == 32 and layer.scale.dtype == torch.float16
     rebuilt = (layer.codes.float() * layer.scale[..., None]).transpose(0, 1).reshape(N, K)
     np.testing.assert_array_equal(rebuilt.numpy().view(np.uint32), ref.view(np.uint32))
     embedding = Int8Embedding(layer.codes, layer.scale)  # the tied lookup shares these tensors
     ids = torch.tensor([[3, 0, 63, 3]])
     assert torch.equal(embedding(ids)[0], torch.from_numpy(ref)[ids[0]])
+
+
+def test_int8_scales_are_float16_only_where_that_loses_nothing():
+    """exact_scale, the rule of Int8Linear and Int8Embedding: float16 kept; float32 values that are all
+    float16 become float16; any value float16 would change (a requantized max|w| / 127, beyond 65504,
+    below 2**-24, NaN) keeps the whole tensor float32, the same tensor; no float dtype is refused."""
+    half = (torch.rand(3, 70, generator=torch.Generator().manual_seed(0)) * 0.02).half()
+    assert exact_scale(half) is half
+    assert exact_scale(half.float()).dtype == torch.float16 and torch.equal(exact_scale(half.float()), half)
+    assert exact_scale(half.double()).dtype == torch.float16
+    for odd in (1e-3, 70000.0, 2.0**-26, float("nan")):  # 1e-3 is no float16; the others are out of its reach
+        single = half.float()
+        single[1, 7] = odd
+        assert exact_scale(single) is single, odd
+    requantized = quantize_int8_rows(torch.randn(40, 64, generator=torch.Generator().manual_seed(1)))[1]
+    assert exact_scale(requantized) is requantized
+    q6_head = linear_from_gguf(gguf_matrix("Q6_K")[0], "Q6_K", (N, K), None, grouped=True)
+    assert q6_head.scale.dtype == torch.float32  # another type's head: groups of 32 requantized
+    with pytest.raises(WeightsError, match="must be floating point.*torch.int8"):
+        Int8Linear(torch.zeros(1, 4, 32, dtype=torch.int8), torch.ones(1, 4, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_embedding_with_float16_scales_computes_in_float32(dtype):
+    """An Int8Embedding over float16 scales keeps them (tied: one tensor with the head) and gives rows
+    q * s computed in float32, then in its own dtype: a product in float16 would round (127 times an
+    11-bit scale needs 18 bits)."""
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(-127, 128, (2, 10, 32), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(2, 10, generator=gen) * 0.03 + 0.001).half()
+    head = Int8Linear(codes, scale)
+    embedding = Int8Embedding(head.codes, head.scale, dtype)
+    assert embedding.scale is head.scale and embedding.scale.dtype == torch.float16
+    ids = torch.tensor([[4, 0, 9]])
+    out = embedding(ids)
+    want = (codes.float() * scale.float()[..., None]).transpose(0, 1).reshape(10, 64)[ids]
+    assert out.dtype == dtype and out.shape == (1, 3, 64)
+    assert torch.equal(out, want.to(dtype))
+    assert not torch.equal((codes.half() * scale[..., None]).float().transpose(0, 1).reshape(10, 64)[ids], want)
 
 
 @pytest.mark.parametrize("type_name", [t for t in SUPPORTED_TYPES if t not in ("F32", "F16", "BF16")])

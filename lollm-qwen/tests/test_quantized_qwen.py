@@ -60,7 +60,8 @@ def test_parity_and_bench_refuse_weights_transformers_would_not_read(tiny_checkp
 def test_real_gguf_quantized_agrees_with_float32():
     """The real Qwen2.5-Coder GGUF kept packed, against our float32 path on 256 tokens of text:
     top-1 agreement >= 95% (the benchmark measures 98% over 678 tokens), perplexity within 2%,
-    and the model holds at most 1.3x the file's bytes."""
+    and the model holds at most 1.3x the file's bytes (1.02x with the Q5_0 matrices in their own bits;
+    the Q8_0 head keeps the file's float16 block scales: float32 ones took 8.5 MB more)."""
     import gc
     import os
 
@@ -86,7 +87,8 @@ def test_real_gguf_quantized_agrees_with_float32():
     assert summary.model_bytes <= 1.3 * os.path.getsize(path)
     if native.block_q5_op() is not None:  # the Q5_0 matrices in their own 5-bit codes: the model is about the file's size
         assert summary.counts[("Q5_0", "Q5_0 blocks (5-bit codes)")] == 132
-        assert summary.model_bytes <= 1.06 * os.path.getsize(path)
+        assert summary.model_bytes <= 1.02 * os.path.getsize(path)  # 498 MB for the 491 MB file (507 with float32 head scales)
+    assert packed.model.lm_head.scale.dtype == torch.float16
     assert agreement.top1_rate >= 0.95
     assert abs(agreement.perplexity_ratio - 1) <= 0.02
     assert isinstance(packed.model.model.embed_tokens(torch.tensor([[1, 2]])), torch.Tensor)

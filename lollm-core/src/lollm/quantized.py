@@ -175,6 +175,33 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return q.reshape(n, k), scale, lo
 
 
+def exact_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Int8 scales in the smallest dtype that holds them exactly: float16 where every value is a
+    float16, else float32. The rule of :class:`Int8Linear` and :class:`Int8Embedding`.
+
+    scale: a float tensor of any shape. float16 is returned as it is (a Q8_0 or Q5_0 file's block
+    scales d, which :func:`int8_groups_from_gguf` keeps so). Other float dtypes are taken to float32
+    (what they were held in before float16 scales), then to float16 only where no value changes:
+    ``scale.half().float() == scale`` everywhere (checked a slice at a time, so no float32 copy of
+    the whole tensor is made). Requantized scales (``max|w| / 127``) are almost never all exact in
+    float16 and stay float32 (the same tensor, where it was float32 already); a NaN never compares
+    equal, and a value beyond float16's range (65504) or below its smallest step (2**-24) would
+    change, so those stay float32 too. Returns the kept tensor. Raises WeightsError for a dtype that
+    is not floating point (int codes passed where scales go).
+    """
+    if not scale.is_floating_point():
+        raise WeightsError(f"int8 scales must be floating point (float16 or float32), not {scale.dtype}")
+    if scale.dtype == torch.float16:
+        return scale
+    scale = scale.float()
+    flat = scale.reshape(-1)
+    for start in range(0, flat.numel(), _SLICE_WEIGHTS):
+        piece = flat[start:start + _SLICE_WEIGHTS]
+        if not torch.equal(piece.half().float(), piece):
+            return scale
+    return scale.half()
+
+
 # ---------------------------------------------------------------------------
 # The linear layers
 # ---------------------------------------------------------------------------
@@ -260,8 +287,13 @@ class Int8Linear(nn.Module):
 
     Buffers:
       codes:         ``(groups, out_features, group_size)`` int8.
-      scale:         ``(groups, out_features)`` float32, the exact scales (an :class:`Int8Embedding` reads these).
-    kernel_scale: the same in bfloat16, torch's kernel's dtype; None where the native kernel
+      scale:         ``(groups, out_features)``, the exact scales (an :class:`Int8Embedding` reads these):
+                     float16 where that loses nothing, else float32 (:func:`exact_scale`). So a Q8_0 or
+                     Q5_0 head in groups of 32 keeps the file's float16 d (half the bytes of float32),
+                     a Q8_0 matrix requantized per channel usually too (a row's ``max|w| / 127`` is its
+                     largest d where that block holds a code ±127, as llama.cpp's quantizer writes), and
+                     other requantized layers their float32 scales.
+    kernel_scale: the scales in bfloat16, torch's kernel's dtype; None where the native kernel
                   takes the few-row steps (``native``).
     bias: float parameter ``(out_features,)`` or None.
     native: whether lollm's native kernel takes the few-row steps, decided when the layer is made.
@@ -274,7 +306,8 @@ class Int8Linear(nn.Module):
       built (:mod:`lollm.native`, docs/native-kernel.md): x
       becomes int8 in blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each
       block meets 32 codes in integer dot-product instructions, and the sums are scaled in
-      float32 by the exact scales ``scale``. A row's output does not depend on the rows
+      float32 by the exact scales ``scale`` (read as float32 in either dtype: float16 scales give
+      the same outputs, bit for bit, as the same values in float32). A row's output does not depend on the rows
       beside it (from 8 rows the tiles add the float32 sums in another order than the
       vector loops below 8: the last bits differ between the two).
     * few rows where it is not built: ``_weight_int8pack_mm`` with bfloat16 activations.
@@ -298,7 +331,7 @@ class Int8Linear(nn.Module):
         groups, self.out_features, self.group_size = codes.shape
         self.in_features = groups * self.group_size
         self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale.float())
+        self.register_buffer("scale", exact_scale(scale))
         self.bias = bias
         from lollm import native
 
@@ -509,19 +542,21 @@ class BlockEmbedding(_PackedEmbedding):
 class Int8Embedding(_PackedEmbedding):
     """``nn.Embedding`` over int8 codes with a scale per group: ``row[v][k] = q[g, v, k % group_size] * s[g, v]``.
 
-    Holds an :class:`Int8Linear`'s ``codes (groups, num_embeddings, group_size)`` and
-    ``scale (groups, num_embeddings)``; built from that layer it shares its tensors
-    (tied embeddings: one copy serves the lookup and the output head).
+    Holds an :class:`Int8Linear`'s ``codes (groups, num_embeddings, group_size)`` int8 and
+    ``scale (groups, num_embeddings)``, float16 where that loses nothing, else float32, as that
+    layer does (:func:`exact_scale`); built from that layer it shares its tensors (tied
+    embeddings: one copy serves the lookup and the output head). ``forward(ids)`` gives
+    ``ids.shape + (embedding_dim,)`` rows in ``dtype``, computed in float32 whatever the scales' dtype.
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
         super().__init__(codes.shape[1], codes.shape[0] * codes.shape[2], dtype)
         self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
+        self.register_buffer("scale", exact_scale(scale))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = self.codes[:, flat].float() * self.scale[:, flat].unsqueeze(-1)  # (G, T, group_size)
+        rows = self.codes[:, flat].float() * self.scale[:, flat].float().unsqueeze(-1)  # (G, T, group_size) float32
         return rows.transpose(0, 1).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
@@ -549,29 +584,32 @@ def int8_from_float_rows(n_rows: int, n_cols: int, read_rows) -> tuple[torch.Ten
 
 
 def int8_groups_from_gguf(read_rows, ggml_type: str, shape: tuple[int, int], group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8 codes in groups of 32 from a GGUF matrix: ``codes (K/32, N, 32)``, ``scale (K/32, N)``.
+    """Int8 codes in groups of 32 from a GGUF matrix: ``codes (K/32, N, 32)`` int8, ``scale (K/32, N)``.
 
     ``read_rows(start, stop)`` gives the bytes of rows ``start .. stop``. Q8_0
     (``w = q * d``) and Q5_0 (``w = (q - 16) * d``) give their own codes and
-    scales: exact. Other types are dequantized a slice of rows at a time and
-    requantized per group of 32 (``s = max|w| / 127``).
+    scales: exact, the scales in float16 as the file has them. Other types are
+    dequantized a slice of rows at a time and requantized per group of 32
+    (``s = max|w| / 127``, float32).
     """
     from lollm.gguf.quants import dequantize
 
     n, k = shape
     g = group_size if k % group_size == 0 else 32
+    own_blocks = ggml_type in ("Q8_0", "Q5_0") and g == 32  # the file's codes and float16 scales
     codes = torch.empty(k // g, n, g, dtype=torch.int8)
-    scale = torch.empty(k // g, n, dtype=torch.float32)
+    scale = torch.empty(k // g, n, dtype=torch.float16 if own_blocks else torch.float32)
     for start, stop in _row_slices(n, k):
         raw = read_rows(start, stop)
-        if ggml_type in ("Q8_0", "Q5_0") and g == 32:
+        if own_blocks:
             blocks = raw.reshape(stop - start, k // 32, -1)  # (r, G, bytes per 32-weight block)
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (r, G)
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (r, G) float16, the file's d
             if ggml_type == "Q8_0":
                 q = blocks[..., 2:34].view(np.int8)
             else:  # the dequantized weight is exactly (q - 16) * d: divide d back out
                 w = dequantize(raw, "Q5_0").reshape(stop - start, k // 32, 32)
-                q = np.rint(w / np.where(d == 0, 1, d)[..., None]).astype(np.int8)
+                d32 = d.astype(np.float32)
+                q = np.rint(w / np.where(d32 == 0, 1, d32)[..., None]).astype(np.int8)
             codes[:, start:stop] = torch.from_numpy(np.ascontiguousarray(q)).transpose(0, 1)
             scale[:, start:stop] = torch.from_numpy(d).T
         else:

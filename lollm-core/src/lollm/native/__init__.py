@@ -163,9 +163,13 @@ def block_int8_op():
     """The kernel as a callable ``(x, codes, scale) -> y``, or None where it is off or cannot be built.
 
     x: ``(M, K)`` float32, contiguous, CPU; codes: ``(groups, N, group_size)`` int8,
-    ``group_size`` a multiple of 32; scale: ``(groups, N)`` float32. Returns ``(M, N)``
-    float32, ``y[m, n] = sum_k x[m, k] * codes[k // gs, n, k % gs] * scale[k // gs, n]``
-    with x rounded to int8 per block of 32 (scale max|x| / 127).
+    ``group_size`` a multiple of 32; scale: ``(groups, N)`` float32 or float16 (where every
+    scale is a float16 value, such as a Q8_0 file's block scales, :class:`lollm.quantized.Int8Linear`
+    keeps them so), contiguous. Returns
+    ``(M, N)`` float32, ``y[m, n] = sum_k x[m, k] * codes[k // gs, n, k % gs] * scale[k // gs, n]``
+    with x rounded to int8 per block of 32 (scale max|x| / 127). The scales are read as float32
+    either way: float16 ones give the same y, bit for bit, as the same values in float32. Any
+    other dtype, shape or layout raises RuntimeError naming the operator (and the dtype).
 
     The first call decides, under a lock, once per process: it compiles or loads the build.
     """

@@ -12,7 +12,10 @@
 //   2. for every output channel n and every block of 32 weights, the 32
 //      products codes * xq are summed as integers (exact, int32);
 //   3. that sum is scaled by the two float scales, xd * scale[g, n], and added
-//      to the channel's float32 accumulator.
+//      to the channel's float32 accumulator. scale is float32, or float16 where
+//      every scale is a float16 value (a Q8_0 file's block scales, kept as the file
+//      has them); either is read as float32 (exactly), so step 3's arithmetic is the
+//      same for both.
 //
 // Why it is faster than torch's _weight_int8pack_mm: a decode step is a
 // matrix-vector product whose cost is reading the weights. Step 2 reads each
@@ -187,7 +190,10 @@ void channel_rows(const int8_t* w, int64_t group_size, const int8_t* xq, const f
 // Here the 128 * sum(xq) that the unsigned weights add is taken off after the scaling:
 // summed over a group, sum_b d[b] * 128 * sum(xq in b) is the same for every channel, so
 // it is computed once per row and group (row_surplus), and the loop reads no offsets.
-void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size, const int8_t* xq,
+// S, the weight scales' type: float, or at::Half (a Q8_0 file's d; float(s) is exact, one
+// F16C instruction where the CPU has it).
+template <class S>
+void channels_wide(const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size, const int8_t* xq,
                    const float* xd, const std::vector<float>& surplus, int64_t rows, int64_t n0, int64_t n1, float* out) {
   const int64_t k = groups * group_size;
   float sums[4];
@@ -201,7 +207,7 @@ void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t
         if (take == 3) channel_rows<3>(w, group_size, xq, xd, k, r, col, sums);
         if (take == 2) channel_rows<2>(w, group_size, xq, xd, k, r, col, sums);
         if (take == 1) channel_rows<1>(w, group_size, xq, xd, k, r, col, sums);
-        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += (sums[i] - surplus[(r + i) * groups + g]) * ws[g * n + c];
+        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += (sums[i] - surplus[(r + i) * groups + g]) * float(ws[g * n + c]);
       }
     }
   }
@@ -210,7 +216,8 @@ void channels_wide(const int8_t* codes, const float* ws, int64_t groups, int64_t
 // Layers in groups of 32 (the output head: codes (K / 32, N, 32)): block b of channels
 // c and c + 1 lie side by side, so one instruction takes both channels against the
 // same block of x (`paired`); lanes 0-7 sum channel c, lanes 8-15 channel c + 1.
-void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n, const PairedRows& x,
+template <class S>
+void pairs_wide(const int8_t* codes, const S* ws, int64_t blocks, int64_t n, const PairedRows& x,
                 int64_t rows, int64_t n0, int64_t n1, float* out) {
   const int64_t pairs = (n1 - n0 + 1) / 2;
   std::vector<__m512> acc(rows * pairs, _mm512_setzero_ps());
@@ -219,7 +226,7 @@ void pairs_wide(const int8_t* codes, const float* ws, int64_t blocks, int64_t n,
       const int64_t c = n0 + 2 * p;
       const bool two = c + 1 < n1;
       const __m512i wu = unsigned_codes(codes + (b * n + c) * kBlock, two);
-      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(ws[b * n + c]), _mm256_set1_ps(two ? ws[b * n + c + 1] : 0.f), 1);
+      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(float(ws[b * n + c])), _mm256_set1_ps(two ? float(ws[b * n + c + 1]) : 0.f), 1);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t at = (r * blocks + b) * 64;  // this row's copy of block b, twice
         const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), wu, _mm512_loadu_si512(x.q.data() + at));
@@ -452,13 +459,15 @@ void tile_channels(const TileChannels& w, const TileRows& x, int64_t rows, int64
 
 // An Int8Linear's channels n0 .. n1 through tiles. A task of fewer than 16 channels (the
 // last) copies its codes into a buffer padded with zeros, so that no tile reads past the matrix.
-void int8_tile_task(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size, const TileRows& x,
+// The scales, float32 or float16 (S), become float32 in TileChannels::ws, once per task.
+template <class S>
+void int8_tile_task(const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size, const TileRows& x,
                     int64_t rows, int64_t n0, int64_t n1, std::vector<int8_t>& spare, float* out) {
   const int64_t k = groups * group_size;
   TileChannels w{codes + n0 * group_size, group_size, group_size, n * group_size, std::vector<float>(k / kBlock * kTileRows, 0.f),
                  rows * n * 4 > kStreamBytes};
   for (int64_t b = 0; b < k / kBlock; ++b)
-    for (int64_t c = 0; c < n1 - n0; ++c) w.ws[kTileRows * b + c] = ws[(b * kBlock / group_size) * n + n0 + c];
+    for (int64_t c = 0; c < n1 - n0; ++c) w.ws[kTileRows * b + c] = float(ws[(b * kBlock / group_size) * n + n0 + c]);
   if (n1 - n0 < kTileRows) {
     spare.assign(kTileRows * k, 0);
     for (int64_t c = 0; c < n1 - n0; ++c)
@@ -543,7 +552,8 @@ inline float group_dot(const int8_t* w, const int8_t* xq, const float* xd, int64
 
 // Output channels n0 .. n1 for every row: each channel's group of codes, once read, stays
 // in L1 while every row of x takes its turn.
-void channels_narrow(const int8_t* codes, const float* ws, int64_t groups, int64_t n, int64_t group_size,
+template <class S>
+void channels_narrow(const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size,
                      const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t n0, int64_t n1, float* out) {
   const int64_t group_blocks = group_size / kBlock;
   for (int64_t c = n0; c < n1; ++c)
@@ -552,7 +562,7 @@ void channels_narrow(const int8_t* codes, const float* ws, int64_t groups, int64
     for (int64_t c = n0; c < n1; ++c)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t first = (r * k + g * group_size) / kBlock;
-        out[r * n + c] += group_dot(codes + (g * n + c) * group_size, xq + first * kBlock, xd + first, group_blocks, ws[g * n + c]);
+        out[r * n + c] += group_dot(codes + (g * n + c) * group_size, xq + first * kBlock, xd + first, group_blocks, float(ws[g * n + c]));
       }
 }
 #endif
@@ -578,36 +588,18 @@ void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* sc
 }
 #endif
 
-// y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n].
-at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "block_int8_linear: x must be a contiguous float32 CPU matrix (M, K)");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.device().is_cpu(),
-              "block_int8_linear: codes must be contiguous int8 (groups, N, group_size) on the CPU");
-  const int64_t rows = x.size(0), k = x.size(1);
-  const int64_t groups = codes.size(0), n = codes.size(1), group_size = codes.size(2);
-  TORCH_CHECK(groups * group_size == k && group_size % kBlock == 0,
-              "block_int8_linear: codes (", groups, ", ", n, ", ", group_size, ") do not fit x's ", k,
-              " columns in groups that are a multiple of 32");
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == n && scale.scalar_type() == at::kFloat &&
-                  scale.is_contiguous() && scale.device().is_cpu(),
-              "block_int8_linear: scale must be contiguous float32 (groups, N) on the CPU");
-
-  std::vector<int8_t> xq(rows * k);  // step 1
-  std::vector<float> xd(rows * (k / kBlock));
-  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
-
-  at::Tensor y = at::empty({rows, n}, x.options());
-  float* out = y.data_ptr<float>();
-  const int8_t* w = codes.data_ptr<int8_t>();
-  const float* ws = scale.data_ptr<float>();
-  const int64_t tasks = (n + kChannels - 1) / kChannels;  // steps 2 and 3: tasks of 16 channels, over torch's threads
+// Steps 2 and 3 of block_int8_linear: out (M, N) from x's codes xq and block scales xd (step 1)
+// and the weights codes (groups, N, group_size) and scale (groups, N) of type S (float or at::Half).
+template <class S>
+void int8_steps(const std::vector<int8_t>& xq, const std::vector<float>& xd, int64_t rows, int64_t k, const int8_t* w,
+                const S* ws, int64_t groups, int64_t n, int64_t group_size, float* out) {
+  const int64_t tasks = (n + kChannels - 1) / kChannels;  // tasks of 16 channels, over torch's threads
 #if defined(LOLLM_AMX)
   if (rows >= kTileMinRows && tiles_permitted()) {
     over_tile_tasks(xq, xd, rows, k, n, [&](const TileRows& x, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
       int8_tile_task(w, ws, groups, n, group_size, x, rows, n0, n1, spare, out);
     });
-    return y;
+    return;
   }
 #endif
 #if defined(LOLLM_AVX512)
@@ -628,6 +620,37 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
 #endif
     }
   });
+}
+
+// y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n]. The scales are float32,
+// or float16 (Int8Linear keeps scales that are all float16 values so: a Q8_0 file's d): either is
+// read as float32, so the same values give the same y bit for bit in both dtypes.
+at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "block_int8_linear: x must be a contiguous float32 CPU matrix (M, K)");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.is_contiguous() && codes.device().is_cpu(),
+              "block_int8_linear: codes must be contiguous int8 (groups, N, group_size) on the CPU");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t groups = codes.size(0), n = codes.size(1), group_size = codes.size(2);
+  TORCH_CHECK(groups * group_size == k && group_size % kBlock == 0,
+              "block_int8_linear: codes (", groups, ", ", n, ", ", group_size, ") do not fit x's ", k,
+              " columns in groups that are a multiple of 32");
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scale.scalar_type() == at::kFloat,
+              "block_int8_linear: scale must be float32 or float16, not ", scale.scalar_type());
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == n && scale.is_contiguous() && scale.device().is_cpu(),
+              "block_int8_linear: scale must be contiguous (groups, N) = (", groups, ", ", n, ") on the CPU");
+
+  std::vector<int8_t> xq(rows * k);  // step 1
+  std::vector<float> xd(rows * (k / kBlock));
+  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
+
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const int8_t* w = codes.data_ptr<int8_t>();
+  if (half)
+    int8_steps(xq, xd, rows, k, w, scale.data_ptr<at::Half>(), groups, n, group_size, y.data_ptr<float>());
+  else
+    int8_steps(xq, xd, rows, k, w, scale.data_ptr<float>(), groups, n, group_size, y.data_ptr<float>());
   return y;
 }
 
