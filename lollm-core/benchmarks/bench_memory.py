@@ -1,8 +1,9 @@
 """Where a packed GGUF run's resident memory goes, step by step, in one fresh process.
 
-    python lollm-core/benchmarks/bench_memory.py FILE.gguf [--prompt-tokens 512] [--new-tokens 8]
+    python lollm-core/benchmarks/bench_memory.py FILE.gguf [--prompt-tokens 512] [--new-tokens 8] [--all-imports]
 
-The baseline is this process with torch and lollm imported. Then, one after the
+The baseline is this process with torch and lollm imported (``--all-imports``: also the
+tokenizer's modules and the native kernel's library). Then, one after the
 other: the GGUF metadata parsed (``load_checkpoint``), the tokenizer built from it,
 the model loaded packed (``weights="auto"``, the CLI's default for a GGUF), and a
 greedy generation (the prompt's prefill in chunks, then the decode steps). Each line
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, prefilled in chunks (default 512)")
     parser.add_argument("--new-tokens", type=int, default=8, help="greedy decode steps after it (default 8)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--all-imports", action="store_true",
+                        help="import the tokenizer's modules (jinja2, regex) and load the native kernel's library "
+                             "before the baseline: every module the run uses counted as an import")
     args = parser.parse_args()
 
     from lollm.generate import generate
@@ -38,6 +42,11 @@ def main() -> None:
     from lollm.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
+    if args.all_imports:
+        import lollm.tokenizer  # noqa: F401
+        from lollm import native
+
+        native.block_int8_op()
     size = os.path.getsize(args.path)
     gc.collect()
     reset_peak()
@@ -48,7 +57,8 @@ def main() -> None:
         now, peak = rss_bytes() - base, peak_bytes() - base
         print(f"| {step} | {now / 1e6:.0f} MB ({now / size:.2f}×) | {peak / 1e6:.0f} MB ({peak / size:.2f}×) |", flush=True)
 
-    print(f"{args.path}: {size / 1e6:.0f} MB; above the process with torch and lollm imported ({base / 1e6:.0f} MB)")
+    imported = "every module the run uses imported" if args.all_imports else "torch and lollm imported"
+    print(f"{args.path}: {size / 1e6:.0f} MB; above the process with {imported} ({base / 1e6:.0f} MB)")
     print("| step | resident | peak so far |\n| --- | --- | --- |")
     checkpoint = load_checkpoint(args.path)
     show("GGUF metadata parsed")

@@ -16,6 +16,7 @@ def machine(monkeypatch):
     def make(cores: int, *runnable: int):
         readings = iter(runnable)
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test runner sets it for its workers
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
         monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
         monkeypatch.setattr(threads.time, "sleep", lambda s: None)
 
@@ -68,3 +69,14 @@ def test_omp_num_threads_set_by_the_user_is_the_choice(monkeypatch, machine, val
     choice = threads.choose_threads()
     assert choice.threads == (4 if expected is None else expected)
     assert choice.given == (expected is not None) and choice.note is None
+
+
+@pytest.mark.parametrize("policy, expected", [("PASSIVE", 2), (" passive ", 2), ("ACTIVE", 1), ("", 1)])
+def test_a_passive_wait_policy_keeps_every_core_on_a_busy_machine(monkeypatch, machine, policy, expected):
+    """Sleeping waiters do not collapse on a busy core (measured: 2 threads beat 1 there), so the busy
+    rule only applies while OpenMP's threads spin."""
+    machine(2, 2, 2, 2, 2, 2)  # the reader and one other runnable thread on 2 cores
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    choice = threads.choose_threads()
+    assert (choice.threads, choice.others) == (expected, 1)
+    assert (choice.note is None) == (expected == 2)

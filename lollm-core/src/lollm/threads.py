@@ -14,6 +14,11 @@ So the default is the number of cores that are free when the command starts::
     others  = runnable threads of other processes right now (/proc/loadavg's 4th field, minus this one)
     threads = max(1, allowed - others)
 
+One exception: with ``OMP_WAIT_POLICY=PASSIVE`` OpenMP's waiting threads sleep
+instead of spinning, the collapse does not happen, and every allowed core is used
+(measured three times on the busy 2-core machine: 2 threads 1.15-1.32x the decode
+of 1; docs/quantized-execution.md, "Threads").
+
 The count of runnable threads is an instant reading (the 1-minute load average
 lags by a minute); it is read a few times over a few milliseconds and the smallest
 count kept, so a process that only flickers through the run queue does not cost
@@ -89,16 +94,22 @@ def environment_threads() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+def waits_passively() -> bool:
+    """Whether ``OMP_WAIT_POLICY`` is PASSIVE (any case): OpenMP's waiting threads sleep, so a busy core
+    no longer makes the others spin through its time slice, and fewer threads would only lose."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
 def choose_threads(given: int | None = None) -> ThreadChoice:
     """``given`` when the user named it (``--threads``, else ``OMP_NUM_THREADS``), else the free cores:
-    ``max(1, allowed_cores() - runnable_others())``."""
+    ``max(1, allowed_cores() - runnable_others())``; every allowed core under ``OMP_WAIT_POLICY=PASSIVE``."""
     allowed = allowed_cores()
     if given is None:
         given = environment_threads()
     if given is not None:
         return ThreadChoice(given, allowed, None, given=True)
     others = runnable_others()
-    threads = allowed if others is None else max(1, allowed - others)
+    threads = allowed if others is None or waits_passively() else max(1, allowed - others)
     return ThreadChoice(threads, allowed, others)
 
 
