@@ -533,3 +533,26 @@ def test_a_decode_step_of_several_sequences_is_one_sdpa_call(window, heads, coun
         want = attend(q.double(), k_pool.double(), v_pool.double(), start=batch, window=window)
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_bench_report_prints_its_note_as_text_and_advice_only_where_ratios_exist(monkeypatch, capsys):
+    """The note names "lollm-core[bench]": rich must not read it as markup (it once printed "lollm-core")."""
+    import lollm.bench as bench
+    import lollm.cli_report as cli_report
+    from lollm.options import LoadOptions
+
+    monkeypatch.setattr(cli_report, "out", cli_report.Console(highlight=False, width=400))
+    options = LoadOptions(device="cpu", attn="eager", weights="auto")
+    alone = bench.BenchResult([bench.EngineFigures("lollm", prefill_tok_s=[10.0], decode_tok_s=[2.0])],
+                              prompt_tokens=4, new_tokens=2, threads=1, note=bench.NO_LLAMA_CPP)
+    cli_report.bench(alone, model="m.gguf", options=options, new_tokens=2, rounds=1, as_json=False)
+    text = capsys.readouterr().out
+    assert "pip install 'lollm-core[bench]'" in text and "1 round," in text and "1 rounds" not in text
+    assert "per-round ratios" not in text  # nothing to read: one engine, no ratios
+    both = bench.BenchResult([bench.EngineFigures("lollm", prefill_tok_s=[10.0], decode_tok_s=[2.0]),
+                              bench.EngineFigures("llama.cpp", prefill_tok_s=[5.0], decode_tok_s=[4.0])],
+                             prompt_tokens=4, new_tokens=2, threads=1)
+    cli_report.bench(both, model="m.gguf", options=options, new_tokens=2, rounds=1, as_json=False)
+    text = capsys.readouterr().out
+    assert "lollm/llama.cpp decode: 0.50× (median of the per-round ratios 0.50; by CPU time n/a)" in text
+    assert "read the per-round ratios" in text

@@ -835,6 +835,14 @@ def test_id_to_token_over_dense_and_sparse_ids(tmp_path, gap):
     assert (tok._model.vocab._ids is None) == (gap == 0) and tok.vocab_size == far + 1
     assert tok.id_to_token(far) == "zz" and tok.id_to_token(np.int64(5)) == tok.id_to_token(5)
     missing = [TINY_VOCAB_SIZE + 1] if gap else []
-    for bad in (-1, far + 1, 2.0, "3", *missing):
+    for bad in (-1, far + 1, 2.0, "3", True, *missing):
         with pytest.raises(TokenizerError, match="not in the vocabulary"):
             tok.id_to_token(bad)
+
+
+def test_a_gguf_path_given_as_a_folder_is_pointed_at_load_gguf_tokenizer(tmp_path: Path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(TokenizerError, match=r"not a folder; a GGUF file's tokenizer comes from load_gguf_tokenizer"):
+        load_tokenizer(tmp_path / "model.gguf")
+    with pytest.raises(TokenizerError, match=r"does not exist or is not a folder$"):
+        load_tokenizer(tmp_path / "missing")

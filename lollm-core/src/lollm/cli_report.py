@@ -269,6 +269,11 @@ def parity(report: Any, as_json: bool) -> None:
         out.print(f"first divergence: hidden state {i} ({where}), cosine {report.layer_cosines[i]:.6f}")
 
 
+def _times(ratio: float | None) -> str:
+    """A ratio as "0.87×"; "n/a" where the reference measured nothing (no round, or 0 tokens/s)."""
+    return "n/a" if ratio is None else f"{ratio:.2f}×"
+
+
 def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int, as_json: bool) -> None:
     """The bench figures: JSON, or the table, the ratios and the machine's load.
 
@@ -290,7 +295,7 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
     kept = ("weights " + (f"--quantize {options.quantize}" if options.quantize else options.weights)) + ", "
     split = "" if tp == 1 else f"--tp {tp}: rank 0's load and shard, steps of all {tp} ranks together; "
     title = (f"bench: {model} ({options.dtype}, {kept}attn {options.attn}, prompt {result.prompt_tokens}, decode {new_tokens}, "
-             f"{rounds} rounds, {result.threads} thread{'s' if result.threads != 1 else ''}{' per process' if tp != 1 else ''}; {split}medians)")
+             f"{rounds} round{'s' if rounds != 1 else ''}, {result.threads} thread{'s' if result.threads != 1 else ''}{' per process' if tp != 1 else ''}; {split}medians)")
     table = Table(title=escape(title))
     for col in ("engine", "load s", "load peak MB", "weights MB", "peak/weights", "prefill tok/s", "decode tok/s",
                 "decode GB/s", "prefill / decode tok/s by CPU time"):
@@ -307,12 +312,13 @@ def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int
         for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
             per_round = " ".join(f"{r:.2f}" for r in by_key[key]["rounds"])
             cpu = result.ratio("lollm", ref, key.replace("_tok_s", "_cpu_tok_s"))
-            out.print(f"lollm/{ref} {label}: {by_key[key]['median']:.2f}× (median of the per-round ratios {per_round}; "
-                      f"by CPU time {cpu:.2f}×)")
+            out.print(f"lollm/{ref} {label}: {_times(by_key[key]['median'])} (median of the per-round ratios {per_round}; "
+                      f"by CPU time {_times(cpu)})")
     decode = result.by_name("lollm").median("decode_tok_s")
     if tp != 1 and decode > 0:
         out.print(f"--tp {tp}: {1000 / decode:.2f} ms per decode step, each step computed by {tp} processes together "
                   f"(compare with the same command without --tp, one process)")
     if result.note:
-        out.print(result.note)
-    out.print(f"[dim]{escape(machine_load())}: figures are noisy on a shared machine; read the per-round ratios[/dim]")
+        out.print(escape(result.note))  # it names 'lollm-core[bench]': not markup
+    advice = "; read the per-round ratios" if ratios else ""
+    out.print(f"[dim]{escape(machine_load())}: figures are noisy on a shared machine{advice}[/dim]")

@@ -87,7 +87,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
     """Build the :class:`Tokenizer` of a model folder (see the module docstring for the files read)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a folder")
+        hint = "; a GGUF file's tokenizer comes from load_gguf_tokenizer(path)" if folder.suffix == ".gguf" else ""
+        raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a folder{hint}")
 
     config_path = folder / TOKENIZER_CONFIG_JSON
     config = _read_json_object(config_path) if _present(config_path) else {}

@@ -199,6 +199,8 @@ class Tokenizer:
             i = operator.index(token_id)  # an int, numpy or torch integer; not a float or a str
         except TypeError:
             i = -1
+        if isinstance(token_id, bool):
+            i = -1  # True is an int to Python, never a token id
         token = self._added_by_id.get(i)
         if token is None and i >= 0:
             token = self._model.vocab.piece(i)
@@ -355,8 +357,8 @@ class Tokenizer:
             names = ", ".join(sorted(self._chat_templates))
             raise TokenizerError(f"the tokenizer has chat templates named {names} but none named 'default'")
         raise TokenizerError(
-            "this tokenizer has no chat template (no chat_template.jinja and no 'chat_template' in "
-            "tokenizer_config.json); use plain text completion instead"
+            "this tokenizer has no chat template (a model folder has none in chat_template.jinja or "
+            "tokenizer_config.json, a GGUF file none in 'tokenizer.chat_template'); use plain text completion instead"
         )
 
 

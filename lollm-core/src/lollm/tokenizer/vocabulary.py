@@ -17,7 +17,7 @@ about 30 bytes a piece. The pieces' own text is 2.3 MB of UTF-8.
   A piece found on the way whose hash is equal has its bytes compared with the
   text, because two different texts may share a hash. The table is at most half
   full, so a search looks at one or two slots on average. About half a
-  microsecond, where a dict takes a fifth of that; the tokenizers' merge loops
+  microsecond, two to five times a dict's; the tokenizers' merge loops
   feel it only in part, since each word or segment is merged once and then cached.
 * **id -> piece** (``vocab.piece(42)``): slice the piece's bytes and decode them.
 
