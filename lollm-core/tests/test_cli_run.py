@@ -296,14 +296,25 @@ def test_prompt_lookup_gives_the_plain_output_and_says_what_it_accepted(invoke, 
     assert spec["speculative"]["drafter"] == "prompt lookup" and "speculative" not in plain
     assert 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["drafted"]
     streamed = ok(invoke("run", ckpt, "-p", prompt, *GREEDY, "--prompt-lookup"))
-    assert "prompt lookup:" in streamed.stderr and "drafted tokens accepted" in streamed.stderr
+    from lollm.cli_report import drafter_line
+
+    counts = spec["speculative"]
+    assert drafter_line("prompt lookup", counts["drafted"], counts["accepted"]) in streamed.stderr
+
+
+def test_the_drafter_line_says_when_nothing_was_drafted():
+    from lollm.cli_report import drafter_line
+
+    assert drafter_line("prompt lookup", 8, 6) == "prompt lookup: 6 of 8 drafted tokens accepted (acceptance rate 75.0%)"
+    assert drafter_line("prompt lookup", 0, 0).startswith("prompt lookup: nothing drafted (no n-gram")
+    assert drafter_line("MTP", 0, 0) == "MTP: nothing drafted"
 
 
 def test_threads_and_version(invoke, ckpt):
     before = torch.get_num_threads()
     try:
-        ok(invoke("run", ckpt, "-p", "hello", "--threads", "1", *GREEDY))
-        assert torch.get_num_threads() == 1
+        done = ok(invoke("run", ckpt, "-p", "hello", "--threads", "1", *GREEDY, "--json"))
+        assert torch.get_num_threads() == 1 and json.loads(done.stdout)["timings"]["threads"] == 1
     finally:
         torch.set_num_threads(before)
     from importlib.metadata import version

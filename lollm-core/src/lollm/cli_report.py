@@ -66,6 +66,7 @@ def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json:
                 "load_seconds": loaded.load_seconds, "prefill_seconds": result.prefill_seconds,
                 "decode_seconds": result.decode_seconds, "prefill_tokens_per_second": result.prefill_tokens_per_second,
                 "decode_tokens_per_second": result.decode_tokens_per_second,
+                "threads": _torch_threads(),
             },
             "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                          "min_p": sampling.min_p, "repetition_penalty": sampling.repetition_penalty, "seed": sampling.seed,
@@ -89,11 +90,26 @@ def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json:
         soft_wrap=True,
     )
     if drafter is not None:
-        err.print(
-            f"[dim]{drafter.name}: {result.accepted} of {result.drafted} drafted tokens accepted "
-            f"(acceptance rate {result.acceptance_rate:.1%})[/dim]",
-            soft_wrap=True,
-        )
+        err.print(f"[dim]{escape(drafter_line(drafter.name, result.drafted, result.accepted))}[/dim]", soft_wrap=True)
+
+
+def drafter_line(name: str, drafted: int, accepted: int) -> str:
+    """The speculative statistics line: how many drafted tokens the target model accepted.
+
+    Prompt lookup drafts only where the last tokens occurred earlier in the prompt or the output: a prompt
+    with no repeats drafts nothing, which the line says instead of "0 of 0".
+    """
+    if drafted == 0:
+        why = " (no n-gram of the context recurred, so every token came from a plain step)" if name == "prompt lookup" else ""
+        return f"{name}: nothing drafted{why}"
+    return f"{name}: {accepted} of {drafted} drafted tokens accepted (acceptance rate {accepted / drafted:.1%})"
+
+
+def _torch_threads() -> int:
+    """The intra-op threads torch computed with (``--threads``, else lollm.threads' default)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 # -- families --------------------------------------------------------------------------
