@@ -292,6 +292,29 @@ def test_repo_id_offline_and_not_cached(tmp_path):
     assert "CheckpointError:" in done.stdout
     assert "lollm-test-org/not-cached-model" in done.stdout
     assert "HF_HUB_OFFLINE" in done.stdout
+    assert "if you meant a local file" not in done.stdout  # a plain repo id gets no path hint
+
+
+def test_a_missing_local_gguf_that_reads_as_a_repo_id_says_so(tmp_path):
+    """'models/x.gguf' is a valid repo id too; when neither exists, the error names the local path it looked for."""
+    (tmp_path / "models").mkdir()
+    done = run_offline(
+        """
+        from lollm.errors import CheckpointError
+        from lollm.loader import load_checkpoint
+        for spec in ("models/x.gguf", "models/out", "org/x.safetensors"):
+            try:
+                load_checkpoint(spec)
+            except CheckpointError as exc:
+                print("CheckpointError:", exc)
+        """,
+        tmp_path / "hub",
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    hints = [line for line in done.stdout.splitlines() if line.startswith("(if you meant a local file or folder")]
+    assert hints == [f"(if you meant a local file or folder: there is no {spec} under {tmp_path})"
+                     for spec in ("models/x.gguf", "models/out", "org/x.safetensors")]
 
 
 def test_repo_id_served_from_the_local_cache(tmp_path):

@@ -497,11 +497,21 @@ def download_repo(repo_id: str) -> Path:
         if offline:
             raise CheckpointError(
                 f"{repo_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be downloaded"
+                f"{_maybe_a_path(repo_id)}"
             ) from cached_exc
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
     except Exception as exc:
-        raise CheckpointError(f"{repo_id}: could not fetch from the Hugging Face hub: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{repo_id}: could not fetch from the Hugging Face hub: {type(exc).__name__}: {exc}"
+                              f"{_maybe_a_path(repo_id)}") from None
+
+
+def _maybe_a_path(repo_id: str) -> str:
+    """A hint for a repo id that was more likely meant as a local path ('models/x.gguf', 'out/model')."""
+    first = repo_id.split("/")[0]
+    if repo_id.lower().endswith((".gguf", ".safetensors")) or Path(first).is_dir():
+        return f"\n(if you meant a local file or folder: there is no {repo_id} under {Path.cwd()})"
+    return ""
 
 
 SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
