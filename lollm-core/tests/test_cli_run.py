@@ -257,7 +257,7 @@ def test_json_holds_text_ids_timings_and_stop_reason(invoke, ckpt):
     assert 1 <= len(data["ids"]) <= 6 and data["stop_reason"] in ("eos", "max_new_tokens")
     assert data["prompt"] == "hello" and data["prompt_ids"]
     assert set(data["timings"]) == {"load_seconds", "prefill_seconds", "decode_seconds",
-                                    "prefill_tokens_per_second", "decode_tokens_per_second"}
+                                    "prefill_tokens_per_second", "decode_tokens_per_second", "threads"}
     assert data["sampling"]["temperature"] == 0.0 and data["sampling"]["sources"]["temperature"] == "flag"
     assert data["family"] == "lollm_toy"
     assert not STATS.search(done.stderr)  # the figures are in the JSON
