@@ -396,7 +396,7 @@ def bench_speculative(session: nox.Session) -> None:
 @nox.session
 def bench_threads(session: nox.Session) -> None:
     """Decode tok/s by thread count and OpenMP wait policy, on the machine as it is and beside a busy loop per core;
-    the default of lollm.threads against the best fixed count (docs/quantized-execution.md)."""
+    the default of lollm.load.threads against the best fixed count (docs/quantized-execution.md)."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_threads.py", *session.posargs, env=OFFLINE)
 

@@ -5,11 +5,11 @@
 
 Three things side by side, on one machine, in one process:
 
-* lollm's single-sequence loop (:func:`lollm.generate.generate`, one request): its decode tok/s
+* lollm's single-sequence loop (:func:`lollm.generate.loop.generate`, one request): its decode tok/s
   (the rate ``lollm run`` prints) and its output tok/s (new tokens over the whole request,
   prefill included, the figure comparable to a level's throughput);
 * lollm's engine on the GGUF with its blocks packed (as ``lollm run`` loads it): at each level
-  N, N requests of the same shape submitted at once (:mod:`lollm.bench_batching`);
+  N, N requests of the same shape submitted at once (:mod:`lollm.proof.bench_batching`);
 * transformers' continuous batching (``model.generate_batch``, its ``ContinuousBatchingManager``)
   on the safetensors checkpoint transformers derives from the same GGUF, float32, ``sdpa``
   attention, the same prompts, the same greedy token count (its end-of-sequence id turned off),
@@ -32,15 +32,15 @@ import time
 
 import torch
 
-from lollm.bench import machine_load, prompt_ids
-from lollm.bench_batching import LevelFigures, distinct_prompts, measure_level
+from lollm.proof.bench import machine_load, prompt_ids
+from lollm.proof.bench_batching import LevelFigures, distinct_prompts, measure_level
 from lollm.engine import Engine, EngineConfig
-from lollm.generate import generate
-from lollm.options import LoadOptions
-from lollm.pipeline import open_model
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.real_models import derive_safetensors, fetch_gguf
-from lollm.threads import apply_threads
+from lollm.load.threads import apply_threads
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 GREEDY = SamplingParams(temperature=0.0)

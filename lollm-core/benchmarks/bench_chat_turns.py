@@ -6,7 +6,7 @@
 Each turn renders the whole conversation with the chat template, as a chat
 client does, and generates a greedy answer of ``-n`` tokens. The turn runs
 twice, one right after the other (A B A B ...): cold (a fresh cache, the whole
-conversation prefilled) and warm (the :class:`lollm.prompt_cache.PromptCache`
+conversation prefilled) and warm (the :class:`lollm.generate.prompt_cache.PromptCache`
 of the earlier turns: only the new part prefilled). Both give the same answer
 (checked); the table shows the prompt, what the warm run reused and prefilled,
 and each run's prefill and total seconds with the ratio cold / warm.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 USER_TURNS = [
     "Write a Python function that checks whether a number is prime.",
@@ -45,10 +45,10 @@ def main() -> None:
 
     import torch
 
-    from lollm.generate import generate, stop_token_ids
-    from lollm.pipeline import open_model
-    from lollm.prompt_cache import PromptCache
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate, stop_token_ids
+    from lollm.load.pipeline import open_model
+    from lollm.generate.prompt_cache import PromptCache
+    from lollm.generate.sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

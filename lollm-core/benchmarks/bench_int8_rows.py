@@ -7,11 +7,11 @@
 time grows with the rows: right for a decode step (1 row), wrong for a prefill or
 an engine step of many sequences. The other path dequantizes the codes to
 bfloat16 1024 channels at a time and runs one bfloat16 matrix multiplication for
-all rows (:meth:`lollm.quantized.Int8Linear._dequantized_matmul`). lollm's native
+all rows (:meth:`lollm.load.quantized.Int8Linear._dequantized_matmul`). lollm's native
 kernel (:mod:`lollm.native`, docs/native-kernel.md) reads the codes once for all rows
 but pays its arithmetic per row. The table gives the three times per matrix (medians
 of rounds that alternate A B C A B C) and the row counts where lollm switches
-(:func:`lollm.quantized.native_gemm_rows`: 20, or 256 where the kernel has AMX tiles, and
+(:func:`lollm.load.quantized.native_gemm_rows`: 20, or 256 where the kernel has AMX tiles, and
 ``GEMM_MIN_ROWS_GROUPED`` where the native kernel is not built). The native column here is
 the kernel at every row count, tiles from 8 rows included where they run
 (benchmarks/bench_tiles.py sets the two routes side by side).
@@ -30,7 +30,7 @@ import time
 import torch
 
 from lollm import native
-from lollm.quantized import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
+from lollm.load.quantized import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
 
 
 def timed(fn, repeat: int) -> float:

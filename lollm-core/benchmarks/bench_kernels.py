@@ -98,7 +98,7 @@ def row_int_mm(x, codes_t, w_scale):
 def part_matrix(rounds: int) -> None:
     import torch
 
-    from lollm.quantized import Int8Linear
+    from lollm.load.quantized import Int8Linear
 
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
@@ -188,12 +188,12 @@ def part_accuracy(path: str, prompt_tokens: int, rounds: int, new_tokens: int) -
     import torch
 
     global _ORIGINAL_FORWARD
-    from lollm.bench import prompt_ids
-    from lollm.generate import generate
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
-    from lollm.quantized import Int8Linear
-    from lollm.sampling import SamplingParams
+    from lollm.proof.bench import prompt_ids
+    from lollm.generate.loop import generate
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.load.quantized import Int8Linear
+    from lollm.generate.sampling import SamplingParams
 
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     ids = prompt_ids(loaded.tokenizer, prompt_tokens)
@@ -231,15 +231,15 @@ def worker(path: str, mode: str, rounds: int, new_tokens: int) -> dict:
     """In this process: eager decode against ``torch.compile`` of the model's forward in ``mode``, alternating."""
     import torch
 
-    from lollm.bench import prompt_ids
-    from lollm.generate import generate
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.proof.bench import prompt_ids
+    from lollm.generate.loop import generate
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     model, ids, greedy = loaded.model, prompt_ids(loaded.tokenizer, 32), SamplingParams(temperature=0.0)
-    from lollm.quantized import BlockEmbedding
+    from lollm.load.quantized import BlockEmbedding
 
     for module in model.modules():  # its lookup dequantizes in numpy, which dynamo cannot trace: left eager
         if isinstance(module, BlockEmbedding):
@@ -340,14 +340,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="the accuracy run's prompt")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: lollm.threads' choice)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: lollm.load.threads' choice)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for each compiled model's process")
     parser.add_argument("--skip-model", action="store_true", help="parts 1 and 3 only")
     parser.add_argument("--only-torchao", action="store_true", help="part 3 only")
     parser.add_argument("--only-activations", action="store_true", help="part 2a only")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from lollm.threads import apply_threads
+    from lollm.load.threads import apply_threads
 
     threads = apply_threads(args.threads).threads
     if args.model is None and not args.skip_model:

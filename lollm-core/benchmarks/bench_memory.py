@@ -21,7 +21,7 @@ import os
 import torch
 
 import lollm  # noqa: F401  (imported before the baseline)
-from lollm.bench import peak_bytes, reset_peak, rss_bytes
+from lollm.proof.bench import peak_bytes, reset_peak, rss_bytes
 
 
 def main() -> None:
@@ -35,17 +35,16 @@ def main() -> None:
                              "before the baseline: every module the run uses counted as an import")
     args = parser.parse_args()
 
-    from lollm.generate import generate
-    from lollm.loader import load_checkpoint
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.load.loader import load_checkpoint
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     if args.all_imports:
         import lollm.tokenizer  # noqa: F401
         from lollm import native
-
         native.block_int8_op()
     size = os.path.getsize(args.path)
     gc.collect()

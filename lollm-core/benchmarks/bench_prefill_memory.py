@@ -1,4 +1,4 @@
-"""Peak resident memory of a generation with the prefill whole and in chunks (lollm.prefill), on a real GGUF.
+"""Peak resident memory of a generation with the prefill whole and in chunks (lollm.generate.prefill), on a real GGUF.
 
 Each measurement runs in its own child process (an allocator keeps what a previous
 run freed, so one process would flatter whichever condition comes second), in
@@ -24,23 +24,23 @@ import sys
 def worker(path: str, prompt_tokens: int, whole: bool) -> dict:
     import torch
 
-    import lollm.prefill
-    from lollm.bench import peak_bytes, prompt_ids, rss_bytes
-    from lollm.generate import generate
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    import lollm.generate.prefill
+    from lollm.proof.bench import peak_bytes, prompt_ids, rss_bytes
+    from lollm.generate.loop import generate
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     start = rss_bytes()
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     loaded_peak = peak_bytes() - start
     ids = prompt_ids(loaded.tokenizer, prompt_tokens)
     if whole:
-        lollm.prefill.PREFILL_CHUNK_TOKENS = len(ids)
+        lollm.generate.prefill.PREFILL_CHUNK_TOKENS = len(ids)
     with torch.inference_mode():
         r = generate(loaded.model, ids, max_new_tokens=8, sampling=SamplingParams(temperature=0.0), attn=loaded.attn)
     return {"load_peak": loaded_peak, "peak": peak_bytes() - start, "prefill_tok_s": r.prefill_tokens_per_second,
-            "chunk": lollm.prefill.PREFILL_CHUNK_TOKENS, "new_ids": r.new_ids}
+            "chunk": lollm.generate.prefill.PREFILL_CHUNK_TOKENS, "new_ids": r.new_ids}
 
 
 def main() -> None:

@@ -32,8 +32,8 @@ import sys
 
 import torch
 
-from lollm.options import LoadOptions
-from lollm.bench import (LlamaCppEngine, LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids,
+from lollm.load.options import LoadOptions
+from lollm.proof.bench import (LlamaCppEngine, LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids,
                          reset_peak, rss_bytes)
 from lollm.testing.real_models import fetch_gguf
 
@@ -53,9 +53,9 @@ def engines_for(path: str, threads: int, n_ctx: int, with_llama: bool) -> list:
 
 
 def accuracy(path: str) -> None:
-    from lollm.generate import generate
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
     from lollm.testing.quantized import EVAL_TEXT, compare, logits_of
 
     greedy = SamplingParams(temperature=0.0)
@@ -88,7 +88,7 @@ def memory_worker(engine_name: str, path: str, threads: int) -> dict:
     engine = {e.name: e for e in engines_for(path, threads, 600, with_llama=engine_name == "llama.cpp")}[engine_name]
     if engine_name == "llama.cpp":
         import llama_cpp  # noqa: F401  (imported before the baseline, as torch and lollm are)
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     ids = prompt_ids(load_checkpoint(path).tokenizer, 512)
     gc.collect()
@@ -118,8 +118,8 @@ def memory(path: str, threads: int, with_llama: bool) -> None:
 
 
 def speed(path: str, threads: int, rounds: int, prompt_tokens: int, new_tokens: int, with_llama: bool) -> None:
-    from lollm.bench import BenchResult
-    from lollm.loader import load_checkpoint
+    from lollm.proof.bench import BenchResult
+    from lollm.load.loader import load_checkpoint
 
     torch.set_num_threads(threads)
     ids = prompt_ids(load_checkpoint(path).tokenizer, prompt_tokens)

@@ -3,7 +3,7 @@
     python lollm-core/benchmarks/bench_scale_dtype.py                  # 2 threads, rows 1,4,16
     python lollm-core/benchmarks/bench_scale_dtype.py --threads 1 --rounds 7 --rows 1
 
-:class:`lollm.quantized.Int8Linear` keeps a Q8_0 head's block scales in float16, as the file
+:class:`lollm.load.quantized.Int8Linear` keeps a Q8_0 head's block scales in float16, as the file
 has them (half the bytes of float32; docs/native-kernel.md, section 1). The kernel reads either
 dtype and computes in float32 either way, so the two must give the same outputs bit for bit
 (checked here, and in tests/test_native.py); what can differ is time. The head is the largest
@@ -25,7 +25,6 @@ import torch
 
 from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
-
 #: (name, N, K): Gemma 3 270M's head (tied to its Q8_0 embedding) and Qwen2.5-0.5B's (Q8_0).
 HEADS = [("Gemma 3 head 262144x640", 262144, 640), ("Qwen2.5 head 151936x896", 151936, 896)]
 

@@ -35,12 +35,12 @@ import time
 
 import torch
 
-from lollm.bench import LlamaCppEngine, llama_cpp_available, machine_load
-from lollm.drafting import PromptLookupDrafter
-from lollm.generate import generate
-from lollm.options import LoadOptions
-from lollm.pipeline import open_model
-from lollm.sampling import SamplingParams
+from lollm.proof.bench import LlamaCppEngine, llama_cpp_available, machine_load
+from lollm.generate.drafting import PromptLookupDrafter
+from lollm.generate.loop import generate
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.real_models import fetch_gguf
 
 MODELS = {"qwen": "qwen2.5-coder-0.5b-instruct", "gemma": "gemma-3-270m"}

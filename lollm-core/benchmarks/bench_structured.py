@@ -25,7 +25,7 @@ import argparse
 import statistics
 import time
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["orders"],
@@ -54,10 +54,10 @@ def main() -> None:
 
     import torch
 
-    from lollm.generate import generate, stop_token_ids
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
-    from lollm.structured import OutputConstraint, compile_constraint
+    from lollm.generate.loop import generate, stop_token_ids
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
+    from lollm.generate.structured import OutputConstraint, compile_constraint
 
     if args.threads:
         torch.set_num_threads(args.threads)

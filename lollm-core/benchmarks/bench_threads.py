@@ -2,7 +2,7 @@
 
 For one GGUF (default: the real Qwen2.5-Coder-0.5B, packed weights), in rounds that
 alternate the condition (as is / busy) and, inside each, the thread count
-(1, 2, ..., the cores allowed, and lollm's default of :mod:`lollm.threads`), this
+(1, 2, ..., the cores allowed, and lollm's default of :mod:`lollm.load.threads`), this
 prints decode tokens/s; then, per condition, the median of each count and the
 default's ratio to the best fixed count. "busy" starts one busy-loop process per
 allowed core (``while True: pass``) for the measurement, and stops it after.
@@ -43,12 +43,12 @@ def worker(path: str, rounds: int, new_tokens: int) -> dict:
     """In this process (one OpenMP policy): every condition and thread count, alternating; tok/s per round."""
     import torch
 
-    from lollm.bench import prompt_ids
-    from lollm.generate import generate
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
-    from lollm.threads import allowed_cores, choose_threads
+    from lollm.proof.bench import prompt_ids
+    from lollm.generate.loop import generate
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
+    from lollm.load.threads import allowed_cores, choose_threads
 
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     ids = prompt_ids(loaded.tokenizer, 64)

@@ -14,7 +14,7 @@ padding changes no row's output. It also gives the largest difference between th
 relative to the largest output (they round the float32 sums in a different order). From 20
 rows it times a third route beside them, the layer's many-rows path (the weights dequantized to
 bfloat16 2 MB at a time, then one matmul each), to which the tiles hand over at
-``lollm.quantized.native_gemm_rows()`` rows.
+``lollm.load.quantized.native_gemm_rows()`` rows.
 Not a test: on a shared machine figures are noisy; read the ratios of one run.
 """
 
@@ -27,7 +27,7 @@ import torch
 
 from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
-from lollm.quantized import Int8Linear, Q5Linear
+from lollm.load.quantized import Int8Linear, Q5Linear
 
 
 def many_rows_path(op: str, weights: tuple[torch.Tensor, ...]):

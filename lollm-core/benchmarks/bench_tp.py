@@ -8,7 +8,7 @@ For each family a small random checkpoint (hidden 256, 4 layers, 8 query heads,
 alternating rounds (1 2 4 1 2 4 …), ``python -m torch.distributed.run`` starts N
 gloo processes (N = 1 runs the same worker without torchrun), each loading its
 shard; the worker prefills 32 tokens and times ``--steps`` greedy decode steps,
-with the collectives timed (:attr:`lollm.tensor_parallel.Group.timing`). The
+with the collectives timed (:attr:`lollm.load.tensor_parallel.Group.timing`). The
 table gives the median per-step time over the rounds and the share of it spent
 inside ``all_reduce`` / ``all_gather`` (rank 0; waiting for the slower rank
 counts as communication).
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
          "intermediate_size": 512, "vocab_size": 8192}
@@ -73,8 +73,8 @@ def worker(folder: str, nproc: int, steps: int, out: str) -> None:
     """One measurement: prefill 32 tokens, then ``steps`` timed decode steps; rank 0 writes JSON to ``out``."""
     import torch
 
-    from lollm.pipeline import open_model
-    from lollm.tensor_parallel import shutdown
+    from lollm.load.pipeline import open_model
+    from lollm.load.tensor_parallel import shutdown
 
     torch.manual_seed(0)
     loaded = open_model(folder, LoadOptions(device="cpu", dtype="float32", tp=nproc))

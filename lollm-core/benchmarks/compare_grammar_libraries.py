@@ -1,4 +1,4 @@
-"""xgrammar against llguidance on this CPU: the figures behind lollm.structured's choice of library.
+"""xgrammar against llguidance on this CPU: the figures behind lollm.generate.structured's choice of library.
 
 Run: ``python lollm-core/benchmarks/compare_grammar_libraries.py`` (needs both libraries:
 ``pip install xgrammar==0.2.9 llguidance==1.9.1``, and the real GGUF tokenizers of

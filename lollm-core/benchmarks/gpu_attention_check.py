@@ -9,7 +9,7 @@ kernel tests compiled on the GPU). What it does, in order:
 1. **parity, tiny checkpoints**: every family's tiny random checkpoint (the ones the
    tests build from real hub configs, plus a gemma4 whose global heads are 512 wide),
    float32 and bfloat16, ``--attn sdpa`` and ``--attn triton``: the parity gate against
-   transformers (:func:`lollm.parity.run_parity`), and our triton logits against our
+   transformers (:func:`lollm.proof.parity.run_parity`), and our triton logits against our
    sdpa logits on the same device (prefill and cached decode) with the greedy ids of both.
    In float32 triton must stay within 1e-4 of sdpa, or, where float32 itself is noisier
    than that, no farther than 1.5 x sdpa's distance from a float64 run of the same model;
@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 REPO = Path(__file__).resolve().parents[2]
 for tests in ("lollm-qwen/tests", "lollm-gemma/tests", "lollm-qwen3_5/tests"):
@@ -134,7 +134,7 @@ def free(device: str) -> None:
 # ---------------------------------------------------------------------------
 def parity_rows(name: str, folder: Path, kind: str, device: str, dtype: str, ids: list[int] | None) -> list[dict]:
     """The gate against transformers for each backend, then our triton against our sdpa."""
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     rows = []
     for attn in BACKENDS:
@@ -162,9 +162,9 @@ def ours_against_ours(name: str, folder: Path, kind: str, device: str, dtype: st
     """Our logits with triton against ours with sdpa on the same device: one prefill, then a
     cached run (a prefill of 2/3 of the ids, a chunk of 3, single tokens); greedy ids of 16 steps."""
     from lollm.attention import use_backend
-    from lollm.generate import generate
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     row = dict(step="triton vs sdpa", model=name, kind=kind, dtype=dtype, attn="triton")
     try:
@@ -210,9 +210,9 @@ def ours_against_ours(name: str, folder: Path, kind: str, device: str, dtype: st
 def bench_rows(name: str, folder: Path, kind: str, device: str, dtype: str, prompts: list[int],
                new_tokens: int, rounds: int) -> list[dict]:
     """Prefill and decode tokens per second through the shared generate loop, backends in alternating rounds."""
-    from lollm.generate import generate
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     rows = []
     try:
@@ -324,7 +324,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from lollm.attention import resolve_backend
-    from lollm.pipeline import pick_device
+    from lollm.load.pipeline import pick_device
 
     device = str(pick_device(args.device))
     resolve_backend("triton", device)  # a clear error now rather than a FAIL in every row

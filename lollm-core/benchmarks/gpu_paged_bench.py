@@ -53,7 +53,7 @@ def checkpoints(root: Path, quick: bool) -> dict[str, Path]:
 def run_engine(model, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, dict[str, list[int]]]:
     """All prompts at once through a fresh Engine until every request finishes: (seconds, tokens per request)."""
     from lollm.engine import Engine, EngineConfig
-    from lollm.sampling import SamplingParams
+    from lollm.generate.sampling import SamplingParams
 
     longest = max(len(p) for p in prompts) + new_tokens
     config = EngineConfig(kv_blocks=len(prompts) * -(-longest // 16) + 8, max_sequences=len(prompts),
@@ -77,8 +77,8 @@ def run_engine(model, prompts: list[list[int]], new_tokens: int, device: str) ->
 def engine_rows(name: str, folder: Path, args) -> list[dict]:
     """Output tokens per second of the engine, sdpa and triton in alternating rounds, at each request count."""
     from lollm.attention import use_backend
-    from lollm.options import LoadOptions
-    from lollm.pipeline import open_model
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
 
     rows = []
     model = open_model(str(folder), LoadOptions(device=args.device, dtype=args.dtype)).model

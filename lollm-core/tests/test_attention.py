@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lollm import attention
 from lollm.attention import attend, recording, use_backend
 from lollm.errors import AttentionBackendError, LollmError
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 HEADS = [(3, 3), (4, 2), (7, 1)]  # (H, K): GQA ratios 1, 2, 7
 HEAD_DIMS = [16, 256, 512]
@@ -392,9 +392,9 @@ def test_cli_refuses_unknown_backends_before_loading_anything(tmp_path, monkeypa
 def test_cli_hands_the_backend_to_parity_and_bench(monkeypatch, capsys, command):
     import sys
 
-    import lollm.bench as bench
+    import lollm.proof.bench as bench
     import lollm.cli as cli
-    import lollm.parity as parity
+    import lollm.proof.parity as parity
 
     seen = {}
 
@@ -422,9 +422,9 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
     """bench measures in-process: our engine's every generation runs with the load's backend."""
     import types
 
-    import lollm.bench as bench
-    import lollm.generate as generate_module
-    import lollm.pipeline as pipeline
+    import lollm.proof.bench as bench
+    import lollm.generate.loop as generate_module
+    import lollm.load.pipeline as pipeline
 
     loads, runs = [], []
 
@@ -537,9 +537,9 @@ def test_a_decode_step_of_several_sequences_is_one_sdpa_call(window, heads, coun
 
 def test_bench_report_prints_its_note_as_text_and_advice_only_where_ratios_exist(monkeypatch, capsys):
     """The note names "lollm-core[bench]": rich must not read it as markup (it once printed "lollm-core")."""
-    import lollm.bench as bench
-    import lollm.cli_report as cli_report
-    from lollm.options import LoadOptions
+    import lollm.proof.bench as bench
+    import lollm.cli.report as cli_report
+    from lollm.load.options import LoadOptions
 
     monkeypatch.setattr(cli_report, "out", cli_report.Console(highlight=False, width=400))
     options = LoadOptions(device="cpu", attn="eager", weights="auto")

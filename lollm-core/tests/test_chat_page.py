@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-import lollm.server as server_module
-from lollm.generate import GenerationResult
-from lollm.server import ModelServer, banner, create_app, request_line
+import lollm.serve.server as server_module
+from lollm.generate.loop import GenerationResult
+from lollm.serve.server import ModelServer, banner, create_app, request_line
 from lollm.testing import serving
 from lollm.testing.browser import Browser
 
@@ -135,10 +135,10 @@ def test_one_log_line_per_request(loaded, caplog):  # noqa: F811
 
     body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
     with TestClient(create_app(ModelServer(loaded, name=NAME, context=64))) as client, \
-            caplog.at_level(logging.INFO, logger="lollm.server"):
+            caplog.at_level(logging.INFO, logger="lollm.serve.server"):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         assert client.post("/v1/chat/completions", json={**body, "stream": True}).status_code == 200
-    lines = [r.getMessage() for r in caplog.records if r.name == "lollm.server"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lollm.serve.server"]
     assert len(lines) == 2, lines
     assert lines[0].startswith("/v1/chat/completions: prompt ") and "(cached 0), generated 4, first token " in lines[0]
     assert " ms, " in lines[0] and "tok/s, finish length" in lines[0]
@@ -181,7 +181,7 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
 
     import uvicorn
 
-    from lollm.server import announce
+    from lollm.serve.server import announce
 
     server = ModelServer(loaded, name=NAME, context=64)
     port = serving.free_port()
@@ -195,7 +195,7 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
                 seen.append((record.getMessage(), answer.status))
 
     probe = Probe(level=logging.INFO)
-    logger = logging.getLogger("lollm.server")
+    logger = logging.getLogger("lollm.serve.server")
     logger.addHandler(probe)
     before = logger.level
     logger.setLevel(logging.INFO)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from lollm.errors import CheckpointError, TokenizerError
-from lollm.loader import MAX_JSON_BYTES, MAX_JSON_DEPTH, load_checkpoint, read_json
+from lollm.load.loader import MAX_JSON_BYTES, MAX_JSON_DEPTH, load_checkpoint, read_json
 
 from _core_helpers import write_tiny_tokenizer
 from test_loader import write_folder, write_sharded
@@ -129,7 +129,7 @@ def test_a_huge_json_file_is_refused_before_it_is_read(tmp_path):
 
 
 def test_a_local_gguf_with_a_quant_suffix_is_not_sent_to_the_hub(tmp_path, monkeypatch):
-    import lollm.loader as loader
+    import lollm.load.loader as loader
 
     def no_hub(*args, **kwargs):
         raise AssertionError("the hub was asked")

@@ -1,4 +1,4 @@
-"""lollm.checks: typed, range-checked reads of config values, and sizes against the tensor table."""
+"""lollm.load.checks: typed, range-checked reads of config values, and sizes against the tensor table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lollm.checks import MAX_LAYERS, MAX_VOCAB, ConfigReader, WeightTable, show
+from lollm.load.checks import MAX_LAYERS, MAX_VOCAB, ConfigReader, WeightTable, show
 from lollm.errors import ConfigError, WeightsError
 
 WHERE = "fam: config.json"

@@ -135,7 +135,7 @@ def test_error_tokenize_missing_folder(tmp_path):
 @pytest.mark.parametrize("passed", [True, False])
 def test_parity_exit_status_follows_the_gate(monkeypatch, capsys, passed):
     import lollm.cli as cli
-    import lollm.parity as parity
+    import lollm.proof.parity as parity
 
     def fake_run_parity(spec, **kwargs):
         report = parity.ParityReport(model=spec, family="fake", dtype="float32", device="cpu", num_tokens=2,
@@ -156,7 +156,7 @@ def test_parity_exit_status_follows_the_gate(monkeypatch, capsys, passed):
 
 def test_lollm_error_inside_a_command_is_one_line_and_status_2(monkeypatch, capsys):
     import lollm.cli as cli
-    import lollm.parity as parity
+    import lollm.proof.parity as parity
     from lollm.errors import ConfigError
 
     def broken(spec, **kwargs):
@@ -181,7 +181,7 @@ def test_serve_and_chat_name_their_extra_when_it_is_missing(monkeypatch):
                           env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"})
     assert done.returncode == 2 and "lollm-core[serve]" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
-    from lollm.conversation import _line_reader
+    from lollm.generate.conversation import _line_reader
     from lollm.errors import LollmError
 
     monkeypatch.setitem(sys.modules, "prompt_toolkit", None)

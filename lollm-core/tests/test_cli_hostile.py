@@ -3,7 +3,7 @@
 Each must end in one ``error:`` line (exit status 2) naming the flag, file or
 limit, or in a correct result:
 
-* numbers: ``--threads`` above :func:`lollm.cli_checks.threads_limit` (a million exhausted the
+* numbers: ``--threads`` above :func:`lollm.cli.checks.threads_limit` (a million exhausted the
   machine's threads) and ``--ctx-size`` of 0 or less (silently the default) are
   refused before torch is imported, on every command that takes them;
 * special files: ``--prompts-file`` and ``tokenize --file`` refuse a folder, a FIFO
@@ -33,7 +33,7 @@ import pytest
 
 from _core_helpers import child_env
 from test_cli_run import PROBE, ckpt, invoke, lollm, ok, toy_site  # noqa: F401  (fixtures)
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 STATS = re.compile(r"^\[\d+ tokens · prompt \d+: \d+ reused", re.M)
 
@@ -72,7 +72,7 @@ def one_error_line(done, *needles: str, torch: bool = False) -> str:
 @pytest.fixture
 def toy_visible(toy_site, monkeypatch):
     """The toy family visible to this process (as the CliRunner tests see it)."""
-    import lollm.plugins as plugins
+    import lollm.load.plugins as plugins
 
     monkeypatch.syspath_prepend(str(toy_site))
     monkeypatch.setattr(plugins, "_REGISTRY", None)
@@ -82,7 +82,7 @@ def toy_visible(toy_site, monkeypatch):
 
 
 def test_the_threads_limit_is_cores_times_a_small_factor():
-    from lollm.cli_checks import THREADS_PER_CORE, check_threads, threads_limit
+    from lollm.cli.checks import THREADS_PER_CORE, check_threads, threads_limit
     from lollm.errors import LollmError
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -95,7 +95,7 @@ def test_the_threads_limit_is_cores_times_a_small_factor():
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve", "bench"])
 def test_too_many_threads_is_refused_before_torch_on_every_command(toy_site, ckpt, command):
-    from lollm.cli_checks import threads_limit
+    from lollm.cli.checks import threads_limit
 
     # (one more than the limit: harmless even where the check is missing, unlike the million of the report)
     extra = ["-p", "hi"] if command == "run" else ["--port", "1"] if command == "serve" else []
@@ -152,7 +152,7 @@ def test_stdin_is_bounded(toy_site, ckpt, args):
 
 
 def test_every_input_is_bounded_by_the_documented_limit(invoke, ckpt, tmp_path, monkeypatch):
-    import lollm.cli_inputs as inputs
+    import lollm.cli.inputs as inputs
     from lollm.errors import LollmError
 
     assert inputs.MAX_INPUT_BYTES == 16 * 2**20
@@ -219,7 +219,7 @@ def test_trace_never_replaces_what_is_not_a_regular_file(invoke, ckpt, tmp_path,
 def test_a_device_node_is_refused():
     # checked on /dev/null without writing anything (the tests may run as root, where the old code replaced it)
     from lollm.errors import LollmError
-    from lollm.trace.page import check_output
+    from lollm.cli.trace.page import check_output
 
     with pytest.raises(LollmError, match=r"/dev/null is a character device; the page replaces only a regular file"):
         check_output("/dev/null")
@@ -265,13 +265,13 @@ def test_a_prompt_longer_than_the_context_is_one_error_line(toy_site, ckpt, tmp_
 
 
 def test_a_capture_that_would_not_fit_the_memory_is_refused_first(toy_visible, ckpt, tmp_path, monkeypatch):
-    import lollm.memory
-    import lollm.trace.run as trace_run
+    import lollm.generate.memory
+    import lollm.cli.trace.run as trace_run
     from lollm.errors import LollmError
 
     captured = []
     monkeypatch.setattr(trace_run, "capture", lambda *a, **k: captured.append(1))
-    monkeypatch.setattr(lollm.memory, "free_memory", lambda device: 20_000)
+    monkeypatch.setattr(lollm.generate.memory, "free_memory", lambda device: 20_000)
     out = tmp_path / "t.html"
     with pytest.raises(LollmError) as info:
         trace_run.run_trace(str(ckpt), prompt="hello there", output=out, options=LoadOptions(device="cpu"))
@@ -282,8 +282,8 @@ def test_a_capture_that_would_not_fit_the_memory_is_refused_first(toy_visible, c
 
 
 def test_the_capture_estimate_reads_the_model(toy_visible, ckpt):
-    from lollm.pipeline import open_model
-    from lollm.trace.capture import capture_shape
+    from lollm.load.pipeline import open_model
+    from lollm.cli.trace.capture import capture_shape
 
     model = open_model(str(ckpt), LoadOptions(device="cpu", dtype="float32")).model
     shape = capture_shape(model)
@@ -342,9 +342,9 @@ def test_a_message_too_long_on_its_own_is_refused_and_the_chat_goes_on(invoke, l
 
 
 def test_a_chat_session_takes_no_silent_default_context(toy_visible, ckpt):
-    from lollm.conversation import ChatSession
+    from lollm.generate.conversation import ChatSession
     from lollm.errors import GenerationError
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
     from lollm.sampling_params import SamplingParams
 
     loaded = open_model(str(ckpt), LoadOptions(device="cpu", dtype="float32"))
@@ -353,7 +353,7 @@ def test_a_chat_session_takes_no_silent_default_context(toy_visible, ckpt):
 
 
 def test_a_piped_line_is_bounded(invoke, ckpt, monkeypatch):
-    import lollm.conversation as conversation
+    import lollm.generate.conversation as conversation
     from lollm.errors import LollmError
 
     assert conversation.MAX_LINE_CHARS == 2**20

@@ -71,7 +71,7 @@ def invoke(toy_site, monkeypatch):
     """The CLI in this process, seeing the toy family; returns typer's Result (stdout, stderr, exit_code, exception)."""
     from typer.testing import CliRunner
 
-    import lollm.plugins as plugins
+    import lollm.load.plugins as plugins
     from lollm.cli import app
 
     monkeypatch.syspath_prepend(str(toy_site))
@@ -146,7 +146,7 @@ BAD_FLAGS = [
     (("--prompt-lookup", "--draft-tokens", "0"), "--draft-tokens"),
     (("--prompt-lookup", "--mtp"), "choose one"),
     (("--no-chat", "--system", "s"), "--system"),
-    # the load flags: lollm.options.LoadOptions refuses them as the CLI makes it (lollm.cli_options.load_options)
+    # the load flags: lollm.load.options.LoadOptions refuses them as the CLI makes it (lollm.cli.options.load_options)
     (("--dtype", "float64"), "unknown dtype 'float64'"),
     (("--weights", "packed"), "--weights 'packed'"),
     (("--quantize", "int3"), "--quantize 'int3'"),
@@ -296,14 +296,14 @@ def test_prompt_lookup_gives_the_plain_output_and_says_what_it_accepted(invoke, 
     assert spec["speculative"]["drafter"] == "prompt lookup" and "speculative" not in plain
     assert 0 <= spec["speculative"]["accepted"] <= spec["speculative"]["drafted"]
     streamed = ok(invoke("run", ckpt, "-p", prompt, *GREEDY, "--prompt-lookup"))
-    from lollm.cli_report import drafter_line
+    from lollm.cli.report import drafter_line
 
     counts = spec["speculative"]
     assert drafter_line("prompt lookup", counts["drafted"], counts["accepted"]) in streamed.stderr
 
 
 def test_the_drafter_line_says_when_nothing_was_drafted():
-    from lollm.cli_report import drafter_line
+    from lollm.cli.report import drafter_line
 
     assert drafter_line("prompt lookup", 8, 6) == "prompt lookup: 6 of 8 drafted tokens accepted (acceptance rate 75.0%)"
     assert drafter_line("prompt lookup", 0, 0).startswith("prompt lookup: nothing drafted (no n-gram")

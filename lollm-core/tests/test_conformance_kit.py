@@ -41,7 +41,7 @@ def _qwen2(folder, **kw):
 def test_default_init_is_blind_and_the_sensitive_checkpoint_is_not(tmp_path):
     """transformers' default initialisation hides a doubled RoPE base below 1e-2 (10 x the kit's
     bound); the spread weights and large epsilon of lollm.testing.tiny make every perturbation show."""
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
     blind = reference_sensitivity(load_checkpoint(_qwen2(tmp_path / "blind")), ids)

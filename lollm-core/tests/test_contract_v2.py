@@ -1,7 +1,7 @@
 """Plugin contract 2: LoadOptions is the only way load settings reach a family.
 
 A spy family records what its ``load(checkpoint, options)`` receives from
-:func:`lollm.pipeline.open_model`: the quantization and the tensor-parallel group
+:func:`lollm.load.pipeline.open_model`: the quantization and the tensor-parallel group
 come from the options (resolved by core), and nothing is set on the tensor source.
 A family written for contract 1 is refused with what to change.
 """
@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 from lollm.errors import LollmError
 from lollm.family import CONTRACT_VERSION, Family
 from lollm.hookspecs import hookimpl
-from lollm.options import LoadOptions
-from lollm.pipeline import open_model
-from lollm.plugins import build_registry
-from lollm.quantized import Quantization
-from lollm.tensor_parallel import Group
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.load.plugins import build_registry
+from lollm.load.quantized import Quantization
+from lollm.load.tensor_parallel import Group
 
 SEEN: list = []
 
@@ -47,7 +47,7 @@ class SpyPlugin:
 def spy(tmp_path, monkeypatch):
     """A registry with the spy family only, and a safetensors folder of model_type "spy"."""
     registry = build_registry(entry_points=[], extra_plugins=[("spy", SpyPlugin())])
-    monkeypatch.setattr("lollm.pipeline.get_registry", lambda: registry)
+    monkeypatch.setattr("lollm.load.pipeline.get_registry", lambda: registry)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "spy"}))
     save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     SEEN.clear()
@@ -67,7 +67,7 @@ def test_the_family_gets_resolved_options_and_nothing_on_the_weights(spy):
 
 def test_the_tensor_parallel_group_reaches_the_family_through_the_options(spy, monkeypatch):
     group = Group(rank=1, world=2, backend="gloo", device=torch.device("cpu"))
-    monkeypatch.setattr("lollm.tensor_parallel.init", lambda tp, device: group)  # torchrun's group, without torchrun
+    monkeypatch.setattr("lollm.load.tensor_parallel.init", lambda tp, device: group)  # torchrun's group, without torchrun
     loaded = open_model(str(spy), LoadOptions(device="cpu", tp=2))
     (_, options, source_attributes), = SEEN
     assert options.tensor_parallel is group and options.tp == 2
@@ -77,7 +77,7 @@ def test_the_tensor_parallel_group_reaches_the_family_through_the_options(spy, m
 
 
 def test_unresolved_options_are_refused_by_build_model():
-    from lollm.build import WeightLayout, build_model
+    from lollm.load.build import WeightLayout, build_model
 
     with pytest.raises(LollmError, match="resolved LoadOptions"):
         build_model(Spy, None, None, "safetensors", LoadOptions(), WeightLayout(name_maps={}))
@@ -127,7 +127,7 @@ def test_a_contract_1_load_under_a_contract_2_record_is_named_before_the_call(sp
     from lollm.errors import PluginError
 
     registry = build_registry(entry_points=[], extra_plugins=[("old", OldSignature())])
-    monkeypatch.setattr("lollm.pipeline.get_registry", lambda: registry)
+    monkeypatch.setattr("lollm.load.pipeline.get_registry", lambda: registry)
     with pytest.raises(PluginError, match=r"takes \(raw_config, weights, fmt, device, dtype, progress\).*"
                                           r"calls load\(checkpoint, options\).*Moving a family to contract 2"):
         open_model(str(spy), LoadOptions(device="cpu"))

@@ -1,10 +1,10 @@
-"""The drafters of lollm.drafting on their own: what prompt lookup proposes, and the errors of a wrong setup."""
+"""The drafters of lollm.generate.drafting on their own: what prompt lookup proposes, and the errors of a wrong setup."""
 
 from __future__ import annotations
 
 import pytest
 
-from lollm.drafting import MtpDrafter, PromptLookupDrafter, drafter_from_flags
+from lollm.generate.drafting import MtpDrafter, PromptLookupDrafter, drafter_from_flags
 from lollm.errors import GenerationError
 
 

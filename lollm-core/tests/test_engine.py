@@ -14,8 +14,8 @@ from lollm.batch import Batch, CacheLayer, token_positions
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.blocks import BlockPool, block_hash
 from lollm.errors import GenerationError
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.batching import (GREEDY, assert_same_greedy, check_engine_equals_solo, check_preemption_and_abort,
                                     check_prefix_cache_hit, check_window_blocks_released, pool_is_full, run_engine)
 
@@ -259,7 +259,7 @@ def test_metrics_show_the_window_pool_where_there_is_one():
     """`lollm serve`'s /metrics gains the window pool's gauges for a model with sliding-window layers."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from lollm.serving_metrics import ServerMetrics
+    from lollm.serve.metrics import ServerMetrics
 
     def gauges(model):
         engine = Engine(model, EngineConfig(kv_blocks=32, block_size=4, max_sequences=2, max_batch_tokens=8))
@@ -300,7 +300,7 @@ def test_the_batch_argmax_breaks_ties_as_the_greedy_sampler_does():
     argmax picks alone (so a tie never parts the engine from the lone run)."""
     from types import SimpleNamespace
 
-    from lollm.sampling import Sampler
+    from lollm.generate.sampling import Sampler
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
     logits[0, [7, 30]] = 9.0

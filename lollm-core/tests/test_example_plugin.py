@@ -117,10 +117,10 @@ def test_lollm_run_on_the_toy_checkpoint(toy_site, toy_checkpoint):
     expect = run_python(
         f"""
         import json
-        from lollm.generate import generate, stop_token_ids
-        from lollm.options import LoadOptions
-        from lollm.pipeline import open_model
-        from lollm.sampling import SamplingParams
+        from lollm.generate.loop import generate, stop_token_ids
+        from lollm.load.options import LoadOptions
+        from lollm.load.pipeline import open_model
+        from lollm.generate.sampling import SamplingParams
         loaded = open_model({str(toy_checkpoint)!r}, LoadOptions(device="cpu"))
         tok = loaded.tokenizer
         ck = loaded.checkpoint

@@ -237,9 +237,9 @@ PLUGINS = st.lists(
 def test_generated_plugins_never_break_the_registry_or_the_families_listing(plugins):
     from typer.testing import CliRunner
 
-    import lollm.plugins as plugin_module
+    import lollm.load.plugins as plugin_module
     from lollm.cli import app
-    from lollm.plugins import build_registry
+    from lollm.load.plugins import build_registry
 
     with cpu_time_limit(CASE_CPU_SECONDS):
         registry = build_registry(entry_points=[], extra_plugins=[(f"gen{i}", _plugin(items, raises))

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lollm.errors import GenerationError, LollmError
-from lollm.generate import Step, generate, generate_steps, stop_token_ids, stream_text
-from lollm.prompt_cache import PromptCache
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import Step, generate, generate_steps, stop_token_ids, stream_text
+from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -110,7 +110,7 @@ def test_prefill_once_then_one_forward_per_new_token():
     assert result.stop_reason == "max_new_tokens"
     # the prompt in one forward asking for the last logits only, then each sampled token once
     assert model.calls == [([1, 2, 3], 0, 1), ([4], 3, 0), ([5], 4, 0), ([6], 5, 0), ([7], 6, 0)]
-    # one cache, sized for the prompt and the new tokens (lollm.memory first sizes it from a build on the meta device)
+    # one cache, sized for the prompt and the new tokens (lollm.generate.memory first sizes it from a build on the meta device)
     assert {c.max_tokens for c in model.caches} == {model.caches[-1].max_tokens} and model.caches[-1].max_tokens >= 3 + 5
     assert result.prefill_seconds > 0 and result.decode_seconds >= 0
 

@@ -53,7 +53,7 @@ def write_tiny_gguf(path: Path, arch: str) -> Path:
 
 def expected_family(model_type: str, distribution: str) -> str:
     """What the router says in this venv: the family's name when its distribution is installed."""
-    from lollm.plugins import get_registry
+    from lollm.load.plugins import get_registry
 
     entry = get_registry().by_model_type.get(model_type)
     return entry.family.name if entry else f"none installed (pip install {distribution})"

@@ -22,10 +22,10 @@ import torch
 from _toy_batched import ToyLM
 from lollm.engine import EngineConfig
 from lollm.errors import GenerationError
-from lollm.generate import generate
-from lollm.llm import LLM, Completion, engine_config_for
-from lollm.pipeline import LoadedModel
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.engine.llm import LLM, Completion, engine_config_for
+from lollm.load.pipeline import LoadedModel
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.tiny import write_tiny_tokenizer
 from lollm.tokenizer import load_tokenizer
 
@@ -198,7 +198,7 @@ def test_the_toy_family_loaded_from_a_folder(tmp_path, monkeypatch, batched):
     from test_cli_run import write_checkpoint
     from test_example_plugin import EXAMPLE
 
-    import lollm.plugins as plugins
+    import lollm.load.plugins as plugins
 
     site = write_site(tmp_path / "site", "lollm-toy", "0.1.0", {"toy": "lollm_toy.plugin"},
                       {"lollm_toy": EXAMPLE / "src" / "lollm_toy"})
@@ -232,7 +232,7 @@ BAD = [
     (["a"], {"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1"),
     (["a"], {"chat": False, "system": "x"}, "system= needs the chat template"),
     (["a"], {"logprobs": -1}, "logprobs must be a whole number >= 0"),
-    (["a"], {"constraint": "json"}, "constraint must be a lollm.structured.OutputConstraint"),
+    (["a"], {"constraint": "json"}, "constraint must be a lollm.generate.structured.OutputConstraint"),
 ]
 
 
@@ -251,7 +251,7 @@ def test_bad_conversations_and_a_pool_too_small(llm, tokenizer):
 
 
 def test_a_constraint_compiled_for_another_vocabulary_is_refused(llm):
-    from lollm.structured import CompiledConstraint
+    from lollm.generate.structured import CompiledConstraint
 
     other = CompiledConstraint.__new__(CompiledConstraint)
     other.vocab_size = VOCAB + 1
@@ -264,9 +264,9 @@ def test_engine_sizing(monkeypatch):
     config = engine_config_for(model, [40, 17, 100])
     assert config.max_sequences == 3 and config.kv_blocks == 3 + 2 + 7  # 16 positions a block
     assert engine_config_for(model, [16] * 100).max_sequences == 64
-    import lollm.memory
+    import lollm.generate.memory
 
-    monkeypatch.setattr(lollm.memory, "free_memory", lambda device: 4 * 1024)  # half of it: 2 blocks of 1 KiB
+    monkeypatch.setattr(lollm.generate.memory, "free_memory", lambda device: 4 * 1024)  # half of it: 2 blocks of 1 KiB
     with pytest.raises(GenerationError, match="a request of 100 positions needs"):
         engine_config_for(model, [40, 100])
 

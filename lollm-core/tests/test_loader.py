@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from lollm.errors import CheckpointError, ConfigError, LollmError
-from lollm.loader import TensorSource, load_checkpoint, load_folder
+from lollm.load.loader import TensorSource, load_checkpoint, load_folder
 
 CONFIG = {"model_type": "fake", "hidden_size": 4, "eos_token_id": 3}
 
@@ -279,7 +279,7 @@ def test_repo_id_offline_and_not_cached(tmp_path):
     done = run_offline(
         """
         from lollm.errors import CheckpointError
-        from lollm.loader import load_checkpoint
+        from lollm.load.loader import load_checkpoint
         try:
             load_checkpoint("lollm-test-org/not-cached-model")
         except CheckpointError as exc:
@@ -301,7 +301,7 @@ def test_a_missing_local_gguf_that_reads_as_a_repo_id_says_so(tmp_path):
     done = run_offline(
         """
         from lollm.errors import CheckpointError
-        from lollm.loader import load_checkpoint
+        from lollm.load.loader import load_checkpoint
         for spec in ("models/x.gguf", "models/out", "org/x.safetensors"):
             try:
                 load_checkpoint(spec)
@@ -329,7 +329,7 @@ def test_repo_id_served_from_the_local_cache(tmp_path):
     done = run_offline(
         """
         import json
-        from lollm.loader import load_checkpoint
+        from lollm.load.loader import load_checkpoint
         ck = load_checkpoint("lollm-test-org/tiny-model")
         print(json.dumps({"path": str(ck.path), "spec": ck.spec, "type": ck.model_type,
                           "gen": ck.generation_config, "names": sorted(ck.weights.names())}))

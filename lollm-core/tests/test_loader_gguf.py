@@ -42,9 +42,9 @@ class _GGUFOnlyPlugin:
 
 
 def test_local_gguf_opens_and_routes_by_architecture(tmp_path, monkeypatch):
-    from lollm import plugins
-    from lollm.loader import load_checkpoint
-    from lollm.pipeline import route
+    from lollm.load import plugins
+    from lollm.load.loader import load_checkpoint
+    from lollm.load.pipeline import route
 
     monkeypatch.setattr(plugins, "_REGISTRY", plugins.build_registry(entry_points=[], extra_plugins=[("stand_in", _GGUFOnlyPlugin)]))
 
@@ -62,7 +62,7 @@ def test_gguf_without_architecture_is_refused(tmp_path):
     import gguf
 
     from lollm.errors import ConfigError
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     path = tmp_path / "noarch.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
@@ -74,7 +74,7 @@ def test_gguf_without_architecture_is_refused(tmp_path):
 
 
 def test_split_file_is_refused_naming_the_merge_step(tmp_path):
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     path = tiny_qwen2_gguf(tmp_path / "x-00001-of-00002.gguf")
     with pytest.raises(CheckpointError) as info:
@@ -102,7 +102,7 @@ def _hub_repo(cache: Path, repo_id: str, files: list[str]) -> None:
 
 RESOLVE = textwrap.dedent("""
     import json, sys
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
     out = {}
     for spec in sys.argv[1:]:
         try:

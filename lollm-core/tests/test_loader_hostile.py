@@ -5,7 +5,7 @@ file and the key, entry or tensor, never a traceback; a file of many tensors rea
   a tensor the safetensors header lists twice;
 * tokenizer.json and tokenizer_config.json parts of the wrong JSON type;
 * GGUF tokenizer errors name the file; text that is not UTF-8 is called that, with its offset;
-* :class:`lollm.loader.TensorSource` reads each tensor from its offsets (the header is parsed
+* :class:`lollm.load.loader.TensorSource` reads each tensor from its offsets (the header is parsed
   once), so the work of opening and reading a file grows with its number of tensors, not its square.
 """
 
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lollm.errors import CheckpointError, TokenizerError
-from lollm.loader import TensorSource, load_checkpoint
+from lollm.load.loader import TensorSource, load_checkpoint
 
 from _core_helpers import run_lollm, write_tiny_tokenizer
 from conftest_gguf import ARRAY, INT32, STRING, GGUFBuilder

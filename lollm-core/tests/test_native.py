@@ -20,7 +20,7 @@ import numpy as np
 
 from lollm import native
 from lollm.gguf.quants import dequantize
-from lollm.quantized import Int8Linear, Q5Linear, linear_from_gguf, native_gemm_rows
+from lollm.load.quantized import Int8Linear, Q5Linear, linear_from_gguf, native_gemm_rows
 
 #: (groups, N, group_size): per channel with an even and an odd number of blocks (a lone last
 #: block), several groups of 64 and of 96, and groups of 32 (the head's layout) with N odd.
@@ -210,7 +210,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 FALLBACK = """
 import torch
 from lollm import native
-from lollm.quantized import Int8Linear
+from lollm.load.quantized import Int8Linear
 layer = Int8Linear(torch.randint(-127, 128, (1, 16, 64), dtype=torch.int8), torch.rand(1, 16))
 y = layer(torch.randn(1, 64))
 print(native.status(), layer.uses_native(), tuple(y.shape))
@@ -240,7 +240,7 @@ def test_a_cached_build_loads_without_a_compiler_and_a_bad_switch_is_refused():
     assert result.returncode != 0 and "LOLLM_NATIVE='maybe': use 0 (off) or 1 (on)" in result.stderr
 
 
-TILES = "from lollm import native, quantized; print(native.status(), native.tile_min_rows(), quantized.native_gemm_rows())"
+TILES = "from lollm import native; from lollm.load import quantized; print(native.status(), native.tile_min_rows(), quantized.native_gemm_rows())"
 
 
 def test_the_amx_switch_turns_the_tiles_off_says_so_and_refuses_a_bad_value():
@@ -352,7 +352,7 @@ def test_q5_a_non_finite_activation_makes_its_row_nan_and_bad_arguments_name_the
 
 
 def test_gguf_q5_0_matrices_become_q5linear_where_the_kernel_runs(monkeypatch):
-    import lollm.quantized as quantized
+    import lollm.load.quantized as quantized
 
     kernel()
     rows = random_q5_rows(32, 128, torch.Generator().manual_seed(14))

@@ -26,7 +26,7 @@ def test_refusals_are_one_error_line_and_write_nothing(tmp_path, args, message):
 
 
 def test_an_existing_folder_is_refused(tmp_path):
-    from lollm.new_family import NewFamilyError, render
+    from lollm.cli.new_family import NewFamilyError, render
 
     (tmp_path / "lollm-mine").mkdir()
     with pytest.raises(NewFamilyError, match="already exists"):

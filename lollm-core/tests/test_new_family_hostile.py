@@ -6,7 +6,7 @@ real one when installed), an over-long NAME, ``--into`` a file or an unwritable
 folder, a symlink where the work folder or the target would be, a write that fails
 half-way.
 
-The write-stage cases run :func:`lollm.new_family.render` in this process with a
+The write-stage cases run :func:`lollm.cli.new_family.render` in this process with a
 registry holding a throwaway reference family (a package in ``tmp_path``), so they
 need no family distribution installed.
 """
@@ -24,7 +24,7 @@ import pytest
 from _core_helpers import child_env, write_site
 from lollm.family import CONTRACT_VERSION, Family
 from lollm.hookspecs import hookimpl
-from lollm.new_family import MAX_NAME_LENGTH, NewFamilyError, render
+from lollm.cli.new_family import MAX_NAME_LENGTH, NewFamilyError, render
 
 
 def new_family(*args: str, cwd: Path, sites: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
@@ -88,7 +88,7 @@ class Plugin:
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     """A registry whose one family, ``toyref``, copies a tiny self-contained package."""
-    from lollm.plugins import build_registry
+    from lollm.load.plugins import build_registry
 
     pkg = tmp_path / "ref" / "lollm_toyref" / "toyref"
     pkg.mkdir(parents=True)
@@ -159,7 +159,7 @@ def test_an_unwritable_folder_is_one_error(registry):
 
 
 def test_a_write_that_fails_half_way_leaves_nothing(tmp_path, registry, monkeypatch):
-    import lollm.new_family as nf
+    import lollm.cli.new_family as nf
 
     real = nf._write
 

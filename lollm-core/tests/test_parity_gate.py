@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import lollm.pipeline as pipeline
-from lollm.parity import ParityReport, compare_logits, layer_cosines, run_parity
-from lollm.plugins import build_registry
+import lollm.load.pipeline as pipeline
+from lollm.proof.parity import ParityReport, compare_logits, layer_cosines, run_parity
+from lollm.load.plugins import build_registry
 
 
 def test_compare_logits_statistics():

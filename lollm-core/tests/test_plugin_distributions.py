@@ -77,7 +77,7 @@ def test_an_installed_plugin_is_routed_without_any_change_to_core(sites):
     done = run_python(
         """
         import sys
-        from lollm.plugins import get_registry
+        from lollm.load.plugins import get_registry
         hit = get_registry().route("tp_alpha_text")
         print(hit.family.name, hit.distribution, hit.version, hit.family.load)
         print("torch imported:", "torch" in sys.modules)
@@ -133,7 +133,7 @@ def test_a_plugin_that_fails_at_import_is_reported_and_the_others_work(sites):
 
     done = run_python(
         """
-        from lollm.plugins import get_registry
+        from lollm.load.plugins import get_registry
         print(get_registry().route("tp_alpha").family.name)
         """,
         sites["alpha"], sites["broken"],

@@ -28,7 +28,7 @@ from lollm import hookspecs
 from lollm.errors import DuplicateModelType, PluginError, UnknownFamily, UnknownModelType
 from lollm.family import CONTRACT_VERSION, Family
 from lollm.hookspecs import hookimpl
-from lollm.plugins import (FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, build_registry,
+from lollm.load.plugins import (FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, build_registry,
                            normalize_name, read_allowlist)
 
 
@@ -401,7 +401,7 @@ def test_run_with_two_claimants_needs_family_and_obeys_it(toy_sites, toy_ckpt):
 def test_every_command_that_loads_a_model_checks_family_before_the_model(command, toy_sites, monkeypatch):
     from typer.testing import CliRunner
 
-    import lollm.plugins as plugins
+    import lollm.load.plugins as plugins
     from lollm.cli import app
 
     for folder in toy_sites:

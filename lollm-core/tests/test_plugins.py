@@ -15,7 +15,7 @@ from lollm import hookspecs
 from lollm.errors import DuplicateModelType, LollmError, PluginError, UnknownModelType
 from lollm.family import CONTRACT_VERSION, Capabilities, Family, import_target, validate_family
 from lollm.hookspecs import hookimpl
-from lollm.plugins import FIRST_PARTY_MODEL_TYPES, Registry, build_registry, get_registry
+from lollm.load.plugins import FIRST_PARTY_MODEL_TYPES, Registry, build_registry, get_registry
 
 
 def fam(name: str, *types: str, gguf: tuple[str, ...] = (), **kwargs) -> Family:
@@ -250,7 +250,7 @@ def test_entry_points_load_and_failures_are_recorded(tmp_path, monkeypatch):
 
 
 def test_build_registry_reads_the_installed_entry_points_by_default(monkeypatch):
-    import lollm.plugins as plugins
+    import lollm.load.plugins as plugins
 
     group = hookspecs.ENTRY_POINT_GROUP
     seen = []
@@ -327,7 +327,7 @@ def test_light_modules_do_not_import_torch():
     code = textwrap.dedent(
         """
         import sys
-        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.plugins, lollm.loader, lollm.cli, lollm.sampling_params
+        import lollm, lollm.errors, lollm.hookspecs, lollm.family, lollm.load.plugins, lollm.load.loader, lollm.cli, lollm.sampling_params
         heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
         print(",".join(heavy))
         """

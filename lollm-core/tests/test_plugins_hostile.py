@@ -28,7 +28,7 @@ from lollm import hookspecs
 from lollm.errors import GenerationError, PluginError
 from lollm.family import CONTRACT_VERSION, Family
 from lollm.hookspecs import hookimpl
-from lollm.plugins import build_registry
+from lollm.load.plugins import build_registry
 
 
 def fam(name: str, *types: str, load: str | None = None) -> Family:
@@ -249,7 +249,7 @@ threading.Event().wait()
 
 REGISTRY_JSON = """
 import json
-from lollm.plugins import build_registry
+from lollm.load.plugins import build_registry
 reg = build_registry()
 print(json.dumps({"broken": {b.plugin: b.error for b in reg.broken}, "families": [f.family.name for f in reg.families]}))
 """

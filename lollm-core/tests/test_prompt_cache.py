@@ -1,4 +1,4 @@
-"""lollm.prompt_cache: what is reused, decided from what a cache says it can do, and never a wrong state.
+"""lollm.generate.prompt_cache: what is reused, decided from what a cache says it can do, and never a wrong state.
 
 The fake model's next token depends on *every* token its cache has absorbed
 (a running hash, like a recurrent state), so a state reused wrongly changes
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from lollm.errors import GenerationError
-from lollm.generate import generate
-from lollm.prompt_cache import PromptCache, common_prefix_length
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.prompt_cache import PromptCache, common_prefix_length
+from lollm.generate.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 V = 97

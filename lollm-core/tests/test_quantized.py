@@ -1,4 +1,4 @@
-"""Quantized execution (lollm.quantized): packed weights unpack to our dequantizer's values, and the packed
+"""Quantized execution (lollm.load.quantized): packed weights unpack to our dequantizer's values, and the packed
 linear layers equal a float matmul with those weights within the bounds stated here.
 
 Tiny matrices of every GGUF type are made with gguf-py's own quantizer (``gguf.quants.quantize``) from random
@@ -15,9 +15,9 @@ from torch import nn
 
 from lollm.errors import LollmError, WeightsError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, SUPPORTED_TYPES, affine4, dequantize
-from lollm.options import LoadOptions
-from lollm.pipeline import pick_quantization
-from lollm.quantized import (
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import pick_quantization
+from lollm.load.quantized import (
     INT4_TYPES,
     INT8_TYPES,
     BlockEmbedding,
@@ -32,10 +32,8 @@ from lollm.quantized import (
     quantize_int4_groups,
     quantize_int8_rows,
 )
-from lollm.weights import load_weights
+from lollm.load.weights import load_weights
 from lollm import native
-
-
 @pytest.fixture(autouse=True)
 def torch_kernels(monkeypatch):
     """These tests are about torch's packed kernels and their bounds: lollm's native kernel, whose
@@ -396,7 +394,7 @@ def test_weight_flag_defaults():
 def test_int8_many_rows_path_agrees_with_the_kernel(grouped, monkeypatch):
     """The dequantize-then-matmul path (forced, whatever the CPU) gives the kernel's outputs within
     bfloat16 roundings: each path rounds once per output (or group) at 2**-9 of its size."""
-    import lollm.quantized as quantized
+    import lollm.load.quantized as quantized
 
     raw, ref = gguf_matrix("Q8_0")
     layer = linear_from_gguf(raw, "Q8_0", (N, K), None, grouped=grouped)

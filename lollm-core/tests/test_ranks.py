@@ -1,4 +1,4 @@
-"""lollm.ranks: the protocol that keeps tensor-parallel ranks in step, on one process and over 2 gloo processes."""
+"""lollm.load.ranks: the protocol that keeps tensor-parallel ranks in step, on one process and over 2 gloo processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lollm import ranks
+from lollm.load import ranks
 from lollm.errors import LollmError
 
 
@@ -25,7 +25,7 @@ def test_one_process_needs_no_protocol():
 def _rank_main(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from lollm.tensor_parallel import Group
+    from lollm.load.tensor_parallel import Group
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     group = Group(rank=rank, world=world, backend="gloo", device=torch.device("cpu"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lollm.errors import GenerationError, LollmError
-from lollm.sampling import (
+from lollm.generate.sampling import (
     Sampler,
     SamplingParams,
     apply_repetition_penalty,
@@ -322,7 +322,7 @@ def test_resolve_records_where_each_value_came_from():
 
 
 def test_describe_names_the_settings_that_apply_and_their_sources():
-    from lollm.sampling import describe_sampling
+    from lollm.generate.sampling import describe_sampling
 
     greedy = resolve_sampling({"temperature": 0.0}, {}, FAMILY)
     line = describe_sampling(greedy)

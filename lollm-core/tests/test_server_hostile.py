@@ -28,10 +28,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import lollm.plugins as plugins
-from lollm.options import LoadOptions
-from lollm.sampling import Sampler, SamplingParams, top_p_filter
-from lollm.server import MAX_JSON_DEPTH, ModelServer, body_limit, create_app
+import lollm.load.plugins as plugins
+from lollm.load.options import LoadOptions
+from lollm.generate.sampling import Sampler, SamplingParams, top_p_filter
+from lollm.serve.server import MAX_JSON_DEPTH, ModelServer, body_limit, create_app
 from lollm.testing import serving
 
 from _core_helpers import write_site
@@ -46,7 +46,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """The toy checkpoint (with a ChatML template) loaded in this process, its family seen through a site folder."""
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     site = write_site(tmp_path_factory.mktemp("site") / "toy", "lollm-toy", "0.1.0", {"toy": "lollm_toy.plugin"},
                       {"lollm_toy": EXAMPLE / "src" / "lollm_toy"})
@@ -267,7 +267,7 @@ def test_an_unexpected_exception_is_a_500_with_a_json_body_and_one_log_line(load
     monkeypatch.setattr(*((server.engine_loop.engine, "step") if path == "engine" else (server, "run")), broken)
     try:
         with TestClient(create_app(server), raise_server_exceptions=False) as client, \
-                caplog.at_level(logging.DEBUG, logger="lollm.server"):
+                caplog.at_level(logging.DEBUG, logger="lollm.serve.server"):
             caplog.clear()
             response = client.post("/v1/chat/completions", json={"model": NAME, "messages": HELLO, "stream": stream})
     finally:
@@ -279,7 +279,7 @@ def test_an_unexpected_exception_is_a_500_with_a_json_body_and_one_log_line(load
     else:
         body = error_of(response, 500)
     assert body["type"] == "server_error" and "internal error" in body["message"] and "broke" not in body["message"]
-    errors = [r for r in caplog.records if r.name == "lollm.server" and r.levelno >= logging.ERROR]
+    errors = [r for r in caplog.records if r.name == "lollm.serve.server" and r.levelno >= logging.ERROR]
     assert len(errors) == 1, [r.getMessage() for r in errors]
     line = errors[0].getMessage()
     assert "\n" not in line and errors[0].exc_info is None, line

@@ -1,4 +1,4 @@
-"""lollm.structured without a model: the constraint record, its checks, and the token mask on real vocabularies.
+"""lollm.generate.structured without a model: the constraint record, its checks, and the token mask on real vocabularies.
 
 The mask is checked against an independent route: a brute-force pass over every id of
 the real Qwen2.5 (151,936 ids, byte-level BPE) and Gemma 3 (262,144 ids, SentencePiece)
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lollm.errors import LollmError
-from lollm.sampling import Sampler, SamplingParams
-from lollm.structured import (ConstraintError, OutputConstraint, check_constraint, compile_constraint, json_rule,
+from lollm.generate.sampling import Sampler, SamplingParams
+from lollm.generate.structured import (ConstraintError, OutputConstraint, check_constraint, compile_constraint, json_rule,
                               tagged_json)
 
 BOOLEAN = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}

@@ -1,4 +1,4 @@
-"""lollm.tensor_parallel: the launch checks, a plan applied to a toy model, and its collectives over gloo.
+"""lollm.load.tensor_parallel: the launch checks, a plan applied to a toy model, and its collectives over gloo.
 
 The families' own tests (each distribution's tests/test_tensor_parallel_*.py)
 run real checkpoints under torchrun; here the mechanism is tested on a toy
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from lollm.quantized import Quantization
-from lollm.tensor_parallel import (
+from lollm.load.quantized import Quantization
+from lollm.load.tensor_parallel import (
     Colwise,
     Group,
     Rowwise,
@@ -28,9 +28,9 @@ from lollm.tensor_parallel import (
     check_launch,
     init,
 )
-from lollm.build import WeightLayout, build_model
-from lollm.options import LoadOptions
-from lollm.weights import load_weights
+from lollm.load.build import WeightLayout, build_model
+from lollm.load.options import LoadOptions
+from lollm.load.weights import load_weights
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
 
@@ -201,7 +201,7 @@ def test_a_split_that_does_not_divide_names_the_field():
         shard(0, 8)
 
 
-#: The toy's declarations, as a family gives them to lollm.build.build_model.
+#: The toy's declarations, as a family gives them to lollm.load.build.build_model.
 LAYOUT = WeightLayout(name_maps={"safetensors": lambda n: n}, tp_plan=PLAN, quantizable=r"q\.weight|up\.weight")
 
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from _core_helpers import child_env
-from lollm.tensor_parallel import TensorParallelError, check_launch
+from lollm.load.tensor_parallel import TensorParallelError, check_launch
 
 ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
 
@@ -82,7 +82,7 @@ def test_cli_refuses_a_rank_outside_the_world_in_one_line():
 JOIN = """
 import json, sys, torch
 from lollm.errors import LollmError
-from lollm.tensor_parallel import init, shutdown
+from lollm.load.tensor_parallel import init, shutdown
 try:
     group = init(2, torch.device("cpu"))
 except LollmError as exc:

@@ -1,4 +1,4 @@
-"""lollm.threads: the default thread count is the free cores, read from the affinity mask and the run queue."""
+"""lollm.load.threads: the default thread count is the free cores, read from the affinity mask and the run queue."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import io
 
 import pytest
 
-from lollm import threads
-
-
+from lollm.load import threads
 @pytest.fixture
 def machine(monkeypatch):
     """``machine(cores, runnable...)``: a process allowed ``cores`` cores, /proc/loadavg reading each count in turn."""

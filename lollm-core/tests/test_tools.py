@@ -1,4 +1,4 @@
-"""lollm.tools: the call formats, the parser on tricky text, and the real chat templates rendering tools.
+"""lollm.serve.tools: the call formats, the parser on tricky text, and the real chat templates rendering tools.
 
 The templates are the real ones (lollm.testing's hub_configs: Qwen2.5, Qwen3,
 Qwen3.5, Gemma 3 and 4); a call rendered by a template in an earlier assistant
@@ -16,7 +16,7 @@ import pytest
 
 from lollm.testing.hub_configs import hub_configs_dir
 from lollm.tokenizer.chat import ChatTemplate
-from lollm.tools import (GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, MarkerText, ToolCall, ToolCallParser,
+from lollm.serve.tools import (GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, MarkerText, ToolCall, ToolCallParser,
                          ToolRequestError, format_of, read_tools, split_calls, template_tool_calls)
 
 pytest_plugins = ["conftest_gguf"]  # the qwen25_gguf fixture: the real Qwen2.5 GGUF
@@ -247,7 +247,7 @@ XML_GOOD = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</para
     (XML_GOOD.replace("Rome\n</parameter>", "Rome\n</parameter>\n</parameter>"), False),  # the value ended at the tag
 ])
 def test_the_xml_grammar_on_the_real_tokenizer(qwen25_gguf, text, allowed):
-    from lollm.structured import ConstraintError, compile_constraint
+    from lollm.generate.structured import ConstraintError, compile_constraint
     from lollm.tokenizer import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(qwen25_gguf)
@@ -300,7 +300,7 @@ def test_special_markers_are_decoded_for_the_parser(qwen25_gguf):
 
 def test_a_function_without_parameters_takes_none(qwen25_gguf):
     # OpenAI reads a missing 'parameters' as no parameters: a forced call's arguments are {} and nothing else
-    from lollm.structured import ConstraintError, compile_constraint
+    from lollm.generate.structured import ConstraintError, compile_constraint
     from lollm.tokenizer import load_gguf_tokenizer
 
     tools = [{"type": "function", "function": {"name": "ping"}}]

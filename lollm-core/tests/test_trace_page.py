@@ -23,11 +23,11 @@ from lollm.attention import attend
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.trace import record_choice, record_series, record_softcap, recording_internals, tracing
-from lollm.trace.capture import Trace, capture, compare
-from lollm.trace.page import decode_attention, encode_attention, page_data, render, visible, write_page
-from lollm.trace.run import model_label
+from lollm.cli.trace.capture import Trace, capture, compare
+from lollm.cli.trace.page import decode_attention, encode_attention, page_data, render, visible, write_page
+from lollm.cli.trace.run import model_label
 
-VENDOR = Path(__import__("lollm.trace", fromlist=["x"]).__file__).parent / "vendor"
+VENDOR = Path(__import__("lollm.cli.trace", fromlist=["x"]).__file__).parent / "vendor"
 CAP = 5.0
 
 

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lollm.checks import MAX_LAYERS, ConfigReader
+from lollm.load.checks import MAX_LAYERS, ConfigReader
 from lollm.errors import CheckpointError, ConfigError, LollmError
-from lollm.loader import read_json
+from lollm.load.loader import read_json
 from lollm.testing.fuzz import CPUTimeExceeded, _JUNK, check_clean, fuzz_settings, mutated
 
 BASE = {"model_type": "m", "num_hidden_layers": 2, "rope_parameters": {"rope_theta": 1e6, "factor": 2.0}, "layer_types": ["a", "b"]}

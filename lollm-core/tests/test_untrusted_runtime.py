@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import lollm.memory as memory
+import lollm.generate.memory as memory
 from lollm.errors import GenerationError, WeightsError
-from lollm.generate import generate
-from lollm.loader import TensorSource
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.load.loader import TensorSource
+from lollm.generate.sampling import SamplingParams
 
 from test_weights import DictSource, checkpoint, load, on_meta
 
@@ -31,7 +31,7 @@ def test_an_integer_tensor_in_a_safetensors_file_is_refused_before_it_is_read(tm
     save_file(checkpoint(norm__weight=torch.ones(4, dtype=torch.int32)), str(tmp_path / "model.safetensors"))
     source = TensorSource([tmp_path / "model.safetensors"])
     with pytest.raises(WeightsError, match=r"tensor 'norm.weight' is stored as I32, an integer type, but 'norm.weight' is a floating-point parameter"):
-        from lollm.weights import load_weights
+        from lollm.load.weights import load_weights
 
         load_weights(on_meta(), source, lambda n: n, device="cpu", dtype=torch.float32)
 
@@ -43,7 +43,7 @@ def test_a_gguf_integer_type_is_refused_though_it_reads_as_float():
         def dtype(self, name):
             return "I32" if name == "proj.weight" else "F32"
 
-    from lollm.weights import load_weights
+    from lollm.load.weights import load_weights
 
     with pytest.raises(WeightsError, match=r"'proj.weight' is stored as I32"):
         load_weights(on_meta(), GGUFLike(checkpoint()), lambda n: n, device="cpu", dtype=torch.float32)
@@ -123,7 +123,7 @@ def test_free_memory_is_known_on_the_cpu():
 @pytest.mark.parametrize("value", [[2, None], "abc", [2, "3"], {"id": 2}, True])
 def test_bad_eos_ids_in_generation_config_are_named(value):
     from lollm.errors import ConfigError
-    from lollm.generate import stop_token_ids
+    from lollm.generate.loop import stop_token_ids
 
     with pytest.raises(ConfigError, match=r"^generation_config.json 'eos_token_id' is"):
         stop_token_ids({"eos_token_id": value}, {})

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lollm.errors import LollmError, WeightsError
-from lollm.loader import TensorSource
-from lollm.weights import load_weights
+from lollm.load.loader import TensorSource
+from lollm.load.weights import load_weights
 
 
 class Tiny(nn.Module):
@@ -228,8 +228,8 @@ import json, sys
 from pathlib import Path
 import torch
 from torch import nn
-from lollm.loader import TensorSource, _weight_files
-from lollm.weights import load_weights
+from lollm.load.loader import TensorSource, _weight_files
+from lollm.load.weights import load_weights
 
 LAYERS, WIDTH = {layers}, {width}
 

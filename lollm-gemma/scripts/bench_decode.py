@@ -8,7 +8,7 @@ fp32 on the CPU, greedy, batch 1, on the same token ids, one after the other in
 child processes (so they never share memory). Each one: a warm-up generation,
 then the timed one. Prefill = the prompt's forward; decode tok/s = (new_tokens - 1)
 steps after the first token, measured the same way for both:
-* lollm:        lollm.generate.generate (its own prefill/decode timers);
+* lollm:        lollm.generate.loop.generate (its own prefill/decode timers);
 * transformers: model.generate with max_new_tokens=N+1 minus max_new_tokens=1.
 
 (`lollm bench` does the same for any family, but it needs lollm's tokenizer for
@@ -53,10 +53,10 @@ def worker(engine: str, folder: str, ids: list[int], new_tokens: int, threads: i
     prompt = torch.tensor([ids])
     with torch.inference_mode():
         if engine == "lollm":
-            from lollm.generate import generate
-            from lollm.options import LoadOptions
-            from lollm.pipeline import open_model
-            from lollm.sampling import SamplingParams
+            from lollm.generate.loop import generate
+            from lollm.load.options import LoadOptions
+            from lollm.load.pipeline import open_model
+            from lollm.generate.sampling import SamplingParams
 
             model = open_model(folder, LoadOptions(device="cpu", dtype="float32")).model
             greedy = SamplingParams(temperature=0.0)

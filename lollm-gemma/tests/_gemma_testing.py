@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.testing.hub_configs import hub_configs_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,7 +160,7 @@ TINY: dict[str, Callable[[], dict[str, Any]]] = {
 # ---------------------------------------------------------------------------
 def load_ours(folder: Path):
     """Our model for a checkpoint folder, routed through the installed plugins, fp32 on the CPU."""
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     return open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model
 

@@ -11,9 +11,9 @@ import torch
 from _gemma_testing import WINDOW, load_ours, prompt_ids
 
 from lollm import attention
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
-from lollm.options import LoadOptions
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
+from lollm.load.options import LoadOptions
 
 FAMILIES = ["gemma2", "gemma3-270m", "gemma4-e2b-text"]  # soft-cap; sliding/global; 512-wide heads + shared KV
 
@@ -33,7 +33,7 @@ def eager_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_parity_gate_with_eager_attention(tiny, name, eager_calls):
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     folder = tiny(name, "transformers5")
     ids = prompt_ids(4 * WINDOW + 3)

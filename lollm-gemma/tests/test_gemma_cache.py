@@ -105,8 +105,8 @@ def test_gemma4_kv_sharing_layers_keep_no_cache(tiny):
 def test_sliding_layer_cache_bytes_bounded_by_window_after_4000_tokens(tiny):
     """A 4,000-token greedy generation through the shared loop: each sliding-window layer's cache
     holds exactly WINDOW positions of keys and values (the ring), each global layer the whole text."""
-    from lollm.generate import generate
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.generate.sampling import SamplingParams
     from lollm_gemma.gemma3.kv import FullKV, SlidingWindowKV
 
     model = load_ours(tiny("gemma3-long", "transformers5"))
@@ -121,7 +121,7 @@ def test_sliding_layer_cache_bytes_bounded_by_window_after_4000_tokens(tiny):
     prompt = prompt_ids(8)
     result = generate(model, prompt, max_new_tokens=4000, sampling=SamplingParams(temperature=0.0))
     assert len(result.new_ids) == 4000
-    cache = made[-1]  # the cache the loop allocated (lollm.memory first sizes one built on the meta device)
+    cache = made[-1]  # the cache the loop allocated (lollm.generate.memory first sizes one built on the meta device)
     assert cache.length >= 4000
     cfg = model.config
     per_position = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # k and v, float32

@@ -5,7 +5,7 @@ of 3 W + 2 positions. Here every request is longer than the sliding window, the 
 budget cuts the prompts into chunks whose first queries see back across the window's
 edge into keys an earlier chunk wrote to the paged pool, one request arrives while the
 others decode, and the blocks (4 positions) never line up with the window (6). Each
-request must still produce the greedy tokens it produces alone (lollm.generate).
+request must still produce the greedy tokens it produces alone (lollm.generate.loop).
 
 gemma4 has no kit subclass here (its tiny checkpoints are checked against the reference
 in test_gemma_parity_tiny.py), so the kit's four engine checks run on it below.

@@ -34,7 +34,7 @@ from _gemma_testing import (
     write_gemma4_gguf,
 )
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.errors import ConfigError
 
 RUN_PROMPT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to 753 BC. Write a short summary:"
@@ -261,7 +261,7 @@ def test_gemma4_gguf_unknown_key_refused_through_open_model(tiny, tmp_path):
     """An unknown gemma4.* key in a real file stops open_model, naming the key."""
     import gguf
 
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     folder = tiny("gemma4-e2b-text", "transformers5")
     path = write_gemma4_gguf(folder, tmp_path / "base.gguf")

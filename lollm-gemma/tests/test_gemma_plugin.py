@@ -16,7 +16,7 @@ FAMILIES = ("gemma2", "gemma3", "gemma4")
 
 
 def test_entry_point_registers_the_three_families():
-    from lollm.plugins import build_registry
+    from lollm.load.plugins import build_registry
 
     registry = build_registry()
     assert not [b for b in registry.broken if b.distribution == "lollm-gemma"]

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from lollm.server import ApiError, ModelServer
+from lollm.serve.server import ApiError, ModelServer
 from lollm.testing.hub_configs import hub_file
 from lollm.testing.tiny import write_tiny_tokenizer
 
@@ -22,7 +22,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 def server_with_template(tiny, tmp_path, name: str, hub_folder: str) -> ModelServer:
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     folder = tmp_path / name
     shutil.copytree(tiny(name, "transformers5"), folder)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from _gemma_testing import write_gemma2_gguf
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.testing.tiny import write_tiny_tokenizer
-from lollm.trace.run import run_trace
+from lollm.cli.trace.run import run_trace
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 CHECKPOINTS = {"gemma2": "gemma2", "gemma3": "gemma3-1b", "gemma4": "gemma4-e2b-text"}
@@ -47,7 +47,7 @@ def browser():
 
 
 def _open(folder: Path):
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     return loaded, loaded.tokenizer.encode(PROMPT)

@@ -2,7 +2,7 @@
 
 When lollm-gemma is not installed, nothing of it can speak: the error for one of its
 checkpoints gets its "pip install lollm-gemma" from lollm-core's small first-party
-table (lollm.plugins.FIRST_PARTY_MODEL_TYPES / FIRST_PARTY_GGUF_ARCHITECTURES).
+table (lollm.load.plugins.FIRST_PARTY_MODEL_TYPES / FIRST_PARTY_GGUF_ARCHITECTURES).
 This test reads the families this distribution registers through its own
 entry points, so a type added here without its row in core (or a row left in
 core for a type removed here) fails.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.metadata as md
 
 from lollm.hookspecs import ENTRY_POINT_GROUP
-from lollm.plugins import FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, build_registry
+from lollm.load.plugins import FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, build_registry
 
 DIST = "lollm-gemma"
 

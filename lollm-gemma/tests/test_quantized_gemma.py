@@ -4,7 +4,7 @@ packed (accuracy against our float32 path, memory)."""
 from __future__ import annotations
 
 import pytest
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3-270m", "gemma4-e2b-text"])
@@ -24,8 +24,8 @@ def test_real_gguf_quantized_agrees_with_float32():
     import os
 
     import torch
-    from lollm.pipeline import open_model
-    from lollm.quantized import Int8Embedding
+    from lollm.load.pipeline import open_model
+    from lollm.load.quantized import Int8Embedding
     from lollm.testing.quantized import EVAL_TEXT, compare, logits_of
     from lollm.testing.real_models import fetch_gguf
 

@@ -17,7 +17,7 @@ import gc
 import pytest
 import torch
 from _gemma_testing import assert_close_logits, long_text
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 SHORT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to 753 BC. Write a short summary:"
 NEW_TOKENS = 64
@@ -40,9 +40,9 @@ def runs(gemma3_dir):
     """Logits of both prompts and the greedy continuation of the long one, ours then transformers'."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lollm.generate import generate
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     tok = AutoTokenizer.from_pretrained(str(gemma3_dir))
     prompts = {"short": tok(SHORT)["input_ids"], "long": tok(_long_text())["input_ids"]}

@@ -1,5 +1,5 @@
 """RoPE numbers are bounded (issue 22): a scaling factor from 1 to 1,024 and a base above 1 and up
-to 1e16 (lollm.checks). Every real Gemma config loads; an extreme value is an error naming the key."""
+to 1e16 (lollm.load.checks). Every real Gemma config loads; an extreme value is an error naming the key."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_every_real_config_is_accepted():
             cls.from_hf(hub_config(name))
     assert Gemma3Config.from_hf(hub_config("google__gemma-3-4b-it")).rope_global.factor == 8.0
     # 26B-A4B is refused for its MoE block; its RoPE alone reads within the bounds
-    from lollm.checks import ConfigReader
+    from lollm.load.checks import ConfigReader
     from lollm_gemma.gemma4.config import _read_rope
 
     local, glob = _read_rope(ConfigReader(hub_config("google__gemma-4-26B-A4B")["text_config"], "gemma4"))

@@ -8,7 +8,7 @@ Test modules import what they use: ``from _qwen_tiny import tiny_checkpoint, ...
 Every model test starts from a REAL hub config.json (so every key the real
 model has is present), shrinks its dimensions, and lets transformers write a
 tiny random checkpoint (``lollm.testing.tiny``). Our model is then loaded the
-way lollm loads it (``lollm.loader.load_checkpoint`` + the family's ``load``)
+way lollm loads it (``lollm.load.loader.load_checkpoint`` + the family's ``load``)
 and compared against transformers on the same folder, in float32 on the CPU.
 
 The hub configs are read from ``$LOLLM_HUB_CONFIGS``, by default
@@ -60,7 +60,7 @@ def family_load(family: str):
 
 
 def load_ours(folder: Path, family: str):
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     ckpt = load_checkpoint(folder)
     return load_with(family_load(family), ckpt.config, ckpt.weights, ckpt.fmt)

@@ -10,9 +10,9 @@ import pytest
 
 from _qwen_tiny import family, load_ours, prompt, tiny_checkpoint, torch  # noqa: F401  (fixtures)
 from lollm import attention
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
-from lollm.options import LoadOptions
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
+from lollm.load.options import LoadOptions
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def eager_calls(monkeypatch) -> list[int]:
 
 
 def test_parity_gate_with_eager_attention(tiny_checkpoint, family, eager_calls):
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     folder = tiny_checkpoint(family, "hub")
     ids = prompt(512)[0].tolist()

@@ -70,7 +70,7 @@ def _argv(command: str, site: Path) -> list[str] | None:
 
 
 def test_every_console_command_of_the_tutorial_runs(tmp_path):
-    from lollm.plugins import build_registry
+    from lollm.load.plugins import build_registry
 
     installed = {f.family.name: f.distribution for f in build_registry().families}
     if "llama" in installed:

@@ -140,7 +140,7 @@ def test_old_rotary_buffers_in_the_file_are_skipped(folder, family):
 
 def test_gguf_format_needs_gguf_metadata(folder, family):
     """fmt="gguf" reads llama.cpp's metadata keys: a config.json dict has none, and the error says which."""
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     ckpt = load_checkpoint(folder)
     with pytest.raises(ConfigError, match="general.architecture"):

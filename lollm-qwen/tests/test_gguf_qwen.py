@@ -32,7 +32,7 @@ import torch
 
 from _qwen_tiny import real_config
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.errors import ConfigError, WeightsError
 from lollm.testing.loading import load_with
 
@@ -128,7 +128,7 @@ def _types(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(("family", "tied"), [("qwen3", True), ("qwen3", False), ("qwen2", True), ("qwen2", False)])
 def test_tiny_gguf_parity_against_transformers(tiny_gguf, family, tied):
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     path = tiny_gguf(family, tied)
     types = _types(path)
@@ -142,7 +142,7 @@ def test_tiny_gguf_parity_against_transformers(tiny_gguf, family, tied):
 
 
 def test_tiny_gguf_model_shapes(tiny_gguf):
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(tiny_gguf("qwen3", True)), LoadOptions(device="cpu", dtype="float32"))
     cfg = loaded.model.config
@@ -152,7 +152,7 @@ def test_tiny_gguf_model_shapes(tiny_gguf):
 
 
 def test_tiny_gguf_loads_in_bfloat16(tiny_gguf):
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(tiny_gguf("qwen2", False)), LoadOptions(device="cpu", dtype="bfloat16"))
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
@@ -272,7 +272,7 @@ def test_wrong_architecture_is_refused(tiny_gguf):
 
 
 def test_bench_of_a_gguf_says_when_llama_cpp_is_not_measured(tiny_gguf, monkeypatch):
-    import lollm.bench as bench
+    import lollm.proof.bench as bench
 
     monkeypatch.setattr(bench, "llama_cpp_available", lambda: False)
     path = str(tiny_gguf("qwen2", True))
@@ -285,10 +285,10 @@ def test_bench_of_a_gguf_says_when_llama_cpp_is_not_measured(tiny_gguf, monkeypa
 _LOAD_AND_GENERATE = """
 import sys
 import torch
-from lollm.generate import generate
-from lollm.options import LoadOptions
-from lollm.pipeline import open_model
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.generate.sampling import SamplingParams
 loaded = open_model(sys.argv[1], LoadOptions(weights="auto"))
 with torch.inference_mode():
     result = generate(loaded.model, [3, 4, 5], max_new_tokens=3, sampling=SamplingParams(temperature=0.0), attn=loaded.attn)
@@ -298,7 +298,7 @@ print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
 
 
 def test_load_and_generate_import_neither_dynamo_nor_triton(tiny_gguf):
-    """Building the modules (lollm.build.on_meta) and sizing the cache (lollm.memory) stay off
+    """Building the modules (lollm.load.build.on_meta) and sizing the cache (lollm.generate.memory) stay off
     torch._dynamo: importing it (and Triton with it) costs about 150 MB of resident memory."""
     done = subprocess.run([sys.executable, "-c", _LOAD_AND_GENERATE, str(tiny_gguf("qwen2", True))],
                           capture_output=True, text=True)
@@ -348,9 +348,9 @@ def _reference_greedy(path: Path, prompts: dict[str, list[int]]) -> dict[str, li
 @pytest.fixture(scope="module")
 def real_greedy_pairs(real_gguf):
     """Our greedy ids and transformers' on the GGUF, raw and chat prompt (one model in memory at a time)."""
-    from lollm.generate import generate, stop_token_ids
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate, stop_token_ids
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     loaded = open_model(str(real_gguf), LoadOptions(device="cpu", dtype="float32"))
     tok = loaded.tokenizer
@@ -382,10 +382,10 @@ MEMORY_SCRIPT = textwrap.dedent("""
     def hwm():
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
     import torch
-    import lollm.pipeline, lollm.gguf, lollm.weights, lollm.options
+    import lollm.load.pipeline, lollm.gguf, lollm.load.weights, lollm.load.options
     import lollm_qwen.qwen2.weights, lollm_qwen.qwen2.modeling_qwen2
     before = hwm()
-    loaded = lollm.pipeline.open_model(sys.argv[1], lollm.options.LoadOptions(device="cpu", dtype="float32"))
+    loaded = lollm.load.pipeline.open_model(sys.argv[1], lollm.load.options.LoadOptions(device="cpu", dtype="float32"))
     after = hwm()
     params = {id(p): p.numel() * p.element_size() for p in loaded.model.parameters()}
     print(json.dumps({"before": before, "after": after, "model_bytes": sum(params.values())}))

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from _qwen_tiny import chat_checkpoint  # noqa: F401  (a fixture)
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["hello there", "tell me a story about a cat and a dog", "2+2", "the quick brown fox jumps over the lazy dog",
@@ -38,7 +38,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "offline-batch.md"
 
 @pytest.fixture(scope="module")
 def llm(chat_checkpoint):
-    from lollm.llm import LLM
+    from lollm.engine.llm import LLM
 
     return LLM(str(chat_checkpoint), device="cpu", threads=1)
 
@@ -73,7 +73,7 @@ def test_chat_and_logprobs_equal_solo(llm):
 
 
 def test_a_regex_constraint_is_applied_per_request(llm):
-    from lollm.structured import OutputConstraint, compile_constraint
+    from lollm.generate.structured import OutputConstraint, compile_constraint
 
     constraint = OutputConstraint.regex(r"[a-z]{2,6} [0-9]{1,3}")
     done = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, seed=5), max_new_tokens=16, constraint=constraint)
@@ -111,7 +111,7 @@ def test_the_docs_snippet_runs_on_a_tiny_checkpoint(chat_checkpoint, capsys, doc
 
 @pytest.fixture(scope="module")
 def real_llm():
-    from lollm.llm import LLM
+    from lollm.engine.llm import LLM
     from lollm.testing.real_models import fetch_gguf
 
     return LLM(str(fetch_gguf("qwen2.5-coder-0.5b-instruct")))
@@ -120,7 +120,7 @@ def real_llm():
 @pytest.mark.real
 def test_real_gguf_8_prompts_equal_their_solo_greedy_runs(real_llm):
     """Packed weights: an engine step of many rows and a lone decode step of one take different kernels
-    (lollm.quantized.Int8Linear), whose logits part by bfloat16 roundings. A near-tie is therefore
+    (lollm.load.quantized.Int8Linear), whose logits part by bfloat16 roundings. A near-tie is therefore
     judged against that measured difference (path_noise, times the kit's noise factor), not 1e-3."""
     from lollm.testing.batching import TIE_BOUND, assert_same_greedy, path_noise
     from lollm.testing.conformance import NOISE_FACTOR

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lollm.new_family import NewFamilyError, describe, render
+from lollm.cli.new_family import NewFamilyError, describe, render
 
 
 def _run(args: list[str], cwd: Path, site: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 from _qwen_tiny import (  # noqa: F401  (family and tiny_checkpoint are fixtures)
     assert_logits_close,
@@ -144,8 +144,8 @@ def test_protocol_attributes(tiny_checkpoint, family):
 
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_parity_gate_passes_on_random_checkpoints(tiny_checkpoint, family, schema):
-    """The gate `lollm parity` runs (lollm.parity.run_parity), on a random checkpoint in each config schema."""
-    from lollm.parity import run_parity
+    """The gate `lollm parity` runs (lollm.proof.parity.run_parity), on a random checkpoint in each config schema."""
+    from lollm.proof.parity import run_parity
 
     folder = tiny_checkpoint(family, schema)
     ids = prompt(512)[0].tolist()  # tiny checkpoints have no tokenizer: the gate takes ids directly

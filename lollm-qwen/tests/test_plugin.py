@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 from lollm.family import CONTRACT_VERSION, import_target
-from lollm.plugins import build_registry
+from lollm.load.plugins import build_registry
 
 import lollm_qwen.plugin
 
@@ -23,7 +23,7 @@ def test_plugin_imports_no_torch():
         """
         import sys
         import lollm_qwen.plugin
-        from lollm.plugins import build_registry
+        from lollm.load.plugins import build_registry
         registry = build_registry(entry_points=[], extra_plugins=[("qwen", lollm_qwen.plugin)])
         assert [f.family.name for f in registry.families] == ["qwen2", "qwen3"], registry
         heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "lollm_qwen.qwen2.", "lollm_qwen.qwen3.")))

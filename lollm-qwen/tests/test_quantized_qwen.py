@@ -10,7 +10,7 @@ import torch
 
 from _qwen_tiny import family, tiny_checkpoint  # noqa: F401  (fixtures)
 from test_gguf_qwen import tiny_gguf  # noqa: F401  (fixture)
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.errors import LollmError
 
 
@@ -25,7 +25,7 @@ def test_quantize_at_load(tiny_checkpoint, family, mode):
 def test_bench_without_transformers_prints_our_figures(tiny_checkpoint, monkeypatch):
     import importlib.util
 
-    from lollm.bench import NO_REFERENCE, run_bench
+    from lollm.proof.bench import NO_REFERENCE, run_bench
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real_find_spec(name, *a))
@@ -35,7 +35,7 @@ def test_bench_without_transformers_prints_our_figures(tiny_checkpoint, monkeypa
 
 
 def test_bench_alternates_rounds_and_reports_per_round_ratios(tiny_checkpoint):
-    from lollm.bench import run_bench
+    from lollm.proof.bench import run_bench
 
     result = run_bench(str(tiny_checkpoint("qwen2")), ids=list(range(3, 11)), new_tokens=2, rounds=3, threads=1)
     assert [e.name for e in result.engines] == ["lollm", "transformers"]
@@ -45,8 +45,8 @@ def test_bench_alternates_rounds_and_reports_per_round_ratios(tiny_checkpoint):
 
 
 def test_parity_and_bench_refuse_weights_transformers_would_not_read(tiny_checkpoint, tmp_path):
-    from lollm.bench import run_bench
-    from lollm.parity import run_parity
+    from lollm.proof.bench import run_bench
+    from lollm.proof.parity import run_parity
 
     folder = tmp_path / "renamed"
     shutil.copytree(tiny_checkpoint("qwen2"), folder)
@@ -66,7 +66,7 @@ def test_real_gguf_quantized_agrees_with_float32():
     import os
 
     from lollm import native
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
     from lollm.testing.quantized import EVAL_TEXT, compare, decode_logits_of, logits_of
     from lollm.testing.real_models import fetch_gguf
 
@@ -95,7 +95,7 @@ def test_real_gguf_quantized_agrees_with_float32():
 
 
 def test_parity_with_quantized_weights_uses_the_looser_gate(tiny_checkpoint):
-    from lollm.parity import QUANTIZED_MIN_COSINE, QUANTIZED_MIN_TOP1, run_parity
+    from lollm.proof.parity import QUANTIZED_MIN_COSINE, QUANTIZED_MIN_TOP1, run_parity
 
     folder = tiny_checkpoint("qwen2", hidden_size=128, intermediate_size=256)
     report = run_parity(str(folder), ids=list(range(3, 40)), options=LoadOptions(quantize="int8"))
@@ -110,9 +110,9 @@ def test_parity_with_quantized_weights_uses_the_looser_gate(tiny_checkpoint):
 def test_tiny_gguf_runs_packed_and_passes_the_quantized_gate(tiny_gguf, family, tied):
     """A tiny GGUF (F32/F16/Q8_0 tensors) loads packed where its types allow, and its logits pass the
     quantized parity gate against transformers' float32 reading of the same file."""
-    from lollm.parity import run_parity
-    from lollm.pipeline import open_model
-    from lollm.quantized import Int8Embedding, Int8Linear
+    from lollm.proof.parity import run_parity
+    from lollm.load.pipeline import open_model
+    from lollm.load.quantized import Int8Embedding, Int8Linear
 
     path = str(tiny_gguf(family, tied))
     model = open_model(path, LoadOptions(device="cpu", weights="quantized")).model

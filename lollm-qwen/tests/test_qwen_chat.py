@@ -125,10 +125,10 @@ def test_chat_loads_the_weights_it_is_asked_for(chat_checkpoint, monkeypatch):
     """--quantize/--group-size reach the load as in `lollm run`; a bad combination is refused before it."""
     from typer.testing import CliRunner
 
-    import lollm.conversation as conversation
+    import lollm.generate.conversation as conversation
     from lollm.cli import app
     from lollm.errors import LollmError
-    from lollm.quantized import Int4Linear
+    from lollm.load.quantized import Int4Linear
 
     sessions = []
 

@@ -83,7 +83,7 @@ def test_a_message_cannot_forge_control_tokens(client, reference):
     assert ids.count(im_start) == 2  # user, assistant
 
 
-# -- the batched engine behind the server (lollm.serving_engine) ---------------------------------
+# -- the batched engine behind the server (lollm.engine.driver) ---------------------------------
 
 
 def test_32_concurrent_requests_each_equal_the_same_request_alone(client, reference):
@@ -104,7 +104,7 @@ def test_metrics_parse_and_count(client, server):
 
 def test_a_full_queue_is_a_503_with_retry_after(reference):
     """--max-running 1 --max-queue 1, in this process: one runs, one waits, the third is told to come back."""
-    from lollm.server import ModelServer, create_app
+    from lollm.serve.server import ModelServer, create_app
 
     model_server = ModelServer(reference.loaded, name=NAME, context=4096, max_running=1, max_queue=1)
     try:
@@ -122,7 +122,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(reference, monkeypatch)
     import threading
     import time
 
-    from lollm.server import ModelServer, create_app
+    from lollm.serve.server import ModelServer, create_app
 
     model_server = ModelServer(reference.loaded, name=NAME, context=reference.model.max_context, max_running=1)
     started, done, release = threading.Event(), threading.Event(), threading.Event()
@@ -228,10 +228,10 @@ def test_the_readme_openai_snippet_runs(folder):
 def test_serve_loads_the_weights_it_is_asked_for(folder, monkeypatch):
     from typer.testing import CliRunner
 
-    import lollm.server as server_module
+    import lollm.serve.server as server_module
     from lollm.cli import app
     from lollm.errors import LollmError
-    from lollm.quantized import Int8Linear
+    from lollm.load.quantized import Int8Linear
 
     servers = []
     monkeypatch.setattr(server_module, "serve", lambda server, **kwargs: servers.append(server))  # do not listen

@@ -70,8 +70,8 @@ def test_concurrent_requests(client, reference):
 def test_sampling_with_a_seed_is_the_one_process_draw(client, reference):
     prompt = "Once upon a time there was"
     ids = reference.tokenizer.encode(prompt)
-    from lollm.generate import generate
-    from lollm.sampling import resolve_sampling
+    from lollm.generate.loop import generate
+    from lollm.generate.sampling import resolve_sampling
 
     loaded = reference.loaded
     sampling = resolve_sampling({"temperature": 0.9}, loaded.checkpoint.generation_config,

@@ -3,7 +3,7 @@
 A tiny random qwen2 carries the real Qwen2.5 tokenizer and chat template (taken
 from the real checkpoint): its output is noise, so a call whose arguments
 validate can only come from the grammar that ``tool_choice`` "required" or a
-named function imposes (lollm.tools + lollm.structured). At temperature 1,
+named function imposes (lollm.serve.tools + lollm.generate.structured). At temperature 1,
 over many seeds, every call must validate against its function's schema
 (the ``jsonschema`` package, an independent checker); the streamed deltas of a
 seed must concatenate to the call the same seed gives without streaming.

@@ -13,11 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from _qwen_tiny import FAMILIES, real_config
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
-from lollm.trace.run import run_trace
+from lollm.cli.trace.run import run_trace
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -44,7 +44,7 @@ def browser():
 
 
 def _ids(folder: Path) -> tuple[object, list[int]]:
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     return loaded, loaded.tokenizer.encode(PROMPT)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 PROMPT_RAW = "def quicksort(items):\n    \"\"\"Sort a list with quicksort and return a new list.\"\"\"\n"
 PROMPT_CHAT = "Write a Python function that parses a CSV file and returns the rows as dictionaries. Explain each step."
@@ -36,7 +36,7 @@ def test_parity_cli_fp32(qwen25_dir):
 
 
 def test_parity_chat_prompt(qwen25_dir):
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     report = run_parity(str(qwen25_dir), prompt=PROMPT_CHAT, chat=True)
     assert report.num_tokens >= 30
@@ -61,9 +61,9 @@ def _reference_greedy(folder, ids: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def greedy_pairs(qwen25_dir):
     """Our greedy ids and transformers' for the raw and the chat prompt (each model loaded once)."""
-    from lollm.generate import generate, stop_token_ids
-    from lollm.pipeline import open_model
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate, stop_token_ids
+    from lollm.load.pipeline import open_model
+    from lollm.generate.sampling import SamplingParams
 
     loaded = open_model(str(qwen25_dir), LoadOptions(device="cpu", dtype="float32"))
     tok = loaded.tokenizer

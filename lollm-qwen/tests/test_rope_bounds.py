@@ -1,6 +1,6 @@
 """RoPE numbers are bounded (issue 22): a scaling factor from 1 to 1,024, YaRN's betas up to 1,024,
 its cos/sin multipliers (attention_factor, mscale, mscale_all_dim) up to 16, a base up to 1e16
-(lollm.checks). Every real config loads; an extreme one is an error naming the key and the value."""
+(lollm.load.checks). Every real config loads; an extreme one is an error naming the key and the value."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Structured output (lollm.structured) on a tiny random qwen2 that carries the REAL Qwen2.5 tokenizer and template.
+"""Structured output (lollm.generate.structured) on a tiny random qwen2 that carries the REAL Qwen2.5 tokenizer and template.
 
 The model's weights are random: at temperature 1 its text is noise over 151,936 ids, so
 only the constraint can make the output valid JSON / match the regex. Each output is
@@ -17,10 +17,10 @@ import jsonschema
 import pytest
 
 from _qwen_tiny import real_config
-from lollm.generate import generate, stop_token_ids
-from lollm.options import LoadOptions
-from lollm.sampling import SamplingParams
-from lollm.structured import ConstraintError, OutputConstraint, compile_constraint, tagged_json
+from lollm.generate.loop import generate, stop_token_ids
+from lollm.load.options import LoadOptions
+from lollm.generate.sampling import SamplingParams
+from lollm.generate.structured import ConstraintError, OutputConstraint, compile_constraint, tagged_json
 
 SEEDS = range(8)
 NAME = "tiny-real-tokenizer"
@@ -64,7 +64,7 @@ def tiny_folder(tmp_path_factory, qwen25_dir):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_folder):
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     return open_model(str(tiny_folder), LoadOptions(device="cpu", dtype="float32"))
 
@@ -181,7 +181,7 @@ def test_unsupported_schema_keywords_are_named(loaded, keyword, schema):
 def client(loaded):
     from starlette.testclient import TestClient
 
-    from lollm.server import ModelServer, create_app
+    from lollm.serve.server import ModelServer, create_app
 
     with TestClient(create_app(ModelServer(loaded, name=NAME, context=512))) as test_client:
         yield test_client
@@ -285,7 +285,7 @@ def test_serve_strict_schema_needs_closed_objects_as_openai_does(client):
 
 
 def test_open_object_finds_the_first_object_without_additional_properties_false():
-    from lollm.structured import open_object
+    from lollm.generate.structured import open_object
 
     closed = {"type": "object", "additionalProperties": False}
     assert open_object(SCHEMAS["nested"]) is None and open_object({"type": "string"}) is None

@@ -24,10 +24,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import lollm.memory as memory
+import lollm.generate.memory as memory
 from lollm.errors import ConfigError, GenerationError, WeightsError
-from lollm.generate import GenerationResult, generate
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import GenerationResult, generate
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.fuzz import check_clean, fuzz_settings, load_and_generate, mutated
 from lollm.testing.loading import load_with
 
@@ -49,7 +49,7 @@ def sources(tmp_path_factory):
     """family -> {"hub" / "safetensors": (config.json dict in that schema, tensors), "gguf": (metadata, tensors)}
     of a tiny untied checkpoint (transformers writes it from the shrunk hub config)."""
     from lollm.gguf import GGUFTensorSource
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
     from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
 
     out = Sources()

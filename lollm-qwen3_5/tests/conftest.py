@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qwen3_5_tiny as tiny  # noqa: E402
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 # --attn triton in these tests runs Triton's kernels in its CPU interpreter. Triton reads the
 # variable when a kernel is defined (when lollm.kernels is imported), so it is set here, first.
@@ -44,7 +44,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def load_ours():
     """``load_ours(folder)`` -> our model (float32, CPU), through the installed plugin's router."""
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     def load(folder: Path):
         return open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model

@@ -11,9 +11,9 @@ import pytest
 
 import qwen3_5_tiny as tiny
 from lollm import attention
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
-from lollm.options import LoadOptions
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
+from lollm.load.options import LoadOptions
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 
@@ -33,7 +33,7 @@ def eager_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_gate_with_eager_attention(family, tiny_checkpoint, eager_calls):
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     folder = tiny_checkpoint(family, "text")
     ids = tiny.random_ids(70, tiny.TINY_TEXT["vocab_size"], seed=5)

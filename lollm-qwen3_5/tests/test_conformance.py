@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from lollm.new_family import find_hub_config
+from lollm.cli.new_family import find_hub_config
 from lollm.testing.conformance import FamilyConformance
 from lollm.testing.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint

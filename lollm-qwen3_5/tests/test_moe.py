@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import qwen3_5_tiny as tiny
 from lollm.errors import WeightsError
-from lollm.loader import load_checkpoint
+from lollm.load.loader import load_checkpoint
 from lollm.testing.loading import load_with
 from lollm_qwen3_5.qwen3_5_moe.blocks import Qwen3_5MoeRouter
 from lollm_qwen3_5.qwen3_5_moe.config import Qwen3_5MoeConfig

@@ -7,8 +7,8 @@ import pytest
 
 import qwen3_5_tiny as tiny
 from lollm.errors import GenerationError
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 GREEDY = SamplingParams(temperature=0)

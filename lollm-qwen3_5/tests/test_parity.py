@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import qwen3_5_tiny as tiny
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 PROMPT_TOKENS = 150  # > 2 chunks of 64; not a multiple of 64
 MIN_COSINE = 0.99999
@@ -54,7 +54,7 @@ def test_logits_match_transformers(family, layout, mtp, tiny_checkpoint, load_ou
 
 def test_parity_gate_passes(tiny_checkpoint, qwen_tokenizer_files, tmp_path):
     """lollm's own parity gate (what `lollm parity` runs) on a tiny multimodal MoE checkpoint with MTP tensors."""
-    from lollm.parity import run_parity
+    from lollm.proof.parity import run_parity
 
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint("qwen3_5_moe", "multimodal", True), folder)

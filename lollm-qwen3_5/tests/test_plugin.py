@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lollm.family import CONTRACT_VERSION
-from lollm.plugins import get_registry
+from lollm.load.plugins import get_registry
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lollm_qwen3_5"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lollm.generate import generate
-from lollm.prompt_cache import PromptCache
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.sampling import SamplingParams
 from lollm.testing.conformance import check_prompt_cache_turns
 
 from lollm_qwen3_5.qwen3_5.kv import MAX_ROLLBACK_TOKENS

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
 from lollm.testing.hub_configs import hub_file
 from lollm.testing.tiny import write_tiny_tokenizer
-from lollm.trace.run import run_trace
+from lollm.cli.trace.run import run_trace
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
@@ -53,7 +53,7 @@ def browser():
 
 
 def _open(folder: Path):
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     return loaded, loaded.tokenizer.encode(PROMPT)

@@ -1,6 +1,6 @@
 """RoPE numbers are bounded (issue 22). qwen3_5 and qwen3_5_moe implement plain RoPE only (a scaling
 'factor' is refused as a key), so their RoPE number is the base: above 1 and at most 1e16
-(lollm.checks.MAX_ROPE_THETA). Every real config loads; an extreme base is an error naming the key."""
+(lollm.load.checks.MAX_ROPE_THETA). Every real config loads; an extreme base is an error naming the key."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ import shutil
 
 import pytest
 
-from lollm.generate import generate
-from lollm.options import LoadOptions
-from lollm.sampling import SamplingParams
-from lollm.structured import OutputConstraint, compile_constraint
+from lollm.generate.loop import generate
+from lollm.load.options import LoadOptions
+from lollm.generate.sampling import SamplingParams
+from lollm.generate.structured import OutputConstraint, compile_constraint
 
 PATTERN = "[a-m]{3,12}( [n-z]{2,6}){1,3}"
 
@@ -23,7 +23,7 @@ PATTERN = "[a-m]{3,12}( [n-z]{2,6}){1,3}"
 @pytest.fixture(scope="module")
 def mtp_loaded(tiny_checkpoint, tmp_path_factory):
     """The tiny qwen3_5 with an MTP head (vocab 512) and a byte-level tokenizer of exactly 512 ids."""
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
     from lollm.testing.tiny import write_tiny_tokenizer
 
     folder = tmp_path_factory.mktemp("qwen3_5-mtp-tokenizer") / "model"

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lollm.errors import ConfigError, WeightsError
-from lollm.generate import GenerationResult
+from lollm.generate.loop import GenerationResult
 from lollm.testing.fuzz import check_clean, fuzz_settings, load_and_generate, mutated
 from lollm.testing.loading import load_with
 
@@ -49,7 +49,7 @@ def family_load(family: str):
 
 @pytest.fixture(scope="module")
 def sources(tiny_checkpoint):
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     out = Sources()
     for family in FAMILIES:

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lollm.errors import ConfigError, WeightsError
-from lollm.loader import load_checkpoint
-from lollm.options import LoadOptions
-from lollm.plugins import get_registry
+from lollm.load.loader import load_checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.plugins import get_registry
 from lollm.testing.loading import load_with
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
@@ -81,7 +81,7 @@ def test_a_gguf_file_is_refused_end_to_end(family, arch, tmp_path):
     import gguf
     import numpy as np
 
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     path = tmp_path / f"tiny-{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)

@@ -1,24 +1,30 @@
 """lollm: a study-first LLM inference engine.
 
-The package is light to import (no torch at import time). The main pieces:
+The package is light to import (no torch at import time). Core reads as layers, each
+importing only those below it (docs/architecture.md walks them from ``lollm run`` to one token):
 
-* :mod:`lollm.loader`   – spec ─► Checkpoint (configs, weights by file names, tokenizer files)
-* :mod:`lollm.plugins`  – installed family plugins and the router
-* :mod:`lollm.pipeline` – ``open_model(spec)``: loader ─► router ─► family.load
-* :mod:`lollm.generate` – the shared prefill/decode loop; :mod:`lollm.sampling` – the sampler
-* :mod:`lollm.tokenizer`– byte-level BPE and chat templates
-* :mod:`lollm.parity`, :mod:`lollm.bench` – proving and measuring against transformers
-* :mod:`lollm.hookspecs`, :mod:`lollm.family` – the plugin contract
-* :mod:`lollm.llm`     – ``LLM``: offline batches of prompts through the engine (``from lollm import LLM, SamplingParams``)
+* the contract: :mod:`lollm.hookspecs`, :mod:`lollm.family`, :mod:`lollm.model`, :mod:`lollm.errors`,
+  :mod:`lollm.sampling_params`
+* files: :mod:`lollm.gguf` (the GGUF reader), :mod:`lollm.tokenizer` (BPE, SentencePiece, chat templates)
+* the model seams: :mod:`lollm.batch`, :mod:`lollm.attention`, :mod:`lollm.kernels`, :mod:`lollm.native`,
+  and the recorder families call, :mod:`lollm.trace`
+* :mod:`lollm.load` – spec ─► checkpoint ─► router ─► ``family.load`` (``open_model``)
+* :mod:`lollm.generate` – one request: the shared prefill/decode loop, the sampler, grammars, drafters
+* :mod:`lollm.engine` – many requests: the scheduler, paged KV, the driver; ``LLM`` (``from lollm import LLM``)
+* :mod:`lollm.serve` – ``lollm serve``'s HTTP server
+* :mod:`lollm.proof` – the parity gate and the benchmarks
+* :mod:`lollm.cli` – the commands; :mod:`lollm.testing` – the kit for plugin authors (production never imports it)
 """
+
+from lollm import _moved
 
 __version__ = "0.2.0"
 
 #: What ``from lollm import NAME`` offers, and the module each comes from: imported on first use
 #: (PEP 562), so that ``import lollm`` stays cheap (no torch) for the CLI's flag checks.
 _LAZY = {
-    "LLM": "lollm.llm",
-    "Completion": "lollm.llm",
+    "LLM": "lollm.engine.llm",
+    "Completion": "lollm.engine.llm",
     "SamplingParams": "lollm.sampling_params",
     "EngineConfig": "lollm.engine",
 }
@@ -35,3 +41,6 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+_moved.install()

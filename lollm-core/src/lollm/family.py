@@ -32,7 +32,7 @@ from lollm.sampling_params import check_sampling_value
 #: when a change would break existing plugins (a renamed hook argument, a changed
 #: ``load`` signature); adding optional fields or hook arguments does not need a bump.
 #:
-#: Contract 2 (this one): ``load(checkpoint, options)`` with a :class:`lollm.options.LoadOptions`.
+#: Contract 2 (this one): ``load(checkpoint, options)`` with a :class:`lollm.load.options.LoadOptions`.
 #: Contract 1 was ``load(raw_config, weights, fmt, device, dtype, progress)``, with the
 #: quantization and the tensor-parallel group set as attributes on ``weights``.
 CONTRACT_VERSION = 2
@@ -40,8 +40,8 @@ CONTRACT_VERSION = 2
 #: What a plugin written for an older contract must change, by the version it speaks.
 CONTRACT_CHANGES = {
     1: ("contract 2 calls load(checkpoint, options): read config, weights and fmt from the "
-        "lollm.loader.Checkpoint, and device, dtype, quantization and tensor_parallel from the "
-        "lollm.options.LoadOptions (nothing is set on the weights any more); lollm.build.build_model "
+        "lollm.load.loader.Checkpoint, and device, dtype, quantization and tensor_parallel from the "
+        "lollm.load.options.LoadOptions (nothing is set on the weights any more); lollm.load.build.build_model "
         "does the meta build, the --tp share and the streaming load. Then set contract=2. "
         "See docs/plugins.md, 'Moving a family to contract 2'"),
 }
@@ -80,13 +80,13 @@ class Family:
                           (:data:`CONTRACT_VERSION` of the lollm-core it was built against).
       model_types:        the ``model_type`` values of config.json it serves, e.g. ``("qwen2",)``.
       load:               ``"module:function"`` of the loader, called as ``load(checkpoint, options)``:
-                          ``checkpoint`` a :class:`lollm.loader.Checkpoint` (``.config``: config.json
+                          ``checkpoint`` a :class:`lollm.load.loader.Checkpoint` (``.config``: config.json
                           as a dict or the GGUF metadata; ``.weights``: a TensorSource keyed by the
                           file's own tensor names; ``.fmt``: ``"safetensors"`` or ``"gguf"``),
-                          ``options`` the resolved :class:`lollm.options.LoadOptions` (device,
+                          ``options`` the resolved :class:`lollm.load.options.LoadOptions` (device,
                           dtype, quantization, tensor_parallel, progress); it returns a model
                           following :class:`lollm.model.CausalLM`, usually through
-                          :func:`lollm.build.build_model`.
+                          :func:`lollm.load.build.build_model`.
       gguf_architectures: the GGUF ``general.architecture`` values it serves.
       sampling_defaults:  defaults for keys of :data:`SAMPLING_KEYS`; generation_config.json
                           and user flags take precedence over them.

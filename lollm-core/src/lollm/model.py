@@ -18,7 +18,7 @@ class Cache(Protocol):
     ``length`` is the number of positions already stored; the model's forward
     writes the new positions and advances it.
 
-    The prompt cache (:mod:`lollm.prompt_cache`) keeps one cache alive between
+    The prompt cache (:mod:`lollm.generate.prompt_cache`) keeps one cache alive between
     generations and reuses the part of it that the next prompt shares. What a
     cache can offer for that is said by three optional methods; core decides
     with them and never guesses:

@@ -1,6 +1,6 @@
 """Sampling settings: what the user, generation_config.json and the family ask for, checked and merged.
 
-:class:`SamplingParams` holds the settings the sampler (:mod:`lollm.sampling`)
+:class:`SamplingParams` holds the settings the sampler (:mod:`lollm.generate.sampling`)
 applies; :func:`resolve_sampling` decides them once, most specific source
 first (a flag, then generation_config.json, then the family's defaults, then
 the neutral values) and records where each came from. This module imports no

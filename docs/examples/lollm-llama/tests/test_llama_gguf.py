@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lollm.errors import ConfigError, WeightsError
-from lollm.loader import load_checkpoint
+from lollm.load.loader import load_checkpoint
 
 from _llama_tiny import converter_permute, hf_to_gguf, llama3_rope_factors, tiny_config, write_tiny
 
@@ -152,7 +152,7 @@ def test_transformers_own_gguf_loader_falls_short(made, kind, agrees):
     """Why the family has a parity_reference: transformers' GGUF loader, on the same file, gives a model
     far from transformers on the checkpoint the file was converted from as soon as the file has
     rope_freqs.weight (llama3), biases or linear RoPE scaling; on a plain Llama 2 file it agrees."""
-    from lollm.parity import default_reference
+    from lollm.proof.parity import default_reference
 
     folder, gguf_path = made(kind)
     ids = _ids()
@@ -182,8 +182,8 @@ def test_lollm_parity_command_passes_on_a_llama3_q8_0_gguf(made):
 @pytest.mark.parametrize("kind, fmt", [("llama3", "F32"), ("llama3-bias", "Q8_0"), ("llama2-linear", "F32"),
                                        ("llama3", "safetensors")])
 def test_parity_gate_passes(made, kind, fmt):
-    """The same gate in this process (lollm.parity.run_parity, what `lollm parity` calls)."""
-    from lollm.parity import run_parity
+    """The same gate in this process (lollm.proof.parity.run_parity, what `lollm parity` calls)."""
+    from lollm.proof.parity import run_parity
 
     folder, gguf_path = made(kind, "F32" if fmt == "safetensors" else fmt)
     report = run_parity(str(folder if fmt == "safetensors" else gguf_path))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lollm.options import LoadOptions
-from lollm.pipeline import open_model
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
 from lollm.testing.conformance import check_speculation_is_exact, repeating_prompt
 
 from _llama_tiny import write_tiny

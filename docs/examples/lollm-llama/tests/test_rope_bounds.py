@@ -1,4 +1,4 @@
-"""RoPE numbers are bounded (issue 22, lollm.checks): a scaling factor from 1 to 1,024, Llama 3's
+"""RoPE numbers are bounded (issue 22, lollm.load.checks): a scaling factor from 1 to 1,024, Llama 3's
 low/high_freq_factor and YaRN's betas from 2**-10 to 1,024, YaRN's cos/sin multipliers up to 16, a
 base up to 1e16. The published Llama configs load; an extreme value is an error naming the key."""
 

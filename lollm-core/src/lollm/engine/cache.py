@@ -113,7 +113,7 @@ class PoolRoom:
     """What one KV block of a model costs, and the memory free for blocks on its device.
 
     block_bytes: :func:`block_bytes` of the model's cache layers (at least 1).
-    free_bytes:  the device's free memory (:func:`lollm.memory.free_memory`), None when unknown.
+    free_bytes:  the device's free memory (:func:`lollm.generate.memory.free_memory`), None when unknown.
     Every sizer of a pool (the engine's default, ``lollm serve``, ``lollm.LLM``, ``bench --concurrency``)
     keeps to at most half the free memory: :attr:`half_free_blocks`.
     """
@@ -129,7 +129,7 @@ class PoolRoom:
 
 def pool_room(model: Any, block_size: int) -> PoolRoom:
     """The :class:`PoolRoom` of ``model`` with blocks of ``block_size`` positions."""
-    from lollm.memory import free_memory
+    from lollm.generate.memory import free_memory
 
     per_block = max(block_bytes(model.cache_layers(), block_size, model_dtype(model)), 1)
     return PoolRoom(per_block, free_memory(next(model.parameters()).device))

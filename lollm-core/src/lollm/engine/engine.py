@@ -23,7 +23,7 @@ Each :meth:`Engine.step` is the whole lesson in four moves:
    their blocks go back to the pool; new full blocks are named for the prefix cache (and
    the sliding-window layers' blocks that left every window went back before the step).
 
-The single-sequence loop (:mod:`lollm.generate`) stays the reference: the tests hold every
+The single-sequence loop (:mod:`lollm.generate.loop`) stays the reference: the tests hold every
 request's greedy tokens to those of the same request run alone.
 """
 
@@ -44,8 +44,8 @@ from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, 
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
-from lollm.generate import Step, _Sequence, check_prompt_ids
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import Step, _Sequence, check_prompt_ids
+from lollm.generate.sampling import SamplingParams
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
 #: block and share prefixes at a finer grain; larger ones mean shorter block tables.
@@ -57,7 +57,7 @@ class EngineOutput:
     """One new token of one request, as :meth:`Engine.step` returns it.
 
     request_id: the request's name.
-    step:       the token (:class:`lollm.generate.Step`: token, logprobs, time, finish);
+    step:       the token (:class:`lollm.generate.loop.Step`: token, logprobs, time, finish);
                 ``step.finish`` is None, or why the request ended: "stop" (an id of
                 ``stop_ids``), "max_new_tokens" or "context".
     """

@@ -46,7 +46,7 @@ class Request:
     tokens:       prompt ids, then every token generated so far (the newest is not yet computed).
     prompt_len:   how many of ``tokens`` are the prompt.
     budget:       the most tokens it may generate (max_new_tokens, within the context).
-    seq:          its sampling state (:class:`lollm.generate._Sequence`: sampler, matcher, ids seen).
+    seq:          its sampling state (:class:`lollm.generate.loop._Sequence`: sampler, matcher, ids seen).
     stop_ids:     token ids that end it (end of sequence).
     computed:     how many of ``tokens`` have their keys/values in the cache.
     blocks:       its block table.

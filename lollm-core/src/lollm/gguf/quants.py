@@ -553,7 +553,7 @@ def dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 4-bit formats as affine groups (for the quantized linear, lollm.quantized)
+# 4-bit formats as affine groups (for the quantized linear, lollm.load.quantized)
 # ---------------------------------------------------------------------------
 
 

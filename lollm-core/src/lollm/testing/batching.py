@@ -2,7 +2,7 @@
 
 The conformance kit runs them against every family (``FamilyConformance``): a family
 that runs batched must produce, for every request in a batch, the greedy tokens the
-single-sequence loop (:func:`lollm.generate.generate`) produces for it alone.
+single-sequence loop (:func:`lollm.generate.loop.generate`) produces for it alone.
 
 A batched step computes the same sums as a lone one, but a matmul over more rows may
 add them in another order, so a logit can move by float rounding. Where that flips a
@@ -21,8 +21,8 @@ import torch
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.cache import largest_window, window_blocks_per_sequence
 from lollm.engine.scheduler import Request
-from lollm.generate import generate
-from lollm.sampling import SamplingParams
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 #: Two logits closer than this count as a tie that float rounding may flip (the kit's
@@ -62,7 +62,7 @@ def path_noise(model: Any, prompt: list[int], decode: int = 8) -> float:
     step) against a prefill of all but the last ``decode`` tokens and then one token at a
     time (a decode step's one row). A float model gives float rounding (about 1e-5); packed
     GGUF weights take different kernels at one row and at many
-    (:class:`lollm.quantized.Int8Linear`), so their logits part by bfloat16 roundings. A
+    (:class:`lollm.load.quantized.Int8Linear`), so their logits part by bfloat16 roundings. A
     caller that compares an engine run with a lone run of such a model derives its
     ``tie_bound`` from this figure instead of :data:`TIE_BOUND`.
     """

@@ -33,7 +33,7 @@ What the inherited tests prove (each one is a method below, read them):
 5. the cache is preallocated: decoding never replaces its tensors;
 6. a missing and an unexpected tensor raise :class:`~lollm.errors.WeightsError` naming it;
 7. the shared generate loop drives the model, and greedy generation follows the logits;
-   with a prompt cache (:mod:`lollm.prompt_cache`), every turn of a conversation equals a
+   with a prompt cache (:mod:`lollm.generate.prompt_cache`), every turn of a conversation equals a
    cold run of the same prompt (:func:`check_prompt_cache_turns`, also usable alone);
 8. with ``reference_available = True``: the same argmax at every position as
    transformers' ``AutoModelForCausalLM`` (or the family's own ``parity_reference``),
@@ -76,10 +76,10 @@ import torch
 
 from lollm.errors import WeightsError
 from lollm.hookspecs import ENTRY_POINT_GROUP
-from lollm.loader import Checkpoint, load_checkpoint
-from lollm.plugins import InstalledFamily, Registry, build_registry
-from lollm.options import LoadOptions
-from lollm.quantized import Quantization
+from lollm.load.loader import Checkpoint, load_checkpoint
+from lollm.load.plugins import InstalledFamily, Registry, build_registry
+from lollm.load.options import LoadOptions
+from lollm.load.quantized import Quantization
 from lollm.testing.coverage import DELTA_RULE_CHUNK, check_coverage
 from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
                                     check_window_blocks_released)
@@ -241,18 +241,18 @@ def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
                           model_types: dict[str, str] | None = None) -> dict[str, float]:
     """How far each perturbation moves the reference's logits: {label: max |Δ| over positions and vocabulary}.
 
-    The reference is transformers' model of the checkpoint (:func:`lollm.parity.load_reference_model`,
+    The reference is transformers' model of the checkpoint (:func:`lollm.proof.parity.load_reference_model`,
     float32, CPU). Each perturbation builds the same class again from a copy of its config with
     one change (RoPE base x2; RoPE scaling removed; norm epsilon x0.1; sliding window +1 and -1),
     or scales the float ``scaling`` of every attention module by 1.25, loads the same weights,
     and runs ``ids`` (1, T) without a cache. A perturbation that does not apply (no RoPE scaling in
     the config, no sliding-window layer, no ``scaling`` attribute) is left out of the result.
     ``model_types``: for model types transformers does not know, the architecture that stands for
-    each (:func:`lollm.parity.load_reference_model`).
+    each (:func:`lollm.proof.parity.load_reference_model`).
     """
     import copy
 
-    from lollm.parity import load_reference_model
+    from lollm.proof.parity import load_reference_model
 
     base_model = load_reference_model(checkpoint, torch.float32, model_types)
     state = base_model.state_dict()
@@ -339,13 +339,13 @@ def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, mod
     """The reference's own float32 noise on ``checkpoint`` for the prompt ``ids`` (1, T), and the bound from it.
 
     ``build``: the family's parity reference (``build(checkpoint, dtype) -> run(ids) -> (logits (T, V),
-    hidden states)``, :func:`lollm.parity.default_reference` by default); ``model_types``: for
+    hidden states)``, :func:`lollm.proof.parity.default_reference` by default); ``model_types``: for
     types transformers does not know, the type whose class stands for each. The two equivalent
     runs (:class:`NoiseFloor`): transformers' model of the checkpoint at float64 (its mixtures of
     experts through the plain per-expert loop: the grouped matmul has no float64), and the
     float32 reference as the first row of a batch of two.
     """
-    from lollm.parity import load_reference_model
+    from lollm.proof.parity import load_reference_model
 
     key = _reference_key(build, checkpoint, "noise", ids.numpy().tobytes(), tuple(sorted((model_types or {}).items())),
                          factor, floor)
@@ -378,7 +378,7 @@ def _with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None
     try:
         import transformers
 
-        from lollm.parity import relabel_model_types
+        from lollm.proof.parity import relabel_model_types
 
         raw = relabel_model_types(dict(text), model_types or {})
         types = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw).layer_types
@@ -460,12 +460,12 @@ def check_prompt_cache_turns(
 
     Every turn's new ids must equal those of ``generate`` without a prompt cache
     (``speculative_tokens`` as given for both). Returns each turn's
-    :class:`lollm.prompt_cache.CacheReuse`, for the caller to check how the
+    :class:`lollm.generate.prompt_cache.CacheReuse`, for the caller to check how the
     cache was reused (that depends on what the family's cache can do).
     """
-    from lollm.generate import generate
-    from lollm.prompt_cache import PromptCache
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.generate.prompt_cache import PromptCache
+    from lollm.generate.sampling import SamplingParams
 
     vocab = int(vocab or model.vocab_size)
     g = torch.Generator().manual_seed(seed)
@@ -686,7 +686,7 @@ class FamilyConformance:
             f"""
             import json, sys
             import importlib.metadata as md
-            from lollm.plugins import build_registry
+            from lollm.load.plugins import build_registry
             ep = md.EntryPoint({ep.name!r}, {ep.value!r}, {ENTRY_POINT_GROUP!r})
             reg = build_registry(entry_points=[ep])
             print(json.dumps({{
@@ -853,8 +853,8 @@ class FamilyConformance:
     # -- 7. the shared loop drives the model ------------------------------------------------
 
     def test_shared_generate_loop_follows_the_logits(self, model, prompt_ids):
-        from lollm.generate import generate
-        from lollm.sampling import SamplingParams
+        from lollm.generate.loop import generate
+        from lollm.generate.sampling import SamplingParams
 
         ids = prompt_ids[0].tolist()[:6]
         n = min(5, int(model.max_context) - len(ids))
@@ -871,10 +871,10 @@ class FamilyConformance:
                 seq.append(got)
 
     def test_load_and_cache_sizing_import_neither_dynamo_nor_sympy(self, load, checkpoint_dir):
-        """Building the modules (lollm.build.on_meta) and sizing a cache (lollm.memory) import neither
+        """Building the modules (lollm.load.build.on_meta) and sizing a cache (lollm.generate.memory) import neither
         torch._dynamo (with Triton: about 150 MB of resident memory) nor sympy (40 MB), which torch's
         Python reference ops pull in on first use; a lone ``lollm run`` process never needs them."""
-        from lollm.memory import cache_bytes
+        from lollm.generate.memory import cache_bytes
 
         # torch.fx.experimental.symbolic_shapes: where torch's reference ops reach sympy from
         with refused_imports("torch._dynamo", "sympy", "triton", "torch.fx.experimental.symbolic_shapes") as attempts:
@@ -884,9 +884,9 @@ class FamilyConformance:
         assert need is not None
 
     def test_cache_size_is_measured_exactly(self, model):
-        """lollm.memory sizes the cache on the meta device (no storage) before the loop allocates it:
+        """lollm.generate.memory sizes the cache on the meta device (no storage) before the loop allocates it:
         the bytes it finds are the bytes of the cache ``new_cache`` really builds."""
-        from lollm.memory import cache_bytes, tensor_bytes
+        from lollm.generate.memory import cache_bytes, tensor_bytes
 
         for positions in (1, 37):
             need = cache_bytes(model, positions)
@@ -894,7 +894,7 @@ class FamilyConformance:
             assert need == tensor_bytes(model.new_cache(positions)), f"cache for {positions} positions"
 
     def test_chunked_prefill_equals_whole(self, model, prompt_ids, sliding_window):
-        """The shared loop's chunked prefill (lollm.prefill) gives a whole prefill's logits and greedy tokens."""
+        """The shared loop's chunked prefill (lollm.generate.prefill) gives a whole prefill's logits and greedy tokens."""
         check_chunked_prefill_is_exact(model, prompt_ids[0].tolist(), window=sliding_window,
                                        max_abs_diff=self.self_consistency_max_abs_diff)
 
@@ -919,7 +919,7 @@ class FamilyConformance:
         check_preemption_and_abort(model, prompt_ids[0].tolist())
 
     def test_prompt_cache_turns_equal_cold_runs(self, model):
-        """A conversation through lollm.prompt_cache: each turn equals a cold run of its prompt."""
+        """A conversation through lollm.generate.prompt_cache: each turn equals a cold run of its prompt."""
         if int(model.max_context) < 48:
             pytest.skip("the test conversation needs a context of 48 positions")
         records = check_prompt_cache_turns(model, first=20, message=6, long_message=10, answer=4)
@@ -930,7 +930,7 @@ class FamilyConformance:
 
     @staticmethod
     def _reference_builder(installed: InstalledFamily):
-        from lollm.parity import default_reference
+        from lollm.proof.parity import default_reference
 
         return installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
 
@@ -942,7 +942,7 @@ class FamilyConformance:
         """Fail unless every position has the reference's argmax, cosine >= parity_min_cosine and
         max |Δ| <= ``bound`` (the parity_bound fixture); the message names the worst position (and
         the first diverging hidden state when both sides gave them)."""
-        from lollm.parity import compare_logits, layer_cosines
+        from lollm.proof.parity import compare_logits, layer_cosines
 
         stats = compare_logits(ours.float(), ref.float(), ids)
         bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine
@@ -1069,10 +1069,10 @@ def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens:
                                seed: int = 7) -> dict[str, tuple[int, int]]:
     """Speculative decoding (prompt lookup, and a scripted drafter) gives plain decoding's tokens and cache.
 
-    Every drafter goes through the one verify path (``lollm.generate._speculative_steps``);
+    Every drafter goes through the one verify path (``lollm.generate.loop._speculative_steps``);
     these runs compare it with plain decoding on ``model``, token for token:
 
-    * greedy, with :class:`lollm.drafting.PromptLookupDrafter` down to 1-grams (its drafts come
+    * greedy, with :class:`lollm.generate.drafting.PromptLookupDrafter` down to 1-grams (its drafts come
       from ``prompt`` and the output so far: accepted, rejected, or none at all);
     * greedy, with a *scripted* drafter that proposes the plain run's own continuation
       but with one token in three changed, so that every run has accepted drafts, rejected
@@ -1086,9 +1086,9 @@ def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens:
     independent route). Returns ``{run: (drafted, accepted)}`` for the caller's own
     assertions. AssertionError names the run that differs.
     """
-    from lollm.drafting import PromptLookupDrafter
-    from lollm.generate import generate
-    from lollm.sampling import SamplingParams
+    from lollm.generate.drafting import PromptLookupDrafter
+    from lollm.generate.loop import generate
+    from lollm.generate.sampling import SamplingParams
 
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed)
     counts = {}
@@ -1146,31 +1146,31 @@ def refused_imports(*names: str):
 
 def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int | None = None,
                                    max_new_tokens: int = 6, max_abs_diff: float = 1e-3) -> list[int]:
-    """A prefill run in chunks (:data:`lollm.prefill.PREFILL_CHUNK_TOKENS` set small) equals a whole one.
+    """A prefill run in chunks (:data:`lollm.generate.prefill.PREFILL_CHUNK_TOKENS` set small) equals a whole one.
 
-    For each size of :func:`prefill_chunk_sizes`: :func:`lollm.prefill.run_prompt` over ``prompt``
+    For each size of :func:`prefill_chunk_sizes`: :func:`lollm.generate.prefill.run_prompt` over ``prompt``
     gives the last position's logits of a whole prefill (same argmax, max |Δ| <= ``max_abs_diff``)
-    and a cache of ``len(prompt)`` positions, and :func:`lollm.generate.generate` (greedy,
+    and a cache of ``len(prompt)`` positions, and :func:`lollm.generate.loop.generate` (greedy,
     ``max_new_tokens``) gives the whole prefill's tokens. The constant is restored afterwards.
     Returns the chunk sizes tried; AssertionError names the one that differs.
     """
-    import lollm.prefill
-    from lollm.generate import generate
-    from lollm.sampling import SamplingParams
+    import lollm.generate.prefill
+    from lollm.generate.loop import generate
+    from lollm.generate.sampling import SamplingParams
 
-    T, saved = len(prompt), lollm.prefill.PREFILL_CHUNK_TOKENS
+    T, saved = len(prompt), lollm.generate.prefill.PREFILL_CHUNK_TOKENS
     n = min(max_new_tokens, int(model.max_context) - T)
     greedy = SamplingParams(temperature=0.0)
 
     def run(chunk: int) -> tuple[torch.Tensor, list[int]]:
-        lollm.prefill.PREFILL_CHUNK_TOKENS = chunk
+        lollm.generate.prefill.PREFILL_CHUNK_TOKENS = chunk
         try:
             cache = model.new_cache(T)
-            logits = lollm.prefill.run_prompt(model, prompt, cache, next(model.parameters()).device)[0, -1].double()
+            logits = lollm.generate.prefill.run_prompt(model, prompt, cache, next(model.parameters()).device)[0, -1].double()
             assert cache.length == T, f"chunks of {chunk}: the cache holds {cache.length} positions, not {T}"
             return logits, generate(model, prompt, max_new_tokens=n, sampling=greedy).new_ids
         finally:
-            lollm.prefill.PREFILL_CHUNK_TOKENS = saved
+            lollm.generate.prefill.PREFILL_CHUNK_TOKENS = saved
 
     whole_logits, whole_ids = run(T)
     sizes = prefill_chunk_sizes(T, window)
@@ -1186,7 +1186,7 @@ def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int
 
 def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Any:
     """A drafter that proposes ``continuation`` where it goes, every third draft made wrong (+1 mod vocab)."""
-    from lollm.drafting import Drafter
+    from lollm.generate.drafting import Drafter
 
     truth = list(prompt) + list(continuation)
 

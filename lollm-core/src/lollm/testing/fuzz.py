@@ -209,8 +209,8 @@ def check_clean(run: Callable[[], Any], *, cpu_seconds: float = CPU_SECONDS, mem
 
 def load_and_generate(load: Callable, raw: dict, weights: Any, fmt: str, prompt: tuple[int, ...] = (0, 1, 2)) -> Any:
     """One example: the family's ``load`` on (``raw``, ``weights``), then two greedy tokens through the loop."""
-    from lollm.generate import generate
-    from lollm.sampling import SamplingParams
+    from lollm.generate.loop import generate
+    from lollm.generate.sampling import SamplingParams
     from lollm.testing.loading import load_with
 
     model = load_with(load, raw, weights, fmt)

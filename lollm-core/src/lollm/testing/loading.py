@@ -1,8 +1,8 @@
-"""Calling a family's ``load`` in a test, the way :func:`lollm.pipeline.open_model` calls it (plugin contract 2).
+"""Calling a family's ``load`` in a test, the way :func:`lollm.load.pipeline.open_model` calls it (plugin contract 2).
 
 Tests often hold a config dict and a tensor source rather than a folder (a mutated
 config, a source that lies about a shape). :func:`load_with` wraps them in a
-:class:`lollm.loader.Checkpoint` and passes resolved :class:`lollm.options.LoadOptions`,
+:class:`lollm.load.loader.Checkpoint` and passes resolved :class:`lollm.load.options.LoadOptions`,
 float32 on the CPU unless ``options`` says otherwise.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
 
 #: What the tests load with: float32 float weights on the CPU, SDPA attention.
 TEST_OPTIONS = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float")
@@ -31,7 +31,7 @@ def resolved(options: LoadOptions | None = None) -> LoadOptions:
     """
     import torch
 
-    from lollm.pipeline import pick_quantization
+    from lollm.load.pipeline import pick_quantization
 
     options = options or TEST_OPTIONS
     if options.quantization is None:

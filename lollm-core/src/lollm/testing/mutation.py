@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import pytest
 
 from lollm.hookspecs import hookimpl
-from lollm.plugins import Registry, build_registry
+from lollm.load.plugins import Registry, build_registry
 
 __all__ = ["BUG_CLASSES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant", "NUMERIC_TESTS", "bf16_softmax_attend",
            "copy_family", "mutant_registry", "run_kit"]
@@ -376,9 +376,9 @@ class SuiteResult:
 
 def kit_checkpoint(family_name: str, folder: str | Path) -> tuple[str, Path]:
     """The tiny checkpoint the suite judges ``family_name`` on: the hub config ``lollm new-family``'s
-    tests take for it (:func:`lollm.new_family.find_hub_config`), shrunk by
+    tests take for it (:func:`lollm.cli.new_family.find_hub_config`), shrunk by
     :func:`lollm.testing.tiny.kit_config`, spread-init weights. Returns (hub config name, folder)."""
-    from lollm.new_family import find_hub_config
+    from lollm.cli.new_family import find_hub_config
     from lollm.testing.hub_configs import hub_config
     from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
@@ -400,14 +400,14 @@ def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *
 
     import torch
 
-    from lollm.parity import default_reference
+    from lollm.proof.parity import default_reference
     from lollm.testing.conformance import SEQUENCE_LENGTH, measure_noise_floor
 
     start = time.perf_counter()
     package, mutants = MUTANTS[family_name]
     workdir = Path(workdir)
     hub, checkpoint = kit_checkpoint(family_name, workdir / "checkpoint")
-    from lollm.loader import load_checkpoint
+    from lollm.load.loader import load_checkpoint
 
     loaded = load_checkpoint(checkpoint)
     ids = torch.randint(0, int(loaded.config.get("vocab_size", 512)), (1, SEQUENCE_LENGTH),

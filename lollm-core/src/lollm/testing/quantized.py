@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 #: A text of about 600 tokens (Qwen2.5's and Gemma 3's tokenizers), written for these
 #: measurements: plain English prose with names, numbers and a little code.
@@ -123,7 +123,7 @@ def check_quantize_at_load(folder, mode: str, group_size: int = 32, min_cosine: 
     """
     import torch
 
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     float_model = open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model
     packed = open_model(str(folder), LoadOptions(device="cpu", dtype="float32", quantize=mode, group_size=group_size)).model

@@ -12,7 +12,7 @@ process on the same checkpoint (greedy, so the text is determined)::
 
 The ``openai`` package comes with ``lollm-core[test]``.
 
-:func:`app_in_thread` serves an application made in the test process (``lollm.server.create_app``)
+:func:`app_in_thread` serves an application made in the test process (``lollm.serve.server.create_app``)
 with uvicorn in a thread, for tests that change the server from inside (a tokenizer that blocks).
 ``python -m lollm.testing.serving [EXAMPLES]`` runs schemathesis against a live ``lollm serve`` on a
 tiny qwen2 (``nox -s schemathesis``; needs lollm-qwen, transformers and schemathesis).
@@ -33,7 +33,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 GREEDY = {"temperature": 0.0}
 
@@ -143,8 +143,8 @@ class Reference:
     """lollm in the test process, on the same checkpoint: what the server must answer (greedy)."""
 
     def __init__(self, folder: str | Path):
-        from lollm.generate import stop_token_ids
-        from lollm.pipeline import open_model
+        from lollm.generate.loop import stop_token_ids
+        from lollm.load.pipeline import open_model
 
         self.loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
@@ -157,8 +157,8 @@ class Reference:
     def generate(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = (), logprobs: int | None = None,
                  **sampling_flags: Any):
         """Greedy, with the other sampling settings resolved as the server does (a family's repetition penalty ...)."""
-        from lollm.generate import generate
-        from lollm.sampling import resolve_sampling
+        from lollm.generate.loop import generate
+        from lollm.generate.sampling import resolve_sampling
 
         sampling = resolve_sampling({**GREEDY, **sampling_flags}, self.loaded.checkpoint.generation_config,
                                     self.loaded.family.family.sampling_defaults)

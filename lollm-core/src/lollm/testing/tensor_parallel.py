@@ -6,7 +6,7 @@ A family's test calls :func:`check_tensor_parallel` on a tiny checkpoint::
 
 It runs the same forward passes twice: in this process, and in ``nproc``
 processes started by ``python -m torch.distributed.run`` (torchrun), each
-loading its shard through :func:`lollm.pipeline.open_model` with ``tp=nproc``
+loading its shard through :func:`lollm.load.pipeline.open_model` with ``tp=nproc``
 (gloo on the CPU, or NCCL with ``device="cuda"``). Both runs feed a fixed
 random prompt (a prefill of every position), then greedy decode steps through
 the KV/recurrent cache, in float32. It asserts the logits of every position
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lollm.options import LoadOptions
+from lollm.load.options import LoadOptions
 
 #: Absolute tolerance on float32 logits. The sums an all-reduce adds in another order
 #: (o_proj, down_proj as N partial sums) differ by a few float32 ulps of the hidden
@@ -122,7 +122,7 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
     report: max |diff| for prefill and decode, per-rank bytes, unmatched plan patterns.
     """
     device = device or os.environ.get("LOLLM_TP_DEVICE", "cpu")
-    from lollm.pipeline import open_model
+    from lollm.load.pipeline import open_model
 
     loaded = open_model(str(folder), LoadOptions(device=device, dtype="float32"))
     vocab = loaded.model.lm_head.weight.shape[0]
@@ -153,8 +153,8 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
 def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, device: str) -> None:
     import torch.distributed as dist
 
-    from lollm.pipeline import open_model
-    from lollm.ranks import finish
+    from lollm.load.pipeline import open_model
+    from lollm.load.ranks import finish
 
     loaded = open_model(folder, LoadOptions(device=device, dtype="float32", tp=nproc))
     tp = loaded.model.tensor_parallel
@@ -170,7 +170,7 @@ def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, de
         rec["unmatched"] = list(tp.unmatched)
         torch.save(rec, out)
     group = loaded.tp
-    del loaded, tp, rec, mine, every  # rule 4 of lollm.ranks: drop the model before the group goes
+    del loaded, tp, rec, mine, every  # rule 4 of lollm.load.ranks: drop the model before the group goes
     gc.collect()
     finish(group)  # every rank meets in a barrier (rank 0 has written), then leaves
 

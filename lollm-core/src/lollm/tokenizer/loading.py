@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.loader import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
+from lollm.load.loader import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
 from lollm.tokenizer import sentencepiece
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
@@ -130,8 +130,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 # --------------------------------------------------------------------- files
 
 
-#: The files that hold a whole vocabulary may be large (lollm.loader.MAX_TOKENIZER_JSON_BYTES);
-#: every other tokenizer file is held to lollm.loader.MAX_JSON_BYTES.
+#: The files that hold a whole vocabulary may be large (lollm.load.loader.MAX_TOKENIZER_JSON_BYTES);
+#: every other tokenizer file is held to lollm.load.loader.MAX_JSON_BYTES.
 _LARGE_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 

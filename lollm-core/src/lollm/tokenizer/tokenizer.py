@@ -247,7 +247,7 @@ class Tokenizer:
         """A fresh :class:`StreamDecoder` to print generated ids as they come.
 
         ``keep``: special ids written out even with ``skip_special_tokens``
-        (Gemma 4's tool-call markers, which lollm.tools reads in the text).
+        (Gemma 4's tool-call markers, which lollm.serve.tools reads in the text).
         """
         skip = self.special_token_ids - keep if skip_special_tokens else frozenset()
         return StreamDecoder(self.token_bytes, skip, strip_leading_spaces=self._decoder.strip_leading_spaces)

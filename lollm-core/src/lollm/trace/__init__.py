@@ -28,7 +28,7 @@ every call returns at once and :func:`tracing` is False, so the normal path
 computes nothing more.
 
 This module imports torch only to detach and copy the tensors handed to it;
-the page builder lives in :mod:`lollm.trace.page`, the capture in :mod:`lollm.trace.capture`.
+the page builder lives in :mod:`lollm.cli.trace.page`, the capture in :mod:`lollm.cli.trace.capture`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loading a gemma2 model: the name map per format, tied embeddings, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. For Hugging
 Face safetensors the model mirrors transformers' module names, so the map
 is the identity, written out below as the list of every tensor a gemma2
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
 from lollm.errors import WeightsError
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma2Config
 from .modeling_gemma2 import Gemma2ForCausalLM
@@ -105,7 +105,7 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 #: head. The norm weights stay float (the GGUF ones pass through undo_gguf_norm_shift).
 QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
 
-#: Everything above, as the data lollm.build.build_model reads.
+#: Everything above, as the data lollm.load.build.build_model reads.
 LAYOUT = WeightLayout(
     name_maps={
         "safetensors": NameMap("gemma2", "safetensors", HF_NAMES),

@@ -35,7 +35,7 @@ so we refuse to pick a meaning), bidirectional attention, attention biases or
 another activation raise :class:`lollm.errors.ConfigError` naming the key.
 Keys that do not change the math (``initializer_range``, ``use_cache`` …) are ignored.
 
-Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read (a count is a positive integer
 under a stated bound, a RoPE base a finite number above 1, a flag a real
 boolean), and an error names the file, the key and the value.
@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lollm.checks import (
+from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
 )
 from lollm.errors import ConfigError, WeightsError
@@ -167,7 +167,7 @@ class Gemma3Config:
             read = ConfigReader(raw, "gemma3: config.json", defaults=TEXT_DEFAULTS)
         _refuse_unimplemented(top, read)
 
-        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        # The sizes: every one positive and bounded (lollm.load.checks), then consistent with each other.
         heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
         kv_heads = read.positive_int("num_key_value_heads", at_most=heads)
         read.check(heads % kv_heads == 0, f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
@@ -204,7 +204,7 @@ class Gemma3Config:
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
         come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
         key as that file spells it. Raises ConfigError naming the key, its value and what the
         weights hold; WeightsError naming a tensor the check needs that is absent (an untied

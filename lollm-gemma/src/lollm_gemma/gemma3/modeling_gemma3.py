@@ -100,7 +100,7 @@ class Gemma3ForCausalLM(nn.Module):
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Compute the embedding scale, which no checkpoint holds, on ``device`` in ``dtype``.
 
-        :func:`lollm.build.build_model` calls it after building the model on the meta device
+        :func:`lollm.load.build.build_model` calls it after building the model on the meta device
         (and calls each RotaryEmbedding's own ``materialize`` for the RoPE frequencies).
         """
         self.embed_scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """Loading a gemma3 model: the name map per format and layout, tied embeddings, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. The model
 mirrors transformers' module names, so for a ``gemma3_text`` checkpoint the
 map is the identity, written out below as the list of every tensor such a
@@ -40,12 +40,12 @@ from typing import Mapping
 
 import torch
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
 from lollm.errors import WeightsError
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma3Config
 from .modeling_gemma3 import Gemma3ForCausalLM
@@ -159,7 +159,7 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 #: head. The norm weights stay float (the GGUF ones pass through undo_gguf_norm_shift).
 QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
 
-#: Everything above, as the data lollm.build.build_model reads: the text layout (``gemma3_text``,
+#: Everything above, as the data lollm.load.build.build_model reads: the text layout (``gemma3_text``,
 #: and every GGUF) ... (a NameMap's second field is how an error names the checkpoint: layout and format)
 LAYOUT = WeightLayout(
     name_maps={

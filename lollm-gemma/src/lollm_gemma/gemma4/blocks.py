@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
 
-        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        :func:`lollm.load.build.build_model` calls it after building the model on the meta device.
         """
         self.inv_freq = rope_inverse_frequencies(self.rope, self.head_dim).to(device)
 

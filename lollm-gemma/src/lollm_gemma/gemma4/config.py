@@ -48,7 +48,7 @@ layer that is not global (transformers would silently force it), an unknown
 RoPE type or key, attention biases or another activation raise
 :class:`lollm.errors.ConfigError` naming the key.
 
-Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read (a count is a positive integer
 under a stated bound, a RoPE base a finite number above 1, a flag a real
 boolean), and an error names the file, the key and the value.
@@ -63,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from lollm.checks import (
+from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
 )
 from lollm.errors import ConfigError, WeightsError
@@ -231,7 +231,7 @@ class Gemma4Config:
             read = ConfigReader(raw, "gemma4: config.json", defaults=TEXT_DEFAULTS)
         _refuse_unimplemented(top, read)
 
-        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        # The sizes: every one positive and bounded (lollm.load.checks), then consistent with each other.
         heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
         num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
         layer_types = _read_layer_types(read, num_layers)
@@ -279,7 +279,7 @@ class Gemma4Config:
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
         come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
         key as that file spells it. Raises ConfigError naming the key, its value and what the
         weights hold; WeightsError naming a tensor the check needs that is absent (an untied

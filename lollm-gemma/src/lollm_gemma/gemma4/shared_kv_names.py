@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lollm.build import NameMap, layer_template
+from lollm.load.build import NameMap, layer_template
 
 #: The file names (``{i}``: the layer) of those tensors in a text checkpoint (v_norm has no
 #: weight at all, but transformers' list of ignored names has it) ...

@@ -1,6 +1,6 @@
 """Loading a gemma4 model: the name map per format and layout, tied embeddings, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. The model
 mirrors transformers' module names, so for a ``gemma4_text`` checkpoint the
 map is the identity, written out below as the list of every tensor such a
@@ -43,11 +43,11 @@ Attention Q/K rows are *not* permuted (llama.cpp runs Gemma with NEOX RoPE).
 
 from __future__ import annotations
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Gemma4Config
 from .modeling_gemma4 import Gemma4ForCausalLM

@@ -21,7 +21,7 @@ A GGUF file carries the same numbers as llama.cpp metadata keys
 (``qwen2.block_count`` …): :meth:`Qwen2Config.from_gguf` reads them, under the
 same rule (see the table in its docstring and docs/qwen2.md, "From GGUF").
 
-Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read (a count is a positive integer
 under a stated bound, a RoPE base a finite number above 1, a flag a real
 boolean), and an error names the file, the key and the value.
@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lollm.checks import (
+from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_ROPE_SCALE, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
 )
 from lollm.errors import ConfigError, WeightsError
@@ -129,7 +129,7 @@ class Qwen2Config:
         quantization = read.mapping("quantization_config") or {}
         read.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
-        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        # The sizes: every one positive and bounded (lollm.load.checks), then consistent with each other.
         num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
         read.strings("layer_types", default=None, length=num_layers, choices=("full_attention",))
         hidden = read.positive_int("hidden_size", at_most=MAX_WIDTH)
@@ -160,7 +160,7 @@ class Qwen2Config:
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
         come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
         key as that file spells it. Raises ConfigError naming the key, its value and what the
         weights hold; WeightsError naming a tensor the check needs that is absent (an untied

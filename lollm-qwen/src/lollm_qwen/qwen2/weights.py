@@ -1,6 +1,6 @@
 """Loading a qwen2 model: the name map per format, tied embeddings, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. For Hugging
 Face safetensors the model mirrors transformers' module names, so the map
 is the identity, written out below as the list of every tensor a qwen2
@@ -25,18 +25,18 @@ embedding (:data:`TIED`), as for safetensors without ``lm_head.weight``.
 
 The tensors of a GGUF are dequantized to float32 one at a time by
 :class:`lollm.gguf.GGUFTensorSource` and streamed through the same
-:func:`lollm.weights.load_weights`, which converts each to the target dtype
+:func:`lollm.load.weights.load_weights`, which converts each to the target dtype
 and drops it before reading the next: a GGUF load peaks near one copy of the
 model (plus the memory-mapped file's pages).
 """
 
 from __future__ import annotations
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
-from lollm.tensor_parallel import Colwise, Rowwise, Vocab
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.tensor_parallel import Colwise, Rowwise, Vocab
 
 from .config import Qwen2Config
 from .modeling_qwen2 import Qwen2ForCausalLM
@@ -116,7 +116,7 @@ TP_PLAN = {
 #: head. Norm weights and biases are small vectors that stay float.
 QUANTIZABLE = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight"
 
-#: Everything above, as the data lollm.build.build_model reads.
+#: Everything above, as the data lollm.load.build.build_model reads.
 LAYOUT = WeightLayout(
     name_maps={
         "safetensors": NameMap("qwen2", "safetensors", HF_NAMES, frozenset(HF_IGNORED)),

@@ -154,7 +154,7 @@ class RotaryEmbedding(nn.Module):
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
 
-        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        :func:`lollm.load.build.build_model` calls it after building the model on the meta device.
         """
         inv_freq, self.attention_scaling = rope_inverse_frequencies(self.rope, self.head_dim)
         self.inv_freq = inv_freq.to(device)

@@ -33,7 +33,7 @@ changes the math in a way this family does not implement raises
 :class:`lollm.errors.ConfigError` naming the key. Keys that do not change the
 math (``initializer_range``, ``use_cache``, ``dtype`` ...) are ignored.
 
-Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read (a count is a positive integer
 under a stated bound, a RoPE base a finite number above 1, a flag a real
 boolean), and an error names the file, the key and the value.
@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from lollm.checks import (
+from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
 )
 from lollm.errors import WeightsError
@@ -148,7 +148,7 @@ class Qwen3_5Config:
         read.check(not read.boolean("mtp_use_dedicated_embeddings", default=False),
                    "sets 'mtp_use_dedicated_embeddings'; an MTP head with its own embeddings is not implemented")
 
-        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        # The sizes: every one positive and bounded (lollm.load.checks), then consistent with each other.
         num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
         hidden = read.positive_int("hidden_size", at_most=MAX_WIDTH)
         heads = read.positive_int("num_attention_heads", at_most=MAX_HEADS)
@@ -191,7 +191,7 @@ class Qwen3_5Config:
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
         come from the file headers, no data is read). Raises ConfigError naming the key, its
         value and what the weights hold; WeightsError naming a tensor the check needs that is
         absent (an untied model without ``lm_head.weight`` included).

@@ -6,7 +6,7 @@ state at position p and the embedding of the token at p+1, it predicts the
 token at p+2. It is small (one attention layer and one MLP; the embedding and
 the output head are shared with the main model), so it can guess a few tokens
 ahead cheaply; the main model then checks all the guesses in one forward
-(see lollm/generate.py, ``_speculative_steps``)::
+(see lollm/generate/loop.py, ``_speculative_steps``)::
 
     main model ──► h_p (final-normed hidden of position p)
                           │

@@ -113,7 +113,7 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of the rotation angles for the given positions.
 
     ``inv_freq`` is a non-persistent buffer: not in the checkpoint, computed
-    (:func:`lollm.build.build_model` calls :meth:`materialize` after building on the meta device).
+    (:func:`lollm.load.build.build_model` calls :meth:`materialize` after building on the meta device).
 
     positions: (T,) int64 -> cos, sin: (T, R) in ``dtype``; the R/2 angles are
     repeated twice, ``[a0 .. a_{R/2-1}, a0 .. a_{R/2-1}]``, to match rotate_half.
@@ -135,7 +135,7 @@ class RotaryEmbedding(nn.Module):
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
 
-        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        :func:`lollm.load.build.build_model` calls it after building the model on the meta device.
         """
         self.inv_freq = rope_inverse_frequencies(self.theta, self.rotary_dim).to(device)
 

@@ -15,7 +15,7 @@ Qwen3.5-MoE checkpoints store the routed experts of a layer in one of two forms:
 
 :class:`FusedExpertsSource` presents a per-expert checkpoint as the fused one:
 it lists one fused name per layer instead of the 3E per-expert names and
-stacks the experts when that name is read, so :func:`lollm.weights.load_weights`
+stacks the experts when that name is read, so :func:`lollm.load.weights.load_weights`
 still streams one (fused) tensor at a time. Every expert of every layer must be
 there. ``weights.load`` wraps the checkpoint's tensors in it before anything
 else reads them.

@@ -1,6 +1,6 @@
 """Loading a qwen3_5_moe model: the name map of both checkpoint layouts, the experts' two forms, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. Qwen3.5
 checkpoints come in two layouts:
 
@@ -22,7 +22,7 @@ the model (``experts.gate_up_proj`` (E, 2I, C), ``experts.down_proj`` (E, C, I))
 as the second, so the name map below lists the fused names only.
 
 The family's declarations (name map, tied head, :data:`TP_PLAN`, :data:`QUANTIZABLE`)
-are data in :data:`LAYOUT`, read by :func:`lollm.build.build_model` (plugin contract 2,
+are data in :data:`LAYOUT`, read by :func:`lollm.load.build.build_model` (plugin contract 2,
 docs/plugins.md); :func:`load` parses the config, checks it and hands over.
 
 GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
@@ -31,12 +31,12 @@ GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
 
 from __future__ import annotations
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
 from lollm.errors import ConfigError
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
-from lollm.tensor_parallel import Colwise, Reduce, Rowwise, Vocab
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.tensor_parallel import Colwise, Reduce, Rowwise, Vocab
 
 from .config import Qwen3_5MoeConfig
 from .fused_experts import FusedExpertsSource
@@ -171,7 +171,7 @@ TP_PLAN = {
 }
 
 
-#: Everything above, as the data lollm.build.build_model reads (safetensors only: GGUF is refused).
+#: Everything above, as the data lollm.load.build.build_model reads (safetensors only: GGUF is refused).
 LAYOUT = WeightLayout(
     name_maps={
         "safetensors": NameMap("qwen3_5_moe", "safetensors", {**HF_NAMES, **LANGUAGE_MODEL_NAMES},

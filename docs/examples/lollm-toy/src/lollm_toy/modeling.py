@@ -12,7 +12,7 @@ Read in order: :class:`ToyConfig` (config.json, strictly) ─► :class:`ToyCach
 (preallocated K/V) ─► :class:`ToyAttention`, :class:`ToyBlock`,
 :class:`ToyForCausalLM` (forward in numbered steps) ─► :func:`load` (the
 entry point lollm-core calls: hands the model class and its weight layout to core's
-:func:`lollm.build.build_model`, which builds on meta and streams the weights in).
+:func:`lollm.load.build.build_model`, which builds on meta and streams the weights in).
 
 Tensor names mirror Hugging Face style (``model.layers.N.self_attn.q_proj.weight``),
 so the name map from the file to the model is the identity.
@@ -29,9 +29,9 @@ from torch import nn
 from lollm.attention import attend
 from lollm.batch import CacheLayer, keep_logit_rows, token_positions
 from lollm.errors import ConfigError
-from lollm.build import WeightLayout, build_model
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
+from lollm.load.build import WeightLayout, build_model
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
 
 # -- config ---------------------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> ToyForCausalLM:
 
     checkpoint: ``.config`` is config.json as a dict, ``.weights`` the tensors by file name,
     ``.fmt`` "safetensors" (anything else is a ConfigError). options: the resolved
-    :class:`lollm.options.LoadOptions` (device, dtype, ...), handed to core's build_model.
+    :class:`lollm.load.options.LoadOptions` (device, dtype, ...), handed to core's build_model.
     """
     if checkpoint.fmt != "safetensors":
         raise ConfigError(f"lollm_toy reads safetensors checkpoints only, not {checkpoint.fmt}")

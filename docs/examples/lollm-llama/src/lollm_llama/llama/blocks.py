@@ -165,7 +165,7 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of the rotation angles for the given positions.
 
     ``inv_freq`` is a non-persistent buffer: it is not in the checkpoint, the
-    model computes it (:func:`lollm.build.build_model` calls :meth:`materialize`
+    model computes it (:func:`lollm.load.build.build_model` calls :meth:`materialize`
     after building the model on the meta device).
 
     positions: (T,) int64 -> cos, sin: (T, D) in ``dtype``; the D/2 angles are
@@ -183,7 +183,7 @@ class RotaryEmbedding(nn.Module):
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute ``inv_freq`` on the CPU in float32 and place it on ``device`` (it stays float32, whatever ``dtype``).
 
-        :func:`lollm.build.build_model` calls it after building the model on the meta device.
+        :func:`lollm.load.build.build_model` calls it after building the model on the meta device.
         """
         inv_freq, self.attention_scaling = rope_inverse_frequencies(self.rope, self.head_dim)
         self.inv_freq = inv_freq.to(device)

@@ -33,7 +33,7 @@ A GGUF file carries the same numbers as llama.cpp metadata keys
 same rule. What GGUF cannot say in metadata, llama3 scaling, comes as the tensor
 ``rope_freqs.weight`` (``weights.py`` reads it into :attr:`RopeConfig.freq_factors`).
 
-Every value is untrusted and read through :class:`lollm.checks.ConfigReader`:
+Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read, and an error names the file,
 the key and the value. :meth:`LlamaConfig.check_weights` then compares the sizes
 with the checkpoint's tensor table, so nothing is built that the weights do not back.
@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from lollm.checks import (
+from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_ROPE_SCALE, MAX_VOCAB, MAX_WIDTH, REQUIRED, ConfigReader, WeightTable, show,
 )
 from lollm.errors import ConfigError, WeightsError
@@ -160,7 +160,7 @@ class LlamaConfig:
         quantization = read.mapping("quantization_config") or {}
         read.check(not quantization, f"has 'quantization_config' ({show(quantization.get('quant_method', '?'))}); quantized safetensors are not supported")
 
-        # The sizes: every one positive and bounded (lollm.checks), then consistent with each other.
+        # The sizes: every one positive and bounded (lollm.load.checks), then consistent with each other.
         num_layers = read.positive_int("num_hidden_layers", at_most=MAX_LAYERS)
         read.strings("layer_types", default=None, length=num_layers, choices=("full_attention",))
         hidden = read.positive_int("hidden_size", at_most=MAX_WIDTH)
@@ -193,7 +193,7 @@ class LlamaConfig:
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
-        shapes: model tensor name -> shape (:func:`lollm.checks.tensor_table`; names and shapes
+        shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
         come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
         key as that file spells it. Raises ConfigError naming the key, its value and what the
         weights hold; WeightsError naming a tensor the check needs that is absent (an untied

@@ -1,7 +1,7 @@
 """The parity reference of the ``llama`` family: transformers' LlamaForCausalLM, fed the GGUF by us when it must be.
 
 ``lollm parity`` and the conformance kit call :func:`reference` as
-``reference(checkpoint, dtype)``: ``checkpoint`` is the :class:`lollm.loader.Checkpoint`
+``reference(checkpoint, dtype)``: ``checkpoint`` is the :class:`lollm.load.loader.Checkpoint`
 lollm read (``.path`` the folder, ``.fmt`` "safetensors" or "gguf", ``.config``
 config.json as a dict or the GGUF metadata, ``.weights`` the tensors under the
 file's names, for GGUF a :class:`lollm.gguf.GGUFTensorSource` whose ``.gguf.path``
@@ -11,7 +11,7 @@ float, hidden_states the ``num_layers + 1`` tensors (1, T, C) of transformers'
 ``output_hidden_states``.
 
 * safetensors: transformers' own load of the same files
-  (:func:`lollm.parity.default_reference`).
+  (:func:`lollm.proof.parity.default_reference`).
 * GGUF: transformers' GGUF loader falls short for llama: it drops attention and MLP
   biases, linear RoPE scaling and ``rope_freqs.weight`` (llama3 scaling), so a
   Llama 3.1+ GGUF would be compared against a model with the wrong RoPE. Here the
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from lollm.errors import LollmError
-from lollm.parity import default_reference
+from lollm.proof.parity import default_reference
 
 
 def reference(checkpoint, dtype: torch.dtype):

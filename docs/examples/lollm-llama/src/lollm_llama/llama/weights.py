@@ -1,6 +1,6 @@
 """Loading a llama model: the name maps per format, undoing llama.cpp's Q/K permutation, rope_freqs, and ``load``.
 
-The loader (lollm.loader) hands us the checkpoint's tensors under the file's
+The loader (lollm.load.loader) hands us the checkpoint's tensors under the file's
 own names; this module says where each one goes in the model. For Hugging
 Face safetensors the model mirrors transformers' module names, so the map is
 the identity, written out below as the list of every tensor a llama checkpoint
@@ -28,7 +28,7 @@ does to a llama besides renaming, both undone here:
    model parameter.
 
 The family's declarations (name maps, tied head, what may stay packed) are data
-in :data:`LAYOUTS`, read by :func:`lollm.build.build_model` (plugin contract 2,
+in :data:`LAYOUTS`, read by :func:`lollm.load.build.build_model` (plugin contract 2,
 docs/plugins.md); :func:`load` parses the config, checks it against the tensor
 table and hands over, with :func:`gguf_transform` for a GGUF. The tensors of a
 GGUF are dequantized to float32 one at a time by :class:`lollm.gguf.GGUFTensorSource`.
@@ -45,11 +45,11 @@ from typing import Callable
 
 import torch
 
-from lollm.build import NameMap, WeightLayout, build_model
-from lollm.checks import tensor_table
+from lollm.load.build import NameMap, WeightLayout, build_model
+from lollm.load.checks import tensor_table
 from lollm.errors import ConfigError, WeightsError
-from lollm.loader import Checkpoint
-from lollm.options import LoadOptions
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
 
 from .config import LlamaConfig
 from .modeling_llama import LlamaForCausalLM
@@ -128,7 +128,7 @@ QUANTIZABLE_GGUF = r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.
 #: The tensors :func:`unpermute_rows` re-orders when they come from a GGUF (weights and biases).
 PERMUTED = re.compile(r"model\.layers\.\d+\.self_attn\.(q|k)_proj\.(weight|bias)")
 
-#: Everything above, as the data lollm.build.build_model reads: one layout per format, since
+#: Everything above, as the data lollm.load.build.build_model reads: one layout per format, since
 #: what may stay packed differs. No TP_PLAN: this example runs on one process (no ``--tp``).
 LAYOUTS = {
     "safetensors": WeightLayout(
@@ -157,7 +157,7 @@ def unpermute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def gguf_transform(config: LlamaConfig) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """The ``transform`` of :func:`lollm.weights.load_weights` for a GGUF: un-permute q_proj (H heads) and k_proj (K heads)."""
+    """The ``transform`` of :func:`lollm.load.weights.load_weights` for a GGUF: un-permute q_proj (H heads) and k_proj (K heads)."""
 
     def transform(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
         match = PERMUTED.fullmatch(model_name)

@@ -1,0 +1,376 @@
+"""``lollm chat``: a conversation with one model in the terminal, reusing its cache from turn to turn.
+
+::
+
+    >>> you type a message
+        the chat template renders the whole conversation ─► token ids
+        the prompt cache keeps what the last turn computed ─► only the new part is prefilled
+        the answer streams out; Ctrl-C stops it (the conversation stays), Ctrl-D quits
+    >>> /stats   tokens reused from the cache vs prefilled, for the last turn
+    >>> /drop N  forget the oldest N turns     /reset   start over     /quit   leave
+
+A full context does not end the conversation. A turn is a user message and
+its answer; when the next message would leave too little of the context
+(``--ctx-size``) for an answer, the oldest turns leave the conversation (the
+system message stays) and a note says how many, as ollama truncates old
+messages and llama.cpp shifts its context. With ``--no-context-shift`` the
+message is refused instead, with an error that names ``/drop N`` and
+``/reset``; a message too long on its own is refused either way.
+
+:class:`ChatSession` holds the conversation (messages, template flags, a
+:class:`~lollm.generate.prompt_cache.PromptCache`); :func:`repl` reads lines and
+prints answers. Line editing and history come from prompt_toolkit (the
+``lollm-core[chat]`` extra) when the terminal is interactive; piped input is
+read line by line without it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TextIO
+
+from lollm.errors import GenerationError, LollmError
+from lollm.generate.loop import GenerationResult, generate
+from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.sampling import SamplingParams
+
+#: The session context (``--ctx-size``) when none is given, capped by the model's own.
+DEFAULT_CONTEXT = 4096
+
+HELP = """commands:
+  /stats   tokens of the last turn: reused from the cache, prefilled, generated; speed
+  /drop N  forget the oldest N turns (1 when left out); the system message stays
+  /reset   forget the conversation (the system message stays)
+  /quit    leave (Ctrl-D too)
+Ctrl-C stops an answer and keeps the conversation; the text so far stays in it.
+When the context is full, the oldest turns leave by themselves (unless --no-context-shift)."""
+
+
+def thinking_flags(tokenizer: Any, think: bool | None, model: str) -> dict[str, bool]:
+    """The template keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
+
+    Decided from the chat template itself: a template that does not read
+    ``enable_thinking`` cannot be switched, and asking for it is an error naming the model.
+    """
+    if think is None:
+        return {}
+    if not tokenizer.chat_template_reads("enable_thinking"):
+        raise LollmError(
+            f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
+        )
+    return {"enable_thinking": think}
+
+
+class ChatSession:
+    """One conversation with a loaded model (see :func:`lollm.load.pipeline.open_model`).
+
+    sampling:           the :class:`SamplingParams` of every answer.
+    stop_ids:           end-of-sequence ids (:func:`lollm.generate.loop.stop_token_ids`).
+    system:             a system message, kept across ``/reset`` and ``/drop``.
+    template_flags:     extra template variables, e.g. ``{"enable_thinking": False}``.
+    max_new_tokens:     most tokens per answer.
+    speculative_tokens: draft tokens per step with the model's MTP head (0: off).
+    context:            positions of the cache kept across turns (default
+                        :data:`DEFAULT_CONTEXT`, at most the model's context; at least 2).
+    context_shift:      when a message would not fit: drop the oldest turns (True, the
+                        default, as ollama does) or raise an error that says how to go on.
+
+    Raises LollmError when the tokenizer has no chat template, GenerationError for a context below 2.
+    """
+
+    def __init__(
+        self,
+        loaded: Any,
+        *,
+        sampling: SamplingParams,
+        stop_ids: set[int],
+        system: str | None = None,
+        template_flags: dict[str, Any] | None = None,
+        max_new_tokens: int = 512,
+        speculative_tokens: int = 0,
+        context: int | None = None,
+        context_shift: bool = True,
+    ):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        if self.tokenizer.chat_template is None:
+            raise LollmError(
+                f"{loaded.checkpoint.spec} has no chat template, so it cannot chat; "
+                "use `lollm run --no-chat` for plain text completion"
+            )
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.system = system
+        self.template_flags = dict(template_flags or {})
+        self.max_new_tokens = max_new_tokens
+        self.speculative_tokens = speculative_tokens
+        self.context_shift = context_shift
+        if context is None:
+            context = min(DEFAULT_CONTEXT, loaded.model.max_context)
+        self.cache = PromptCache(loaded.model, context)  # GenerationError below 2 positions
+        self.messages: list[dict[str, str]] = []
+        self.last: GenerationResult | None = None
+        self.dropped = 0  # the oldest turns the last answer made room by dropping
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation and the cache; the system message stays."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache.reset()
+        self.last = None
+
+    # -- turns: a user message and its answer; the oldest go first when the context is full --
+
+    def turns(self) -> int:
+        """The complete turns in the conversation (a user message and its answer), the system message aside."""
+        return (len(self.messages) - (1 if self.system else 0)) // 2
+
+    def _without_oldest(self, messages: list[dict[str, str]], n: int) -> list[dict[str, str]]:
+        head = 1 if self.system else 0
+        return messages[:head] + messages[head + 2 * n:]
+
+    def drop_oldest(self, n: int = 1) -> int:
+        """Forget the oldest ``n`` turns (all there are, when fewer); the system message stays. Returns how many went.
+
+        The prompt cache keeps what the next prompt still shares with it (the system
+        message) and prefills the rest (:mod:`lollm.generate.prompt_cache`).
+        """
+        n = max(0, min(n, self.turns()))
+        self.messages = self._without_oldest(self.messages, n)
+        return n
+
+    def answer_room(self) -> int:
+        """Positions a context shift leaves free for the answer: ``max_new_tokens``, at most a quarter of the context."""
+        return max(1, min(self.max_new_tokens, self.cache.max_tokens // 4))
+
+    def _too_long(self, tokens: int, older: int) -> GenerationError:
+        """The error for a prompt of ``tokens`` that does not fit, saying how to go on."""
+        where = (f"the context holds {self.cache.max_tokens} positions (--ctx-size; the model's own is "
+                 f"{self.loaded.model.max_context})")
+        if older == 0:
+            system = " with the system message" if self.system else ""
+            return GenerationError(f"this message makes a prompt of {tokens} tokens{system}, but {where}: "
+                                   f"shorten it, or restart with a larger --ctx-size")
+        return GenerationError(
+            f"the conversation is full: with this message the prompt is {tokens} tokens, but {where}. To go on: "
+            f"/drop N forgets the oldest N of the {older} turn(s), /reset starts over (the system message stays); "
+            f"or restart with --context-shift (the oldest turns then go by themselves) or a larger --ctx-size"
+        )
+
+    def prompt(self, text: str) -> tuple[list[dict[str, str]], list[int], int]:
+        """The next prompt with the user message ``text``: ``(messages, ids, dropped)``.
+
+        ``ids`` must leave at least one position of the context for the answer. With
+        ``context_shift``, when they leave less than :meth:`answer_room`, the fewest
+        oldest turns are dropped that make the room (found by bisection: a few
+        renders of the template, not one per turn); ``dropped`` says how many.
+        Raises GenerationError (see :meth:`_too_long`) when the prompt cannot fit:
+        without ``context_shift``, or with this message alone too long.
+        """
+        messages = self.messages + [{"role": "user", "content": text}]
+        context, older = self.cache.max_tokens, self.turns()
+        encoded: dict[int, list[int]] = {}
+
+        def ids_without(n: int) -> list[int]:
+            if n not in encoded:
+                encoded[n] = self.tokenizer.encode_chat(self._without_oldest(messages, n), add_generation_prompt=True,
+                                                        **self.template_flags)
+            return encoded[n]
+
+        room = self.answer_room() if self.context_shift else 1
+        if len(ids_without(0)) + room <= context or (older == 0 and len(ids_without(0)) < context):
+            return messages, ids_without(0), 0
+        if not self.context_shift or older == 0:
+            raise self._too_long(len(ids_without(0)), older)
+        if len(ids_without(older)) >= context:
+            raise self._too_long(len(ids_without(older)), 0)
+        low, high = 1, older  # the fewest turns to drop: ids_without(high) leaves the room (or it is all of them)
+        while low < high:
+            middle = (low + high) // 2
+            if len(ids_without(middle)) + room <= context:
+                high = middle
+            else:
+                low = middle + 1
+        return self._without_oldest(messages, high), ids_without(high), high
+
+    def reply(
+        self,
+        text: str,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        on_drop: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        """Answer the user message ``text``; the message and the answer join the conversation.
+
+        An answer stopped by ``should_stop`` joins it as far as it got. When the
+        oldest turns must go to make room (:meth:`prompt`), ``on_drop(n)`` hears
+        it before the answer starts. On an error (a message longer than the
+        context, a full context without ``context_shift``, ...) the conversation is
+        left as it was.
+        """
+        messages, ids, dropped = self.prompt(text)
+        if dropped and on_drop is not None:
+            on_drop(dropped)
+        result = generate(
+            self.loaded.model, ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling, stop_ids=self.stop_ids,
+            tokenizer=self.tokenizer, on_text=on_text, speculative_tokens=self.speculative_tokens,
+            prompt_cache=self.cache, should_stop=should_stop,
+        )
+        self.messages = messages + [{"role": "assistant", "content": result.text}]
+        self.last, self.dropped = result, dropped
+        return result
+
+    def stats(self) -> str:
+        """The last turn's token counts and speed, and how full the cache is."""
+        if self.last is None or self.cache.last is None:
+            return "no turn yet"
+        r, reuse = self.last, self.cache.last
+        cache = self.cache.cache
+        return (
+            f"last turn: prompt {reuse.prompt_tokens} tokens: {reuse.reused} reused from the cache ({reuse.how}), "
+            f"{reuse.prefilled} prefilled; answer {len(r.new_ids)} tokens\n"
+            f"speed: prefill {r.prefill_tokens_per_second:.1f} tok/s, decode {r.decode_tokens_per_second:.1f} tok/s; "
+            f"stop: {r.stop_reason}\n"
+            f"cache: {cache.length if cache is not None else 0} of {self.cache.max_tokens} positions, "
+            f"{len(self.cache.snapshots)} snapshot(s)"
+        )
+
+
+@contextmanager
+def ctrl_c_stops() -> Iterator[threading.Event]:
+    """While inside, the first Ctrl-C sets the yielded event (the answer stops at its next token);
+    a second one raises KeyboardInterrupt as usual."""
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+#: The longest line ``lollm chat`` reads from piped input (characters); a longer one ends the chat with an error.
+MAX_LINE_CHARS = 2**20
+
+
+def _line_reader(interactive: bool) -> Callable[[str], str]:
+    """``read(prompt) -> line``; EOFError at the end (Ctrl-D), KeyboardInterrupt on Ctrl-C.
+
+    Piped lines are bounded: one longer than :data:`MAX_LINE_CHARS` (``lollm chat < /dev/zero``)
+    raises LollmError instead of filling the memory.
+    """
+    if not interactive:
+
+        def read_piped(prompt: str) -> str:
+            line = sys.stdin.readline(MAX_LINE_CHARS + 1)
+            if not line:
+                raise EOFError
+            if len(line) > MAX_LINE_CHARS:
+                raise LollmError(f"lollm chat: a line on stdin is longer than {MAX_LINE_CHARS:,} characters")
+            return line.rstrip("\n")
+
+        return read_piped
+    try:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
+    except ImportError:
+        raise LollmError("lollm chat needs prompt_toolkit for line editing: pip install 'lollm-core[chat]'") from None
+    session = PromptSession(history=InMemoryHistory())
+    return lambda prompt: session.prompt(prompt)
+
+
+def _command(session: ChatSession, text: str, note: Callable[[str], None]) -> bool:
+    """Run the chat command ``text`` (``/stats``, ``/drop N``, ...); False for one that leaves."""
+    words = text.split()
+    command = words[0].lower()
+    if command in ("/quit", "/exit", "/bye"):
+        return False
+    if command == "/reset":
+        session.reset()
+        note("(the conversation is cleared)")
+    elif command == "/drop":
+        count = words[1] if len(words) > 1 else "1"
+        if not count.isdigit() or len(words) > 2:
+            note("usage: /drop N  (forget the oldest N turns; N a whole number, 1 when left out)")
+        else:
+            gone = session.drop_oldest(int(count))
+            note(f"(dropped the oldest {gone} turn(s); {session.turns()} left)")
+    elif command == "/stats":
+        note(session.stats())
+    elif command == "/help":
+        note(HELP)
+    else:
+        note(f"unknown command {command}; /help lists them")
+    return True
+
+
+def _turn_line(session: ChatSession, result: GenerationResult) -> str:
+    """The statistics line after an answer, with a hint when the answer filled the context."""
+    reuse = session.cache.last
+    stopped = " · stopped by Ctrl-C" if result.stop_reason == "cancelled" else f" · stop: {result.stop_reason}"
+    line = (f"[{len(result.new_ids)} tokens · prompt {reuse.prompt_tokens}: {reuse.reused} reused, {reuse.prefilled} "
+            f"prefilled at {result.prefill_tokens_per_second:.1f} tok/s · decode {result.decode_tokens_per_second:.1f} "
+            f"tok/s{stopped}]")
+    if result.stop_reason == "context":
+        then = ("the next message drops the oldest turns to make room" if session.context_shift
+                else "/drop N or /reset makes room for the next message")
+        line += f"\n(the answer reached the end of the context, {session.cache.max_tokens} positions: {then})"
+    return line
+
+
+def repl(session: ChatSession, *, out: TextIO | None = None, note: Callable[[str], None] = print) -> None:
+    """Read messages and commands until /quit or Ctrl-D; stream each answer to ``out`` (default: sys.stdout as it is then).
+
+    ``note`` prints lines that are not part of an answer (statistics, notices). An
+    error in one turn (a message longer than the context, ...) is noted and the chat
+    goes on; one from reading the input (a piped line over :data:`MAX_LINE_CHARS`) ends it.
+    """
+    out = sys.stdout if out is None else out
+    interactive = sys.stdin.isatty() and out.isatty()
+    read = _line_reader(interactive)
+    note("/help for commands, Ctrl-C stops an answer, Ctrl-D quits")
+
+    def show(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+
+    def dropped(n: int) -> None:
+        note(f"(the context is full: the oldest {n} turn(s) leave the conversation; {session.turns() - n} stay)")
+
+    while True:
+        try:
+            line = read(">>> ")
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt: a fresh line, as in a shell
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if not _command(session, text, note):
+                break
+            continue
+        try:
+            with ctrl_c_stops() as stop:
+                result = session.reply(line, on_text=show, should_stop=stop.is_set, on_drop=dropped)
+        except KeyboardInterrupt:
+            out.write("\n")
+            note("[interrupted: this turn is dropped]")
+            continue
+        except LollmError as error:
+            out.write("\n")
+            note(f"error: {error}")
+            continue
+        out.write("\n")
+        out.flush()
+        note(_turn_line(session, result))

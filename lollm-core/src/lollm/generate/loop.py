@@ -1,0 +1,587 @@
+"""The one generate loop every family shares, in three layers.
+
+::
+
+    prompt ids ─► prefill (the prompt's positions, in chunks of lollm.generate.prefill.PREFILL_CHUNK_TOKENS, fill the cache)
+               ─► sample ─► decode (one position per forward, reads the cache) ─► sample ─► …
+               ─► stop: an end-of-sequence id, a stop string, max_new_tokens, or the context is full
+
+1. :func:`generate_steps`, the *step generator*: the prefill, then one decode step
+   per ``next()``; it yields one :class:`Step` per new token (its id, its
+   log-probabilities when asked) and stops only when the token budget or the
+   context is spent. With a :class:`~lollm.generate.drafting.Drafter` (a draft head, prompt
+   lookup) it decodes speculatively and still yields one token at a time. This is the piece a batched engine builds on.
+2. :func:`stream_text`: on top of the steps, the text: detokenized pieces (whole
+   UTF-8 characters), end-of-sequence ids, stop strings, a cancel check; one
+   :class:`TextStep` per step, the last one saying why the generation stopped.
+3. :func:`generate`: drives both with callbacks (``on_token``, ``on_text``) and
+   returns a :class:`GenerationResult` (ids, text, stop reason, timings).
+
+::
+
+    for step in generate_steps(model, ids, max_new_tokens=32, sampling=SamplingParams(temperature=0.0)):
+        print(step.token, step.finish)
+
+A family provides only ``model.forward(ids, cache)`` and ``model.new_cache``
+(see :mod:`lollm.model`); it never writes its own loop. With a
+:class:`~lollm.generate.prompt_cache.PromptCache` the cache outlives the call, and the
+prefill runs only the part of the prompt the cache does not hold yet.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from lollm.attention import use_backend
+from lollm.load.checks import ConfigReader
+from lollm.generate.drafting import Drafter, MtpDrafter
+from lollm.errors import GenerationError
+from lollm.generate.memory import check_cache_fits
+from lollm.generate.prefill import run_prompt
+from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.sampling import Sampler, SamplingParams
+from lollm.generate.structured import CompiledConstraint
+
+
+@dataclass
+class TokenLogprobs:
+    """The model's log-probabilities at one generated position (natural log, float).
+
+    token / logprob: the chosen id and its log-probability;
+    top: the ``n`` most likely ids with theirs, most likely first.
+    They come from the model's own distribution (``log_softmax`` of the logits),
+    before the repetition penalty, temperature and filters reshape it for sampling.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class GenerationResult:
+    """What a generation produced and how long it took.
+
+    prompt_ids / new_ids: token ids of the prompt and of the generated tokens
+    (the end-of-sequence id, when it stopped the loop, is included in new_ids).
+    text: the generated text (up to a stop string, not including it).
+    stop_reason: "eos", "stop_string", "max_new_tokens", "context" or "cancelled".
+    prefill_seconds: the prompt's forward plus the first sample;
+    decode_seconds: every later step.
+    reused_tokens: prompt positions a prompt cache already held (not prefilled again).
+    logprobs: with ``logprobs=N``, one :class:`TokenLogprobs` per id of new_ids.
+    """
+
+    prompt_ids: list[int]
+    new_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "max_new_tokens"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    drafted: int = 0  # speculative decoding: draft tokens proposed
+    accepted: int = 0  # and how many of them the main model confirmed
+    reused_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        prefilled = len(self.prompt_ids) - self.reused_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = max(len(self.new_ids) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """GenerationError unless every id is a row of the model's embedding (``0 .. vocab_size - 1``).
+
+    A tokenizer that does not belong to the model (or a tokenizer file that names ids past
+    the embedding) would otherwise fail deep inside the embedding lookup.
+    """
+    bad = next((i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise GenerationError(
+            f"the prompt holds the token id {bad!r}, but the model's vocabulary has ids 0 .. {vocab_size - 1}; "
+            f"does the tokenizer belong to this model?"
+        )
+
+
+def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
+
+    Each file's ``eos_token_id`` is one id or a list of ids (ConfigError naming the file otherwise).
+    """
+    ids = set(ConfigReader(generation_config, "generation_config.json").token_ids("eos_token_id"))
+    ids |= set(ConfigReader(config, "config.json").token_ids("eos_token_id"))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class _StopStringWatcher:
+    """Holds back just enough streamed text to never print the start of a stop string."""
+
+    def __init__(self, stop_strings: Iterable[str]):
+        self.stops = [s for s in stop_strings if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # how many characters of it were handed out
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to emit now, whether a stop string was hit)."""
+        self.text += piece
+        # the stop string that starts first wins, whatever its place in the list
+        hits = [at for stop in self.stops if (at := self.text.find(stop, max(0, self.emitted - len(stop)))) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out, True
+        safe_end = max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : safe_end]
+        self.emitted = safe_end
+        return out, False
+
+    def finish(self, tail: str) -> str:
+        out, _ = self.feed(tail)
+        rest = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out + rest
+
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """Log-probabilities of ``token`` and of the ``top`` most likely ids under ``logits`` ((V,), any float dtype)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, min(top, logp.numel())) if top > 0 else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprobs(token, float(logp[token]), pairs)
+
+
+# -- layer 1: the step generator ---------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One new token, as :func:`generate_steps` yields it.
+
+    token:    the chosen id (an int, ``0 .. model.vocab_size - 1``).
+    logprobs: its :class:`TokenLogprobs` when the generation asked for ``logprobs=N``, else None.
+    time:     ``time.perf_counter()`` when it was chosen (the first step's: the prefill is done).
+    drafted:  speculative decoding: a draft token was judged at this position;
+    accepted: and it was this token (the main model confirmed the draft).
+    finish:   None while more steps may follow; on the last step the generator will
+              yield, why: "max_new_tokens" (the budget is spent) or "context" (the
+              cache has no room for the position after this token).
+    """
+
+    token: int
+    logprobs: TokenLogprobs | None = None
+    time: float = 0.0
+    drafted: bool = False
+    accepted: bool = False
+    finish: str | None = None
+
+
+def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt_cache: PromptCache | None = None,
+                  speculative_tokens: int = 0, drafter: Drafter | None = None) -> int:
+    """The context a generation of ``prompt_ids`` runs in (positions); GenerationError when it cannot run.
+
+    Refused: an empty prompt, ``max_new_tokens < 1``, a prompt that fills the
+    context (the model's ``max_context``, or the prompt cache's ``max_tokens``), an id
+    outside the vocabulary, a cache larger than the device's free memory
+    (:func:`lollm.generate.memory.check_cache_fits`), speculative tokens without a draft head,
+    a drafter that cannot serve the model (``drafter.check``).
+    """
+    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty: there is nothing to continue")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt_ids) >= context:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
+            f"context is {context}"
+        )
+    check_prompt_ids(prompt_ids, model.vocab_size)
+    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
+        extra = drafter.tokens if drafter is not None else max(speculative_tokens, 0)
+        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + extra, context))
+    if speculative_tokens > 0 and not getattr(model, "has_draft_head", False):
+        raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
+    if drafter is not None:
+        drafter.check(model)
+    return context
+
+
+def generate_steps(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    speculative_tokens: int = 0,
+    prompt_cache: PromptCache | None = None,
+    logprobs: int | None = None,
+    constraint: CompiledConstraint | None = None,
+    drafter: Drafter | None = None,
+) -> Iterator[Step]:
+    """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
+
+    The layer everything else reads (:func:`stream_text`, :func:`generate`) and the one
+    a batched engine builds on: a request's whole state between two steps is one
+    ``_Sequence`` (its cache, sampler, ids so far), and a step is one forward.
+    ``prompt_ids``: a list of ints (``0 .. model.vocab_size - 1``).
+
+    The request is checked now (:func:`check_request`: GenerationError for an
+    empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
+    outside the vocabulary, a cache that does not fit the device, speculative
+    tokens without a draft head, both ``speculative_tokens`` and a ``drafter``);
+    the model runs only as the steps are asked for.
+
+    * The first ``next()`` runs the prefill: ``model(ids (1, P) long, cache,
+      logits_to_keep=1)`` -> logits (1, 1, V), and yields the first token; with a
+      ``prompt_cache``, only the part of the prompt it does not hold yet runs.
+    * Each later ``next()`` runs one forward over the newest token, ids (1, 1),
+      and yields the next. A ``drafter`` (:mod:`lollm.generate.drafting`: the model's
+      draft head, prompt lookup) proposes up to ``drafter.tokens`` tokens, verified
+      in one forward over (1, 1 + k) ids (:func:`_speculative_steps`); the steps
+      are still yielded one at a time, and the tokens are exactly those of plain
+      decoding. ``speculative_tokens = k > 0`` is short for
+      ``drafter=MtpDrafter(tokens=k)``.
+    * The repetition penalty sees the prompt and every token yielded so far;
+      ``logprobs=N`` fills ``Step.logprobs`` (the model's own distribution, N
+      alternatives).
+    * ``constraint`` (:func:`lollm.generate.structured.compile_constraint`, for this model's vocabulary):
+      before each pick, the ids it forbids get ``-inf`` (a fresh matcher per call), so every
+      token, drafts included, is one the constraint allows; the end-of-sequence ids are
+      allowed only once the output is complete.
+    * At most ``min(max_new_tokens, context - len(prompt_ids))`` steps: the last
+      one says why in ``Step.finish``. A caller may stop asking sooner (an
+      end-of-sequence id, a stop string, a cancel): no forward runs past the
+      last step it asked for.
+
+    The generator runs under ``torch.inference_mode`` with the current attention
+    backend (wrap the loop in ``lollm.attention.use_backend`` to choose it). The
+    model runs on its own device; ids are moved there. With a ``prompt_cache``,
+    closing the generator (or running it to the end) records what the cache holds
+    (``PromptCache.finish``). Errors from the model or the sampler
+    (GenerationError for non-finite logits) come out of ``next()``.
+    """
+    drafter = _one_drafter(speculative_tokens, drafter)
+    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, drafter=drafter)
+    if constraint is not None and constraint.vocab_size != model.vocab_size:
+        raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
+    budget = min(max_new_tokens, context - len(prompt_ids))
+    seq = _Sequence(model, prompt_ids, sampling, logprobs, budget, context)
+    seq.matcher = constraint.matcher() if constraint is not None else None
+    return _steps(seq, prompt_cache, drafter)
+
+
+def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | None:
+    """The generation's drafter: ``drafter``, or the draft head for ``speculative_tokens > 0``, or None."""
+    if speculative_tokens > 0 and drafter is not None:
+        raise GenerationError("give either speculative_tokens (the draft head) or a drafter, not both")
+    return MtpDrafter(tokens=speculative_tokens) if speculative_tokens > 0 else drafter
+
+
+class _Sequence:
+    """One generation's state between steps: the cache, the sampler, the ids seen, the steps yielded."""
+
+    def __init__(self, model: Any, prompt_ids: list[int], sampling: SamplingParams, logprobs: int | None,
+                 budget: int, context: int):
+        self.model, self.prompt_ids, self.logprobs = model, list(prompt_ids), logprobs
+        self.budget, self.context = budget, context
+        self.device = next(model.parameters()).device
+        self.sampler = Sampler(sampling)
+        self.seen = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
+        self.new_ids: list[int] = []
+        self.cache: Any = None
+        self.matcher: Any = None  # a lollm.generate.structured.TokenMatcher when the output is constrained
+
+    def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
+        """Run the prompt (or the part a prompt cache lacks), in chunks (:mod:`lollm.generate.prefill`); the logits of its last position, (V,)."""
+        if prompt_cache is not None:
+            self.cache, logits = prompt_cache.prefill(self.prompt_ids, self.device)
+            return logits[0, -1]
+        # room for the drafts (``extra``) a speculative step writes before it rolls back, never past the context
+        self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
+        # in chunks of lollm.generate.prefill.PREFILL_CHUNK_TOKENS: the activations stay bounded whatever the prompt's length
+        return run_prompt(self.model, self.prompt_ids, self.cache, self.device)[0, -1]
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """The logits (len(ids), V) of ``ids`` run after what the cache holds."""
+        return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply (no penalty, constraint or logprobs): the pick is the argmax,
+        which the batched engine takes for many rows at once."""
+        p = self.sampler.params
+        return p.greedy and p.repetition_penalty == 1.0 and self.matcher is None and self.logprobs is None
+
+    def choose(self, logits_row: torch.Tensor, *, drafted: bool = False, pick: int | None = None) -> Step:
+        """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked.
+
+        With a constraint, the pick is among the ids its matcher allows, and the matcher
+        advances by it: call this only for a token that will be emitted (speculative
+        decoding does: a draft is emitted only when it equals this pick). ``pick``: the
+        token already chosen (the engine's batched argmax for a :attr:`plain_greedy` row).
+        """
+        allowed = self.matcher.allowed() if self.matcher is not None else None
+        token = pick if pick is not None else self.sampler(logits_row, self.seen, allowed)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        self.seen = torch.cat([self.seen, torch.tensor([token])])
+        lp = token_logprobs(logits_row, token, self.logprobs) if self.logprobs is not None else None
+        return Step(token, lp, time.perf_counter(), drafted=drafted)
+
+    def emit(self, step: Step) -> Step:
+        """``step`` counted as yielded; on the last one, ``finish`` says why no step follows."""
+        self.new_ids.append(step.token)
+        if len(self.new_ids) >= self.budget:
+            step.finish = "max_new_tokens" if self.cache.length + 1 < self.context else "context"
+        return step
+
+
+@torch.inference_mode()
+def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
+    """The body of :func:`generate_steps`: prefill, then plain or speculative decoding."""
+    try:
+        first = seq.emit(seq.choose(seq.prefill(prompt_cache, drafter.tokens if drafter else 0)))
+        yield first
+        if not first.finish:
+            yield from (_speculative_steps(seq, first.token, drafter) if drafter else _plain_steps(seq, first.token))
+    except GeneratorExit:  # the caller stopped asking: the cache is as the last step left it
+        _record(seq, prompt_cache)
+        raise
+    _record(seq, prompt_cache)
+
+
+def _record(seq: _Sequence, prompt_cache: PromptCache | None) -> None:
+    """A prompt cache records what its cache now holds, for the next prompt."""
+    if prompt_cache is not None and seq.cache is not None:
+        prompt_cache.finish(seq.prompt_ids + seq.new_ids)
+
+
+def _plain_steps(seq: _Sequence, pending: int) -> Iterator[Step]:
+    """One forward over the newest token per step."""
+    while True:
+        step = seq.emit(seq.choose(seq.forward([pending])[-1]))
+        yield step
+        if step.finish:
+            return
+        pending = step.token
+
+
+def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
+    """The steps of speculative decoding (draft up to k, verify in one forward), yielded one at a time.
+
+    The drafter guesses up to ``k = drafter.tokens`` tokens after ``pending`` (the
+    newest token, not yet in the cache): the model's draft head, or a copy of an
+    earlier passage (:mod:`lollm.generate.drafting`). The main model then runs once over
+    ``[pending, d1 … dk]`` and, at each of those positions, the sampler picks the
+    token the main model would have produced. Drafts are accepted while they equal
+    those picks; the first pick that differs (or the pick after the last draft) is
+    the bonus token. The cache is rolled back to the accepted prefix
+    (``cache.rollback(length)``), also after the last step, so that it ends as plain
+    decoding leaves it. Because every emitted token is the main model's own pick,
+    made with the same sampler in the same order (a seeded sampler draws once per
+    emitted token either way), the output equals plain decoding exactly, greedy or
+    sampled; with no drafts a step is a plain decode step.
+    """
+    cache = seq.cache
+    while True:
+        room = min(drafter.tokens, cache.max_tokens - cache.length - 1, _undoable(cache) - 1)  # drafts after `pending`
+        history = seq.prompt_ids + seq.new_ids  # ends with `pending`
+        drafts = drafter.propose(seq.model, cache, history, room) if room > 0 else []
+        start = cache.length
+        logits = seq.forward([pending] + drafts)  # (1 + len(drafts), V)
+        for i in range(len(drafts) + 1):
+            step = seq.choose(logits[i], drafted=i < len(drafts))  # a draft counts once the loop gets to judge it
+            step.accepted = i < len(drafts) and step.token == drafts[i]
+            if not step.accepted or len(seq.new_ids) + 1 >= seq.budget:  # a miss, or the last step
+                if cache.length != start + 1 + i:
+                    cache.rollback(start + 1 + i)  # keep the cache up to here, as plain decoding would
+                pending = step.token
+            yield seq.emit(step)
+            if step.finish:
+                return
+            if not step.accepted:
+                break
+
+
+def _undoable(cache: Any) -> int:
+    """How many positions the next forward may write and still be rolled back exactly (``cache.undoable_tokens()``,
+    where the cache limits it: a wrapped sliding-window ring; else as many as it holds)."""
+    undoable = getattr(cache, "undoable_tokens", None)
+    return undoable() if undoable is not None else cache.max_tokens
+
+
+# -- layer 2: text, stop strings, end-of-sequence ids, cancel ------------------------------------
+
+
+@dataclass
+class TextStep:
+    """One step of :func:`stream_text`: the :class:`Step`, the text it lets out, and whether it is the last.
+
+    text:        text safe to show now: whole UTF-8 characters, never the beginning of
+                 a stop string (often "" while a character or a possible stop string is
+                 incomplete); the last TextStep also carries whatever was held back.
+    stop_reason: None while the generation goes on; on the last TextStep one of
+                 "eos", "stop_string", "max_new_tokens", "context", "cancelled"
+                 (the meanings of :attr:`GenerationResult.stop_reason`).
+    """
+
+    step: Step
+    text: str
+    stop_reason: str | None = None
+
+
+def stream_text(
+    steps: Iterable[Step],
+    tokenizer: Any = None,
+    *,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_strings: Iterable[str] = (),
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[TextStep]:
+    """The steps of :func:`generate_steps` with their text, until a stop condition; one :class:`TextStep` each.
+
+    Checked after each step, in this order: an id of ``stop_ids`` ("eos": its
+    text is left out), a stop string completed by the step's text ("stop_string":
+    the text ends just before it), the step's own ``finish``, then
+    ``should_stop()`` ("cancelled"; asked once per step that is not the last, so
+    under ``--tp`` every rank asks it equally often). ``tokenizer`` (with
+    ``stream_decoder()``) turns ids into text; without it every text is "".
+    Stops asking ``steps`` for more after the last TextStep. Raises
+    GenerationError now for stop strings without a tokenizer.
+    """
+    stop_strings = list(stop_strings)
+    if stop_strings and tokenizer is None:
+        raise GenerationError("stop strings need a tokenizer to decode the generated text")
+    decoder = tokenizer.stream_decoder(skip_special_tokens=True) if tokenizer is not None else None
+    return _text_steps(steps, decoder, _StopStringWatcher(stop_strings), stop_ids, should_stop)
+
+
+def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
+                should_stop: Callable[[], bool] | None) -> Iterator[TextStep]:
+    """The body of :func:`stream_text`: decode each step, check the stops in their order, flush at the end."""
+    for step in steps:
+        text, reason = "", None
+        if step.token in stop_ids:
+            reason = "eos"
+        elif decoder is not None:
+            text, hit = watcher.feed(decoder.push(step.token))
+            reason = "stop_string" if hit else None
+        if reason is None:
+            reason = step.finish or ("cancelled" if should_stop is not None and should_stop() else None)
+        if reason is not None and reason != "stop_string" and decoder is not None:
+            text += watcher.finish(decoder.flush())  # what the decoder and the watcher still hold
+        yield TextStep(step, text, reason)
+        if reason is not None:
+            return
+
+
+# -- layer 3: callbacks and the result ---------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_strings: Iterable[str] = (),
+    tokenizer: Any = None,
+    on_text: Callable[[str], None] | None = None,
+    speculative_tokens: int = 0,
+    prompt_cache: PromptCache | None = None,
+    logprobs: int | None = None,
+    on_token: Callable[[int, TokenLogprobs | None], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    attn: str | None = None,
+    constraint: CompiledConstraint | None = None,
+    drafter: Drafter | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``tokenizer`` (with ``stream_decoder()``) is needed for text output and stop
+    strings; without it only ids are produced. ``on_text`` receives each piece
+    of text as soon as it is safe to print (whole UTF-8 characters, never the
+    beginning of a stop string). The model runs on its own device; ids are
+    moved there.
+
+    ``drafter`` (:mod:`lollm.generate.drafting`) turns on speculative decoding: drafts
+    verified in one forward (see :func:`_speculative_steps`); the output is exactly
+    the same as without it. ``speculative_tokens > 0`` is short for the model's
+    draft head, ``drafter=MtpDrafter(tokens=speculative_tokens)``.
+
+    ``prompt_cache`` keeps the cache between calls (see :mod:`lollm.generate.prompt_cache`):
+    the context is then its ``max_tokens``. ``logprobs=N`` records the
+    log-probability of each new token and of the N most likely ones
+    (``result.logprobs``); ``on_token(id, logprobs or None)`` is called for each new
+    token as it is chosen (a caller interrupted by Ctrl-C still knows what was
+    generated); ``should_stop()`` is asked before each further step, and True ends the
+    generation with stop reason "cancelled" (a client that went away, Ctrl-C).
+    ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
+    the current one). ``constraint``: the output follows it (:mod:`lollm.generate.structured`;
+    see :func:`generate_steps`).
+
+    This is :func:`generate_steps` read through :func:`stream_text`, with the callbacks.
+    Raises GenerationError for an empty prompt, a non-positive
+    ``max_new_tokens``, a prompt that does not fit the context, a prompt id outside
+    the model's vocabulary, a cache larger than the device's free memory
+    (:func:`lollm.generate.memory.check_cache_fits`), stop strings without a tokenizer, or
+    speculative tokens without a draft head; AttentionBackendError for an unknown or
+    unusable backend.
+    """
+    with use_backend(attn):
+        steps = generate_steps(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                               speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
+                               constraint=constraint, drafter=drafter)
+        with closing(steps):  # a prompt cache records what it holds when the steps close
+            pieces = stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop)
+            result = _collect(pieces, GenerationResult(prompt_ids=list(prompt_ids)), on_token, on_text)
+    if prompt_cache is not None:
+        result.reused_tokens = prompt_cache.last.reused
+    return result
+
+
+def _collect(pieces: Iterator[TextStep], result: GenerationResult, on_token: Callable[[int, TokenLogprobs | None], None] | None,
+             on_text: Callable[[str], None] | None) -> GenerationResult:
+    """Read ``pieces`` into ``result`` (ids, logprobs, text, counts, timings), calling the callbacks on the way."""
+    start = first = time.perf_counter()
+    for piece in pieces:
+        step = piece.step
+        if not result.new_ids:
+            first = step.time
+            result.prefill_seconds = first - start  # the prompt's forward plus the first sample
+        result.new_ids.append(step.token)
+        result.drafted += step.drafted
+        result.accepted += step.accepted
+        if step.logprobs is not None:
+            result.logprobs.append(step.logprobs)
+        if on_token is not None:
+            on_token(step.token, step.logprobs)
+        if piece.text:
+            result.text += piece.text
+            if on_text is not None:
+                on_text(piece.text)
+        if piece.stop_reason is not None:
+            result.stop_reason = piece.stop_reason
+    result.decode_seconds = time.perf_counter() - first
+    return result

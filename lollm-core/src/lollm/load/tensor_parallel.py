@@ -1,0 +1,669 @@
+"""Tensor parallelism: one model split across N processes, Megatron-style (docs/tensor-parallel.md).
+
+``torchrun --nproc-per-node N -m lollm run --tp N …`` starts N copies of lollm.
+Each copy (a *rank*) joins one ``torch.distributed`` process group (NCCL on
+GPUs, gloo on CPUs: the transport PyTorch ships, nothing of our own) and
+builds the same model with only its share of the weights:
+
+* a **column-split** linear (:class:`Colwise`) keeps a slice of the *output*
+  features: the rank computes those outputs from the whole input, no
+  communication (attention's q/k/v by whole heads, an MLP's gate and up);
+* a **row-split** linear (:class:`Rowwise`) keeps the matching slice of the
+  *input* features, so its output is a partial sum: one ``all_reduce`` (sum)
+  gives every rank the full output (attention's o_proj, an MLP's down);
+* a **vocabulary-split** embedding or output head (:class:`Vocab`) keeps a
+  range of rows (token ids): the embedding looks up the ids it holds, zeros the
+  others and all-reduces; the head's logits are all-gathered.
+
+A column split followed by a row split needs no communication in between, so
+each attention block and each MLP costs one all-reduce (Shoeybi et al. 2019,
+"Megatron-LM", section 3).
+
+A family declares its split as data beside its weight map, a ``TP_PLAN`` dict
+(in the spirit of transformers' ``base_model_tp_plan``) from a module or
+parameter name pattern (``fnmatch``: ``model.layers.*.mlp.up_proj``) to one of
+the specs below. The specs name the config fields they divide
+(``Colwise("num_attention_heads")``): :meth:`Sharding.local_config` turns the
+family's config into this rank's (H/N heads, F/N MLP width …), so the
+family's modules are built at their local sizes and read their local head
+counts as they always do; :meth:`Sharding.prepare` then shrinks the vocabulary
+tables and installs the collectives; :func:`lollm.load.weights.load_weights` reads
+each split tensor's slice only (safetensors' ``get_slice``), so a rank's
+resident weights are 1/N of the split tensors plus the replicated ones (norms,
+routers, small projections).
+
+Why not ``torch.distributed.tensor.parallelize_module``: its ``ColwiseParallel``
+and ``RowwiseParallel`` turn each parameter into a DTensor by distributing a
+tensor every rank already holds in full (or receives from rank 0), where lollm
+streams each rank's slice straight from the file; GQA's replicated KV heads
+(N larger than the KV heads) are not an even ``Shard`` placement; and DTensor's
+per-op dispatch costs more than a tiny decode step. The same two collectives
+(``all_reduce`` after a row split, ``all_gather`` after the vocabulary head)
+are called here directly, from forward hooks; docs/tensor-parallel.md shows the
+DTensor spelling of the same plan.
+
+Errors (:class:`TensorParallelError`): ``--tp`` without torchrun's environment,
+an inconsistent one (a rank outside the world size, a negative value),
+ranks that do not all meet within the rendezvous timeout, a timeout variable
+that is no number of seconds, a world size that is not ``--tp``, a backend
+torch was built without, a split that does not divide a config field (naming
+it), packed weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import fnmatch
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lollm.errors import LollmError
+
+#: The environment torchrun sets for every process it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class TensorParallelError(LollmError):
+    """``--tp`` cannot run as asked: no torchrun environment, a wrong world size, a missing backend, an uneven split."""
+
+
+# ---------------------------------------------------------------------------
+# The specs a family's TP_PLAN is written in
+# ---------------------------------------------------------------------------
+Units = "str | tuple[str, str | int]"
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split the output features (``dim``, 0 for ``nn.Linear.weight`` and biases) in whole units.
+
+    ``segments``: the dim is these segments one after another, each a config
+    field counting its units (``"num_attention_heads"``: the dim holds that many
+    equal blocks) or ``(count_field, width_field_or_int)`` when the segments of a
+    fused tensor differ in width (DeltaNet's ``in_proj_qkv`` = q, k, v). Each
+    segment is split into N equal runs of whole units and the rank keeps its run
+    of every segment. ``replicate``: when N is a multiple of the count (GQA's KV
+    heads), ranks share units: rank r keeps unit ``r * count // N``.
+    """
+
+    segments: tuple = ()
+    dim: int = 0
+    replicate: bool = False
+
+    def __init__(self, *segments, dim: int = 0, replicate: bool = False):
+        object.__setattr__(self, "segments", segments)
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "replicate", replicate)
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split the input features (``dim``, -1: ``nn.Linear.weight``'s columns) in whole units.
+
+    The module's output is then a partial sum: with ``reduce`` (the default) an
+    all-reduce of the module's output follows; ``reduce=False`` when a
+    :class:`Reduce` further up sums several partial results at once (an MoE
+    block's experts and shared expert). A bias is kept by rank 0 only (zeros
+    elsewhere), so the sum adds it once.
+    """
+
+    segments: tuple = ()
+    dim: int = -1
+    reduce: bool = True
+
+    def __init__(self, *segments, dim: int = -1, reduce: bool = True):
+        object.__setattr__(self, "segments", segments)
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "reduce", reduce)
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Split an ``nn.Embedding`` or an output ``nn.Linear`` by rows (token ids) into N contiguous ranges.
+
+    An embedding becomes a :class:`VocabParallelEmbedding` (masked lookup +
+    all-reduce); a head's logits ``(…, V/N)`` are all-gathered to ``(…, V)``.
+    """
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """The module's output is a sum of partial results (row-split pieces inside it): all-reduce it."""
+
+
+SPECS = (Colwise, Rowwise, Vocab, Reduce)
+
+
+# ---------------------------------------------------------------------------
+# The process group
+# ---------------------------------------------------------------------------
+@dataclass
+class Group:
+    """This process's place in the tensor-parallel group.
+
+    rank, world: ``torch.distributed``'s rank and world size (= ``--tp``);
+    backend: ``"nccl"`` or ``"gloo"``; device: where this rank computes (on one
+    GPU shared by N processes, all of them use it). ``comm_seconds`` and
+    ``comm_calls`` count the time spent in collectives when ``timing`` is on
+    (the benchmark turns it on; CUDA collectives are synchronised to be timed).
+    """
+
+    rank: int
+    world: int
+    backend: str
+    device: torch.device
+    timing: bool = False
+    comm_seconds: float = 0.0
+    comm_calls: int = 0
+
+    def _timed(self, fn, *args):
+        if not self.timing:
+            return fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        out = fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.comm_seconds += time.perf_counter() - start
+        self.comm_calls += 1
+        return out
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; every rank gets the same sum. Returns ``x``."""
+        import torch.distributed as dist
+
+        self._timed(dist.all_reduce, x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Concatenate every rank's ``x`` (…, sizes[rank]) along the last dim: (…, sum(sizes))."""
+        import torch.distributed as dist
+
+        width = max(sizes)
+        if x.shape[-1] < width:  # all_gather takes equal shapes: pad the short ranges
+            x = F.pad(x, (0, width - x.shape[-1]))
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._timed(dist.all_gather, parts, x.contiguous())
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+_group: Group | None = None
+
+
+def current() -> Group | None:
+    """The group :func:`init` joined, or None (one process)."""
+    return _group
+
+
+#: Seconds each rank waits for all the others to join the group (the rendezvous);
+#: ``$LOLLM_TP_RENDEZVOUS_TIMEOUT`` overrides it. torchrun starts the ranks together,
+#: so they join within the seconds it takes to import torch; five minutes leaves room
+#: for a cold disk or a loaded machine, and bounds the wait for a rank that never comes.
+RENDEZVOUS_TIMEOUT_SECONDS = 300.0
+RENDEZVOUS_TIMEOUT_ENV = "LOLLM_TP_RENDEZVOUS_TIMEOUT"
+#: Seconds a collective (all-reduce, broadcast, barrier) waits for the other ranks;
+#: ``$LOLLM_TP_TIMEOUT`` overrides it. torch's own default, 30 minutes, written out:
+#: between two collectives a rank may load its shard of a large model, or (parity)
+#: wait while rank 0 builds the whole reference.
+COLLECTIVE_TIMEOUT_SECONDS = 1800.0
+COLLECTIVE_TIMEOUT_ENV = "LOLLM_TP_TIMEOUT"
+#: The largest timeout either variable accepts: 30 days.
+MAX_TIMEOUT_SECONDS = 30 * 24 * 3600.0
+
+
+def env_seconds(name: str, default: float, environ: Mapping[str, str] | None = None) -> float:
+    """The timeout in seconds held by the variable ``name`` (``default`` when unset or empty).
+
+    Raises TensorParallelError naming the variable for text that is not a
+    number, and for a number outside (0, :data:`MAX_TIMEOUT_SECONDS`] (``nan``,
+    ``inf``, zero and negative values included).
+    """
+    from lollm.load.checks import seconds_from_env
+
+    return seconds_from_env(name, default, MAX_TIMEOUT_SECONDS, error=TensorParallelError, environ=environ)
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` for the CPU (``LOLLM_TP_BACKEND`` overrides)."""
+    return os.environ.get("LOLLM_TP_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def check_launch(tp: int, environ: Mapping[str, str] | None = None, command: str = "run") -> None:
+    """Check ``--tp tp`` against torchrun's environment; raises TensorParallelError naming what is wrong.
+
+    ``tp`` < 1; above 1, a missing torchrun variable (:data:`TORCHRUN_ENV`), a
+    ``WORLD_SIZE`` other than ``tp``, a value that is not a whole number >= 0
+    (negative ones included), and an inconsistent set: ``RANK`` >= ``WORLD_SIZE``,
+    ``LOCAL_RANK`` >= ``LOCAL_WORLD_SIZE`` (or ``WORLD_SIZE`` when torchrun's
+    ``LOCAL_WORLD_SIZE`` is absent) or above ``RANK``, ``MASTER_PORT`` outside
+    1..65535, an empty ``MASTER_ADDR``. ``command``: the lollm command the error's
+    example launch line names (``run``, ``parity``, ``bench``).
+    """
+    env = os.environ if environ is None else environ
+    if tp < 1:
+        raise TensorParallelError(f"--tp {tp}: give the number of processes, 1 or more")
+    if tp == 1:
+        return
+    missing = [name for name in TORCHRUN_ENV if name not in env]
+    if missing:
+        raise TensorParallelError(
+            f"--tp {tp} runs one process per shard, started by torchrun: "
+            f"`torchrun --nproc-per-node {tp} -m lollm {command} --tp {tp} …` "
+            f"(this process has no {', '.join(missing)} in its environment)"
+        )
+    numbers = _launch_numbers(tp, env)
+    world = numbers["WORLD_SIZE"]
+    if world != tp:
+        raise TensorParallelError(f"--tp {tp} but torchrun started {world} processes (WORLD_SIZE): give --nproc-per-node {tp}")
+    _check_ranks(tp, numbers)
+    env_seconds(RENDEZVOUS_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_SECONDS, env)
+    env_seconds(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, env)
+
+
+#: torchrun's variables that hold whole numbers (LOCAL_WORLD_SIZE: set by torchrun, optional here).
+_NUMERIC_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+
+
+def _launch_numbers(tp: int, env: Mapping[str, str]) -> dict[str, int]:
+    """torchrun's numeric variables as ints; raises TensorParallelError naming one that is not a whole number >= 0."""
+    numbers: dict[str, int] = {}
+    for name in _NUMERIC_ENV:
+        if name not in env:
+            continue
+        text = env[name].strip()
+        if not text.isascii() or not text.isdigit() or len(text) > 9:
+            raise TensorParallelError(f"--tp {tp}: {name}={env[name]!r} is not a whole number from 0 to 999999999 "
+                                      f"(torchrun sets it; start the processes with torchrun)")
+        numbers[name] = int(text)
+    if not env["MASTER_ADDR"].strip():
+        raise TensorParallelError(f"--tp {tp}: MASTER_ADDR is empty (torchrun sets it to rank 0's host)")
+    return numbers
+
+
+def _check_ranks(tp: int, n: dict[str, int]) -> None:
+    """RANK, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_PORT consistent with WORLD_SIZE; TensorParallelError naming them otherwise.
+
+    A rank outside the world would wait for a process group it can never
+    complete, so it is refused before anything connects.
+    """
+    world, rank, local = n["WORLD_SIZE"], n["RANK"], n["LOCAL_RANK"]
+    local_world = n.get("LOCAL_WORLD_SIZE", world)
+    bad = None
+    if rank >= world:
+        bad = f"RANK={rank} is not below WORLD_SIZE={world} (the ranks are 0 to {world - 1})"
+    elif local_world < 1 or local_world > world:
+        bad = f"LOCAL_WORLD_SIZE={local_world} is not between 1 and WORLD_SIZE={world}"
+    elif local >= local_world:
+        bad = (f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}" if "LOCAL_WORLD_SIZE" in n
+               else f"LOCAL_RANK={local} is not below WORLD_SIZE={world}")
+    elif local > rank:
+        bad = f"LOCAL_RANK={local} is above RANK={rank} (a process's rank on its machine is at most its rank overall)"
+    elif not 1 <= n["MASTER_PORT"] <= 65535:
+        bad = f"MASTER_PORT={n['MASTER_PORT']} is not a TCP port (1 to 65535)"
+    if bad:
+        raise TensorParallelError(f"--tp {tp}: torchrun's environment is inconsistent: {bad}; start the processes "
+                                  f"with `torchrun --nproc-per-node {tp} -m lollm …` rather than setting these by hand")
+
+
+def init(tp: int, device: torch.device, environ: Mapping[str, str] | None = None,
+         timeout: float | None = None) -> Group | None:
+    """Join the torchrun process group for ``--tp tp``; None when ``tp`` is 1.
+
+    device: the device the command asked for; on CUDA each rank takes GPU
+    ``LOCAL_RANK % device_count`` (so N processes share one GPU when only one
+    exists). Returns the :class:`Group` (also kept for :func:`current`).
+
+    Raises TensorParallelError for what :func:`check_launch` refuses (missing
+    or inconsistent torchrun variables, a bad timeout variable), when torch has
+    no such backend (``torch.distributed.is_backend_available``), and when the
+    other ranks do not all join within the rendezvous timeout
+    (``$LOLLM_TP_RENDEZVOUS_TIMEOUT``, default :data:`RENDEZVOUS_TIMEOUT_SECONDS`).
+    ``timeout``: seconds a collective (all-reduce, broadcast, barrier) may wait
+    for the other ranks (None: ``$LOLLM_TP_TIMEOUT``, default
+    :data:`COLLECTIVE_TIMEOUT_SECONDS`; ``lollm serve --tp`` waits for requests far longer).
+    """
+    global _group
+    env = os.environ if environ is None else environ
+    check_launch(tp, env)
+    if tp == 1:
+        return None
+    if _group is not None:
+        return _group
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    rendezvous = env_seconds(RENDEZVOUS_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_SECONDS, env)
+    collective = env_seconds(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, env) if timeout is None else timeout
+    import torch.distributed as dist
+
+    backend = backend_for(device)
+    if not dist.is_available() or not dist.is_backend_available(backend):
+        raise TensorParallelError(
+            f"--tp {tp} on {device.type}: this torch build has no {backend!r} backend for torch.distributed "
+            f"(nccl needs a CUDA build of torch, gloo ships with every build)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TensorParallelError(f"--tp {tp} on {device}: no CUDA device is available")
+        device = torch.device("cuda", int(env["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        store = _rendezvous(dist, rank, world, rendezvous, env)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective))
+        # later store reads (NCCL's lazy communicator set-up at the first collective) wait like a collective
+        store.set_timeout(datetime.timedelta(seconds=collective))
+    _group = Group(rank=dist.get_rank(), world=world, backend=backend, device=device)
+    return _group
+
+
+def _rendezvous(dist: Any, rank: int, world: int, seconds: float, env: Mapping[str, str]) -> Any:
+    """Meet the other ranks through torchrun's store within ``seconds``; return the store for the process group.
+
+    ``torch.distributed.rendezvous("env://")`` connects to (or, on rank 0
+    without torchrun's agent, hosts) the TCP store at MASTER_ADDR:MASTER_PORT;
+    then every rank sets its key and waits for all ``world`` keys, so a rank
+    that never comes (a process that died, a wrong WORLD_SIZE on one machine)
+    ends the wait after ``seconds`` instead of the collective timeout. The
+    keys carry torchrun's restart count, so a restarted group does not see
+    the keys of the attempt before. Raises TensorParallelError naming the
+    address, the time and ``$LOLLM_TP_RENDEZVOUS_TIMEOUT``.
+    """
+    wait = datetime.timedelta(seconds=seconds)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=wait))
+        store.set(f"lollm/tp/{attempt}/joined/{rank}", "1")
+        store.wait([f"lollm/tp/{attempt}/joined/{r}" for r in range(world)], wait)
+    except (RuntimeError, TimeoutError, ValueError, OSError) as exc:  # torch's DistError is a RuntimeError
+        why = " ".join(str(exc).split())[:300]
+        raise TensorParallelError(
+            f"--tp {world}: rank {rank} did not meet all {world} ranks at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} "
+            f"within {seconds:g} s ({RENDEZVOUS_TIMEOUT_ENV}): {type(exc).__name__}: {why}"
+        ) from None
+    return store
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a command)."""
+    global _group
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _group = None
+
+
+# ---------------------------------------------------------------------------
+# Applying a plan
+# ---------------------------------------------------------------------------
+def _ranges(size: int, world: int) -> list[tuple[int, int]]:
+    """``size`` rows in ``world`` contiguous ranges, the first ``size % world`` one row longer."""
+    base, extra = divmod(size, world)
+    out, start = [], 0
+    for r in range(world):
+        stop = start + base + (r < extra)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+@dataclass
+class Sharding:
+    """A family's ``TP_PLAN`` resolved against its config for this rank.
+
+    plan: pattern -> spec (see the module docstring); config: the family's full
+    config dataclass; group: this rank's :class:`Group`.
+    """
+
+    plan: Mapping[str, Any]
+    config: Any
+    group: Group
+    #: model tensor name -> (dim, [(start, stop), …] of the full tensor along dim), filled by prepare
+    slices: dict[str, tuple[int, list[tuple[int, int]]]] = field(default_factory=dict)
+    #: model tensor names of row-split biases this rank zeroes (only rank 0 keeps them)
+    zero_bias: set[str] = field(default_factory=set)
+    #: plan patterns that matched nothing in the model built (optional modules this checkpoint lacks)
+    unmatched: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for pattern, spec in self.plan.items():
+            if not isinstance(spec, SPECS):
+                raise TensorParallelError(f"TP_PLAN[{pattern!r}] is {spec!r}: use Colwise, Rowwise, Vocab or Reduce")
+
+    # -- config -----------------------------------------------------------------
+    def _count(self, key: str) -> int:
+        value = getattr(self.config, key, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TensorParallelError(f"TP_PLAN names config field {key!r}, which {type(self.config).__name__} does not have as an integer")
+        return value
+
+    def _split_count(self, key: str, replicate: bool) -> int:
+        count, n = self._count(key), self.group.world
+        if count % n == 0:
+            return count // n
+        if replicate and n % count == 0:
+            return 1
+        also = " or a multiple of it (ranks then share its units)" if replicate else ""
+        raise TensorParallelError(f"--tp {n} does not divide {key} = {count} of this model: use a --tp that divides it{also}")
+
+    @property
+    def _local(self):
+        if not hasattr(self, "_local_cache"):
+            self._local_cache = self.local_config()
+        return self._local_cache
+
+    def local_config(self):
+        """The config this rank builds: every field a spec splits, divided by N (1 where replicated).
+
+        Raises TensorParallelError naming the first field N does not divide.
+        """
+        changes: dict[str, int] = {}
+        for spec in self.plan.values():
+            if isinstance(spec, (Colwise, Rowwise)):
+                for seg in spec.segments:
+                    key = seg if isinstance(seg, str) else seg[0]
+                    if key not in changes:
+                        changes[key] = self._split_count(key, isinstance(spec, Colwise) and spec.replicate)
+        return dataclasses.replace(self.config, **changes)
+
+    # -- one tensor ---------------------------------------------------------------
+    def _sizes(self, spec, config) -> list[int] | None:
+        """The segment sizes of a fused tensor under ``config`` (None: one segment, the whole dim)."""
+        if not any(isinstance(seg, tuple) for seg in spec.segments):
+            return None
+        sizes = []
+        for seg in spec.segments:
+            if not isinstance(seg, tuple):
+                raise TensorParallelError(f"{spec}: give every segment of a fused tensor as (count_field, width)")
+            count = getattr(config, seg[0])
+            width = seg[1] if isinstance(seg[1], int) else getattr(config, seg[1])
+            sizes.append(count * width)
+        return sizes
+
+    def _segment_ranges(self, spec, full: int, local: int, name: str) -> list[tuple[int, int]]:
+        """This rank's ranges of a dim of ``full`` features, of which it keeps ``local``.
+
+        Per segment (the whole dim, or each part of a fused tensor): the segment is
+        C = full / local equal chunks of whole units (the local config divided the
+        unit counts), and rank r keeps chunk ``r * C // N``: chunk r when C = N,
+        and a chunk shared by N / C ranks when C < N (GQA's KV heads).
+        """
+        n, r = self.group.world, self.group.rank
+        full_sizes = self._sizes(spec, self.config) or [full]
+        local_sizes = self._sizes(spec, self._local) or [local]
+        if sum(full_sizes) != full or sum(local_sizes) != local:
+            raise TensorParallelError(f"{name}: the TP_PLAN segments {spec.segments} do not add up to its {full} features")
+        out, offset = [], 0
+        for f, l in zip(full_sizes, local_sizes):
+            if l == 0 or f % l or n % (f // l):
+                raise TensorParallelError(f"{name}: {l} of {f} features per rank is not an even split over --tp {n}")
+            chunks = f // l
+            chunk = r * chunks // n
+            out.append((offset + chunk * l, offset + (chunk + 1) * l))
+            offset += f
+        return out
+
+    def _resize(self, model: nn.Module, name: str, dim: int, ranges: list[tuple[int, int]]) -> None:
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        old = module._parameters[leaf]
+        shape = list(old.shape)
+        dim = dim % len(shape)
+        shape[dim] = sum(b - a for a, b in ranges)
+        module._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=False)
+        self.slices[name] = (dim, ranges)
+
+    def _matches(self, name: str) -> list:
+        return [spec for pattern, spec in self.plan.items() if fnmatch.fnmatchcase(name, pattern)]
+
+    # -- the model ---------------------------------------------------------------
+    def build(self, cls, *args, **kwargs) -> nn.Module:
+        """Build this rank's share of ``cls(config, *args, **kwargs)`` on the meta device (no memory).
+
+        The model is built from :meth:`local_config`, so layers whose size follows
+        a split config field (heads, MLP width) come out at their local sizes; the
+        full model is built on the meta device too, only to learn every tensor's
+        full shape. Then each tensor the plan splits is cut to this rank's slice
+        (the vocabulary tables and the fused expert tensors are resized here) and
+        the collectives are hooked in. :func:`lollm.load.weights.load_weights` fills it.
+
+        Patterns that match nothing in this model are listed in ``unmatched`` (a
+        checkpoint may lack an optional module; the family tests check that
+        each pattern matches on a checkpoint that has everything). Raises
+        TensorParallelError for a config field N does not divide.
+        """
+        from lollm.load.build import on_meta  # lollm.load.build imports this module
+
+        with on_meta():
+            full = cls(self.config, *args, **kwargs)
+            full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters(remove_duplicate=False)}
+            names = set(full_shapes) | {n for n, _ in full.named_modules() if n}
+            del full
+            model = cls(self._local, *args, **kwargs)
+        # a pattern may match nothing in one checkpoint (gemma4's PLE table, a v_proj some layers lack)
+        self.unmatched = [p for p in self.plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        for name, module in list(model.named_modules()):
+            for spec in self._matches(name) if name else []:
+                self._apply_module(model, name, module, spec, full_shapes)
+        for name in list(dict(model.named_parameters(remove_duplicate=False))):
+            for spec in self._matches(name):
+                if isinstance(spec, (Colwise, Rowwise)):
+                    self._apply_tensor(model, name, spec, full_shapes[name])
+        model.tensor_parallel = self
+        return model
+
+    def _apply_tensor(self, model: nn.Module, name: str, spec, full_shape: tuple[int, ...]) -> None:
+        module_name, _, leaf = name.rpartition(".")
+        local_shape = tuple(model.get_submodule(module_name)._parameters[leaf].shape) if module_name else None
+        if isinstance(spec, Rowwise) and len(full_shape) == 1:
+            # a bias of a row-split layer: whole on rank 0, zero elsewhere (added once by the sum)
+            if self.group.rank != 0:
+                self.zero_bias.add(name)
+            return
+        dim = (spec.dim if not (leaf == "bias" and isinstance(spec, Colwise)) else 0) % len(full_shape)
+        local = local_shape[dim] if local_shape is not None and len(local_shape) == len(full_shape) else full_shape[dim]
+        if not spec.segments:
+            # a spec that names no config field (a tensor no field sizes): N equal parts
+            if full_shape[dim] % self.group.world:
+                raise TensorParallelError(f"{name}: --tp {self.group.world} does not divide its {full_shape[dim]} features")
+            local = full_shape[dim] // self.group.world
+        ranges = self._segment_ranges(spec, full_shape[dim], local, name)
+        self._resize(model, name, dim, ranges)
+
+    def _apply_module(self, model: nn.Module, name: str, module: nn.Module, spec, full_shapes) -> None:
+        group = self.group
+        if isinstance(spec, Colwise):
+            for leaf in ("weight", "bias"):
+                if module._parameters.get(leaf) is not None:
+                    self._apply_tensor(model, f"{name}.{leaf}", spec, full_shapes[f"{name}.{leaf}"])
+        elif isinstance(spec, Rowwise):
+            for leaf in ("weight", "bias"):
+                if module._parameters.get(leaf) is not None:
+                    self._apply_tensor(model, f"{name}.{leaf}", spec, full_shapes[f"{name}.{leaf}"])
+            if spec.reduce:
+                module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+        elif isinstance(spec, Reduce):
+            module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+        elif isinstance(spec, Vocab):
+            rows = full_shapes[f"{name}.weight"][0]
+            ranges = _ranges(rows, group.world)
+            if isinstance(module, nn.Embedding):
+                new = VocabParallelEmbedding(rows, module.embedding_dim, ranges, group, module.weight.dtype)
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+                self.slices[f"{name}.weight"] = (0, [ranges[group.rank]])
+            elif isinstance(module, nn.Linear):
+                if module.bias is not None:
+                    self._resize(model, f"{name}.bias", 0, [ranges[group.rank]])
+                self._resize(model, f"{name}.weight", 0, [ranges[group.rank]])
+                sizes = [b - a for a, b in ranges]
+                module.register_forward_hook(lambda _m, _args, out: group.all_gather_last(out, sizes))
+            else:
+                raise TensorParallelError(f"TP_PLAN: Vocab() on {name!r}, a {type(module).__name__}: only nn.Embedding and nn.Linear split by rows")
+
+    # -- reading ---------------------------------------------------------------------
+    def read(self, source, file_name: str, target: str, transform=None) -> torch.Tensor:
+        """This rank's part of tensor ``file_name`` (model name ``target``), as the model slot expects it.
+
+        A split tensor is read by slice (``source.read_slice`` when the source
+        has it and no ``transform`` needs the whole tensor), so the full tensor is
+        never in memory; other tensors are read whole. ``transform`` (a family's
+        converter fix-up) runs on the whole tensor before slicing.
+        """
+        if target in self.slices:
+            dim, ranges = self.slices[target]
+            if transform is None and hasattr(source, "read_slice"):
+                return source.read_slice(file_name, dim, ranges)
+            tensor = source.read(file_name)
+            if transform is not None:
+                tensor = transform(target, tensor)
+            return torch.cat([tensor.narrow(dim, a, b - a) for a, b in ranges], dim=dim).clone()
+        tensor = source.read(file_name)
+        if transform is not None:
+            tensor = transform(target, tensor)
+        if target in self.zero_bias:
+            tensor = torch.zeros_like(tensor)
+        return tensor
+
+    def sharded_bytes(self, model: nn.Module) -> tuple[int, int]:
+        """(bytes of this rank's split tensors, bytes of its replicated ones): what each rank holds."""
+        split = rest = 0
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if name in self.slices:
+                split += p.numel() * p.element_size()
+            else:
+                rest += p.numel() * p.element_size()
+        return split, rest
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by rows: this rank holds ids ``[start, stop)``.
+
+    ids: (…) int64 -> (…, C). Ids outside the range look up row 0 and are
+    zeroed; the all-reduce then adds the one rank's row that holds each id.
+    ``weight``: (stop - start, C), filled by the load like any parameter.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ranges: list[tuple[int, int]], group: Group, dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.start, self.stop = ranges[group.rank]
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(self.stop - self.start, embedding_dim, dtype=dtype, device="meta"), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return self.group.all_reduce(out)

@@ -1,0 +1,42 @@
+"""The old flat module names still import, as the same module, with a warning naming the new place."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from lollm._moved import MOVED
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_name_is_the_new_module_with_a_deprecation_warning(old):
+    code = ("import importlib, warnings, sys\n"
+            "warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            f"    old = importlib.import_module({old!r})\n"
+            f"new = importlib.import_module({MOVED[old]!r})\n"
+            "assert old is new, (old, new)\n"
+            "messages = [str(w.message) for w in caught if w.category is DeprecationWarning]\n"
+            f"assert any({MOVED[old]!r} in m for m in messages), messages\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_from_lollm_import_an_old_module_name_works():
+    with pytest.warns(DeprecationWarning, match="lollm.load.options"):
+        from lollm import options  # noqa: F401  (an old name, on purpose)
+    assert options is importlib.import_module("lollm.load.options")
+
+
+def test_a_name_that_never_existed_is_still_an_import_error():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lollm.no_such_module")
+
+
+def test_the_loop_keeps_its_package_level_names():
+    from lollm.generate import GenerationResult, generate
+    from lollm.generate.loop import GenerationResult as Result, generate as loop_generate
+    assert generate is loop_generate and GenerationResult is Result
