@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 from lollm.errors import GenerationError
 
@@ -52,6 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True for ``temperature == 0``: the sampler takes the argmax and draws nothing."""
         return self.temperature == 0
 
 
@@ -61,7 +62,7 @@ NEUTRAL = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetiti
 SEED_MAX = 2**64 - 1
 
 
-def check_sampling_value(key: str, value: Any) -> None:
+def check_sampling_value(key: str, value: object) -> None:
     """Raise GenerationError unless ``value`` is a valid ``key`` (its type and range).
 
     ``top_k`` must be a whole number (``2.5`` is refused, not cut to 2); the
@@ -87,7 +88,7 @@ def check_sampling_value(key: str, value: Any) -> None:
         raise GenerationError(f"repetition_penalty must be > 0, got {value}")
 
 
-def check_seed(seed: Any) -> None:
+def check_seed(seed: object) -> None:
     """Raise GenerationError unless ``seed`` is a whole number in 0 .. 2**64-1 (what torch.Generator takes)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise GenerationError(f"seed must be a whole number, got {seed!r}")
@@ -96,9 +97,9 @@ def check_seed(seed: Any) -> None:
 
 
 def resolve_sampling(
-    user: Mapping[str, Any],
-    generation_config: Mapping[str, Any],
-    family_defaults: Mapping[str, Any],
+    user: Mapping[str, object],
+    generation_config: Mapping[str, object],
+    family_defaults: Mapping[str, object],
     *,
     seed: int | None = None,
     generation_config_name: str = "generation_config.json",
@@ -112,7 +113,7 @@ def resolve_sampling(
     ``"family default"`` or ``"neutral"``. A bad value raises GenerationError
     naming its key and its source (``generation_config_name`` for the file).
     """
-    values = dict(NEUTRAL)
+    values: dict[str, object] = dict(NEUTRAL)
     sources = dict.fromkeys(_KEYS, "neutral")
     given = {k: v for k, v in user.items() if v is not None}
     for name, source in (("family default", family_defaults), (generation_config_name, generation_config), ("flag", given)):

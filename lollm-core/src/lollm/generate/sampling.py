@@ -42,6 +42,8 @@ from lollm.sampling_params import (  # noqa: F401 (re-exported)
 def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, penalty: float) -> torch.Tensor:
     """Penalize every token id already present in ``previous_ids`` ((N,) int64), once each.
 
+    ``logits``: (V,) float32; returns a new (V,) tensor (``logits`` itself when there is
+    nothing to do): a positive logit is divided by ``penalty``, a negative one multiplied.
     The ids may sit on the CPU (the generate loop keeps them there) while the logits
     are on the model's device: they are moved to the logits' device first.
     """
@@ -56,19 +58,25 @@ def apply_repetition_penalty(logits: torch.Tensor, previous_ids: torch.Tensor, p
 
 
 def apply_allowed(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Set the logit of every id not in ``allowed`` ((V,) bool; None: all allowed) to -inf."""
+    """Set the logit of every id not in ``allowed`` ((V,) bool, any device; None: all allowed) to -inf.
+
+    ``logits``: (V,) float; returns a new (V,) tensor on the logits' device (``logits`` itself for None).
+    """
     if allowed is None:
         return logits
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Divide by the temperature: <1 sharpens the distribution, >1 flattens it."""
+    """Divide the (V,) float ``logits`` by ``temperature`` (> 0): <1 sharpens the distribution, >1 flattens it."""
     return logits if temperature == 1.0 else logits / temperature
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set every logit below the k-th largest to -inf (ties with the k-th are kept)."""
+    """Set every logit of the (V,) float ``logits`` below the k-th largest to -inf (ties with the k-th are kept).
+
+    ``k <= 0`` or ``k >= V``: nothing is dropped. Returns a new (V,) tensor (``logits`` itself when nothing is dropped).
+    """
     if k <= 0 or k >= logits.numel():
         return logits
     kth = torch.topk(logits, k).values[-1]
@@ -77,6 +85,8 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filtering (Holtzman et al., 2019): keep the most likely tokens whose mass first reaches p.
+
+    ``logits``: (V,) float; returns a new (V,) tensor with the dropped ids at -inf (``p >= 1``: ``logits`` itself).
 
     The most likely token always stays, whatever ``p`` (as in transformers and
     llama.cpp): a ``p`` too small for float32 (``1e-300`` rounds to 0) must not
@@ -94,7 +104,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's.
+
+    ``logits``: (V,) float; returns a new (V,) tensor with the dropped ids at -inf (``min_p <= 0``: ``logits`` itself).
+    """
     if min_p <= 0.0:
         return logits
     probs = torch.softmax(logits, dim=-1)
@@ -102,7 +115,11 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    """Applies :class:`SamplingParams` step after step, with its own seeded generator."""
+    """Applies :class:`SamplingParams` step after step, with its own seeded generator.
+
+    The generator is a CPU ``torch.Generator`` seeded with ``params.seed`` (None: from the OS),
+    so that one seed gives the same draws on every device.
+    """
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -147,5 +164,6 @@ class Sampler:
 
 
 def _require_finite(logits: torch.Tensor, cause: str) -> None:
+    """GenerationError naming ``cause`` when any of the (V,) ``logits`` is NaN or infinite."""
     if not bool(torch.isfinite(logits).all()):
         raise GenerationError(f"cannot sample the next token: {cause}")
