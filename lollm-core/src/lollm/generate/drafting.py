@@ -28,9 +28,15 @@ A generation receives one drafter (``generate(..., drafter=PromptLookupDrafter(t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lollm.errors import GenerationError
+
+# Lazy imports below: torch, in PromptLookupDrafter.propose, so that the CLI can name a drafter
+# (drafter_from_flags, while it checks its flags) before torch is imported. lollm.model imports torch,
+# so its protocols are imported for the annotations only.
+if TYPE_CHECKING:
+    from lollm.model import Cache, CausalLM, DraftModel
 
 
 @dataclass(frozen=True)
@@ -48,11 +54,11 @@ class Drafter:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
             raise GenerationError(f"{self.name}: draft tokens must be an int >= 1, got {self.tokens!r}")
 
-    def check(self, model: Any) -> None:
+    def check(self, model: CausalLM) -> None:
         """GenerationError when this drafter cannot serve ``model`` (checked before the prefill)."""
 
-    def propose(self, model: Any, cache: Any, history: list[int], num_tokens: int) -> list[int]:
-        """At most ``num_tokens`` token ids guessed to follow ``history``.
+    def propose(self, model: CausalLM, cache: Cache, history: list[int], num_tokens: int) -> list[int]:
+        """At most ``num_tokens`` token ids guessed to follow ``history`` (a list of ints; fewer, even none, is fine).
 
         history: the prompt and every token emitted so far; its last id is the pending
                  one (emitted, not yet run, so not yet in ``cache``).
@@ -73,11 +79,12 @@ class MtpDrafter(Drafter):
 
     name = "MTP"
 
-    def check(self, model: Any) -> None:
+    def check(self, model: CausalLM) -> None:
         if not getattr(model, "has_draft_head", False):
             raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
 
-    def propose(self, model: Any, cache: Any, history: list[int], num_tokens: int) -> list[int]:
+    def propose(self, model: DraftModel, cache: Cache, history: list[int], num_tokens: int) -> list[int]:
+        # a DraftModel: check() refused any other model before the prefill
         return model.draft(cache, history[-1], num_tokens)
 
 
@@ -101,8 +108,8 @@ class PromptLookupDrafter(Drafter):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise GenerationError(f"prompt lookup: need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
-    def propose(self, model: Any, cache: Any, history: list[int], num_tokens: int) -> list[int]:
-        import torch  # here, so that the CLI can name a drafter before torch loads
+    def propose(self, model: CausalLM, cache: Cache, history: list[int], num_tokens: int) -> list[int]:
+        import torch
 
         if num_tokens < 1:
             return []
