@@ -20,9 +20,9 @@ amortized over 128 rows, so the cost is small (see docs/quantized-execution.md).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from lollm.model import Cache, CausalLM
 
 #: The most prompt positions one prefill forward runs. Longer prompts run in chunks
 #: of this size, one after the other, through the same cache: the activations of a
@@ -31,13 +31,13 @@ import torch
 PREFILL_CHUNK_TOKENS = 128
 
 
-def run_prompt(model: Any, ids: list[int], cache: Any, device: torch.device) -> torch.Tensor:
+def run_prompt(model: CausalLM, ids: list[int], cache: Cache, device: torch.device) -> torch.Tensor:
     """Run ``ids`` after what ``cache`` holds, in chunks of at most :data:`PREFILL_CHUNK_TOKENS`.
 
     ``ids``: a non-empty list of ints; ``cache``: the model's cache (``model.new_cache``),
     which the forwards advance by ``len(ids)`` positions. Returns the logits of the
     last position, (1, 1, vocab) float. Errors are the model's (a full cache, an id
-    outside the vocabulary), raised by the chunk that meets them.
+    outside the vocabulary), raised by the chunk that meets them; ValueError for no ids.
     """
     chunk = max(1, int(PREFILL_CHUNK_TOKENS))
     logits = None

@@ -44,13 +44,13 @@ float32: 24 KiB per position, 96 MiB for 4096) plus the snapshots.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lollm.errors import GenerationError
-from lollm.generate.prefill import run_prompt
 from lollm.generate.memory import check_cache_fits
+from lollm.generate.prefill import run_prompt
+from lollm.model import Cache, CausalLM
 
 
 @dataclass
@@ -82,7 +82,8 @@ class PromptCache:
     """One model's cache kept across generations, the ids it holds, and snapshots of its state.
 
     model:         a :class:`lollm.model.CausalLM`.
-    max_tokens:    capacity in positions (default and upper bound: ``model.max_context``).
+    max_tokens:    capacity in positions (default and upper bound: ``model.max_context``; at least 2,
+                   GenerationError below).
     max_snapshots: how many snapshots to keep at most (0: none; then a cache that cannot
                    roll back is reused only when the new prompt continues it as it is).
 
@@ -92,15 +93,15 @@ class PromptCache:
     of the newest prompt).
     """
 
-    def __init__(self, model: Any, max_tokens: int | None = None, *, max_snapshots: int = 4):
+    def __init__(self, model: CausalLM, max_tokens: int | None = None, *, max_snapshots: int = 4):
         if max_tokens is not None and max_tokens < 2:
             raise GenerationError(f"the prompt cache needs room for at least 2 positions, got {max_tokens}")
         self.model = model
         self.max_tokens = min(max_tokens or model.max_context, model.max_context)
         self.max_snapshots = max_snapshots
-        self.cache: Any = None
+        self.cache: Cache | None = None
         self.ids: list[int] = []
-        self.snapshots: list[tuple[int, Any]] = []
+        self.snapshots: list[tuple[int, object]] = []  # (length, what cache.snapshot() returned)
         self.last: CacheReuse | None = None
         # False from the start of a prefill until finish(): if the generation dies in
         # between, the cache's state is unknown and only snapshots may be reused.
@@ -113,11 +114,13 @@ class PromptCache:
         self.snapshots = []
         self._consistent = True
 
-    def prefill(self, prompt_ids: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
+    def prefill(self, prompt_ids: list[int], device: torch.device) -> tuple[Cache, torch.Tensor]:
         """Make the cache hold ``prompt_ids``, running only what it does not hold yet.
 
-        Returns the cache and the logits of the prompt's last position (1, 1, vocab).
-        Raises GenerationError for an empty prompt or one that does not fit ``max_tokens``.
+        ``device``: the model's, where the ids go. Returns the cache and the logits of the
+        prompt's last position, (1, 1, vocab) float; ``self.last`` says how much was reused.
+        Raises GenerationError for an empty prompt, one that does not fit ``max_tokens``, or a new
+        cache that does not fit the device's free memory (:func:`lollm.generate.memory.check_cache_fits`).
         """
         if not prompt_ids:
             raise GenerationError("the prompt is empty: there is nothing to continue")
@@ -183,6 +186,7 @@ class PromptCache:
         return 0, "cold"
 
     def _take_snapshot(self) -> None:
+        """Keep a snapshot at the cache's current length (caches that offer them), the newest ``max_snapshots``."""
         cache = self.cache
         if not self.max_snapshots or not hasattr(cache, "snapshot"):
             return
@@ -192,7 +196,7 @@ class PromptCache:
         del self.snapshots[: -self.max_snapshots]
 
 
-def _can_rollback(cache: Any, length: int) -> bool:
+def _can_rollback(cache: Cache, length: int) -> bool:
     """A cache that does not say it can roll back, cannot (except to where it already is)."""
     if length == cache.length:
         return True
