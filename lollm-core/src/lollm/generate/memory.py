@@ -7,7 +7,7 @@ loop asks :func:`check_cache_fits`. The rule:
 
 1. Build the cache the family would build, but on the *meta* device (every
    tensor has its shape and dtype and no storage): while ``new_cache`` runs,
-   the mode of :func:`_meta_allocations` sends every tensor constructor (``torch.zeros``,
+   the mode :class:`_AllocateOnMeta` sends every tensor constructor (``torch.zeros``,
    ``torch.empty``, ...) to the meta device, whatever device the family asks
    for. Then add up the bytes of the tensors the cache holds. This is exact for
    any family (sliding-window layers that keep fewer positions included) and
@@ -28,18 +28,24 @@ allocation itself decides.
 from __future__ import annotations
 
 import os
-from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors  # torch.device(...)'s own list
 
 from lollm.errors import GenerationError
+from lollm.model import CausalLM
 
 
-def tensor_bytes(obj: Any, depth: int = 4) -> int:
-    """Bytes of the tensors ``obj`` holds: in its attributes, lists, tuples and dicts, ``depth`` levels down."""
-    import torch
+def tensor_bytes(obj: object, depth: int = 4) -> int:
+    """Bytes of the tensors ``obj`` holds: in its attributes, lists, tuples and dicts, ``depth`` levels down.
 
+    Each tensor counts once (``numel * element_size``, whatever its device, meta included),
+    however many times it is reached.
+    """
     seen: set[int] = set()
 
-    def walk(item: Any, level: int) -> int:
+    def walk(item: object, level: int) -> int:
         if isinstance(item, torch.Tensor):
             if id(item) in seen:
                 return 0
@@ -60,43 +66,35 @@ def tensor_bytes(obj: Any, depth: int = 4) -> int:
     return walk(obj, depth)
 
 
-def _meta_allocations():
-    import torch
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._device import _device_constructors  # torch.device(...)'s own list
-
-    # torch.zeros_like(t) of a meta tensor runs through torch's Python reference ops, which import
-    # sympy (40 MB); the plain constructor of the same shape and dtype does not.
-    like = {torch.zeros_like: torch.zeros, torch.ones_like: torch.ones, torch.empty_like: torch.empty}
-
-    class AllocateOnMeta(TorchFunctionMode):
-        """Every tensor constructor called inside puts its tensor on the meta device."""
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if func in like and isinstance(args[0], torch.Tensor) and not kwargs.get("memory_format"):
-                source = args[0]
-                return like[func](source.shape, dtype=kwargs.get("dtype") or source.dtype, device="meta")
-            if func in _device_constructors():
-                kwargs["device"] = "meta"
-            return func(*args, **kwargs)
-
-    return AllocateOnMeta()
+# torch.zeros_like(t) of a meta tensor runs through torch's Python reference ops, which import
+# sympy (40 MB); the plain constructor of the same shape and dtype does not.
+_LIKE = {torch.zeros_like: torch.zeros, torch.ones_like: torch.ones, torch.empty_like: torch.empty}
 
 
-def cache_bytes(model: Any, positions: int) -> int | None:
+class _AllocateOnMeta(TorchFunctionMode):
+    """Inside ``with _AllocateOnMeta():`` every tensor constructor puts its tensor on the meta device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _LIKE and isinstance(args[0], torch.Tensor) and not kwargs.get("memory_format"):
+            source = args[0]
+            return _LIKE[func](source.shape, dtype=kwargs.get("dtype") or source.dtype, device="meta")
+        if func in _device_constructors():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def cache_bytes(model: CausalLM, positions: int) -> int | None:
     """Bytes ``model.new_cache(positions)`` would allocate, measured on meta tensors (None: cannot tell)."""
     try:
-        with _meta_allocations():
+        with _AllocateOnMeta():
             return tensor_bytes(model.new_cache(positions))
     except Exception:  # a cache that cannot be built on the meta device: let the allocation decide
         return None
 
 
-def free_memory(device: Any) -> int | None:
-    """Bytes free for new tensors on ``device`` (a torch.device); None when it cannot be told."""
-    import torch
-
+def free_memory(device: torch.device | str) -> int | None:
+    """Bytes free for new tensors on ``device`` (a torch.device or its name); None when it cannot be told."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -125,14 +123,19 @@ def free_memory(device: Any) -> int | None:
 
 
 def _size(n: int) -> str:
+    """``n`` bytes for a reader: ``"1.5 GiB"``, ``"96.0 MiB"``, ``"512 bytes"``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
 
 
-def check_cache_fits(model: Any, positions: int) -> None:
-    """GenerationError when a cache for ``positions`` needs more memory than the model's device has free."""
+def check_cache_fits(model: CausalLM, positions: int) -> None:
+    """GenerationError when a cache for ``positions`` needs more memory than the model's device has free.
+
+    The device is that of the model's first parameter (a family's model is an ``nn.Module``).
+    Nothing is checked when either number cannot be told (see the module's docstring).
+    """
     need = cache_bytes(model, positions)
     if need is None:
         return
