@@ -42,9 +42,20 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+import llguidance
 
 from lollm.errors import LollmError
+
+# Lazy imports below: numpy and torch, in TokenMatcher, so that the CLI can check a constraint
+# (check_constraint, while it checks its flags) before torch is imported; the tokenizer package
+# (jinja2 and all) is imported for the annotations only.
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from lollm.tokenizer import Tokenizer
 
 #: The kinds of :class:`OutputConstraint`, with OpenAI's names for the first two.
 KINDS = ("json_object", "json_schema", "regex", "grammar")
@@ -82,7 +93,7 @@ class OutputConstraint:
     """
 
     kind: str
-    value: Any = None
+    value: dict[str, object] | str | None = None
     name: str | None = None
 
     def __post_init__(self):
@@ -94,19 +105,23 @@ class OutputConstraint:
             raise ConstraintError(f"a {self.kind} constraint takes {what}, got {type(self.value).__name__}")
 
     @classmethod
-    def json_object(cls) -> "OutputConstraint":
+    def json_object(cls) -> OutputConstraint:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
         return cls("json_object")
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any], name: str | None = None) -> "OutputConstraint":
+    def json_schema(cls, schema: Mapping[str, object], name: str | None = None) -> OutputConstraint:
+        """JSON following ``schema`` (a JSON Schema, as a mapping; copied); ``name`` for messages only."""
         return cls("json_schema", dict(schema), name)
 
     @classmethod
-    def regex(cls, pattern: str) -> "OutputConstraint":
+    def regex(cls, pattern: str) -> OutputConstraint:
+        """Text that ``pattern`` (Rust ``regex`` syntax) matches as a whole."""
         return cls("regex", pattern)
 
     @classmethod
-    def grammar(cls, lark: str) -> "OutputConstraint":
+    def grammar(cls, lark: str) -> OutputConstraint:
+        """Text of the grammar ``lark`` (llguidance's Lark syntax, a ``start:`` rule)."""
         return cls("grammar", lark)
 
     def lark(self) -> str:
@@ -129,18 +144,19 @@ class OutputConstraint:
         return self.kind
 
 
-def json_rule(schema: Mapping[str, Any]) -> str:
+def json_rule(schema: Mapping[str, object]) -> str:
     """The Lark item ``%json {...}`` for JSON following ``schema`` (a dict), with lollm's JSON options.
 
     Embed it in a grammar of your own (``"start: \\"<tool_call>\\" " + json_rule(s)``);
     ``x-guidance`` options the schema carries are replaced by :data:`JSON_OPTIONS`.
+    ConstraintError when ``schema`` is not a mapping.
     """
     if not isinstance(schema, Mapping):
         raise ConstraintError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
-def tagged_json(begin: str, schema: Mapping[str, Any], end: str, *, min_count: int = 1, max_count: int | None = 1,
+def tagged_json(begin: str, schema: Mapping[str, object], end: str, *, min_count: int = 1, max_count: int | None = 1,
                 separator: str = "\n") -> OutputConstraint:
     """A grammar constraint: ``begin``, JSON following ``schema``, ``end``; that block repeated.
 
@@ -162,7 +178,7 @@ def tagged_json(begin: str, schema: Mapping[str, Any], end: str, *, min_count: i
     return OutputConstraint.grammar(f"start: {start}\nblock: {block}\nbody: {json_rule(schema)}\n")
 
 
-def open_object(schema: Any, path: str = "") -> str | None:
+def open_object(schema: object, path: str = "") -> str | None:
     """The path (``.properties.user``, ``.items``, ``.anyOf[0]``; ``""`` the root) of the first object in ``schema``
     that lacks ``"additionalProperties": false``; None when every object has it.
 
@@ -188,20 +204,10 @@ def open_object(schema: Any, path: str = "") -> str | None:
 
 def _lark_regex(pattern: str) -> str:
     """A regex as a Lark terminal ``/.../`` (llguidance's own conversion escapes the slashes that need it)."""
-    return "/" + _llguidance().regex_to_lark(pattern) + "/"
+    return "/" + llguidance.regex_to_lark(pattern) + "/"
 
 
 # -- the compiled side: llguidance, fed with lollm's tokenizer ----------------------------------------
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError as exc:  # a core dependency: only a broken install gets here
-        raise ConstraintError(
-            "constrained decoding needs the llguidance package (a dependency of lollm-core): pip install llguidance"
-        ) from exc
-    return llguidance
 
 
 class _TokenizerData:
@@ -212,7 +218,7 @@ class _TokenizerData:
     tokenizer (a model's padded embedding rows) as ``b""``, which no grammar allows.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_ids: list[int]):
         self._tokenizer = tokenizer
         special = set(tokenizer.special_token_ids)
         self.tokens = [
@@ -231,24 +237,25 @@ class _TokenizerData:
 
 
 #: tokenizer -> {(vocab_size, stop ids): llguidance.LLTokenizer}; building one reads every id (about 1 s).
-_VOCABULARIES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]]" = weakref.WeakKeyDictionary()
+_VOCABULARIES: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary())
 _VOCABULARIES_LOCK = threading.Lock()  # the server prepares requests in several threads: build each one once
 
 
-def _vocabulary(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+def _vocabulary(tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """llguidance's view of ``tokenizer`` over the model's ``vocab_size`` ids, made once per tokenizer."""
     with _VOCABULARIES_LOCK:
         per_tokenizer = _VOCABULARIES.setdefault(tokenizer, {})
         key = (vocab_size, stop_ids)
         if key not in per_tokenizer:
-            llg = _llguidance()
             data = _TokenizerData(tokenizer, vocab_size, list(stop_ids))
-            per_tokenizer[key] = llg.LLTokenizer(llg.TokenizerWrapper(data), n_vocab=vocab_size, eos_token=list(stop_ids))
+            per_tokenizer[key] = llguidance.LLTokenizer(llguidance.TokenizerWrapper(data), n_vocab=vocab_size,
+                                                        eos_token=list(stop_ids))
         return per_tokenizer[key]
 
 
-def compile_constraint(constraint: OutputConstraint, tokenizer: Any, *, vocab_size: int,
-                       stop_ids: Iterable[int]) -> "CompiledConstraint":
+def compile_constraint(constraint: OutputConstraint, tokenizer: Tokenizer, *, vocab_size: int,
+                       stop_ids: Iterable[int]) -> CompiledConstraint:
     """Check ``constraint`` and prepare it for ``tokenizer`` (a :class:`lollm.tokenizer.Tokenizer`).
 
     vocab_size: the model's vocabulary (its logits' length, ``model.vocab_size``; may exceed the
@@ -280,8 +287,9 @@ def check_constraint(constraint: OutputConstraint) -> None:
     _check_grammar(constraint, constraint.lark(), None)
 
 
-def _check_grammar(constraint: OutputConstraint, grammar: str, vocabulary: Any) -> None:
-    failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
+def _check_grammar(constraint: OutputConstraint, grammar: str, vocabulary: llguidance.LLTokenizer | None) -> None:
+    """ConstraintError when llguidance refuses ``grammar`` (for ``vocabulary``; None: for any), with its reason."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary)
     if failed:
         reason = _first_line(messages)
         raise ConstraintError(f"{constraint.describe()} cannot be enforced: {reason}", reason)
@@ -301,10 +309,11 @@ def _first_line(messages: list[str]) -> str:
 class CompiledConstraint:
     """A checked constraint bound to one vocabulary; :meth:`matcher` makes a fresh per-request matcher."""
 
-    def __init__(self, constraint: OutputConstraint, grammar: str, vocabulary: Any, vocab_size: int):
+    def __init__(self, constraint: OutputConstraint, grammar: str, vocabulary: llguidance.LLTokenizer, vocab_size: int):
         self.constraint, self.grammar, self._vocabulary, self.vocab_size = constraint, grammar, vocabulary, vocab_size
 
-    def matcher(self) -> "TokenMatcher":
+    def matcher(self) -> TokenMatcher:
+        """A new :class:`TokenMatcher` at the start of the constraint (one per request)."""
         return TokenMatcher(self)
 
 
@@ -319,9 +328,8 @@ class TokenMatcher:
     def __init__(self, compiled: CompiledConstraint):
         import numpy as np
 
-        llg = _llguidance()
         self.compiled = compiled
-        self._matcher = llg.LLMatcher(compiled._vocabulary, compiled.grammar, log_level=0)
+        self._matcher = llguidance.LLMatcher(compiled._vocabulary, compiled.grammar, log_level=0)
         self._check()
         self._words = np.zeros((compiled.vocab_size + 31) // 32, dtype=np.int32)  # one bit per id
 
@@ -329,13 +337,13 @@ class TokenMatcher:
         if self._matcher.is_error():
             raise ConstraintError(f"{self.compiled.constraint.describe()}: {self._matcher.get_error()}")
 
-    def bitmask(self) -> "np.ndarray":  # noqa: F821
+    def bitmask(self) -> np.ndarray:
         """The ids allowed next, packed 32 to an int32 word: bit ``i % 32`` of word ``i // 32`` (ceil(V/32),)."""
         self._matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         self._check()
         return self._words
 
-    def allowed(self) -> "torch.Tensor":  # noqa: F821
+    def allowed(self) -> torch.Tensor:
         """The ids allowed next as a bool tensor (V,) on the CPU (the bitmask, unpacked)."""
         import numpy as np
         import torch
@@ -343,7 +351,7 @@ class TokenMatcher:
         bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little")[: self.compiled.vocab_size]
         return torch.from_numpy(bits.view(np.bool_))
 
-    def mask(self, logits: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (V,) any float dtype, with every id the constraint forbids set to ``-inf`` (a new tensor)."""
         allowed = self.allowed().to(logits.device)
         return logits.masked_fill(~allowed, float("-inf"))
