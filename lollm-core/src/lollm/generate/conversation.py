@@ -30,12 +30,17 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TextIO
+from typing import Callable, Iterator, Mapping, TextIO
 
 from lollm.errors import GenerationError, LollmError
 from lollm.generate.loop import GenerationResult, generate
 from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams
+from lollm.load.pipeline import LoadedModel
+from lollm.tokenizer import Tokenizer
+
+# Lazy imports below: prompt_toolkit, in _line_reader, the optional ``lollm-core[chat]`` extra
+# (needed only for an interactive terminal).
 
 #: The session context (``--ctx-size``) when none is given, capped by the model's own.
 DEFAULT_CONTEXT = 4096
@@ -49,7 +54,7 @@ Ctrl-C stops an answer and keeps the conversation; the text so far stays in it.
 When the context is full, the oldest turns leave by themselves (unless --no-context-shift)."""
 
 
-def thinking_flags(tokenizer: Any, think: bool | None, model: str) -> dict[str, bool]:
+def thinking_flags(tokenizer: Tokenizer, think: bool | None, model: str) -> dict[str, bool]:
     """The template keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
 
     Decided from the chat template itself: a template that does not read
@@ -83,12 +88,12 @@ class ChatSession:
 
     def __init__(
         self,
-        loaded: Any,
+        loaded: LoadedModel,
         *,
         sampling: SamplingParams,
         stop_ids: set[int],
         system: str | None = None,
-        template_flags: dict[str, Any] | None = None,
+        template_flags: Mapping[str, object] | None = None,
         max_new_tokens: int = 512,
         speculative_tokens: int = 0,
         context: int | None = None,
