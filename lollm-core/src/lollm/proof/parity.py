@@ -38,18 +38,27 @@ from __future__ import annotations
 
 import functools
 import gc
-from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
 import torch
 
+from lollm.attention import resolve_backend, use_backend
 from lollm.errors import LollmError
-from lollm.attention import use_backend
 from lollm.generate.loop import check_prompt_ids
+from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model, pick_device, route
+from lollm.load.plugins import InstalledFamily
+from lollm.load.quantized import WeightsSummary
 from lollm.load.ranks import leader_decides
-from lollm.load.pipeline import open_model
+
+# Lazy imports below: transformers, in load_reference_model, the optional ``lollm-core[parity]`` extra.
+
+#: A reference model as the gate runs it: (1, T) int64 ids on the CPU -> ((T, V) float logits,
+#: the hidden states, each (1, T, hidden), in transformers' ``output_hidden_states`` order).
+Reference = Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
 
 DEFAULT_PROMPT = (
     "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to "
@@ -65,6 +74,8 @@ QUANTIZED_MIN_COSINE = 0.98
 
 @dataclass
 class PositionStats:
+    """How ours and the reference agree on the next token after one position of the prompt."""
+
     position: int
     token_id: int
     ours_argmax: int
@@ -76,6 +87,8 @@ class PositionStats:
 
 @dataclass
 class ParityReport:
+    """The verdict of one parity run: what was compared, the statistics per position and per layer."""
+
     model: str
     family: str
     dtype: str
@@ -111,7 +124,8 @@ class ParityReport:
         top1_ok = self.argmax_matches >= self.min_top1_required * self.num_tokens
         return top1_ok and self.min_cosine >= self.min_cosine_required
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON object (``lollm parity --json``): its fields and the summary figures."""
         data = asdict(self)
         data.update(
             passed=self.passed,
@@ -124,7 +138,10 @@ class ParityReport:
 
 
 def compare_logits(ours: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> list[PositionStats]:
-    """Per-position statistics of two (T, V) logit tensors (compared in float64)."""
+    """Per-position statistics of two (T, V) logit tensors (any float dtype, compared in float64).
+
+    ``ids``: the T prompt ids, for the report. LollmError when the two shapes differ.
+    """
     ours, ref = ours.double(), ref.double()
     if ours.shape != ref.shape:
         raise LollmError(f"logit shapes differ: ours {tuple(ours.shape)}, reference {tuple(ref.shape)}")
@@ -142,14 +159,14 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor, ids: list[int]) -> lis
 
 
 def layer_cosines(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
-    """Minimum cosine over positions of each pair of hidden states ((1, T, H) each)."""
+    """Minimum cosine over positions of each pair of hidden states ((1, T, H) each, any float dtype; in float64)."""
     out = []
     for a, b in zip(ours, ref):
         out.append(float(torch.nn.functional.cosine_similarity(a[0].double(), b[0].double(), dim=-1).min()))
     return out
 
 
-def reference_weights(checkpoint) -> tuple[str, dict[str, Any]]:
+def reference_weights(checkpoint: Checkpoint) -> tuple[str, dict[str, str | bool]]:
     """The folder and ``from_pretrained`` arguments that make transformers read exactly the weights lollm read.
 
     GGUF: the same file (``gguf_file=``; transformers dequantizes it itself).
@@ -175,7 +192,7 @@ def reference_weights(checkpoint) -> tuple[str, dict[str, Any]]:
     )
 
 
-def relabel_model_types(raw: Any, model_types: dict[str, str]) -> Any:
+def relabel_model_types(raw: object, model_types: dict[str, str]) -> object:
     """A copy of a config dict with every ``model_type`` found in ``model_types`` (nested ones too) replaced by its value."""
     if isinstance(raw, dict):
         out = {key: relabel_model_types(value, model_types) for key, value in raw.items()}
@@ -187,7 +204,8 @@ def relabel_model_types(raw: Any, model_types: dict[str, str]) -> Any:
     return raw
 
 
-def load_reference_model(checkpoint, dtype: torch.dtype, model_types: dict[str, str] | None = None):
+def load_reference_model(checkpoint: Checkpoint, dtype: torch.dtype,
+                         model_types: dict[str, str] | None = None) -> torch.nn.Module:
     """transformers' ``AutoModelForCausalLM`` on exactly the weights lollm read (:func:`reference_weights`), in eval mode.
 
     ``model_types`` maps model types transformers does not know to the ones whose
@@ -216,12 +234,12 @@ def load_reference_model(checkpoint, dtype: torch.dtype, model_types: dict[str, 
     return model.eval()
 
 
-def default_reference(checkpoint, dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]:
+def default_reference(checkpoint: Checkpoint, dtype: torch.dtype) -> Reference:
     """transformers' ``AutoModelForCausalLM`` on the same weights (:func:`load_reference_model`), returning (logits, hidden_states)."""
     model = load_reference_model(checkpoint, dtype)
 
     @torch.inference_mode()
-    def run(ids: torch.Tensor):
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         out = model(ids.to(model.device), output_hidden_states=True, use_cache=False)
         return out.logits[0].float(), [h.float() for h in out.hidden_states]
 
@@ -243,6 +261,13 @@ def run_parity(
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
+    ``ids``: the prompt's token ids (None: ``prompt`` encoded, chat-templated with ``chat``).
+    ``min_cosine``: the lowest cosine that passes (None: 0.99999 in float32, 0.99 in 16-bit
+    dtypes, :data:`QUANTIZED_MIN_COSINE` with packed weights). Raises LollmError when the
+    gate cannot run: a checkpoint that does not load, an attention backend that cannot run,
+    weights transformers would not read as ours (:func:`reference_weights`), ids outside the
+    vocabulary, a reference that does not build.
+
     ``options``: how ours loads (:class:`lollm.load.options.LoadOptions`; default :data:`PARITY_OPTIONS`,
     float32 float weights on the CPU, the gate's standard): the attention backend ours runs with,
     packed weights, ``--family``. The reference is always transformers' own load of the same file,
@@ -255,10 +280,6 @@ def run_parity(
     report (or raises the same LollmError).
     """
     # 0. Refuse at once a backend that cannot run, or weights transformers would not read as we do.
-    from lollm.attention import resolve_backend
-    from lollm.load.loader import load_checkpoint
-    from lollm.load.pipeline import pick_device, route
-
     resolve_backend(options.attn, pick_device(options.device))
     checkpoint = load_checkpoint(spec)
     if not route(checkpoint, options.family).family.parity_reference:
@@ -288,10 +309,18 @@ def run_parity(
     return leader_decides(group, reference_and_compare)  # --tp: rank 0 builds the reference; every rank gets the report
 
 
-def _reference_and_compare(spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,
-                           min_cosine, packed, summary, tp) -> ParityReport:
-    """Steps 2 and 3 of :func:`run_parity`: build the reference, run it on ``input_ids``, compare with ours."""
+def _reference_and_compare(spec: str, checkpoint: Checkpoint, installed: InstalledFamily, dt: torch.dtype,
+                           dev: torch.device, attn_name: str, ids: list[int], input_ids: torch.Tensor,
+                           ours_logits: torch.Tensor, hidden: list[torch.Tensor], min_cosine: float | None,
+                           packed: bool, summary: WeightsSummary | None, tp: int) -> ParityReport:
+    """Steps 2 and 3 of :func:`run_parity`: build the reference, run it on ``input_ids``, compare with ours.
+
+    ``input_ids``: (1, T) int64; ``ours_logits``: (T, V) float32 on the CPU; ``hidden``: ours, each
+    (1, T, hidden) float32 on the CPU. LollmError when the reference cannot be built or its logits'
+    shape differs from ours.
+    """
     # 2. The reference, built the way the family says (default: transformers AutoModelForCausalLM).
+    build: Callable[[Checkpoint, torch.dtype], Reference]
     if installed.family.parity_reference:
         build = installed.family.resolve("parity_reference")
     else:
