@@ -424,7 +424,6 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
 
     import lollm.proof.bench as bench
     import lollm.generate.loop as generate_module
-    import lollm.load.pipeline as pipeline
 
     loads, runs = [], []
 
@@ -437,8 +436,8 @@ def test_bench_generates_with_the_backend_it_loaded(monkeypatch):
         return generate_module.GenerationResult(prompt_ids=list(ids), new_ids=[1, 1], text="", stop_reason="max_new_tokens",
                                                 prefill_seconds=0.1, decode_seconds=0.1)
 
-    monkeypatch.setattr(pipeline, "open_model", fake_open_model)
-    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    monkeypatch.setattr(bench, "open_model", fake_open_model)
+    monkeypatch.setattr(bench, "generate", fake_generate)
     engine = bench.LollmEngine("some/model", LoadOptions(device="cpu", attn="eager"))
     engine.load()
     engine.prefill([1, 2, 3])

@@ -41,9 +41,25 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Callable, Protocol
 
+import numpy as np
+import torch
+
+from lollm.attention import resolve_backend
 from lollm.errors import LollmError
+from lollm.generate.loop import GenerationResult, generate
+from lollm.generate.sampling import SamplingParams
+from lollm.load.loader import Checkpoint, load_checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model, pick_dtype
+from lollm.load.quantized import model_bytes
+from lollm.load.threads import apply_threads
+from lollm.proof.parity import load_reference_model, reference_weights
+from lollm.tokenizer import Tokenizer
+
+# Lazy imports below: llama_cpp, in LlamaCppEngine.load, the optional ``lollm-core[bench]`` extra;
+# transformers, through lollm.proof.parity.load_reference_model, the optional ``parity`` extra.
 
 BENCH_TEXT = (
     "In the beginning of computing, programs were written as sequences of numbers that a machine would read "
@@ -58,6 +74,7 @@ NO_LLAMA_CPP = ("llama.cpp: llama-cpp-python is not installed, so llama.cpp is n
 
 
 def _status_kib(field_name: str) -> int | None:
+    """The value of ``field_name`` (``VmRSS``, ``VmHWM``) in /proc/self/status, in KiB; None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -95,7 +112,7 @@ def peak_bytes() -> int:
     return kib * 1024
 
 
-def prompt_ids(tokenizer, n: int) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
     """``n`` token ids of :data:`BENCH_TEXT` repeated: the same prompt for every engine."""
     ids: list[int] = []
     while len(ids) < n:
@@ -129,24 +146,17 @@ class LollmEngine:
     Every generation runs with the attention backend the load chose (``LoadedModel.attn``).
     """
 
-    def __init__(self, spec: str, options: Any, name: str = "lollm"):
+    def __init__(self, spec: str, options: LoadOptions, name: str = "lollm"):
         self.spec, self.options, self.name = spec, options, name
         self.weights_bytes = 0
 
     def load(self) -> None:
-        from lollm.load.pipeline import open_model
-        from lollm.load.quantized import model_bytes
-
         self.loaded = open_model(self.spec, self.options)
         self.model = self.loaded.model
         self.weights_bytes = model_bytes(self.model)
 
-    def _generate(self, ids: list[int], n: int):
-        import torch
-
-        from lollm.generate.loop import generate
-        from lollm.generate.sampling import SamplingParams
-
+    def _generate(self, ids: list[int], n: int) -> GenerationResult:
+        """``n`` greedy tokens after ``ids``, with the load's attention backend."""
         with torch.inference_mode():
             return generate(self.model, ids, max_new_tokens=n, sampling=SamplingParams(temperature=0.0),
                             attn=self.loaded.attn)
@@ -179,8 +189,7 @@ class LlamaCppEngine:
                          n_batch=min(self.n_ctx, 512), verbose=False)
 
     def _next(self) -> int:
-        import numpy as np
-
+        """The greedy next id: the argmax of llama.cpp's logits at the last position it ran."""
         return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
 
     def prefill(self, ids: list[int]) -> float:
@@ -211,7 +220,8 @@ class _Stamps:
     def __init__(self):
         self.times: list[float] = []
 
-    def put(self, value) -> None:
+    def put(self, value: torch.Tensor) -> None:
+        """Called by ``generate`` with each chunk of ids (the prompt first, then one per new token)."""
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -223,28 +233,21 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, checkpoint, dtype):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype):
         self.checkpoint, self.dtype = checkpoint, dtype
         self.weights_bytes = 0
 
     def load(self) -> None:
-        from lollm.proof.parity import load_reference_model
-        from lollm.load.quantized import model_bytes
-
         self.model = load_reference_model(self.checkpoint, self.dtype)
         self.weights_bytes = model_bytes(self.model)
 
     def prefill(self, ids: list[int]) -> float:
-        import torch
-
         with torch.inference_mode():
             start = time.perf_counter()
             self.model(torch.tensor([ids]), logits_to_keep=1)
             return time.perf_counter() - start
 
     def decode(self, ids: list[int], n: int) -> tuple[int, float]:
-        import torch
-
         kwargs = dict(do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
         stamps = _Stamps()  # stamps the time each token comes out, so decode is timed as for ours
         with torch.inference_mode():
@@ -276,7 +279,8 @@ class EngineFigures:
         """Effective bandwidth of decode: weight bytes × median decode tokens/s, in GB/s (1e9 bytes)."""
         return self.weights_bytes * self.median("decode_tok_s") / 1e9
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
+        """The medians (tokens/s, GB/s), the load's seconds and bytes, and every round's figures."""
         return {
             "engine": self.name, "load_seconds": self.load_seconds, "load_peak_bytes": self.load_peak_bytes,
             "weights_bytes": self.weights_bytes, "prefill_tok_s": self.median("prefill_tok_s"),
@@ -311,7 +315,8 @@ class BenchResult:
         return statistics.median(r) if r else None
 
     @property
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, object]]:
+        """One :meth:`EngineFigures.to_json` per engine (``lollm bench --json``)."""
         return [e.to_json() for e in self.engines]
 
 
@@ -327,7 +332,7 @@ def measure_load(engine: Engine) -> EngineFigures:
 
 
 def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int], new_tokens: int, rounds: int,
-              log=None) -> None:
+              log: Callable[[str], None] | None = None) -> None:
     """Run ``rounds`` rounds; in each, every engine in turn (A B A B ...) does one prefill and one decode.
 
     Each is timed by the wall clock and by this process's CPU time; a decode runs its own prefill
@@ -351,8 +356,8 @@ def alternate(engines: list[Engine], figures: list[EngineFigures], ids: list[int
                     f"decode {fig.decode_tok_s[-1]:.2f} tok/s")
 
 
-def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_tokens: int = 64,
-              reference: bool = True, threads: int | None = None, rounds: int = 3, log=None,
+def run_bench(spec: str, options: LoadOptions | None = None, *, prompt_tokens: int = 512, new_tokens: int = 64,
+              reference: bool = True, threads: int | None = None, rounds: int = 3, log: Callable[[str], None] | None = None,
               ids: list[int] | None = None, llama_cpp: bool = True) -> BenchResult:
     """lollm (loaded with ``options``, a :class:`lollm.load.options.LoadOptions`) beside transformers, and llama.cpp.
 
@@ -365,30 +370,18 @@ def run_bench(spec: str, options: Any = None, *, prompt_tokens: int = 512, new_t
     ``BenchResult.note`` says so. For a GGUF with ``llama_cpp`` on and ``llama-cpp-python``
     installed, :class:`LlamaCppEngine` runs in the same rounds (with or without transformers); not installed,
     ``BenchResult.note`` says so (:data:`NO_LLAMA_CPP`). Raises LollmError
-    when the reference cannot read the same weights as lollm.
+    when the reference cannot read the same weights as lollm, or for a device other than the CPU.
     """
-    import torch
-
-    from lollm.attention import resolve_backend
-    from lollm.load.loader import load_checkpoint
-    from lollm.load.pipeline import pick_dtype
-
-    from lollm.load.options import LoadOptions
-
     options = options or LoadOptions(device="cpu", dtype="float32")
     if options.device not in ("auto", "cpu"):
         raise LollmError(f"lollm bench measures on the CPU; --device {options.device} is not supported here")
     options = options.replace(device="cpu", attn=resolve_backend(options.attn))
-    from lollm.load.threads import apply_threads
-
     apply_threads(threads)  # ``threads``, else lollm.load.threads' default (the free cores), as for `lollm run`
     note = ""
     if reference and importlib.util.find_spec("transformers") is None:
         reference, note = False, NO_REFERENCE
     checkpoint = load_checkpoint(spec)
     if reference:
-        from lollm.proof.parity import reference_weights
-
         reference_weights(checkpoint)  # refuse before loading anything when transformers would read other files
     ids = ids if ids is not None else prompt_ids(checkpoint.tokenizer, prompt_tokens)
     engines: list[Engine] = [LollmEngine(spec, options)]
