@@ -271,6 +271,7 @@ class EngineFigures:
     decode_cpu_tok_s: list[float] = field(default_factory=list)
 
     def median(self, key: str) -> float:
+        """The median over rounds of the list field ``key`` (``decode_tok_s`` ...); 0.0 before any round."""
         values = getattr(self, key)
         return statistics.median(values) if values else 0.0
 
@@ -302,6 +303,7 @@ class BenchResult:
     note: str = ""  # e.g. why the reference is missing
 
     def by_name(self, name: str) -> EngineFigures:
+        """The figures of the engine called ``name``; StopIteration when none ran."""
         return next(e for e in self.engines if e.name == name)
 
     def ratios(self, ours: str, reference: str, key: str) -> list[float]:

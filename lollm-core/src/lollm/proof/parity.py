@@ -105,22 +105,27 @@ class ParityReport:
 
     @property
     def argmax_matches(self) -> int:
+        """How many positions' argmax agree (0 .. num_tokens)."""
         return sum(p.ours_argmax == p.ref_argmax for p in self.positions)
 
     @property
     def min_cosine(self) -> float:
+        """The lowest cosine of the two logit vectors over the positions."""
         return min(p.cosine for p in self.positions)
 
     @property
     def max_abs_diff(self) -> float:
+        """The largest |ours - reference| of one logit, over every position and id."""
         return max(p.max_abs_diff for p in self.positions)
 
     @property
     def min_top5_overlap(self) -> int:
+        """The fewest shared ids of the two top-5 lists over the positions (0 .. 5)."""
         return min(p.top5_overlap for p in self.positions)
 
     @property
     def passed(self) -> bool:
+        """The verdict: enough argmaxes agree (``min_top1_required``) and every cosine reaches ``min_cosine_required``."""
         top1_ok = self.argmax_matches >= self.min_top1_required * self.num_tokens
         return top1_ok and self.min_cosine >= self.min_cosine_required
 
