@@ -44,7 +44,7 @@ from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, 
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
-from lollm.generate.loop import Step, _Sequence, check_prompt_ids
+from lollm.generate.sequence import Step, _Sequence, check_prompt_ids
 from lollm.generate.sampling import SamplingParams
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
