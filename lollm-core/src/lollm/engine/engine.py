@@ -44,7 +44,7 @@ from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, 
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
-from lollm.generate.sequence import Step, _Sequence, check_prompt_ids
+from lollm.generate.sequence import Sequence, Step, check_request
 from lollm.generate.sampling import SamplingParams
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
@@ -57,9 +57,10 @@ class EngineOutput:
     """One new token of one request, as :meth:`Engine.step` returns it.
 
     request_id: the request's name.
-    step:       the token (:class:`lollm.generate.loop.Step`: token, logprobs, time, finish);
-                ``step.finish`` is None, or why the request ended: "stop" (an id of
-                ``stop_ids``), "max_new_tokens" or "context".
+    step:       the token (:class:`lollm.generate.sequence.Step`: token, logprobs, time, finish);
+                ``step.finish`` is None, or why the request ended (a
+                :class:`~lollm.generate.sequence.StopReason`): EOS (an id of ``stop_ids``),
+                MAX_NEW_TOKENS or CONTEXT.
     """
 
     request_id: str
@@ -153,29 +154,22 @@ class Engine:
                     logprobs: int | None = None, constraint: Any = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id.
 
-        Raises GenerationError for an empty prompt, ids outside the vocabulary,
-        ``max_new_tokens < 1``, a prompt that fills the context, a request that could not
-        fit the whole pool even alone, or a duplicate id.
+        Raises GenerationError for what :func:`lollm.generate.sequence.check_request` refuses (an empty
+        prompt, ``max_new_tokens < 1``, a prompt that fills the context, ids outside the vocabulary, a
+        constraint for another vocabulary), a request that could not fit the whole pool even alone, or a
+        duplicate id.
         """
-        if not prompt_ids:
-            raise GenerationError("the prompt is empty: there is nothing to continue")
-        check_prompt_ids(prompt_ids, self.model.vocab_size)
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        context = self.model.max_context
-        if len(prompt_ids) >= context:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the model's context is {context}")
-        budget = min(max_new_tokens, context - len(prompt_ids))
+        budget = check_request(self.model, prompt_ids, max_new_tokens, constraint=constraint)
         if len(prompt_ids) + budget > self.capacity:
             raise GenerationError(f"a request of {len(prompt_ids)} prompt + {budget} new tokens cannot fit the KV pool "
                                   f"({self.capacity} positions): give the engine more blocks (kv_blocks) or ask for fewer tokens")
-        seq = _Sequence(self.model, prompt_ids, sampling, logprobs, budget, context)
-        seq.matcher = constraint.matcher() if constraint is not None else None
+        seq = Sequence(self.model, prompt_ids, sampling, budget=budget, context=self.model.max_context, logprobs=logprobs,
+                       constraint=constraint, stop_ids=frozenset(stop_ids))
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if request_id in self.requests:
                 raise GenerationError(f"a request named {request_id!r} is already in the engine")
-            req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq, frozenset(stop_ids),
+            req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq,
                           arrival=time.perf_counter())
             self.requests[request_id] = req
             self._inbox.append(req)
@@ -261,14 +255,10 @@ class Engine:
     def _choose(self, req: Request, logits_row: torch.Tensor, greedy_pick: int | None) -> Step:
         """The request's next token from its row (by its own sampler, unless the batch's argmax already
         picked it); the finish reason when it ends."""
-        step = req.seq.choose(logits_row, pick=greedy_pick)
+        step = req.seq.check(req.seq.choose(logits_row, pick=greedy_pick))  # finish: EOS, MAX_NEW_TOKENS or CONTEXT
         req.tokens.append(step.token)
         if req.first_token_time is None:
             req.first_token_time = step.time
-        if step.token in req.stop_ids:
-            step.finish = "stop"
-        elif req.generated >= req.budget:
-            step.finish = "max_new_tokens" if len(req.tokens) < self.model.max_context else "context"
         if step.finish is not None:
             with self._lock:
                 self.requests.pop(req.request_id, None)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -41,12 +41,15 @@ from lollm.attention import use_backend
 from lollm.load.checks import ConfigReader
 from lollm.generate.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
+from lollm.generate.memory import check_cache_fits
 from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams
 from lollm.generate.sequence import (  # noqa: F401 (re-exported: lollm.generate.loop's names before the move)
-    Step, TokenLogprobs, _Sequence, check_prompt_ids, check_request, token_logprobs)
+    Sequence, Step, StopReason, TokenLogprobs, check_prompt_ids, check_request, token_logprobs)
 from lollm.generate.structured import CompiledConstraint
-
+from lollm.model import Cache, CausalLM
+from lollm.tokenizer.stream import StreamDecoder
+from lollm.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -66,7 +69,7 @@ class GenerationResult:
     prompt_ids: list[int]
     new_ids: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "max_new_tokens"
+    stop_reason: str = StopReason.MAX_NEW_TOKENS
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     drafted: int = 0  # speculative decoding: draft tokens proposed
@@ -91,7 +94,7 @@ class GenerationResult:
 
 
 
-def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
+def stop_token_ids(generation_config: dict, config: dict, tokenizer: Tokenizer | None = None) -> set[int]:
     """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
 
     Each file's ``eos_token_id`` is one id or a list of ids (ConfigError naming the file otherwise).
@@ -145,7 +148,7 @@ class _StopStringWatcher:
 
 
 def generate_steps(
-    model: Any,
+    model: CausalLM,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
@@ -160,13 +163,14 @@ def generate_steps(
 
     The layer everything else reads (:func:`stream_text`, :func:`generate`) and the one
     a batched engine builds on: a request's whole state between two steps is one
-    ``_Sequence`` (its cache, sampler, ids so far), and a step is one forward.
+    :class:`~lollm.generate.sequence.Sequence` (its cache, sampler, ids so far), and a step is one forward.
     ``prompt_ids``: a list of ints (``0 .. model.vocab_size - 1``).
 
-    The request is checked now (:func:`check_request`: GenerationError for an
+    The request is checked now (:func:`~lollm.generate.sequence.check_request`: GenerationError for an
     empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
-    outside the vocabulary, a cache that does not fit the device, speculative
-    tokens without a draft head, both ``speculative_tokens`` and a ``drafter``);
+    outside the vocabulary, a constraint for another vocabulary; then :func:`_check_run`:
+    a cache that does not fit the device, speculative tokens without a draft head, both
+    ``speculative_tokens`` and a ``drafter``);
     the model runs only as the steps are asked for.
 
     * The first ``next()`` runs the prefill: ``model(ids (1, P) long, cache,
@@ -199,13 +203,23 @@ def generate_steps(
     (GenerationError for non-finite logits) come out of ``next()``.
     """
     drafter = _one_drafter(speculative_tokens, drafter)
-    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, drafter=drafter)
-    if constraint is not None and constraint.vocab_size != model.vocab_size:
-        raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
-    budget = min(max_new_tokens, context - len(prompt_ids))
-    seq = _Sequence(model, prompt_ids, sampling, logprobs, budget, context)
-    seq.matcher = constraint.matcher() if constraint is not None else None
+    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
+    budget = check_request(model, prompt_ids, max_new_tokens, context=context, constraint=constraint,
+                           holder="model" if prompt_cache is None else "session")
+    _check_run(model, len(prompt_ids) + budget, prompt_cache, drafter)
+    seq = Sequence(model, prompt_ids, sampling, budget=budget, context=context, logprobs=logprobs, constraint=constraint)
     return _steps(seq, prompt_cache, drafter)
+
+
+def _check_run(model: CausalLM, positions: int, prompt_cache: PromptCache | None, drafter: Drafter | None) -> None:
+    """What only the single-sequence loop needs: its own cache of ``positions`` (plus the drafts) fits the
+    device's free memory (:func:`lollm.generate.memory.check_cache_fits`; a prompt cache checked its own when
+    it made it), and the drafter can serve the model (``drafter.check``). GenerationError otherwise."""
+    if prompt_cache is None:
+        extra = drafter.tokens if drafter is not None else 0
+        check_cache_fits(model, min(positions + extra, model.max_context))
+    if drafter is not None:
+        drafter.check(model)
 
 
 def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | None:
@@ -216,10 +230,15 @@ def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | 
 
 
 @torch.inference_mode()
-def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
+def _steps(seq: Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
     """The body of :func:`generate_steps`: prefill, then plain or speculative decoding."""
     try:
-        first = seq.emit(seq.choose(seq.prefill(prompt_cache, drafter.tokens if drafter else 0)))
+        if prompt_cache is not None:  # only the part of the prompt it does not hold yet runs
+            seq.cache, logits = prompt_cache.prefill(seq.prompt_ids, seq.device)
+            row = logits[0, -1]
+        else:
+            row = seq.prefill(drafter.tokens if drafter else 0)
+        first = seq.check(seq.choose(row))
         yield first
         if not first.finish:
             yield from (_speculative_steps(seq, first.token, drafter) if drafter else _plain_steps(seq, first.token))
@@ -229,23 +248,23 @@ def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | 
     _record(seq, prompt_cache)
 
 
-def _record(seq: _Sequence, prompt_cache: PromptCache | None) -> None:
+def _record(seq: Sequence, prompt_cache: PromptCache | None) -> None:
     """A prompt cache records what its cache now holds, for the next prompt."""
     if prompt_cache is not None and seq.cache is not None:
         prompt_cache.finish(seq.prompt_ids + seq.new_ids)
 
 
-def _plain_steps(seq: _Sequence, pending: int) -> Iterator[Step]:
+def _plain_steps(seq: Sequence, pending: int) -> Iterator[Step]:
     """One forward over the newest token per step."""
     while True:
-        step = seq.emit(seq.choose(seq.forward([pending])[-1]))
+        step = seq.check(seq.choose(seq.forward([pending])[-1]))
         yield step
         if step.finish:
             return
         pending = step.token
 
 
-def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
+def _speculative_steps(seq: Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
     """The steps of speculative decoding (draft up to k, verify in one forward), yielded one at a time.
 
     The drafter guesses up to ``k = drafter.tokens`` tokens after ``pending`` (the
@@ -275,14 +294,14 @@ def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterat
                 if cache.length != start + 1 + i:
                     cache.rollback(start + 1 + i)  # keep the cache up to here, as plain decoding would
                 pending = step.token
-            yield seq.emit(step)
+            yield seq.check(step)
             if step.finish:
                 return
             if not step.accepted:
                 break
 
 
-def _undoable(cache: Any) -> int:
+def _undoable(cache: Cache) -> int:
     """How many positions the next forward may write and still be rolled back exactly (``cache.undoable_tokens()``,
     where the cache limits it: a wrapped sliding-window ring; else as many as it holds)."""
     undoable = getattr(cache, "undoable_tokens", None)
@@ -311,7 +330,7 @@ class TextStep:
 
 def stream_text(
     steps: Iterable[Step],
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     *,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     stop_strings: Iterable[str] = (),
@@ -335,19 +354,19 @@ def stream_text(
     return _text_steps(steps, decoder, _StopStringWatcher(stop_strings), stop_ids, should_stop)
 
 
-def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
+def _text_steps(steps: Iterable[Step], decoder: StreamDecoder | None, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
                 should_stop: Callable[[], bool] | None) -> Iterator[TextStep]:
     """The body of :func:`stream_text`: decode each step, check the stops in their order, flush at the end."""
     for step in steps:
         text, reason = "", None
         if step.token in stop_ids:
-            reason = "eos"
+            reason = StopReason.EOS
         elif decoder is not None:
             text, hit = watcher.feed(decoder.push(step.token))
-            reason = "stop_string" if hit else None
+            reason = StopReason.STOP_STRING if hit else None
         if reason is None:
-            reason = step.finish or ("cancelled" if should_stop is not None and should_stop() else None)
-        if reason is not None and reason != "stop_string" and decoder is not None:
+            reason = step.finish or (StopReason.CANCELLED if should_stop is not None and should_stop() else None)
+        if reason is not None and reason != StopReason.STOP_STRING and decoder is not None:
             text += watcher.finish(decoder.flush())  # what the decoder and the watcher still hold
         yield TextStep(step, text, reason)
         if reason is not None:
@@ -359,14 +378,14 @@ def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher
 
 @torch.inference_mode()
 def generate(
-    model: Any,
+    model: CausalLM,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     stop_strings: Iterable[str] = (),
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     on_text: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
     prompt_cache: PromptCache | None = None,

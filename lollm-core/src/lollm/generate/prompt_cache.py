@@ -51,6 +51,7 @@ import torch
 from lollm.errors import GenerationError
 from lollm.generate.prefill import run_prompt
 from lollm.generate.memory import check_cache_fits
+from lollm.generate.sequence import check_request
 
 
 @dataclass
@@ -117,12 +118,10 @@ class PromptCache:
         """Make the cache hold ``prompt_ids``, running only what it does not hold yet.
 
         Returns the cache and the logits of the prompt's last position (1, 1, vocab).
-        Raises GenerationError for an empty prompt or one that does not fit ``max_tokens``.
+        Raises GenerationError (:func:`lollm.generate.sequence.check_request`) for an empty prompt, one that
+        fills ``max_tokens``, or an id outside the vocabulary.
         """
-        if not prompt_ids:
-            raise GenerationError("the prompt is empty: there is nothing to continue")
-        if len(prompt_ids) > self.max_tokens:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_tokens}")
+        check_request(self.model, prompt_ids, context=self.max_tokens, holder="session")
         reused, how = self._go_back_to(common_prefix_length(self.ids, prompt_ids[:-1]))
         cache = self.cache
         self.snapshots = [(n, s) for n, s in self.snapshots if n <= reused]

@@ -1,23 +1,52 @@
-"""One request's state between two steps: :class:`Sequence` (its cache, sampler, ids so far), and its checks.
+"""One request's state between two steps: :class:`Sequence`, its check, and why a generation stops.
 
-The single-sequence loop (:mod:`lollm.generate.loop`) and the batched engine (:mod:`lollm.engine`)
-both keep one per request.
+The single-sequence loop (:mod:`lollm.generate.loop`) keeps one :class:`Sequence` for its request;
+the batched engine (:mod:`lollm.engine`) keeps one per request it runs. A sequence does the three
+things a step needs, whoever steps it::
+
+    seq.forward(ids) ─► logits (T, V)      one forward over its own cache (the loop; the engine
+                                           runs one forward for every sequence of a batch instead)
+    seq.choose(row)  ─► Step               its sampler, its grammar mask, its log-probabilities
+    seq.check(step)  ─► Step.finish        why it stops here, or None: a StopReason
+
+:func:`check_request` is the one check of a request before it starts (the loop, the engine, the
+prompt cache and ``lollm.LLM`` all call it), so an empty prompt reads the same everywhere.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Final
 
 import torch
 
 from lollm.errors import GenerationError
-from lollm.generate.drafting import Drafter
-from lollm.generate.memory import check_cache_fits
 from lollm.generate.prefill import run_prompt
-from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import Sampler, SamplingParams
+from lollm.generate.structured import CompiledConstraint, TokenMatcher
+from lollm.model import Cache, CausalLM
+
+
+class StopReason:
+    """Why a generation stopped: one name per stop condition, the strings results and reports carry.
+
+    EOS:            an end-of-sequence id was chosen (it is in the ids, not in the text).
+    STOP_STRING:    the text reached a stop string (the text ends just before it).
+    MAX_NEW_TOKENS: the token budget is spent.
+    CONTEXT:        the context has no room for the position after the last token.
+    CANCELLED:      the caller stopped it (a client that went away, Ctrl-C, an abort).
+    """
+
+    EOS: Final = "eos"
+    STOP_STRING: Final = "stop_string"
+    MAX_NEW_TOKENS: Final = "max_new_tokens"
+    CONTEXT: Final = "context"
+    CANCELLED: Final = "cancelled"
+
+
+#: The one message for an empty prompt (the CLI's own flag checks say which flag was empty).
+EMPTY_PROMPT = "the prompt is empty: there is nothing to continue"
 
 
 @dataclass
@@ -59,16 +88,16 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
 
 @dataclass
 class Step:
-    """One new token, as :func:`generate_steps` yields it.
+    """One new token, as :meth:`Sequence.choose` makes it (and :func:`lollm.generate.loop.generate_steps` yields it).
 
     token:    the chosen id (an int, ``0 .. model.vocab_size - 1``).
     logprobs: its :class:`TokenLogprobs` when the generation asked for ``logprobs=N``, else None.
     time:     ``time.perf_counter()`` when it was chosen (the first step's: the prefill is done).
     drafted:  speculative decoding: a draft token was judged at this position;
     accepted: and it was this token (the main model confirmed the draft).
-    finish:   None while more steps may follow; on the last step the generator will
-              yield, why: "max_new_tokens" (the budget is spent) or "context" (the
-              cache has no room for the position after this token).
+    finish:   None while more steps may follow; on the last step, why no step follows
+              (a :class:`StopReason`: MAX_NEW_TOKENS, CONTEXT, or EOS for a sequence that
+              was given ``stop_ids``, as the engine's are).
     """
 
     token: int
@@ -79,63 +108,83 @@ class Step:
     finish: str | None = None
 
 
-def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt_cache: PromptCache | None = None,
-                  speculative_tokens: int = 0, drafter: Drafter | None = None) -> int:
-    """The context a generation of ``prompt_ids`` runs in (positions); GenerationError when it cannot run.
+def check_max_new_tokens(max_new_tokens: object) -> int:
+    """``max_new_tokens`` as given, or GenerationError unless it is a whole number >= 1."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    return max_new_tokens
 
-    Refused: an empty prompt, ``max_new_tokens < 1``, a prompt that fills the
-    context (the model's ``max_context``, or the prompt cache's ``max_tokens``), an id
-    outside the vocabulary, a cache larger than the device's free memory
-    (:func:`lollm.generate.memory.check_cache_fits`), speculative tokens without a draft head,
-    a drafter that cannot serve the model (``drafter.check``).
+
+def check_request(model: CausalLM, prompt_ids: list[int], max_new_tokens: int | None = None, *,
+                  context: int | None = None, holder: str = "model",
+                  constraint: CompiledConstraint | None = None) -> int:
+    """The token budget of a request, ``min(max_new_tokens, context - len(prompt_ids))``; GenerationError when it cannot run.
+
+    context:        positions the request may use (None: the model's ``max_context``);
+    holder:         whose context that is, for the message ("model", or "session" for a prompt cache);
+    max_new_tokens: None for a prompt alone (the prompt cache's prefill): the budget is then what the
+                    context leaves.
+    constraint:     a compiled constraint the output follows: it must be compiled for this vocabulary.
+
+    Refused, in this order: an empty prompt (:data:`EMPTY_PROMPT`), ``max_new_tokens`` that is not a
+    whole number >= 1, a prompt that fills the context, an id outside the vocabulary
+    (:func:`check_prompt_ids`), a constraint compiled for another vocabulary.
     """
-    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
+    context = model.max_context if context is None else context
     if not prompt_ids:
-        raise GenerationError("the prompt is empty: there is nothing to continue")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise GenerationError(EMPTY_PROMPT)
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens)
     if len(prompt_ids) >= context:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
-            f"context is {context}"
-        )
+        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the {holder}'s context is {context}")
     check_prompt_ids(prompt_ids, model.vocab_size)
-    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
-        extra = drafter.tokens if drafter is not None else max(speculative_tokens, 0)
-        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + extra, context))
-    if speculative_tokens > 0 and not getattr(model, "has_draft_head", False):
-        raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
-    if drafter is not None:
-        drafter.check(model)
-    return context
+    if constraint is not None and constraint.vocab_size != model.vocab_size:
+        raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
+    room = context - len(prompt_ids)
+    return room if max_new_tokens is None else min(max_new_tokens, room)
 
 
-class _Sequence:
-    """One generation's state between steps: the cache, the sampler, the ids seen, the steps yielded."""
+class Sequence:
+    """One request's state between two steps: its cache, sampler, grammar matcher, the ids so far.
 
-    def __init__(self, model: Any, prompt_ids: list[int], sampling: SamplingParams, logprobs: int | None,
-                 budget: int, context: int):
+    model:      the family's model (:class:`lollm.model.CausalLM`).
+    prompt_ids: the prompt, a list of ints (checked by :func:`check_request` first).
+    sampling:   its :class:`SamplingParams` (one :class:`Sampler` per sequence: a seeded request draws
+                from its own generator, so it samples alike alone and in a batch).
+    budget:     the most tokens it generates (:func:`check_request`'s answer);
+    context:    the positions it may use (prompt + answer).
+    logprobs:   N: each step carries its :class:`TokenLogprobs` with N alternatives (None: none).
+    constraint: the output follows it (a fresh :class:`TokenMatcher` per sequence).
+    stop_ids:   ids that end it (the engine's end-of-sequence ids; the loop leaves them to
+                :func:`lollm.generate.loop.stream_text`, which also flushes the text).
+
+    ``cache`` is the loop's own cache (:meth:`prefill` makes it, or a prompt cache hands one over);
+    the engine keeps a sequence's keys in its pool instead and never sets it.
+    """
+
+    def __init__(self, model: CausalLM, prompt_ids: list[int], sampling: SamplingParams, *, budget: int, context: int,
+                 logprobs: int | None = None, constraint: CompiledConstraint | None = None,
+                 stop_ids: frozenset[int] = frozenset()):
         self.model, self.prompt_ids, self.logprobs = model, list(prompt_ids), logprobs
-        self.budget, self.context = budget, context
+        self.budget, self.context, self.stop_ids = budget, context, frozenset(stop_ids)
         self.device = next(model.parameters()).device
         self.sampler = Sampler(sampling)
         self.seen = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
         self.new_ids: list[int] = []
-        self.cache: Any = None
-        self.matcher: Any = None  # a lollm.generate.structured.TokenMatcher when the output is constrained
+        self.cache: Cache | None = None
+        self.matcher: TokenMatcher | None = constraint.matcher() if constraint is not None else None
 
-    def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
-        """Run the prompt (or the part a prompt cache lacks), in chunks (:mod:`lollm.generate.prefill`); the logits of its last position, (V,)."""
-        if prompt_cache is not None:
-            self.cache, logits = prompt_cache.prefill(self.prompt_ids, self.device)
-            return logits[0, -1]
-        # room for the drafts (``extra``) a speculative step writes before it rolls back, never past the context
+    def prefill(self, extra: int) -> torch.Tensor:
+        """Make its own cache and run the prompt, in chunks (:mod:`lollm.generate.prefill`); the logits of its last position, (V,).
+
+        ``extra``: room for the drafts a speculative step writes before it rolls back (never past the context).
+        """
         self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
         # in chunks of lollm.generate.prefill.PREFILL_CHUNK_TOKENS: the activations stay bounded whatever the prompt's length
         return run_prompt(self.model, self.prompt_ids, self.cache, self.device)[0, -1]
 
     def forward(self, ids: list[int]) -> torch.Tensor:
-        """The logits (len(ids), V) of ``ids`` run after what the cache holds."""
+        """One step: the logits (len(ids), V) of ``ids`` run after what its cache holds."""
         return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
 
     @property
@@ -161,9 +210,16 @@ class _Sequence:
         lp = token_logprobs(logits_row, token, self.logprobs) if self.logprobs is not None else None
         return Step(token, lp, time.perf_counter(), drafted=drafted)
 
-    def emit(self, step: Step) -> Step:
-        """``step`` counted as yielded; on the last one, ``finish`` says why no step follows."""
+    def check(self, step: Step) -> Step:
+        """Count ``step`` as emitted; when no step may follow, ``step.finish`` says why (a :class:`StopReason`).
+
+        EOS for an id of ``stop_ids``; else, once the budget is spent, MAX_NEW_TOKENS, or CONTEXT when
+        the context has no room for the position after this token.
+        """
         self.new_ids.append(step.token)
-        if len(self.new_ids) >= self.budget:
-            step.finish = "max_new_tokens" if self.cache.length + 1 < self.context else "context"
+        if step.token in self.stop_ids:
+            step.finish = StopReason.EOS
+        elif len(self.new_ids) >= self.budget:
+            fits = len(self.prompt_ids) + len(self.new_ids) < self.context
+            step.finish = StopReason.MAX_NEW_TOKENS if fits else StopReason.CONTEXT
         return step
