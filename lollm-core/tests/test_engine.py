@@ -185,7 +185,7 @@ def test_stop_ids_end_a_request(toy):
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
-    assert [o.step.token for o in outs] == alone[: alone.index(alone[2]) + 1] and outs[-1].step.finish == "stop"
+    assert [o.step.token for o in outs] == alone[: alone.index(alone[2]) + 1] and outs[-1].step.finish == "eos"
 
 
 def test_a_request_waiting_for_blocks_pins_none_of_them(toy):

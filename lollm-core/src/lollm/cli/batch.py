@@ -14,40 +14,50 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.report import err, out
 from lollm.errors import GenerationError
+from lollm.sampling_params import SamplingParams
+
+# Lazy imports below (inside the functions): the engine and torch load only when a command runs, so that the
+# CLI starts, and checks its flags, without torch. Types only for the checker here:
+if TYPE_CHECKING:
+    from lollm.engine.llm import Completion
+    from lollm.generate.drafting import Drafter
+    from lollm.generate.structured import CompiledConstraint
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import LoadedModel
+    from lollm.proof.bench_batching import ConcurrencyResult
 
 
-def batch_reason(loaded: Any, drafter: Any) -> str | None:
-    """Why ``run``'s prompts must run one at a time (None: they run batched through the engine)."""
-    from lollm.engine.llm import single_reason
+def batch_reason(loaded: LoadedModel, drafter: Drafter | None) -> str | None:
+    """Why ``run``'s prompts must run one at a time (None: they run batched through the engine):
+    :func:`lollm.engine.engine.why_not_batched` of the loaded model and the drafter's flag."""
+    from lollm.engine.engine import why_not_batched
 
-    if drafter is not None:
-        return (f"{'--mtp' if drafter.name == 'MTP' else '--prompt-lookup'} decodes speculatively, which the engine "
-                f"does not: one prompt at a time")
-    return single_reason(loaded.model, tp=loaded.tp, family=loaded.family.family.name)
+    speculative = None if drafter is None else "--mtp" if drafter.name == "MTP" else "--prompt-lookup"
+    return why_not_batched(loaded.model, tp=loaded.tp, speculative=speculative, family=loaded.family.family.name)
 
 
 class _InOrder:
     """Prints completions in input order as they finish: each waits for the prompts before it."""
 
-    def __init__(self, loaded: Any, prompts: list[str], sampling: Any, as_json: bool):
+    def __init__(self, loaded: LoadedModel, prompts: list[str], sampling: SamplingParams, as_json: bool):
         self.loaded, self.prompts, self.sampling, self.as_json = loaded, prompts, sampling, as_json
-        self.waiting: dict[int, Any] = {}
+        self.waiting: dict[int, Completion] = {}
         self.next = 0
 
-    def take(self, completion: Any) -> None:
+    def take(self, completion: Completion) -> None:
         self.waiting[completion.index] = completion
         while self.next in self.waiting:
             self._print(self.waiting.pop(self.next))
             self.next += 1
 
-    def _print(self, c: Any) -> None:
+    def _print(self, c: Completion) -> None:
         from lollm.generate.loop import GenerationResult
 
         if not self.as_json:
@@ -61,8 +71,9 @@ class _InOrder:
         show.generation(self.loaded, self.prompts[c.index], result, self.sampling, as_json=self.as_json, extra=extra)
 
 
-def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                max_new_tokens: int, as_json: bool, constraint: Any = None) -> None:
+def run_batched(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]], *, sampling: SamplingParams,
+                stop_strings: list[str], max_new_tokens: int, as_json: bool,
+                constraint: CompiledConstraint | None = None) -> None:
     """``run``'s prompts through one engine; printed in input order, then (text) the batch's throughput line.
 
     ``constraint``: a compiled constraint every output follows (None: free text). Ctrl-C exits 130
@@ -111,7 +122,7 @@ def parse_levels(text: str) -> list[int]:
     return sorted(levels)
 
 
-def bench_concurrency(spec: str, options: Any, *, levels: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
+def bench_concurrency(spec: str, options: LoadOptions, *, levels: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
                       threads: int | None, as_json: bool) -> None:
     """``bench --concurrency``: load as ``bench`` does, measure every level in alternating rounds, print the figures."""
     import torch
@@ -131,7 +142,7 @@ def bench_concurrency(spec: str, options: Any, *, levels: list[int], prompt_toke
     concurrency_report(result, model=spec, as_json=as_json)
 
 
-def concurrency_report(result: Any, *, model: str, as_json: bool) -> None:
+def concurrency_report(result: ConcurrencyResult, *, model: str, as_json: bool) -> None:
     """``bench --concurrency``: JSON, or one row per level (throughput, its ratio, TTFT and inter-token latency)."""
     import json
 

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Sequence
 
 import torch
 
 from lollm.batch import Batch, CacheLayer
+from lollm.errors import GenerationError
+from lollm.generate import memory  # memory.free_memory looked up per call (tests replace it)
+from lollm.model import CausalLM
 
 
 def largest_window(layers: list[CacheLayer]) -> int | None:
@@ -100,7 +103,7 @@ def block_bytes(layers: list[CacheLayer], block_size: int, dtype: torch.dtype) -
     return sum(2 * block_size * spec.num_kv_heads * spec.head_dim * size for spec in layers if spec.stores_keys)
 
 
-def model_dtype(model: Any) -> torch.dtype:
+def model_dtype(model: CausalLM) -> torch.dtype:
     """The dtype of the model's activations: that of its first floating-point parameter (the pool's dtype)."""
     for p in itertools.chain(model.parameters(), model.buffers()):
         if p.is_floating_point():
@@ -127,12 +130,41 @@ class PoolRoom:
         return None if self.free_bytes is None else self.free_bytes // 2 // self.block_bytes
 
 
-def pool_room(model: Any, block_size: int) -> PoolRoom:
+def pool_room(model: CausalLM, block_size: int) -> PoolRoom:
     """The :class:`PoolRoom` of ``model`` with blocks of ``block_size`` positions."""
-    from lollm.generate.memory import free_memory
-
     per_block = max(block_bytes(model.cache_layers(), block_size, model_dtype(model)), 1)
-    return PoolRoom(per_block, free_memory(next(model.parameters()).device))
+    return PoolRoom(per_block, memory.free_memory(next(model.parameters()).device))
+
+
+def pool_blocks(model: CausalLM, positions: Sequence[int], *, block_size: int, max_running: int,
+                at_least: int = 0, advice: str = "ask for fewer tokens") -> int:
+    """How many KV blocks a pool gets: the one sizing rule of every pool (the engine's default,
+    ``lollm serve``, ``lollm.LLM``, ``bench --concurrency``).
+
+    positions:   the positions each request may reach (prompt + token budget).
+    max_running: how many of them run at once: the pool has room for the ``max_running`` longest
+                 together (their blocks added up, so none is preempted).
+    at_least:    positions the pool must hold whatever the requests (``lollm serve``: one request
+                 that fills the context).
+
+    The room asked for is capped at half the device's free memory, but never below the longest
+    request (or ``at_least``): that one must always fit, waiting for memory rather than being
+    refused. With the free memory unknown, the room asked for. Raises GenerationError (ending
+    with ``advice``) when even that one request does not fit in the free memory.
+    """
+    if not positions:
+        raise GenerationError("no requests to size the KV pool for")
+    blocks = sorted((-(-n // block_size) for n in positions), reverse=True)
+    longest = max(max(positions), at_least)
+    floor = -(-longest // block_size)
+    wanted = max(floor, sum(blocks[:max_running]))
+    room = pool_room(model, block_size)
+    if room.free_bytes is None:
+        return wanted
+    if floor * room.block_bytes > room.free_bytes:
+        raise GenerationError(f"a request of {longest} positions needs {floor * room.block_bytes / 2**20:.0f} "
+                              f"MiB of KV blocks, but {room.free_bytes / 2**20:.0f} MiB are free: {advice}")
+    return max(floor, min(wanted, room.half_free_blocks))
 
 
 class PagedCache:
@@ -172,7 +204,7 @@ class PagedCache:
     def advance(self, T: int) -> None:
         """Nothing: the engine advances each sequence's length after the step."""
 
-    def state(self, layer: int, b: int) -> dict[str, Any]:
+    def state(self, layer: int, b: int) -> dict[str, torch.Tensor]:
         """Sequence b's recurrent states for ``layer``: name -> tensor view of its slot (update in place)."""
         slot = self.batch.state_slots[b]
         return {name: tensor[slot] for name, tensor in self.pool.states[layer].items()}

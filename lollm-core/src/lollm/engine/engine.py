@@ -34,22 +34,25 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lollm.batch import Batch
 from lollm.engine.blocks import BlockPool
-from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, pool_room, window_blocks_per_sequence
+from lollm.engine.cache import KVPool, PagedCache, largest_window, model_dtype, pool_blocks, window_blocks_per_sequence
 from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
-from lollm.generate.loop import Step, _Sequence, check_prompt_ids
+from lollm.generate.sequence import Sequence, Step, check_request
 from lollm.generate.sampling import SamplingParams
+from lollm.generate.structured import CompiledConstraint
+from lollm.model import CausalLM
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
 #: block and share prefixes at a finer grain; larger ones mean shorter block tables.
 BLOCK_SIZE = 16
+#: Positions per sequence the default pool leaves room for, at most (``lollm serve`` keeps to it too).
+DEFAULT_POSITIONS_PER_SEQUENCE = 2048
 
 
 @dataclass
@@ -57,9 +60,10 @@ class EngineOutput:
     """One new token of one request, as :meth:`Engine.step` returns it.
 
     request_id: the request's name.
-    step:       the token (:class:`lollm.generate.loop.Step`: token, logprobs, time, finish);
-                ``step.finish`` is None, or why the request ended: "stop" (an id of
-                ``stop_ids``), "max_new_tokens" or "context".
+    step:       the token (:class:`lollm.generate.sequence.Step`: token, logprobs, time, finish);
+                ``step.finish`` is None, or why the request ended (a
+                :class:`~lollm.generate.sequence.StopReason`): EOS (an id of ``stop_ids``),
+                MAX_NEW_TOKENS or CONTEXT.
     """
 
     request_id: str
@@ -75,7 +79,7 @@ class EngineConfig:
     """The engine's sizes.
 
     kv_blocks:        blocks in the pool (None: room for ``max_sequences`` x 2048 positions,
-                      at most half the device's free memory). A model with sliding-window layers
+                      at most half the device's free memory: :func:`~lollm.engine.cache.pool_blocks`). A model with sliding-window layers
                       gets a second pool for them, of ``max_sequences`` x
                       :func:`~lollm.engine.cache.window_blocks_per_sequence` blocks at most
                       (never more than ``kv_blocks``): their blocks go back as windows move on.
@@ -96,15 +100,35 @@ class EngineConfig:
     state_snapshots: int = 8
 
 
-def _pool_blocks(model: Any, config: EngineConfig) -> int:
-    """How many blocks the pool gets: the configured number, or the default of :class:`EngineConfig`."""
+def _pool_blocks(model: CausalLM, config: EngineConfig) -> int:
+    """How many blocks the pool gets: the configured number, or the default of :class:`EngineConfig`
+    (:func:`~lollm.engine.cache.pool_blocks` for ``max_sequences`` requests of ``DEFAULT_POSITIONS_PER_SEQUENCE``)."""
     if config.kv_blocks is not None:
         if config.kv_blocks < 1:
             raise GenerationError(f"kv_blocks must be >= 1, got {config.kv_blocks}")
         return config.kv_blocks
-    wanted = config.max_sequences * -(-min(2048, model.max_context) // config.block_size)
-    room = pool_room(model, config.block_size)
-    return max(1, min(wanted, room.half_free_blocks)) if room.free_bytes else wanted
+    positions = [min(DEFAULT_POSITIONS_PER_SEQUENCE, model.max_context)] * config.max_sequences
+    return pool_blocks(model, positions, block_size=config.block_size, max_running=config.max_sequences)
+
+
+def why_not_batched(model: CausalLM, *, tp: object = None, speculative: str | None = None,
+                    family: str | None = None) -> str | None:
+    """Why requests on ``model`` must run one at a time through the single-sequence loop (None: the engine can run them).
+
+    tp:          the model's tensor-parallel group (``LoadedModel.tp``), None on one process;
+    speculative: the flag that asks for speculative decoding (``"--mtp"``, ``"--prompt-lookup"``), None: none;
+    family:      the family's name, for the message (None: the model's class name).
+
+    The one answer ``lollm run``, ``lollm.LLM``, ``bench --concurrency`` and :class:`Engine` itself give.
+    """
+    if tp is not None:
+        return "a model split over ranks (--tp) runs one prompt at a time: the engine does not split a model yet"
+    if speculative is not None:
+        return f"{speculative} decodes speculatively, which the engine does not: one prompt at a time"
+    if not hasattr(model, "cache_layers"):
+        return (f"the {family or type(model).__name__} family cannot run batched (its model has no cache_layers()): "
+                f"one prompt at a time through the single-sequence loop")
+    return None
 
 
 class Engine:
@@ -116,9 +140,10 @@ class Engine:
     one thread at a time (the server runs it in a worker thread).
     """
 
-    def __init__(self, model: Any, config: EngineConfig = EngineConfig()):
-        if not hasattr(model, "cache_layers"):
-            raise GenerationError(f"{type(model).__name__} has no cache_layers(): its family cannot run batched yet")
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig()):
+        refusal = why_not_batched(model)
+        if refusal is not None:
+            raise GenerationError(refusal)
         self.model, self.config = model, config
         self.device = next(model.parameters()).device
         dtype = model_dtype(model)
@@ -150,32 +175,25 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], *, sampling: SamplingParams, max_new_tokens: int,
                     request_id: str | None = None, stop_ids: frozenset[int] | set[int] = frozenset(),
-                    logprobs: int | None = None, constraint: Any = None) -> str:
+                    logprobs: int | None = None, constraint: CompiledConstraint | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id.
 
-        Raises GenerationError for an empty prompt, ids outside the vocabulary,
-        ``max_new_tokens < 1``, a prompt that fills the context, a request that could not
-        fit the whole pool even alone, or a duplicate id.
+        Raises GenerationError for what :func:`lollm.generate.sequence.check_request` refuses (an empty
+        prompt, ``max_new_tokens < 1``, a prompt that fills the context, ids outside the vocabulary, a
+        constraint for another vocabulary), a request that could not fit the whole pool even alone, or a
+        duplicate id.
         """
-        if not prompt_ids:
-            raise GenerationError("the prompt is empty: there is nothing to continue")
-        check_prompt_ids(prompt_ids, self.model.vocab_size)
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        context = self.model.max_context
-        if len(prompt_ids) >= context:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the model's context is {context}")
-        budget = min(max_new_tokens, context - len(prompt_ids))
+        budget = check_request(self.model, prompt_ids, max_new_tokens, constraint=constraint)
         if len(prompt_ids) + budget > self.capacity:
             raise GenerationError(f"a request of {len(prompt_ids)} prompt + {budget} new tokens cannot fit the KV pool "
                                   f"({self.capacity} positions): give the engine more blocks (kv_blocks) or ask for fewer tokens")
-        seq = _Sequence(self.model, prompt_ids, sampling, logprobs, budget, context)
-        seq.matcher = constraint.matcher() if constraint is not None else None
+        seq = Sequence(self.model, prompt_ids, sampling, budget=budget, context=self.model.max_context, logprobs=logprobs,
+                       constraint=constraint, stop_ids=frozenset(stop_ids))
         with self._lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if request_id in self.requests:
                 raise GenerationError(f"a request named {request_id!r} is already in the engine")
-            req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq, frozenset(stop_ids),
+            req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq,
                           arrival=time.perf_counter())
             self.requests[request_id] = req
             self._inbox.append(req)
@@ -261,14 +279,10 @@ class Engine:
     def _choose(self, req: Request, logits_row: torch.Tensor, greedy_pick: int | None) -> Step:
         """The request's next token from its row (by its own sampler, unless the batch's argmax already
         picked it); the finish reason when it ends."""
-        step = req.seq.choose(logits_row, pick=greedy_pick)
+        step = req.seq.check(req.seq.choose(logits_row, pick=greedy_pick))  # finish: EOS, MAX_NEW_TOKENS or CONTEXT
         req.tokens.append(step.token)
         if req.first_token_time is None:
             req.first_token_time = step.time
-        if step.token in req.stop_ids:
-            step.finish = "stop"
-        elif req.generated >= req.budget:
-            step.finish = "max_new_tokens" if len(req.tokens) < self.model.max_context else "context"
         if step.finish is not None:
             with self._lock:
                 self.requests.pop(req.request_id, None)

@@ -36,14 +36,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 
 from lollm.errors import GenerationError
-from lollm.sampling_params import SamplingParams
+from lollm.generate.structured import CompiledConstraint, OutputConstraint, compile_constraint
+from lollm.sampling_params import SamplingParams, resolve_sampling
+
+# Lazy imports below (inside the methods): the engine, the loop and torch load on the first call that needs
+# them, so that ``from lollm import LLM`` stays torch-free (lollm/__init__.py). Types only for the checker here:
+if TYPE_CHECKING:
+    from lollm.engine.driver import EngineRun
+    from lollm.engine.engine import Engine, EngineConfig
+    from lollm.generate.loop import GenerationResult, TokenLogprobs
+    from lollm.load.pipeline import LoadedModel
+    from lollm.model import CausalLM
 
 log = logging.getLogger("lollm")
+
+#: One prompt as a caller gives it: text, token ids, or a conversation (a list of ``{"role", "content"}`` messages).
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+#: The sampling of a call: one for every prompt, one per prompt, or None (the checkpoint's defaults).
+SamplingChoice = Union[SamplingParams, Sequence[SamplingParams], None]
 
 #: The most requests the engine runs at once when the caller gives no EngineConfig (more wait their turn).
 MAX_RUNNING = 64
@@ -79,14 +93,14 @@ class Completion:
     """
 
     index: int
-    prompt: Any
+    prompt: Prompt
     prompt_ids: list[int]
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "max_new_tokens"
     cached_tokens: int = 0
     token_times: list[float] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     batched: bool = True
 
     @property
@@ -116,23 +130,19 @@ class _Request:
     """One prompt of a call, checked and encoded: what the engine (or the loop) is asked to do."""
 
     index: int
-    prompt: Any
+    prompt: Prompt
     ids: list[int]
     sampling: SamplingParams
     max_new_tokens: int
+    budget: int  # max_new_tokens within the context (lollm.generate.sequence.check_request)
 
 
-def single_reason(model: Any, *, tp: Any = None, family: str | None = None) -> str | None:
-    """Why ``model`` must run one request at a time (None: it can run through the engine).
+def single_reason(model: CausalLM, *, tp: object = None, family: str | None = None) -> str | None:
+    """Why ``model`` must run one request at a time (None: it can run through the engine):
+    :func:`lollm.engine.engine.why_not_batched` (kept under this name for callers of lollm 0.2)."""
+    from lollm.engine.engine import why_not_batched
 
-    tp: the model's tensor-parallel group (``LoadedModel.tp``), None on one process.
-    """
-    if tp is not None:
-        return "a model split over ranks (--tp) runs one prompt at a time: the engine does not split a model yet"
-    if not hasattr(model, "cache_layers"):
-        return (f"the {family or type(model).__name__} family cannot run batched (its model has no cache_layers()): "
-                f"one prompt at a time through the single-sequence loop")
-    return None
+    return why_not_batched(model, tp=tp, family=family)
 
 
 class LLM:
@@ -150,7 +160,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, family: str | None = None, device: str = "auto", dtype: str = "auto",
-                 threads: int | None = None, engine: Any = None, weights: str = "auto", quantize: str | None = None,
+                 threads: int | None = None, engine: EngineConfig | None = None, weights: str = "auto", quantize: str | None = None,
                  group_size: int = 32, attn: str | None = None, think: bool | None = None):
         from lollm.cli.checks import check_threads, open_checkpoint
         from lollm.load.options import LoadOptions
@@ -163,15 +173,14 @@ class LLM:
         self._setup(open_model(checkpoint, options), engine, template_flags)
 
     @classmethod
-    def from_loaded(cls, loaded: Any, *, engine: Any = None, template_flags: dict[str, bool] | None = None) -> "LLM":
+    def from_loaded(cls, loaded: LoadedModel, *, engine: EngineConfig | None = None, template_flags: dict[str, bool] | None = None) -> "LLM":
         """An LLM over a model already loaded (a :class:`lollm.load.pipeline.LoadedModel`): ``lollm run`` uses this."""
         self = cls.__new__(cls)
         self._setup(loaded, engine, dict(template_flags or {}))
         return self
 
-    def _setup(self, loaded: Any, engine: Any, template_flags: dict[str, bool]) -> None:
+    def _setup(self, loaded: LoadedModel, engine: EngineConfig | None, template_flags: dict[str, bool]) -> None:
         from lollm.generate.loop import stop_token_ids
-        from lollm.sampling_params import resolve_sampling
 
         checkpoint = loaded.checkpoint
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
@@ -182,7 +191,7 @@ class LLM:
                                                  generation_config_name=str(checkpoint.path / "generation_config.json"))
         self.engine_config = engine
         self.single_reason = single_reason(self.model, tp=loaded.tp, family=loaded.family.family.name)
-        self._engine: Any = None
+        self._engine: Engine | None = None
         self._noted_raw = False
         if self.single_reason is not None:
             log.warning("lollm.LLM: %s", self.single_reason)
@@ -198,7 +207,8 @@ class LLM:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Iterable[str] = (), chat: bool | None = None,
                  system: str | None = None, parse_special: bool = True, logprobs: int | None = None,
-                 constraint: Any = None, on_completion: Callable[[Completion], None] | None = None) -> list[Completion]:
+                 constraint: OutputConstraint | CompiledConstraint | None = None,
+                 on_completion: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Complete every prompt; the completions in input order.
 
         prompts:        one str, a list of str, or a list of token-id lists (taken as they are).
@@ -226,7 +236,8 @@ class LLM:
     def chat(self, conversations: Sequence[dict] | Sequence[Sequence[dict]],
              sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Iterable[str] = (), logprobs: int | None = None,
-             constraint: Any = None, on_completion: Callable[[Completion], None] | None = None) -> list[Completion]:
+             constraint: OutputConstraint | CompiledConstraint | None = None,
+             on_completion: Callable[[Completion], None] | None = None) -> list[Completion]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
         Each is rendered by the checkpoint's chat template with the assistant's turn opened, then
@@ -248,7 +259,7 @@ class LLM:
 
     # -- from prompts to requests -------------------------------------------------------------
 
-    def _encode(self, prompt: Any, index: int, *, chat: bool | None, system: str | None, parse_special: bool) -> list[int]:
+    def _encode(self, prompt: Prompt, index: int, *, chat: bool | None, system: str | None, parse_special: bool) -> list[int]:
         """The ids of one prompt of :meth:`generate` (see its ``chat``)."""
         if isinstance(prompt, (list, tuple)):
             return list(prompt)  # token ids, checked with the others in _requests
@@ -269,36 +280,27 @@ class LLM:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=parse_special,
                                           **self.template_flags)
 
-    def _requests(self, prompts: list[Any], all_ids: list[list[int]], sampling: Any,
-                  max_new_tokens: int) -> list[_Request]:
-        """Every request checked before any runs; GenerationError naming the first bad one."""
-        from lollm.generate.loop import check_prompt_ids
+    def _requests(self, prompts: list[Prompt], all_ids: list[list[int]], sampling: SamplingChoice,
+                  max_new_tokens: int, constraint: CompiledConstraint | None) -> list[_Request]:
+        """Every request checked before any runs (:func:`lollm.generate.sequence.check_request`); GenerationError
+        naming the first bad one."""
+        from lollm.generate.sequence import check_max_new_tokens, check_request
 
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         settings = _sampling_list(sampling, len(prompts), self.default_sampling)
-        context = self.model.max_context
+        budgets = []
         for i, ids in enumerate(all_ids):
             try:
-                if not ids:
-                    raise GenerationError("the prompt is empty: there is nothing to continue")
-                check_prompt_ids(ids, self.model.vocab_size)
-                if len(ids) >= context:
-                    raise GenerationError(f"the prompt has {len(ids)} tokens, but the model's context is {context}")
+                budgets.append(check_request(self.model, ids, max_new_tokens, constraint=constraint))
             except GenerationError as exc:
                 raise PromptError(i, f": {exc}") from None
-        return [_Request(i, p, ids, s, max_new_tokens) for i, (p, ids, s) in enumerate(zip(prompts, all_ids, settings))]
+        return [_Request(i, p, ids, s, max_new_tokens, budget)
+                for i, (p, ids, s, budget) in enumerate(zip(prompts, all_ids, settings, budgets))]
 
-    def _compiled(self, constraint: Any) -> Any:
-        """``constraint`` compiled for this model's vocabulary (once per call; None stays None)."""
-        from lollm.generate.structured import CompiledConstraint, OutputConstraint, compile_constraint
-
-        if constraint is None:
-            return None
-        if isinstance(constraint, CompiledConstraint):
-            if constraint.vocab_size != self.model.vocab_size:
-                raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has "
-                                      f"{self.model.vocab_size}")
+    def _compiled(self, constraint: OutputConstraint | CompiledConstraint | None) -> CompiledConstraint | None:
+        """``constraint`` compiled for this model's vocabulary (once per call; None stays None); one compiled
+        already is checked against the vocabulary with the requests (:func:`~lollm.generate.sequence.check_request`)."""
+        if constraint is None or isinstance(constraint, CompiledConstraint):
             return constraint
         if not isinstance(constraint, OutputConstraint):
             raise GenerationError(f"constraint must be a lollm.generate.structured.OutputConstraint, got {type(constraint).__name__}")
@@ -306,20 +308,21 @@ class LLM:
 
     # -- running them -------------------------------------------------------------------------
 
-    def _run(self, prompts: list[Any], all_ids: list[list[int]], sampling: Any, *, max_new_tokens: int,
-             stop: Iterable[str], logprobs: int | None, constraint: Any,
+    def _run(self, prompts: list[Prompt], all_ids: list[list[int]], sampling: SamplingChoice, *, max_new_tokens: int,
+             stop: Iterable[str], logprobs: int | None, constraint: OutputConstraint | CompiledConstraint | None,
              on_completion: Callable[[Completion], None] | None) -> list[Completion]:
         """Check the requests, then run them batched (or one by one); the completions in input order."""
-        requests = self._requests(prompts, all_ids, sampling, max_new_tokens)
+        compiled = self._compiled(constraint)
+        requests = self._requests(prompts, all_ids, sampling, max_new_tokens, compiled)
         stop = list(stop) if not isinstance(stop, str) else [stop]
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise GenerationError(f"logprobs must be a whole number >= 0, got {logprobs!r}")
-        compiled = self._compiled(constraint)
         run = self._run_batched if self.batched else self._run_single
         done = run(requests, stop=stop, logprobs=logprobs, constraint=compiled, on_completion=on_completion)
         return [done[r.index] for r in requests]
 
-    def _run_single(self, requests: list[_Request], *, stop: list[str], logprobs: int | None, constraint: Any,
+    def _run_single(self, requests: list[_Request], *, stop: list[str], logprobs: int | None,
+                    constraint: CompiledConstraint | None,
                     on_completion: Callable[[Completion], None] | None) -> dict[int, Completion]:
         """One request after another through the single-sequence loop (the reference the engine is held to)."""
         from lollm.generate.loop import generate
@@ -338,50 +341,49 @@ class LLM:
                 on_completion(done[req.index])
         return done
 
-    def _run_batched(self, requests: list[_Request], *, stop: list[str], logprobs: int | None, constraint: Any,
+    def _run_batched(self, requests: list[_Request], *, stop: list[str], logprobs: int | None,
+                     constraint: CompiledConstraint | None,
                      on_completion: Callable[[Completion], None] | None) -> dict[int, Completion]:
-        """Every request into one engine at once, then steps until all are done (docs/offline-batch.md)."""
+        """Every request into one engine at once, stepped by the engine driver in this thread until all are done
+        (docs/offline-batch.md); the first request that fails raises its error."""
         from lollm.attention import use_backend
+        from lollm.engine.driver import EngineJob, EngineLoop
 
-        engine = self._engine_for(requests)
-        runs: dict[str, _Run] = {}
+        driver = EngineLoop(self._engine_for(requests), tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                            background=False)
+        runs = [driver.add(EngineJob(req.ids, req.max_new_tokens, req.sampling, stop, logprobs, constraint, index=req.index))
+                for req in requests]
+        by_index = {req.index: req for req in requests}
         done: dict[int, Completion] = {}
         try:
-            for req in requests:
-                rid = engine.add_request(req.ids, sampling=req.sampling, max_new_tokens=req.max_new_tokens,
-                                         stop_ids=self.stop_ids, logprobs=logprobs, constraint=constraint)
-                runs[rid] = _Run(req, engine.requests[rid], self.tokenizer, self.stop_ids, stop)
             with use_backend(self.loaded.attn):
-                while engine.has_unfinished():
-                    for out in engine.step():
-                        run = runs.get(out.request_id)
-                        if run is None or not run.feed(out.step):
-                            continue
-                        if not out.finished:  # a stop string: the engine does not know it, so it is told
-                            engine.abort(out.request_id)
-                        del runs[out.request_id]
-                        done[run.request.index] = run.completion()
+                for _ in driver.steps():
+                    for run in [r for r in runs if r.future.done()]:  # in finishing order
+                        runs.remove(run)
+                        req = by_index[run.job.index]
+                        done[req.index] = _completion(req, run, run.future.result())  # a failed one raises here
                         if on_completion is not None:
-                            on_completion(done[run.request.index])
+                            on_completion(done[req.index])
         except BaseException:
             self._engine = None  # an engine left holding half-run requests: the next call starts afresh
             raise
         return done
 
-    def _engine_for(self, requests: list[_Request]) -> Any:
+    def _engine_for(self, requests: list[_Request]) -> Engine:
         """The engine for this call: the one kept from earlier calls when this batch fits it, else a new one.
 
         Raises GenerationError naming a request that cannot fit the pool even alone.
         """
-        from lollm.engine import Engine
+        from lollm.engine.engine import Engine
 
-        config = self.engine_config or engine_config_for(self.model, requests_positions(self.model, requests))
+        positions = [len(r.ids) + r.budget for r in requests]
+        config = self.engine_config or engine_config_for(self.model, positions)
         kept = self._engine
         if kept is None or (self.engine_config is None and (kept.kv.num_blocks < config.kv_blocks or
                                                              kept.config.max_sequences < config.max_sequences)):
             self._engine = None  # let the old pool go before the new one is made
             self._engine = kept = Engine(self.model, config)
-        for req, need in zip(requests, requests_positions(self.model, requests)):
+        for req, need in zip(requests, positions):
             if need > kept.capacity:
                 raise PromptError(req.index, f": {len(req.ids)} prompt + {need - len(req.ids)} new tokens "
                                       f"cannot fit the engine's KV pool ({kept.capacity} positions): give the "
@@ -389,87 +391,35 @@ class LLM:
         return kept
 
 
-class _Run:
-    """One request on its way through the engine: its text (stop strings, end-of-sequence ids) and token times.
-
-    The engine works in ids; the text is :func:`lollm.generate.loop.stream_text`'s, fed one
-    :class:`~lollm.generate.loop.Step` at a time as the engine makes it, so a prompt reads the same
-    batched as through ``generate`` alone.
-    """
-
-    def __init__(self, request: _Request, record: Any, tokenizer: Any, stop_ids: frozenset[int], stop: list[str]):
-        from lollm.generate.loop import stream_text
-
-        self.request, self.record = request, record  # record: the engine's Request (cached tokens)
-        self.submitted = time.perf_counter()
-        self.ids: list[int] = []
-        self.times: list[float] = []
-        self.logprobs: list[Any] = []
-        self.text, self.reason = "", "max_new_tokens"
-        self._steps: deque = deque()
-        # stream_text pulls steps from an iterator: this one hands out the step just fed (never empty when asked)
-        self._pieces = stream_text(iter(self._steps.popleft, None), tokenizer, stop_ids=stop_ids, stop_strings=stop)
-
-    def feed(self, step: Any) -> bool:
-        """Take the engine's next token; True when the request is over (its finish reason is set)."""
-        self._steps.append(step)
-        piece = next(self._pieces)  # exactly one TextStep per Step
-        self.ids.append(step.token)
-        self.times.append(step.time - self.submitted)
-        if step.logprobs is not None:
-            self.logprobs.append(step.logprobs)
-        self.text += piece.text
-        if piece.stop_reason is None:
-            return False
-        self.reason = piece.stop_reason
-        return True
-
-    def completion(self) -> Completion:
-        req = self.request
-        return Completion(req.index, req.prompt, list(req.ids), self.text, self.ids, self.reason,
-                          self.record.cached_tokens, self.times, self.logprobs, batched=True)
+def _completion(req: _Request, run: EngineRun, result: GenerationResult) -> Completion:
+    """A request's :class:`Completion` from its run through the engine driver (token times from its submission)."""
+    return Completion(req.index, req.prompt, list(req.ids), result.text, result.new_ids, result.stop_reason,
+                      result.reused_tokens, [t - run.submitted for t in run.times], result.logprobs, batched=True)
 
 
 # -- sizing the engine from the requests --------------------------------------------------------
 
 
-def requests_positions(model: Any, requests: Sequence[Any]) -> list[int]:
-    """Positions each request may reach: its prompt plus its token budget, within the model's context."""
-    context = model.max_context
-    return [len(r.ids) + min(r.max_new_tokens, context - len(r.ids)) for r in requests]
-
-
-def engine_config_for(model: Any, positions: Sequence[int], *, max_running: int = MAX_RUNNING,
-                      max_batch_tokens: int = 256) -> Any:
+def engine_config_for(model: CausalLM, positions: Sequence[int], *, max_running: int = MAX_RUNNING,
+                      max_batch_tokens: int = 256) -> EngineConfig:
     """An :class:`lollm.engine.EngineConfig` sized for requests that reach ``positions`` positions each.
 
-    Room for the ``min(len(positions), max_running)`` longest requests at once (their blocks added up,
-    so none is preempted), at most half the device's free memory; more requests than that wait
-    their turn. Raises GenerationError when even the longest request alone does not fit that half.
+    Room for the ``min(len(positions), max_running)`` longest requests at once, at most half the device's
+    free memory (:func:`lollm.engine.cache.pool_blocks`); more requests than that wait their turn.
+    Raises GenerationError when even the longest request alone does not fit in the free memory.
     """
-    from lollm.engine import EngineConfig
-    from lollm.engine.cache import pool_room
+    from lollm.engine.cache import pool_blocks
+    from lollm.engine.engine import EngineConfig
 
-    if not positions:
-        raise GenerationError("no requests to size the engine for")
-    size = EngineConfig.block_size
-    blocks = sorted((-(-n // size) for n in positions), reverse=True)
-    running = min(len(blocks), max_running)
-    wanted = sum(blocks[:running])
-    room = pool_room(model, size)
-    if room.free_bytes is not None:
-        if blocks[0] > room.half_free_blocks:
-            raise GenerationError(f"a request of {max(positions)} positions "
-                                  f"needs {blocks[0] * room.block_bytes / 2**20:.0f} MiB of KV blocks, but half the free "
-                                  f"memory is {room.free_bytes / 2 / 2**20:.0f} MiB: ask for fewer tokens")
-        wanted = min(wanted, room.half_free_blocks)
-    return EngineConfig(kv_blocks=max(wanted, blocks[0]), max_sequences=running, max_batch_tokens=max_batch_tokens)
+    running = min(len(positions), max_running)
+    blocks = pool_blocks(model, positions, block_size=EngineConfig.block_size, max_running=running)
+    return EngineConfig(kv_blocks=blocks, max_sequences=running, max_batch_tokens=max_batch_tokens)
 
 
 # -- the inputs' shapes ---------------------------------------------------------------------------
 
 
-def _prompt_list(prompts: Any, what: str = "prompt") -> list[Any]:
+def _prompt_list(prompts: object, what: str = "prompt") -> list[Prompt]:
     """``prompts`` as a list: one str, a list of str, or a list of id lists (GenerationError naming a bad one)."""
     if isinstance(prompts, str):
         return [prompts]
@@ -487,7 +437,7 @@ def _prompt_list(prompts: Any, what: str = "prompt") -> list[Any]:
     return list(prompts)
 
 
-def _sampling_list(sampling: Any, count: int, default: SamplingParams) -> list[SamplingParams]:
+def _sampling_list(sampling: SamplingChoice, count: int, default: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per prompt: ``sampling`` repeated, the list given, or ``default``."""
     if sampling is None:
         return [default] * count

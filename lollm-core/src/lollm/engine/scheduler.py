@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from lollm.engine.blocks import BlockPool, block_hash
 from lollm.engine.snapshots import StateSnapshots
+from lollm.generate.sequence import Sequence
 
 
 @dataclass(eq=False)
@@ -46,8 +46,8 @@ class Request:
     tokens:       prompt ids, then every token generated so far (the newest is not yet computed).
     prompt_len:   how many of ``tokens`` are the prompt.
     budget:       the most tokens it may generate (max_new_tokens, within the context).
-    seq:          its sampling state (:class:`lollm.generate.loop._Sequence`: sampler, matcher, ids seen).
-    stop_ids:     token ids that end it (end of sequence).
+    seq:          its per-request state (:class:`lollm.generate.sequence.Sequence`: sampler, matcher, ids seen,
+                  the end-of-sequence ids that end it).
     computed:     how many of ``tokens`` have their keys/values in the cache.
     blocks:       its block table.
     window_table: its block table in the sliding-window layers' pool (as long as ``blocks``;
@@ -61,8 +61,7 @@ class Request:
     tokens: list[int]
     prompt_len: int
     budget: int
-    seq: Any
-    stop_ids: frozenset[int] = frozenset()
+    seq: Sequence
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
     window_table: list[int] = field(default_factory=list)

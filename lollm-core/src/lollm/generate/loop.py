@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -42,25 +42,14 @@ from lollm.load.checks import ConfigReader
 from lollm.generate.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
 from lollm.generate.memory import check_cache_fits
-from lollm.generate.prefill import run_prompt
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import Sampler, SamplingParams
+from lollm.generate.sampling import SamplingParams
+from lollm.generate.sequence import (  # noqa: F401 (re-exported: lollm.generate.loop's names before the move)
+    Sequence, Step, StopReason, TokenLogprobs, check_prompt_ids, check_request, token_logprobs)
 from lollm.generate.structured import CompiledConstraint
-
-
-@dataclass
-class TokenLogprobs:
-    """The model's log-probabilities at one generated position (natural log, float).
-
-    token / logprob: the chosen id and its log-probability;
-    top: the ``n`` most likely ids with theirs, most likely first.
-    They come from the model's own distribution (``log_softmax`` of the logits),
-    before the repetition penalty, temperature and filters reshape it for sampling.
-    """
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
+from lollm.model import Cache, CausalLM
+from lollm.tokenizer.stream import StreamDecoder
+from lollm.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -80,7 +69,7 @@ class GenerationResult:
     prompt_ids: list[int]
     new_ids: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "max_new_tokens"
+    stop_reason: str = StopReason.MAX_NEW_TOKENS
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     drafted: int = 0  # speculative decoding: draft tokens proposed
@@ -103,21 +92,9 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
-    """GenerationError unless every id is a row of the model's embedding (``0 .. vocab_size - 1``).
-
-    A tokenizer that does not belong to the model (or a tokenizer file that names ids past
-    the embedding) would otherwise fail deep inside the embedding lookup.
-    """
-    bad = next((i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise GenerationError(
-            f"the prompt holds the token id {bad!r}, but the model's vocabulary has ids 0 .. {vocab_size - 1}; "
-            f"does the tokenizer belong to this model?"
-        )
 
 
-def stop_token_ids(generation_config: dict, config: dict, tokenizer: Any = None) -> set[int]:
+def stop_token_ids(generation_config: dict, config: dict, tokenizer: Tokenizer | None = None) -> set[int]:
     """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
 
     Each file's ``eos_token_id`` is one id or a list of ids (ConfigError naming the file otherwise).
@@ -161,72 +138,17 @@ class _StopStringWatcher:
 
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """Log-probabilities of ``token`` and of the ``top`` most likely ids under ``logits`` ((V,), any float dtype)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    best = torch.topk(logp, min(top, logp.numel())) if top > 0 else None
-    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
-    return TokenLogprobs(token, float(logp[token]), pairs)
 
 
 # -- layer 1: the step generator ---------------------------------------------------------------
 
 
-@dataclass
-class Step:
-    """One new token, as :func:`generate_steps` yields it.
-
-    token:    the chosen id (an int, ``0 .. model.vocab_size - 1``).
-    logprobs: its :class:`TokenLogprobs` when the generation asked for ``logprobs=N``, else None.
-    time:     ``time.perf_counter()`` when it was chosen (the first step's: the prefill is done).
-    drafted:  speculative decoding: a draft token was judged at this position;
-    accepted: and it was this token (the main model confirmed the draft).
-    finish:   None while more steps may follow; on the last step the generator will
-              yield, why: "max_new_tokens" (the budget is spent) or "context" (the
-              cache has no room for the position after this token).
-    """
-
-    token: int
-    logprobs: TokenLogprobs | None = None
-    time: float = 0.0
-    drafted: bool = False
-    accepted: bool = False
-    finish: str | None = None
 
 
-def check_request(model: Any, prompt_ids: list[int], max_new_tokens: int, prompt_cache: PromptCache | None = None,
-                  speculative_tokens: int = 0, drafter: Drafter | None = None) -> int:
-    """The context a generation of ``prompt_ids`` runs in (positions); GenerationError when it cannot run.
-
-    Refused: an empty prompt, ``max_new_tokens < 1``, a prompt that fills the
-    context (the model's ``max_context``, or the prompt cache's ``max_tokens``), an id
-    outside the vocabulary, a cache larger than the device's free memory
-    (:func:`lollm.generate.memory.check_cache_fits`), speculative tokens without a draft head,
-    a drafter that cannot serve the model (``drafter.check``).
-    """
-    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
-    if not prompt_ids:
-        raise GenerationError("the prompt is empty: there is nothing to continue")
-    if max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt_ids) >= context:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens, but the {'model' if prompt_cache is None else 'session'}'s "
-            f"context is {context}"
-        )
-    check_prompt_ids(prompt_ids, model.vocab_size)
-    if prompt_cache is None:  # a prompt cache checked its own allocation when it made its cache
-        extra = drafter.tokens if drafter is not None else max(speculative_tokens, 0)
-        check_cache_fits(model, min(len(prompt_ids) + max_new_tokens + extra, context))
-    if speculative_tokens > 0 and not getattr(model, "has_draft_head", False):
-        raise GenerationError("this model has no draft head (e.g. MTP weights), so it cannot decode speculatively")
-    if drafter is not None:
-        drafter.check(model)
-    return context
 
 
 def generate_steps(
-    model: Any,
+    model: CausalLM,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
@@ -241,13 +163,14 @@ def generate_steps(
 
     The layer everything else reads (:func:`stream_text`, :func:`generate`) and the one
     a batched engine builds on: a request's whole state between two steps is one
-    ``_Sequence`` (its cache, sampler, ids so far), and a step is one forward.
+    :class:`~lollm.generate.sequence.Sequence` (its cache, sampler, ids so far), and a step is one forward.
     ``prompt_ids``: a list of ints (``0 .. model.vocab_size - 1``).
 
-    The request is checked now (:func:`check_request`: GenerationError for an
+    The request is checked now (:func:`~lollm.generate.sequence.check_request`: GenerationError for an
     empty prompt, ``max_new_tokens < 1``, a prompt that fills the context, an id
-    outside the vocabulary, a cache that does not fit the device, speculative
-    tokens without a draft head, both ``speculative_tokens`` and a ``drafter``);
+    outside the vocabulary, a constraint for another vocabulary; then :func:`_check_run`:
+    a cache that does not fit the device, speculative tokens without a draft head, both
+    ``speculative_tokens`` and a ``drafter``);
     the model runs only as the steps are asked for.
 
     * The first ``next()`` runs the prefill: ``model(ids (1, P) long, cache,
@@ -280,13 +203,23 @@ def generate_steps(
     (GenerationError for non-finite logits) come out of ``next()``.
     """
     drafter = _one_drafter(speculative_tokens, drafter)
-    context = check_request(model, prompt_ids, max_new_tokens, prompt_cache, drafter=drafter)
-    if constraint is not None and constraint.vocab_size != model.vocab_size:
-        raise GenerationError(f"the constraint was compiled for {constraint.vocab_size} ids, the model has {model.vocab_size}")
-    budget = min(max_new_tokens, context - len(prompt_ids))
-    seq = _Sequence(model, prompt_ids, sampling, logprobs, budget, context)
-    seq.matcher = constraint.matcher() if constraint is not None else None
+    context = model.max_context if prompt_cache is None else prompt_cache.max_tokens
+    budget = check_request(model, prompt_ids, max_new_tokens, context=context, constraint=constraint,
+                           holder="model" if prompt_cache is None else "session")
+    _check_run(model, len(prompt_ids) + budget, prompt_cache, drafter)
+    seq = Sequence(model, prompt_ids, sampling, budget=budget, context=context, logprobs=logprobs, constraint=constraint)
     return _steps(seq, prompt_cache, drafter)
+
+
+def _check_run(model: CausalLM, positions: int, prompt_cache: PromptCache | None, drafter: Drafter | None) -> None:
+    """What only the single-sequence loop needs: its own cache of ``positions`` (plus the drafts) fits the
+    device's free memory (:func:`lollm.generate.memory.check_cache_fits`; a prompt cache checked its own when
+    it made it), and the drafter can serve the model (``drafter.check``). GenerationError otherwise."""
+    if prompt_cache is None:
+        extra = drafter.tokens if drafter is not None else 0
+        check_cache_fits(model, min(positions + extra, model.max_context))
+    if drafter is not None:
+        drafter.check(model)
 
 
 def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | None:
@@ -296,70 +229,16 @@ def _one_drafter(speculative_tokens: int, drafter: Drafter | None) -> Drafter | 
     return MtpDrafter(tokens=speculative_tokens) if speculative_tokens > 0 else drafter
 
 
-class _Sequence:
-    """One generation's state between steps: the cache, the sampler, the ids seen, the steps yielded."""
-
-    def __init__(self, model: Any, prompt_ids: list[int], sampling: SamplingParams, logprobs: int | None,
-                 budget: int, context: int):
-        self.model, self.prompt_ids, self.logprobs = model, list(prompt_ids), logprobs
-        self.budget, self.context = budget, context
-        self.device = next(model.parameters()).device
-        self.sampler = Sampler(sampling)
-        self.seen = torch.tensor(prompt_ids, dtype=torch.long)  # for the repetition penalty
-        self.new_ids: list[int] = []
-        self.cache: Any = None
-        self.matcher: Any = None  # a lollm.generate.structured.TokenMatcher when the output is constrained
-
-    def prefill(self, prompt_cache: PromptCache | None, extra: int) -> torch.Tensor:
-        """Run the prompt (or the part a prompt cache lacks), in chunks (:mod:`lollm.generate.prefill`); the logits of its last position, (V,)."""
-        if prompt_cache is not None:
-            self.cache, logits = prompt_cache.prefill(self.prompt_ids, self.device)
-            return logits[0, -1]
-        # room for the drafts (``extra``) a speculative step writes before it rolls back, never past the context
-        self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
-        # in chunks of lollm.generate.prefill.PREFILL_CHUNK_TOKENS: the activations stay bounded whatever the prompt's length
-        return run_prompt(self.model, self.prompt_ids, self.cache, self.device)[0, -1]
-
-    def forward(self, ids: list[int]) -> torch.Tensor:
-        """The logits (len(ids), V) of ``ids`` run after what the cache holds."""
-        return self.model(torch.tensor([ids], dtype=torch.long, device=self.device), self.cache)[0]
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing else to apply (no penalty, constraint or logprobs): the pick is the argmax,
-        which the batched engine takes for many rows at once."""
-        p = self.sampler.params
-        return p.greedy and p.repetition_penalty == 1.0 and self.matcher is None and self.logprobs is None
-
-    def choose(self, logits_row: torch.Tensor, *, drafted: bool = False, pick: int | None = None) -> Step:
-        """The sampler's choice from ``logits_row`` (V,), with its log-probabilities when asked.
-
-        With a constraint, the pick is among the ids its matcher allows, and the matcher
-        advances by it: call this only for a token that will be emitted (speculative
-        decoding does: a draft is emitted only when it equals this pick). ``pick``: the
-        token already chosen (the engine's batched argmax for a :attr:`plain_greedy` row).
-        """
-        allowed = self.matcher.allowed() if self.matcher is not None else None
-        token = pick if pick is not None else self.sampler(logits_row, self.seen, allowed)
-        if self.matcher is not None:
-            self.matcher.accept(token)
-        self.seen = torch.cat([self.seen, torch.tensor([token])])
-        lp = token_logprobs(logits_row, token, self.logprobs) if self.logprobs is not None else None
-        return Step(token, lp, time.perf_counter(), drafted=drafted)
-
-    def emit(self, step: Step) -> Step:
-        """``step`` counted as yielded; on the last one, ``finish`` says why no step follows."""
-        self.new_ids.append(step.token)
-        if len(self.new_ids) >= self.budget:
-            step.finish = "max_new_tokens" if self.cache.length + 1 < self.context else "context"
-        return step
-
-
 @torch.inference_mode()
-def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
+def _steps(seq: Sequence, prompt_cache: PromptCache | None, drafter: Drafter | None) -> Iterator[Step]:
     """The body of :func:`generate_steps`: prefill, then plain or speculative decoding."""
     try:
-        first = seq.emit(seq.choose(seq.prefill(prompt_cache, drafter.tokens if drafter else 0)))
+        if prompt_cache is not None:  # only the part of the prompt it does not hold yet runs
+            seq.cache, logits = prompt_cache.prefill(seq.prompt_ids, seq.device)
+            row = logits[0, -1]
+        else:
+            row = seq.prefill(drafter.tokens if drafter else 0)
+        first = seq.check(seq.choose(row))
         yield first
         if not first.finish:
             yield from (_speculative_steps(seq, first.token, drafter) if drafter else _plain_steps(seq, first.token))
@@ -369,23 +248,23 @@ def _steps(seq: _Sequence, prompt_cache: PromptCache | None, drafter: Drafter | 
     _record(seq, prompt_cache)
 
 
-def _record(seq: _Sequence, prompt_cache: PromptCache | None) -> None:
+def _record(seq: Sequence, prompt_cache: PromptCache | None) -> None:
     """A prompt cache records what its cache now holds, for the next prompt."""
     if prompt_cache is not None and seq.cache is not None:
         prompt_cache.finish(seq.prompt_ids + seq.new_ids)
 
 
-def _plain_steps(seq: _Sequence, pending: int) -> Iterator[Step]:
+def _plain_steps(seq: Sequence, pending: int) -> Iterator[Step]:
     """One forward over the newest token per step."""
     while True:
-        step = seq.emit(seq.choose(seq.forward([pending])[-1]))
+        step = seq.check(seq.choose(seq.forward([pending])[-1]))
         yield step
         if step.finish:
             return
         pending = step.token
 
 
-def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
+def _speculative_steps(seq: Sequence, pending: int, drafter: Drafter) -> Iterator[Step]:
     """The steps of speculative decoding (draft up to k, verify in one forward), yielded one at a time.
 
     The drafter guesses up to ``k = drafter.tokens`` tokens after ``pending`` (the
@@ -415,14 +294,14 @@ def _speculative_steps(seq: _Sequence, pending: int, drafter: Drafter) -> Iterat
                 if cache.length != start + 1 + i:
                     cache.rollback(start + 1 + i)  # keep the cache up to here, as plain decoding would
                 pending = step.token
-            yield seq.emit(step)
+            yield seq.check(step)
             if step.finish:
                 return
             if not step.accepted:
                 break
 
 
-def _undoable(cache: Any) -> int:
+def _undoable(cache: Cache) -> int:
     """How many positions the next forward may write and still be rolled back exactly (``cache.undoable_tokens()``,
     where the cache limits it: a wrapped sliding-window ring; else as many as it holds)."""
     undoable = getattr(cache, "undoable_tokens", None)
@@ -451,7 +330,7 @@ class TextStep:
 
 def stream_text(
     steps: Iterable[Step],
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     *,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     stop_strings: Iterable[str] = (),
@@ -475,19 +354,19 @@ def stream_text(
     return _text_steps(steps, decoder, _StopStringWatcher(stop_strings), stop_ids, should_stop)
 
 
-def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
+def _text_steps(steps: Iterable[Step], decoder: StreamDecoder | None, watcher: _StopStringWatcher, stop_ids: set[int] | frozenset[int],
                 should_stop: Callable[[], bool] | None) -> Iterator[TextStep]:
     """The body of :func:`stream_text`: decode each step, check the stops in their order, flush at the end."""
     for step in steps:
         text, reason = "", None
         if step.token in stop_ids:
-            reason = "eos"
+            reason = StopReason.EOS
         elif decoder is not None:
             text, hit = watcher.feed(decoder.push(step.token))
-            reason = "stop_string" if hit else None
+            reason = StopReason.STOP_STRING if hit else None
         if reason is None:
-            reason = step.finish or ("cancelled" if should_stop is not None and should_stop() else None)
-        if reason is not None and reason != "stop_string" and decoder is not None:
+            reason = step.finish or (StopReason.CANCELLED if should_stop is not None and should_stop() else None)
+        if reason is not None and reason != StopReason.STOP_STRING and decoder is not None:
             text += watcher.finish(decoder.flush())  # what the decoder and the watcher still hold
         yield TextStep(step, text, reason)
         if reason is not None:
@@ -499,14 +378,14 @@ def _text_steps(steps: Iterable[Step], decoder: Any, watcher: _StopStringWatcher
 
 @torch.inference_mode()
 def generate(
-    model: Any,
+    model: CausalLM,
     prompt_ids: list[int],
     *,
     max_new_tokens: int,
     sampling: SamplingParams,
     stop_ids: set[int] | frozenset[int] = frozenset(),
     stop_strings: Iterable[str] = (),
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     on_text: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
     prompt_cache: PromptCache | None = None,
@@ -585,3 +464,4 @@ def _collect(pieces: Iterator[TextStep], result: GenerationResult, on_token: Cal
             result.stop_reason = piece.stop_reason
     result.decode_seconds = time.perf_counter() - first
     return result
+

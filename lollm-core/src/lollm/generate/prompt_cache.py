@@ -50,6 +50,7 @@ import torch
 from lollm.errors import GenerationError
 from lollm.generate.memory import check_cache_fits
 from lollm.generate.prefill import run_prompt
+from lollm.generate.sequence import check_request
 from lollm.model import Cache, CausalLM
 
 
@@ -119,13 +120,11 @@ class PromptCache:
 
         ``device``: the model's, where the ids go. Returns the cache and the logits of the
         prompt's last position, (1, 1, vocab) float; ``self.last`` says how much was reused.
-        Raises GenerationError for an empty prompt, one that does not fit ``max_tokens``, or a new
-        cache that does not fit the device's free memory (:func:`lollm.generate.memory.check_cache_fits`).
+        Raises GenerationError for an empty prompt, one that fills ``max_tokens`` or holds an id outside
+        the vocabulary (:func:`lollm.generate.sequence.check_request`), or a new cache that does not
+        fit the device's free memory (:func:`lollm.generate.memory.check_cache_fits`).
         """
-        if not prompt_ids:
-            raise GenerationError("the prompt is empty: there is nothing to continue")
-        if len(prompt_ids) > self.max_tokens:
-            raise GenerationError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.max_tokens}")
+        check_request(self.model, prompt_ids, context=self.max_tokens, holder="session")
         reused, how = self._go_back_to(common_prefix_length(self.ids, prompt_ids[:-1]))
         cache = self.cache
         self.snapshots = [(n, s) for n, s in self.snapshots if n <= reused]

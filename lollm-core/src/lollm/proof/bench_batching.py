@@ -26,9 +26,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
+from lollm.engine.cache import pool_room
+from lollm.engine.driver import EngineJob, EngineLoop
+from lollm.engine.engine import Engine, EngineConfig, why_not_batched
 from lollm.errors import LollmError
+from lollm.generate.sampling import SamplingParams
+from lollm.model import CausalLM
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,7 +71,7 @@ class LevelFigures:
     def itl(self, q: float) -> float:
         return percentile(self.itls, q)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"concurrency": self.concurrency, "output_tok_s": self.median_tok_s, "rounds_output_tok_s": self.tok_s,
                 "ttft_p50_s": self.ttft(50), "ttft_p95_s": self.ttft(95), "itl_p50_s": self.itl(50),
                 "itl_p95_s": self.itl(95)}
@@ -93,7 +98,7 @@ class ConcurrencyResult:
         r = self.ratios(concurrency)
         return statistics.median(r) if r else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         base = self.levels[0].concurrency
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "rounds": self.rounds,
                 "threads": self.threads, "base_concurrency": base,
@@ -107,54 +112,43 @@ def distinct_prompts(ids: list[int], count: int) -> list[list[int]]:
     return [ids[(7 * i) % n:] + ids[: (7 * i) % n] for i in range(count)]
 
 
-def measure_level(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[float]]:
-    """Submit every prompt at once, step to the end: (output tok/s, TTFTs, inter-token gaps), seconds."""
-    from lollm.generate.sampling import SamplingParams
-
+def measure_level(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], list[float]]:
+    """Submit every prompt at once, step to the end through the engine driver: (output tok/s, TTFTs, inter-token gaps), seconds."""
     greedy = SamplingParams(temperature=0.0)
+    driver = EngineLoop(engine, background=False)  # no stop ids: exactly new_tokens each
     submitted = time.perf_counter()
-    for ids in prompts:
-        engine.add_request(ids, sampling=greedy, max_new_tokens=new_tokens)  # no stop ids: exactly new_tokens each
-    times: dict[str, list[float]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            times.setdefault(out.request_id, []).append(out.step.time)
-    end = max(t[-1] for t in times.values())
-    tokens = sum(len(t) for t in times.values())
-    ttfts = [t[0] - submitted for t in times.values()]
-    itls = [b - a for t in times.values() for a, b in zip(t, t[1:])]
+    runs = [driver.add(EngineJob(ids, new_tokens, greedy)) for ids in prompts]
+    driver.run_until_done()
+    times = [run.times for run in runs]
+    end = max(t[-1] for t in times)
+    tokens = sum(len(t) for t in times)
+    ttfts = [t[0] - submitted for t in times]
+    itls = [b - a for t in times for a, b in zip(t, t[1:])]
     return tokens / (end - submitted), ttfts, itls
 
 
-def check_pool_fits(model: Any, blocks: int, block_size: int, level: int) -> None:
-    """Raise LollmError when ``blocks`` KV blocks would take more than half the device's free memory
-    (the engine's own default limit), naming the level that asks for them, before anything is allocated."""
-    from lollm.engine.cache import pool_room
-
-    room = pool_room(model, block_size)
-    if room.free_bytes and blocks > room.half_free_blocks:
-        raise LollmError(f"--concurrency {level}: {level} requests at once need {blocks * room.block_bytes / 2**30:.1f} "
-                         f"GiB of KV cache, more than half the {room.free_bytes / 2**30:.1f} GiB free; give smaller "
-                         f"levels or fewer tokens")
-
-
-def run_concurrency(model: Any, ids: list[int], levels: list[int], *, new_tokens: int, rounds: int, threads: int,
+def run_concurrency(model: CausalLM, ids: list[int], levels: list[int], *, new_tokens: int, rounds: int, threads: int,
                     log: Callable[[str], None] | None = None) -> ConcurrencyResult:
     """Measure ``levels`` in ``rounds`` alternating rounds on ``model`` (a loaded family model).
 
     ids: one prompt (every request gets it rotated, :func:`distinct_prompts`). One engine serves
-    every level: room for the largest level's requests at once, prefix caching off. Raises
-    LollmError for a model that cannot run batched (no ``cache_layers()``).
+    every level: room for the largest level's requests at once (within half the free memory, the cap
+    of :func:`lollm.engine.cache.pool_blocks`), prefix caching off. Raises LollmError for a model that cannot run batched
+    (:func:`lollm.engine.engine.why_not_batched`) or a largest level that would not fit half the free memory.
     """
-    from lollm.engine import Engine, EngineConfig
-
-    if not hasattr(model, "cache_layers"):
-        raise LollmError(f"--concurrency: the {type(model).__name__} model cannot run batched (no cache_layers())")
-    block = EngineConfig.block_size
-    per_request = -(-(len(ids) + new_tokens) // block)
-    check_pool_fits(model, per_request * max(levels), block, max(levels))
-    engine = Engine(model, EngineConfig(kv_blocks=per_request * max(levels), max_sequences=max(levels),
-                                        max_batch_tokens=max(256, max(levels)), prefix_caching=False))
+    refusal = why_not_batched(model)
+    if refusal is not None:
+        raise LollmError(f"--concurrency: {refusal}")
+    block, top = EngineConfig.block_size, max(levels)
+    wanted = top * -(-(len(ids) + new_tokens) // block)
+    # every request of the largest level at once (none preempted), within pool_blocks' cap of half the free memory
+    room = pool_room(model, block)
+    if room.half_free_blocks is not None and wanted > room.half_free_blocks:
+        raise LollmError(f"--concurrency {top}: {top} requests at once need {wanted * room.block_bytes / 2**30:.1f} "
+                         f"GiB of KV cache, more than half the {(room.free_bytes or 0) / 2**30:.1f} GiB free; give smaller "
+                         f"levels or fewer tokens")
+    engine = Engine(model, EngineConfig(kv_blocks=wanted, max_sequences=top, max_batch_tokens=max(256, top),
+                                        prefix_caching=False))
     measure_level(engine, [ids[:16]], 2)  # warm-up: the first steps allocate and pick kernels
     figures = [LevelFigures(n) for n in levels]
     for r in range(rounds):

@@ -14,15 +14,15 @@ be the runner-up. Any other difference fails.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from lollm.engine import Engine, EngineConfig
+from lollm.engine.driver import EngineJob, EngineLoop, EngineRun
+from lollm.engine.engine import Engine, EngineConfig
 from lollm.engine.cache import largest_window, window_blocks_per_sequence
 from lollm.engine.scheduler import Request
 from lollm.generate.loop import generate
 from lollm.generate.sampling import SamplingParams
+from lollm.model import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0)
 #: Two logits closer than this count as a tie that float rounding may flip (the kit's
@@ -30,13 +30,13 @@ GREEDY = SamplingParams(temperature=0.0)
 TIE_BOUND = 1e-3
 
 
-def solo(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+def solo(model: CausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The greedy tokens of ``prompt`` run alone through the single-sequence loop."""
     return generate(model, prompt, max_new_tokens=max_new_tokens, sampling=GREEDY).new_ids
 
 
 @torch.inference_mode()
-def assert_same_greedy(model: Any, prompt: list[int], got: list[int], want: list[int], what: str,
+def assert_same_greedy(model: CausalLM, prompt: list[int], got: list[int], want: list[int], what: str,
                        tie_bound: float = TIE_BOUND) -> None:
     """``got`` (the engine's tokens) equals ``want`` (alone), or parts from it at a proven near-tie."""
     for i, (a, b) in enumerate(zip(got, want)):
@@ -55,7 +55,7 @@ def assert_same_greedy(model: Any, prompt: list[int], got: list[int], want: list
 
 
 @torch.inference_mode()
-def path_noise(model: Any, prompt: list[int], decode: int = 8) -> float:
+def path_noise(model: CausalLM, prompt: list[int], decode: int = 8) -> float:
     """How far a model's own two ways of computing a logit part, on ``prompt``: max |Δ logit|.
 
     One forward over the whole prompt (many rows at once, as in a prefill or a full engine
@@ -76,22 +76,24 @@ def path_noise(model: Any, prompt: list[int], decode: int = 8) -> float:
 
 
 def run_engine(engine: Engine, arrivals: list[tuple[int, list[int], int]]) -> dict[str, Request]:
-    """Run ``arrivals`` (step at which it arrives, prompt, max_new_tokens) to the end; each request's record."""
-    records: dict[str, Request] = {}
-    out: dict[str, list[int]] = {}
+    """Run ``arrivals`` (step at which it arrives, prompt, max_new_tokens) to the end through the engine driver
+    (:class:`lollm.engine.driver.EngineLoop`, stepped here); each request's record, by its id."""
+    driver = EngineLoop(engine, background=False)
+    runs: list[EngineRun] = []
     step = 0
     pending = sorted(arrivals, key=lambda a: a[0])
-    while pending or engine.has_unfinished():
+    while pending or driver.busy():
         while pending and pending[0][0] <= step:
             _, prompt, n = pending.pop(0)
-            rid = engine.add_request(prompt, sampling=GREEDY, max_new_tokens=n)
-            records[rid] = engine.requests[rid]
-        for o in engine.step():
-            out.setdefault(o.request_id, []).append(o.step.token)
+            runs.append(driver.add(EngineJob(prompt, n, GREEDY)))
+        driver.step()
         step += 1
         assert step < 10_000, "the engine made no progress in 10,000 steps"
-    for rid, req in records.items():
-        assert req.tokens[req.prompt_len:] == out.get(rid, []), f"{rid}: the outputs and the record disagree"
+    records: dict[str, Request] = {}
+    for run in runs:
+        run.future.result()  # a request the engine refused raises its error here
+        req = records[run.request_id] = run.request
+        assert req.tokens[req.prompt_len:] == run.result.new_ids, f"{run.request_id}: the outputs and the record disagree"
     return records
 
 
@@ -111,7 +113,7 @@ def pool_is_full(engine: Engine) -> None:
     assert sorted(engine.scheduler.free_slots) == list(range(engine.config.max_sequences))
 
 
-def check_engine_equals_solo(model: Any, prompt: list[int], *, max_new_tokens: int = 6,
+def check_engine_equals_solo(model: CausalLM, prompt: list[int], *, max_new_tokens: int = 6,
                              tie_bound: float = TIE_BOUND) -> dict[str, Request]:
     """Five requests of different lengths, two arriving mid-decode, with small blocks (4) and a token budget
     (12) that splits prompts into chunks mixed with decode steps: each request's greedy tokens equal
@@ -127,7 +129,7 @@ def check_engine_equals_solo(model: Any, prompt: list[int], *, max_new_tokens: i
     return records
 
 
-def check_prefix_cache_hit(model: Any, prompt: list[int], *, max_new_tokens: int = 4) -> Request:
+def check_prefix_cache_hit(model: CausalLM, prompt: list[int], *, max_new_tokens: int = 4) -> Request:
     """A request sharing a cached prefix takes its blocks (``cached_tokens`` > 0; a model with recurrent state
     up to a block where its state was saved) and still equals its lone run; the pool is full again
     afterwards. Returns the second request."""
@@ -147,7 +149,7 @@ def check_prefix_cache_hit(model: Any, prompt: list[int], *, max_new_tokens: int
     return req
 
 
-def check_preemption_and_abort(model: Any, prompt: list[int], *, max_new_tokens: int = 8) -> list[Request]:
+def check_preemption_and_abort(model: CausalLM, prompt: list[int], *, max_new_tokens: int = 8) -> list[Request]:
     """A pool too small for three requests at once: some are preempted and recomputed, and all equal their lone
     runs; a request aborted mid-decode frees its blocks. Returns the records of the three."""
     p = (prompt * 8)[:8]
@@ -160,17 +162,19 @@ def check_preemption_and_abort(model: Any, prompt: list[int], *, max_new_tokens:
     for (rid, req), q in zip(records.items(), prompts):
         assert_same_greedy(model, q, req.tokens[req.prompt_len:], solo(model, q, n), f"preempted {rid}")
     pool_is_full(engine)
-    rid = engine.add_request(p, sampling=GREEDY, max_new_tokens=n)
-    engine.step()
-    engine.step()
-    engine.abort(rid)
-    engine.step()
+    driver = EngineLoop(engine, background=False)
+    job = EngineJob(p, n, GREEDY)
+    driver.add(job)
+    driver.step()
+    driver.step()
+    job.cancel.set()  # the driver aborts it at its next step
+    driver.step()
     assert not engine.has_unfinished()
     pool_is_full(engine)
     return list(records.values())
 
 
-def check_window_blocks_released(model: Any, prompt: list[int], *, max_new_tokens: int = 6) -> Request | None:
+def check_window_blocks_released(model: CausalLM, prompt: list[int], *, max_new_tokens: int = 6) -> Request | None:
     """A model with sliding-window layers keeps their keys in a pool of their own and gives back the blocks
     that left the window: one request with a prompt of several windows runs in chunks of 8 tokens through
     blocks of 4; after every step its window table has -1 for every block before the window its step read
@@ -185,15 +189,15 @@ def check_window_blocks_released(model: Any, prompt: list[int], *, max_new_token
         return None
     assert len(prompt) >= 2 * window + size, f"a prompt of {len(prompt)} tokens is too short for a window of {window}"
     n = max(1, min(max_new_tokens, int(model.max_context) - len(prompt) - 1))
-    rid = engine.add_request(prompt, sampling=GREEDY, max_new_tokens=n)
-    req, got, peak = engine.requests[rid], [], {"full": 0, "window": 0}
-    while engine.has_unfinished():
-        read_from = max(0, req.computed - window + 1) // size  # the first block this step's window reads
-        outs = engine.step()
-        got += [o.step.token for o in outs if o.request_id == rid]
+    driver = EngineLoop(engine, background=False)
+    run, peak = driver.add(EngineJob(prompt, n, GREEDY)), {"full": 0, "window": 0}
+    while driver.busy():
+        computed = run.request.computed if run.request is not None else 0  # the engine takes it at the first step
+        read_from = max(0, computed - window + 1) // size  # the first block this step's window reads
+        outs = driver.step()
         if outs and outs[-1].finished:
             break
-        table = req.window_table
+        table = run.request.window_table
         assert all(b == -1 for b in table[:read_from]), f"window blocks before block {read_from} were kept: {table}"
         assert all(b >= 0 for b in table[read_from:]), f"a block inside the window was given back: {table}"
         live = sum(b >= 0 for b in table)
@@ -202,6 +206,6 @@ def check_window_blocks_released(model: Any, prompt: list[int], *, max_new_token
         peak["full"] = max(peak["full"], stats["kv_blocks_used"])
         peak["window"] = max(peak["window"], stats["kv_window_blocks_used"])
     assert peak["window"] < peak["full"], f"the window pool never used fewer blocks than the full one: {peak}"
-    assert_same_greedy(model, prompt, got, solo(model, prompt, n), "a prompt of several windows")
+    assert_same_greedy(model, prompt, run.result.new_ids, solo(model, prompt, n), "a prompt of several windows")
     pool_is_full(engine)
-    return req
+    return run.request
