@@ -23,9 +23,11 @@ import time
 
 import pytest
 
-import lollm.serve.server as server_module
+import lollm.serve.model_server as model_server_module
 from lollm.generate.loop import GenerationResult
-from lollm.serve.server import ModelServer, banner, create_app, request_line
+from lollm.serve.answers import request_line
+from lollm.serve.app import banner, create_app
+from lollm.serve.model_server import ModelServer
 from lollm.testing import serving
 from lollm.testing.browser import Browser
 
@@ -96,7 +98,7 @@ def test_page_shows_markup_as_text(loaded, browser, monkeypatch):  # noqa: F811
         return GenerationResult(prompt_ids=list(ids), new_ids=[1, 2], text=HOSTILE, stop_reason="eos",
                                 prefill_seconds=0.01, decode_seconds=0.01)
 
-    monkeypatch.setattr(server_module, "generate", hostile)
+    monkeypatch.setattr(model_server_module, "generate", hostile)
     server = ModelServer(loaded, name=NAME, context=64, batched=False)  # the single path calls the patched generate
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
@@ -181,7 +183,7 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
 
     import uvicorn
 
-    from lollm.serve.server import announce
+    from lollm.serve.app import announce
 
     server = ModelServer(loaded, name=NAME, context=64)
     port = serving.free_port()

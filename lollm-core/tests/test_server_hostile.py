@@ -31,7 +31,9 @@ from hypothesis import strategies as st
 import lollm.load.plugins as plugins
 from lollm.load.options import LoadOptions
 from lollm.generate.sampling import Sampler, SamplingParams, top_p_filter
-from lollm.serve.server import MAX_JSON_DEPTH, ModelServer, body_limit, create_app
+from lollm.serve.app import create_app
+from lollm.serve.model_server import ModelServer
+from lollm.serve.requests import MAX_JSON_DEPTH, body_limit
 from lollm.testing import serving
 
 from _core_helpers import write_site

@@ -1,0 +1,294 @@
+"""The HTTP side of ``lollm serve``: the Starlette application, its routes, and the uvicorn server that runs it.
+
+Starlette (routing, requests, streaming responses) and uvicorn (the HTTP
+server) come with the ``lollm-core[serve]`` extra; this module imports them
+only inside the functions that use them (:func:`create_app`, the handlers of
+:class:`Routes`, :func:`serve`), so it loads without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import shlex
+import threading
+import time
+from importlib import resources
+from typing import Any, Callable
+
+from lollm.errors import LollmError
+from lollm.generate.loop import GenerationResult
+from lollm.serve.answers import ANSWERS, CHUNKS, _base
+from lollm.serve.metrics import CONTENT_TYPE
+from lollm.serve.model_server import ModelServer
+from lollm.serve.openapi import openapi_schema
+from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
+from lollm.serve.stream import stream
+
+log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
+
+#: Bytes of an oversized body read (and dropped) before its 413 is sent, so that a client that
+#: writes its whole body before it reads the answer sees the 413 rather than a reset connection.
+DRAIN_BYTES = 64 << 20
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes (1 MiB plus "
+                         f"{BODY_BYTES_PER_POSITION} bytes per position of its context, lollm serve --ctx-size)",
+                    code="request_too_large")
+
+
+async def read_limited(request: Any, limit: int) -> bytes:
+    """The body of a Starlette ``request``: at most ``limit`` bytes, else ApiError 413.
+
+    An oversized body is still read, and dropped, up to :data:`DRAIN_BYTES`
+    (then the connection is given up), so that a client that writes all of
+    its body before it reads the answer gets the 413. Nothing is kept past
+    ``limit``; a Content-Length above DRAIN_BYTES is refused before any is read.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_BYTES:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        else:
+            chunks = []
+            if size > DRAIN_BYTES:
+                break
+    if size > limit:
+        raise _too_large(limit)
+    return b"".join(chunks)
+
+
+async def wait(server: ModelServer, request: Any, job: Job) -> GenerationResult | None:
+    """Run ``job`` (:meth:`ModelServer.submit`); cancel it if the client disconnects meanwhile (or the server stops).
+
+    ApiError 503 at once when the queue is full.
+    """
+    future = asyncio.wrap_future(server.submit(job))
+    try:
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.25)
+            if done:
+                return future.result()
+            if not job.cancel.is_set() and await request.is_disconnected():
+                job.cancel.set()
+    finally:
+        if not future.done():
+            job.cancel.set()
+
+
+
+def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
+    """The lines ``lollm serve`` prints once it listens: where, what, a curl line to paste, and how requests run."""
+    shown = f"[{host}]" if ":" in host else host
+    if host in ("0.0.0.0", "::"):
+        shown = "127.0.0.1"
+    root = f"http://{shown}:{port}"
+    if server.tokenizer.chat_template is not None:
+        endpoint, body = "chat/completions", {"model": server.name, "messages": [{"role": "user", "content": "Hello!"}]}
+    else:  # a base model: its /v1/chat/completions answers 400, so the line shows a plain prompt
+        endpoint, body = "completions", {"model": server.name, "prompt": "Once upon a time", "max_tokens": 32}
+    body = json.dumps(body)
+    key = ' -H "Authorization: Bearer $LOLLM_API_KEY"' if server.api_key else ""  # the key itself is never printed
+    if server.engine_loop is not None:
+        config = server.engine_loop.engine.config
+        batching = (f"batched: up to {config.max_sequences} requests at once, {config.kv_blocks} KV blocks of "
+                    f"{config.block_size}, {config.max_batch_tokens} tokens a step, {server.max_queue} may wait")
+    else:
+        batching = f"note: {server.single_reason}"
+    return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
+            + (" (API key required)" if server.api_key else ""),
+            f"chat page: {root}/",
+            f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+            batching]
+
+
+
+#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames).
+CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+
+
+def chat_page_html() -> str:
+    """The chat page served at ``/``: ``lollm/serve/static/chat.html``, one file with its style and script (no network)."""
+    return resources.files("lollm.serve").joinpath("static", "chat.html").read_text(encoding="utf-8")
+
+
+
+
+
+def error_response(error: ApiError, headers: dict[str, str] | None = None):
+    """The JSONResponse of ``error``: its OpenAI-style body with its status."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
+
+
+def guarded(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """The async method ``handler(self, request)`` whose errors become JSON answers.
+
+    ApiError as it says, LollmError (bad input found deeper: tokenizer, sampler) 400,
+    a client gone while its body was read 499 (nobody to answer), any other exception 500.
+    """
+
+    @functools.wraps(handler)
+    async def endpoint(self: Any, request: Any):
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import Response
+
+        try:
+            return await handler(self, request)
+        except ApiError as error:
+            return error_response(error)
+        except LollmError as error:
+            return error_response(ApiError(400, str(error)))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception as error:
+            return error_response(internal_error(f"{request.method} {request.url.path}", error))
+
+    return endpoint
+
+
+class Routes:
+    """The HTTP handlers of one :class:`ModelServer`, one method per route; :func:`create_app` wires them."""
+
+    def __init__(self, server: ModelServer):
+        self.server = server
+        self.schema = openapi_schema(server)
+
+    async def generation(self, request: Any, kind: str):
+        """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse
+
+        server = self.server
+        server.check_auth(request.headers.get("authorization"))
+        raw = await read_limited(request, server.max_body_bytes)
+        plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
+        plan.job.endpoint = request.url.path
+        base = _base(server, kind)
+        if plan.streaming:
+            return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
+        result = await wait(server, request, plan.job)
+        if result is None:
+            raise ApiError(499, "the request was cancelled")
+        return JSONResponse(ANSWERS[kind](server, base, plan.job, result))
+
+    @guarded
+    async def chat_completions(self, request: Any):
+        return await self.generation(request, "chat")
+
+    @guarded
+    async def completions(self, request: Any):
+        return await self.generation(request, "completion")
+
+    @guarded
+    async def models(self, request: Any):
+        from starlette.responses import JSONResponse
+
+        self.server.check_auth(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.server.name, "object": "model", "created": self.server.created, "owned_by": "lollm"}]})
+
+    @guarded
+    async def chat_page(self, request: Any):  # the page asks for the key itself: no auth here, it holds no data
+        from starlette.responses import HTMLResponse
+
+        return HTMLResponse(chat_page_html(), headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP})
+
+    @guarded
+    async def health(self, request: Any):
+        from starlette.responses import JSONResponse
+
+        server = self.server
+        batching = None
+        if server.engine_loop is not None:
+            config = server.engine_loop.engine.config
+            batching = {"max_running": config.max_sequences, "kv_blocks": config.kv_blocks,
+                        "block_size": config.block_size, "max_queue": server.max_queue,
+                        "prefix_caching": server.engine_loop.engine.scheduler.prefix_caching}
+        return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts), "batching": batching})
+
+    @guarded
+    async def metrics(self, request: Any):
+        """Prometheus' text format (lollm.serve.metrics); 501 when prometheus-client is not installed."""
+        from starlette.responses import Response
+
+        if self.server.metrics is None:
+            raise ApiError(501, "/metrics needs prometheus-client: pip install 'lollm-core[serve]'", kind="server_error")
+        return Response(self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    @guarded
+    async def openapi(self, request: Any):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(self.schema)
+
+    async def http_error(self, request: Any, error: Any):
+        """Starlette's HTTPException (an unknown path: 404, a wrong method: 405) as an OpenAI-style error."""
+        kind = "not_found" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path[:200]}: {error.detail}"
+        return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
+
+
+def create_app(server: ModelServer):
+    """The Starlette application serving ``server``: the routes of :class:`Routes`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    routes = Routes(server)
+    return Starlette(routes=[
+        Route("/", routes.chat_page, methods=["GET"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics, methods=["GET"]),
+        Route("/openapi.json", routes.openapi, methods=["GET"]),
+    ], exception_handlers={HTTPException: routes.http_error})
+
+
+def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "") -> None:
+    """Serve until Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line)."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise LollmError("lollm serve needs the serve extra: pip install 'lollm-core[serve]' (starlette, uvicorn)") from None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    runner = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="info"))
+    lines = banner(server, family, host, port)
+    threading.Thread(target=announce, args=(runner, lines), name="lollm-banner", daemon=True).start()
+    runner.run()
+
+
+def announce(runner: Any, lines: list[str]) -> None:
+    """Log ``lines`` (the :func:`banner`) once the uvicorn ``runner`` listens (its ``started`` flag); nothing if it stops first."""
+    while not runner.started:
+        if runner.should_exit:
+            return
+        time.sleep(0.05)
+    for line in lines:
+        log.info("%s", line)
+
+
+def require_serve_extra() -> None:
+    """LollmError naming the extra when starlette or uvicorn is missing (checked before the model loads)."""
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise LollmError(
+            f"lollm serve needs the serve extra ({error.name} is missing): pip install 'lollm-core[serve]'"
+        ) from None

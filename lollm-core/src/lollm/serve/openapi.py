@@ -1,0 +1,168 @@
+"""``GET /openapi.json`` of ``lollm serve``: the OpenAPI 3.0 description of its endpoints."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lollm.serve.requests import IGNORED, MAX_INTEGER, RESPONSE_FORMATS, ROLES
+
+if TYPE_CHECKING:
+    from lollm.serve.model_server import ModelServer
+
+# -- /openapi.json -------------------------------------------------------------------------------
+#
+# Written by hand, small and true to what the handlers accept: a request the schema allows may
+# still be refused (a template that rejects the messages, a prompt longer than the context, a
+# temperature so small the logits overflow), but never with a status the schema does not list.
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "nullable": True}
+
+
+_INTEGER = {"type": "integer", "minimum": -MAX_INTEGER, "maximum": MAX_INTEGER}
+_COMMON_REQUEST = {
+    "max_tokens": _nullable({**_INTEGER, "minimum": 1, "description": "default: the rest of the context"}),
+    "temperature": _nullable({"type": "number", "minimum": 0, "description": "0: greedy"}),
+    "top_p": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1}),
+    "top_k": _nullable({**_INTEGER, "minimum": -1, "description": "-1 or 0: off"}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True}),
+    "seed": _nullable({**_INTEGER, "minimum": 0}),
+    "stop": _nullable({"anyOf": [{"type": "string", "minLength": 1},
+                                 {"type": "array", "maxItems": 16, "items": {"type": "string", "minLength": 1}}]}),
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": {"type": "boolean"}}}),
+}
+#: The fields that change nothing here, with the only values accepted (null, or the neutral one).
+_IGNORED_REQUEST = {name: {"nullable": True, "enum": [value], "description": "accepted, changes nothing"}
+                    for name, value in IGNORED.items()}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_FUNCTION_CALL = {"type": "object", "required": ["name", "arguments"], "properties": {
+    "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object, as text"}}}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]}, "function": _FUNCTION_CALL}}
+_MESSAGE = {
+    "type": "object", "required": ["role"], "additionalProperties": False,
+    "properties": {"role": {"type": "string", "enum": list(ROLES)},
+                   "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}],
+                                         "description": "null only for an assistant message with tool_calls"}),
+                   "name": _nullable({"type": "string"}), "reasoning_content": _nullable({"type": "string"}),
+                   "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL, "description": "an assistant's calls"}),
+                   "tool_call_id": _nullable({"type": "string", "description": "a tool message: the call it answers"})},
+}
+_TOOLS_REQUEST = {
+    "tools": _nullable({"type": "array", "maxItems": 128, "description": "functions the model may call (docs/tools.md)",
+                        "items": {"type": "object", "required": ["type", "function"], "properties": {
+                            "type": {"type": "string", "enum": ["function"]},
+                            "function": {"type": "object", "required": ["name"], "properties": {
+                                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                "description": {"type": "string"}, "parameters": {"type": "object"}}}}}}),
+    "tool_choice": _nullable({"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}),
+    "parallel_tool_calls": _nullable({"type": "boolean"}),
+}
+_RESPONSE_FORMAT = _nullable({"type": "object", "required": ["type"], "description": "docs/structured-output.md", "properties": {
+    "type": {"type": "string", "enum": list(RESPONSE_FORMATS)},
+    "json_schema": {"type": "object", "required": ["schema"], "properties": {
+        "name": {"type": "string"}, "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}},
+    "regex": {"type": "string", "minLength": 1}, "grammar": {"type": "string", "minLength": 1}}})
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+_FINISH = {"type": "string", "enum": ["stop", "length"]}
+_CHAT_FINISH = {"type": "string", "enum": ["stop", "length", "tool_calls"]}
+_CHAT_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+        "index": {"type": "integer"}, "finish_reason": _CHAT_FINISH, "logprobs": _nullable({"type": "object"}),
+        "message": {"type": "object", "required": ["role", "content"],
+                    "properties": {"role": {"type": "string"}, "content": _nullable({"type": "string"}),
+                                   "tool_calls": {"type": "array", "items": _TOOL_CALL}}}}}}}}
+_COMPLETION_ANSWER = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": _USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+        "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+        "logprobs": _nullable({"type": "object"})}}}}}
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})}}}}
+_ERRORS = {
+    "400": "a malformed body or field, an unsupported field, a prompt longer than the context (context_length_exceeded)",
+    "401": "--api-key is set and the request's key is missing or wrong (invalid_api_key)",
+    "404": "a model this server does not serve (model_not_found)",
+    "413": "a body over the server's size limit (request_too_large)",
+    "500": "a bug in lollm (the server log has one line about it)",
+    "503": "the queue is full (lollm serve --max-queue): try again after Retry-After seconds (server_overloaded)",
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _generation_operation(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    errors = {status: _json(_ERROR, text) for status, text in _ERRORS.items()}
+    errors["503"]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
+    ok = _json(answer, "the answer; with stream: true, server-sent events (data: {chunk} ... data: [DONE])")
+    event = {"type": "object", "required": ["data"], "description": "one server-sent event (as OpenAPI 3.2 reads a stream)",
+             "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
+    ok["content"]["text/event-stream"] = {"schema": event}
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {"200": ok, **errors}}
+
+
+def openapi_schema(server: ModelServer) -> dict[str, Any]:
+    """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``)."""
+    model = {"type": "string", "enum": [server.name], "description": "the served model's name (404 for any other)"}
+    chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+        **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
+        "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"}),
+        "response_format": _RESPONSE_FORMAT, **_TOOLS_REQUEST}}
+    token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
+    ids = {"type": "array", "minItems": 1, "items": token}
+    text = {"type": "string", "minLength": 1}
+    prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}]}
+    completion = {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+        **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "prompt": prompt,
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}), "response_format": _RESPONSE_FORMAT}}
+    listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
+        "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
+    health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    paths = {
+        "/v1/chat/completions": {"post": _generation_operation("chat: messages through the chat template", chat, _CHAT_ANSWER)},
+        "/v1/completions": {"post": _generation_operation("completion of a prompt (text or token ids)", completion,
+                                                          _COMPLETION_ANSWER)},
+        "/v1/models": {"get": {"summary": "the one model served", "responses": {
+            "200": _json(listing, "the model list"), "401": _json(_ERROR, _ERRORS["401"]), "500": _json(_ERROR, _ERRORS["500"])}}},
+        "/health": {"get": {"summary": "whether the server is up, and its request counters (no key needed)",
+                            "responses": {"200": _json(health, "the server is up")}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics: running and waiting requests, KV blocks, tokens, time to "
+                                        "first token (no key needed)", "responses": {
+            "200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            "501": _json(_ERROR, "prometheus-client is not installed")}}},
+    }
+    schema: dict[str, Any] = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
+    if server.api_key is not None:
+        schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+            for operation in paths[path].values():
+                operation["security"] = [{"bearer": []}]
+    return schema
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lollm-core")
+    except PackageNotFoundError:
+        return "unknown"
