@@ -16,8 +16,8 @@ import pytest
 
 from lollm.testing.hub_configs import hub_configs_dir
 from lollm.tokenizer.chat import ChatTemplate
-from lollm.serve.tools import (GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, MarkerText, ToolCall, ToolCallParser,
-                         ToolRequestError, format_of, read_tools, split_calls, template_tool_calls)
+from lollm.serve.tool_formats import GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, ToolCall, ToolRequestError, format_of
+from lollm.serve.tools import MarkerText, ToolCallParser, read_tools, split_calls, template_tool_calls
 
 pytest_plugins = ["conftest_gguf"]  # the qwen25_gguf fixture: the real Qwen2.5 GGUF
 

@@ -30,7 +30,8 @@ from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPL
                                   Job, Prepared, _chat_logprobs, _check_fields, _flag, _messages, _number, _show,
                                   _stops, _stream_options, body_limit, longest_token_bytes, parse_body, response_format,
                                   text_bytes)
-from lollm.serve.tools import ToolRequest, ToolRequestError, read_tools
+from lollm.serve.tool_formats import ToolRequestError
+from lollm.serve.tools import ToolRequest, read_tools
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 

@@ -13,7 +13,8 @@ from lollm.generate.loop import GenerationResult, TokenLogprobs
 from lollm.serve.answers import FINISH_REASON
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import ApiError, Prepared, internal_error
-from lollm.serve.tools import ToolCall, ToolCallParser
+from lollm.serve.tool_formats import ToolCall
+from lollm.serve.tools import ToolCallParser
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
