@@ -1,17 +1,21 @@
-"""The answers of ``lollm serve`` in OpenAI's shapes: whole answers, streamed chunks, and each request's log line."""
+"""The answers of ``lollm serve`` in OpenAI's shapes: whole answers, streamed chunks, and each request's log line.
+
+Every function here is plain data in, plain data out (no HTTP, no model): a
+:class:`~lollm.generate.loop.GenerationResult` and the tokenizer (to spell each
+token of the logprobs) become the JSON object OpenAI's clients read.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable, Protocol, TypedDict
 
-from lollm.generate.loop import GenerationResult
+from lollm.generate.loop import GenerationResult, TokenLogprobs
 from lollm.serve.requests import Job
+from lollm.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from lollm.serve.model_server import ModelServer
-
+#: lollm.generate.loop's stop reasons -> OpenAI's ``finish_reason``.
 FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
 
 
@@ -29,43 +33,107 @@ def request_line(endpoint: str, result: GenerationResult) -> str:
             f"generated {new}, first token {1000 * result.prefill_seconds:.0f} ms, {speed} tok/s, finish {finish}")
 
 
+class Usage(TypedDict):
+    """``usage`` of an answer: tokens of the prompt (of which ``cached_tokens`` came from the prefix cache) and of the answer."""
 
-def _base(server: ModelServer, kind: str) -> dict[str, Any]:
-    """The fields every answer (and every streamed chunk) of one request shares."""
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int]
+
+
+class TextLogprobs(TypedDict):
+    """Completions-style (legacy) logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token's text starts in the generated text, in characters
+
+
+class Chunk(Protocol):
+    """Makes one streamed chunk of a request: ``text`` (None: the first chunk, the assistant's role), the
+    logprobs of the tokens since the last chunk, the finish reason (None until the last), tool-call deltas."""
+
+    def __call__(self, text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
+                 calls: list[dict[str, object]] | None = None) -> dict[str, object]: ...
+
+
+def usage(result: GenerationResult) -> Usage:
+    prompt, completion = len(result.prompt_ids), len(result.new_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
+
+
+def content_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[dict[str, object]]:
+    """Chat-style logprobs: token text, log-probability, UTF-8 bytes, and the top alternatives."""
+
+    def one(token: int, logprob: float) -> dict[str, object]:
+        data = tokenizer.token_bytes(token)
+        return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def text_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: int = 0) -> TextLogprobs:
+    """Completions-style (legacy) logprobs of ``entries``, whose text starts ``offset`` characters into the answer."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        text = tokenizer.token_bytes(e.token).decode("utf-8", errors="replace")
+        tokens.append(text)
+        offset += len(text)
+    top = [{tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in e.top} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def content_entries(result: GenerationResult) -> list[TokenLogprobs]:
+    """The logprobs of the answer's tokens (an end-of-sequence token that stopped it is not content)."""
+    entries = result.logprobs
+    return entries[:-1] if entries and result.stop_reason == "eos" else entries
+
+
+def answer_base(model: str, kind: str) -> dict[str, object]:
+    """The fields every answer (and every streamed chunk) of one request of ``kind`` ("chat", "completion") shares."""
     if kind == "chat":
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name}
-    return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": server.name,
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model}
+    return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model,
             "object": "text_completion"}
 
 
-def _chat_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-    def chunk(text, entries, finish, calls=None):
-        delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+def chat_chunks(tokenizer: Tokenizer, base: dict[str, object]) -> Chunk:
+    def chunk(text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
+              calls: list[dict[str, object]] | None = None) -> dict[str, object]:
+        delta: dict[str, object] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         if calls:
             delta["tool_calls"] = calls
-        lp = {"content": server.content_logprobs(entries)} if entries else None
+        lp = {"content": content_logprobs(tokenizer, entries)} if entries else None
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     return chunk
 
 
-def _completion_chunks(server: ModelServer, base: dict[str, Any]) -> Callable[..., dict[str, Any]]:
-    offset = [0]
+def completion_chunks(tokenizer: Tokenizer, base: dict[str, object]) -> Chunk:
+    offset = 0  # characters of the answer sent so far: where the next chunk's logprobs start
 
-    def chunk(text, entries, finish):
+    def chunk(text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
+              calls: list[dict[str, object]] | None = None) -> dict[str, object]:  # calls: chat only
+        nonlocal offset
         lp = None
         if entries:
-            lp = server.text_logprobs(entries, offset[0])
-            offset[0] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            lp = text_logprobs(tokenizer, entries, offset)
+            offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}]}
 
     return chunk
 
 
-def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
-    lp = {"content": server.content_logprobs(server.content_entries(result))} if job.logprobs is not None else None
-    message, finish = {"role": "assistant", "content": result.text}, FINISH_REASON[result.stop_reason]
+def chat_answer(tokenizer: Tokenizer, base: dict[str, object], job: Job, result: GenerationResult) -> dict[str, object]:
+    lp = {"content": content_logprobs(tokenizer, content_entries(result))} if job.logprobs is not None else None
+    message: dict[str, object] = {"role": "assistant", "content": result.text}
+    finish = FINISH_REASON[result.stop_reason]
     if job.tools is not None:  # the text read for calls (lollm.serve.tools), as a stream would have sent it
         content, calls = job.tools.answer(result.text, result.stop_reason)
         if calls:
@@ -75,15 +143,17 @@ def _chat_answer(server: ModelServer, base: dict[str, Any], job: Job, result: Ge
             message["content"] = content
     return {**base, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
-            "usage": server.usage(result)}
+            "usage": usage(result)}
 
 
-def _completion_answer(server: ModelServer, base: dict[str, Any], job: Job, result: GenerationResult) -> dict[str, Any]:
-    lp = server.text_logprobs(server.content_entries(result)) if job.logprobs is not None else None
+def completion_answer(tokenizer: Tokenizer, base: dict[str, object], job: Job, result: GenerationResult) -> dict[str, object]:
+    lp = text_logprobs(tokenizer, content_entries(result)) if job.logprobs is not None else None
     return {**base,
             "choices": [{"index": 0, "text": result.text, "logprobs": lp, "finish_reason": FINISH_REASON[result.stop_reason]}],
-            "usage": server.usage(result)}
+            "usage": usage(result)}
 
 
-CHUNKS = {"chat": _chat_chunks, "completion": _completion_chunks}
-ANSWERS = {"chat": _chat_answer, "completion": _completion_answer}
+#: kind of request -> how its streamed chunks and its whole answer are made
+CHUNKS: dict[str, Callable[[Tokenizer, dict[str, object]], Chunk]] = {"chat": chat_chunks, "completion": completion_chunks}
+ANSWERS: dict[str, Callable[[Tokenizer, dict[str, object], Job, GenerationResult], dict[str, object]]] = {
+    "chat": chat_answer, "completion": completion_answer}

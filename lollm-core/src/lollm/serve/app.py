@@ -16,16 +16,25 @@ import shlex
 import threading
 import time
 from importlib import resources
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult
-from lollm.serve.answers import ANSWERS, CHUNKS, _base
+from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
 from lollm.serve.stream import stream
+
+# Lazy imports below: starlette and uvicorn are the optional ``serve`` extra, imported inside the
+# functions that use them (and here for type checkers only), so this module loads without them.
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
@@ -43,7 +52,7 @@ def _too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-async def read_limited(request: Any, limit: int) -> bytes:
+async def read_limited(request: Request, limit: int) -> bytes:
     """The body of a Starlette ``request``: at most ``limit`` bytes, else ApiError 413.
 
     An oversized body is still read, and dropped, up to :data:`DRAIN_BYTES`
@@ -69,7 +78,7 @@ async def read_limited(request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def wait(server: ModelServer, request: Any, job: Job) -> GenerationResult | None:
+async def wait(server: ModelServer, request: Request, job: Job) -> GenerationResult | None:
     """Run ``job`` (:meth:`ModelServer.submit`); cancel it if the client disconnects meanwhile (or the server stops).
 
     ApiError 503 at once when the queue is full.
@@ -127,14 +136,17 @@ def chat_page_html() -> str:
 
 
 
-def error_response(error: ApiError, headers: dict[str, str] | None = None):
+def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
     """The JSONResponse of ``error``: its OpenAI-style body with its status."""
     from starlette.responses import JSONResponse
 
     return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
 
 
-def guarded(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+Handler = Callable[['Routes', 'Request'], Awaitable['Response']]  # an async method of Routes
+
+
+def guarded(handler: Handler) -> Handler:
     """The async method ``handler(self, request)`` whose errors become JSON answers.
 
     ApiError as it says, LollmError (bad input found deeper: tokenizer, sampler) 400,
@@ -142,7 +154,7 @@ def guarded(handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """
 
     @functools.wraps(handler)
-    async def endpoint(self: Any, request: Any):
+    async def endpoint(self: Routes, request: Request) -> Response:
         from starlette.requests import ClientDisconnect
         from starlette.responses import Response
 
@@ -167,7 +179,7 @@ class Routes:
         self.server = server
         self.schema = openapi_schema(server)
 
-    async def generation(self, request: Any, kind: str):
+    async def generation(self, request: Request, kind: str) -> Response:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
@@ -177,24 +189,24 @@ class Routes:
         raw = await read_limited(request, server.max_body_bytes)
         plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
         plan.job.endpoint = request.url.path
-        base = _base(server, kind)
+        base = answer_base(server.name, kind)
         if plan.streaming:
-            return stream(server, plan, CHUNKS[kind](server, base), f"POST {request.url.path}")
+            return stream(server, plan, CHUNKS[kind](server.tokenizer, base), f"POST {request.url.path}")
         result = await wait(server, request, plan.job)
         if result is None:
             raise ApiError(499, "the request was cancelled")
-        return JSONResponse(ANSWERS[kind](server, base, plan.job, result))
+        return JSONResponse(ANSWERS[kind](server.tokenizer, base, plan.job, result))
 
     @guarded
-    async def chat_completions(self, request: Any):
+    async def chat_completions(self, request: Request) -> Response:
         return await self.generation(request, "chat")
 
     @guarded
-    async def completions(self, request: Any):
+    async def completions(self, request: Request) -> Response:
         return await self.generation(request, "completion")
 
     @guarded
-    async def models(self, request: Any):
+    async def models(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
         self.server.check_auth(request.headers.get("authorization"))
@@ -202,13 +214,14 @@ class Routes:
             {"id": self.server.name, "object": "model", "created": self.server.created, "owned_by": "lollm"}]})
 
     @guarded
-    async def chat_page(self, request: Any):  # the page asks for the key itself: no auth here, it holds no data
+    async def chat_page(self, request: Request) -> Response:
         from starlette.responses import HTMLResponse
 
+        # the page asks for the key itself: no auth here, it holds no data
         return HTMLResponse(chat_page_html(), headers={"Cache-Control": "no-cache", "Content-Security-Policy": CHAT_PAGE_CSP})
 
     @guarded
-    async def health(self, request: Any):
+    async def health(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
         server = self.server
@@ -221,7 +234,7 @@ class Routes:
         return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts), "batching": batching})
 
     @guarded
-    async def metrics(self, request: Any):
+    async def metrics(self, request: Request) -> Response:
         """Prometheus' text format (lollm.serve.metrics); 501 when prometheus-client is not installed."""
         from starlette.responses import Response
 
@@ -230,19 +243,19 @@ class Routes:
         return Response(self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     @guarded
-    async def openapi(self, request: Any):
+    async def openapi(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
         return JSONResponse(self.schema)
 
-    async def http_error(self, request: Any, error: Any):
+    async def http_error(self, request: Request, error: HTTPException) -> JSONResponse:
         """Starlette's HTTPException (an unknown path: 404, a wrong method: 405) as an OpenAI-style error."""
         kind = "not_found" if error.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path[:200]}: {error.detail}"
         return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
 
 
-def create_app(server: ModelServer):
+def create_app(server: ModelServer) -> Starlette:
     """The Starlette application serving ``server``: the routes of :class:`Routes`."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -273,7 +286,7 @@ def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, fam
     runner.run()
 
 
-def announce(runner: Any, lines: list[str]) -> None:
+def announce(runner: uvicorn.Server, lines: list[str]) -> None:
     """Log ``lines`` (the :func:`banner`) once the uvicorn ``runner`` listens (its ``started`` flag); nothing if it stops first."""
     while not runner.started:
         if runner.should_exit:

@@ -25,7 +25,10 @@ the engine's :meth:`~lollm.engine.Engine.stats`, or the single-sequence worker's
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
+
+# Lazy imports below: prometheus-client is part of the optional ``serve`` extra, imported inside the
+# functions that use it, so this module loads (and /metrics answers 501) without it.
 
 #: Time-to-first-token buckets, seconds: from a warm tiny model to a long prompt on a CPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -102,6 +105,6 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def metrics_for(stats: Callable[[], Any], *, kv_blocks: bool) -> ServerMetrics | None:
+def metrics_for(stats: Callable[[], dict[str, int]], *, kv_blocks: bool) -> ServerMetrics | None:
     """A :class:`ServerMetrics`, or None when prometheus-client is not installed (``/metrics`` then says so)."""
     return ServerMetrics(stats, kv_blocks=kv_blocks) if metrics_available() else None

@@ -15,20 +15,22 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-from lollm.load import ranks
 from lollm.errors import LollmError
-from lollm.generate.loop import GenerationResult, TokenLogprobs, generate, stop_token_ids
+from lollm.model import CausalLM
+from lollm.tokenizer import Tokenizer
+from lollm.load import ranks
+from lollm.load.pipeline import LoadedModel
+from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams, resolve_sampling
-from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
-from lollm.serve.metrics import metrics_for
 from lollm.generate.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
+from lollm.engine import Engine, EngineConfig
+from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import request_line
+from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
-                                  Job, Prepared, _chat_logprobs, _check_fields, _flag, _messages, _number, _show,
-                                  _stops, _stream_options, body_limit, longest_token_bytes, parse_body, response_format,
+                                  Body, Job, Prepared, body_limit, chat_logprobs, check_fields, flag, longest_token_bytes,
+                                  number, parse_body, read_messages, response_format, short_repr, stops, stream_options,
                                   text_bytes)
 from lollm.serve.tool_formats import ToolRequestError
 from lollm.serve.tools import ToolRequest, read_tools
@@ -43,6 +45,10 @@ DEFAULT_MAX_RUNNING = 16
 DEFAULT_MAX_BATCH_TOKENS = 256
 #: Seconds a client told 503 (a full queue) is asked to wait before it tries again.
 RETRY_AFTER_SECONDS = 1
+
+#: What rank 0 broadcasts to the other ranks under --tp, per job: ids, max_tokens, sampling (with its seed),
+#: stop strings, logprobs, the output constraint (uncompiled: each rank compiles its own).
+FollowedJob = tuple[list[int], int, SamplingParams, list[str], "int | None", "OutputConstraint | None"]
 
 
 class ModelServer:
@@ -65,14 +71,14 @@ class ModelServer:
     Raises LollmError when the KV pool cannot hold one request of the whole context.
     """
 
-    def __init__(self, loaded: Any, *, name: str, context: int, sampling_flags: dict[str, Any] | None = None,
-                 template_flags: dict[str, Any] | None = None, draft_tokens: int = 0, api_key: str | None = None,
+    def __init__(self, loaded: LoadedModel, *, name: str, context: int, sampling_flags: dict[str, float | None] | None = None,
+                 template_flags: dict[str, object] | None = None, draft_tokens: int = 0, api_key: str | None = None,
                  max_body_bytes: int | None = None, batched: bool = True, max_running: int = DEFAULT_MAX_RUNNING,
                  kv_blocks: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  max_queue: int = DEFAULT_MAX_QUEUE):
         self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
+        self.model: CausalLM = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
         self.name = name
         self.context = min(context, self.model.max_context)
         self.sampling_flags = {k: v for k, v in (sampling_flags or {}).items() if v is not None}
@@ -117,11 +123,9 @@ class ModelServer:
 
     def _start_engine(self, max_running: int, kv_blocks: int | None, max_batch_tokens: int) -> EngineLoop:
         """The engine over the model and the thread that steps it (with this server's metrics)."""
-        from lollm.engine import Engine, EngineConfig
-
-        for flag, value in (("--max-running", max_running), ("--max-batch-tokens", max_batch_tokens), ("--kv-blocks", kv_blocks)):
+        for option, value in (("--max-running", max_running), ("--max-batch-tokens", max_batch_tokens), ("--kv-blocks", kv_blocks)):
             if value is not None and value < 1:
-                raise LollmError(f"{flag} must be >= 1, got {value}")
+                raise LollmError(f"{option} must be >= 1, got {value}")
         config = EngineConfig(max_sequences=max_running, max_batch_tokens=max_batch_tokens)
         blocks = kv_blocks or serve_kv_blocks(self.model, self.context, max_running, config.block_size)
         if blocks * config.block_size < self.context:
@@ -149,13 +153,13 @@ class ModelServer:
             raise ApiError(401, "incorrect or missing API key: send the header 'Authorization: Bearer <key>' with the "
                                 "key given to lollm serve --api-key", code="invalid_api_key")
 
-    def check_model(self, body: dict[str, Any]) -> None:
+    def check_model(self, body: Body) -> None:
         model = body.get("model")
         if model is None:
             raise ApiError(400, f"the request has no 'model': name the model this server serves, {self.name!r}",
                            param="model", code="missing_required_parameter")
         if model != self.name:
-            raise ApiError(404, f"the model {_show(model)} does not exist here; this server serves {self.name!r}",
+            raise ApiError(404, f"the model {short_repr(model)} does not exist here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
     def prepare(self, raw: bytes, kind: str) -> Prepared:
@@ -168,9 +172,9 @@ class ModelServer:
         """
         body = parse_body(raw)
         self.check_model(body)
-        _check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
-        logprobs = _chat_logprobs(body) if kind == "chat" else _number(body, "logprobs", integer=True, low=0, high=20)
-        streaming, include_usage = _flag(body, "stream"), _stream_options(body)
+        check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
+        logprobs = chat_logprobs(body) if kind == "chat" else number(body, "logprobs", integer=True, low=0, high=20)
+        streaming, include_usage = flag(body, "stream"), stream_options(body)
         limit, sampling, stop = self.settings(body)
         constraint = self.compile(response_format(body.get("response_format")))
         tools = self.tools(body, constraint) if kind == "chat" else None
@@ -181,7 +185,7 @@ class ModelServer:
             job.constraint = self.compile(tools.grammar, "tools")
         return Prepared(job, streaming, include_usage)
 
-    def tools(self, body: dict[str, Any], constraint: CompiledConstraint | None) -> ToolRequest | None:
+    def tools(self, body: Body, constraint: CompiledConstraint | None) -> ToolRequest | None:
         """The request's tools (:func:`lollm.serve.tools.read_tools`); ApiError 400 naming the field when refused."""
         try:
             tools = read_tools(body, self.tokenizer.tool_chat_template(), self.tokenizer)
@@ -193,26 +197,26 @@ class ModelServer:
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
 
-    def settings(self, body: dict[str, Any]) -> tuple[int | None, SamplingParams, list[str]]:
+    def settings(self, body: Body) -> tuple[int | None, SamplingParams, list[str]]:
         """The request's token limit (None: the rest of the context), resolved sampling and stop strings."""
-        limit = _number(body, "max_completion_tokens", integer=True, low=1)
-        limit = _number(body, "max_tokens", integer=True, low=1) if limit is None else limit
+        limit = number(body, "max_completion_tokens", integer=True, low=1)
+        limit = number(body, "max_tokens", integer=True, low=1) if limit is None else limit
         user = {**self.sampling_flags}
         for name in SAMPLING_FIELDS:
-            value = _number(body, name, integer=name == "top_k")
+            value = number(body, name, integer=name == "top_k")
             if value is not None:
                 user[name] = value
         if user.get("top_k") == -1:
             user["top_k"] = 0  # -1: off, as vLLM spells it
-        seed = _number(body, "seed", integer=True)
+        seed = number(body, "seed", integer=True)
         try:
             sampling = resolve_sampling(user, self.loaded.checkpoint.generation_config,
                                         self.loaded.family.family.sampling_defaults, seed=seed)
         except LollmError as error:
             raise ApiError(400, str(error)) from None
-        return limit, sampling, _stops(body)
+        return limit, sampling, stops(body)
 
-    def job(self, body: dict[str, Any], ids: list[int], limit: int | None, sampling: SamplingParams, stop: list[str],
+    def job(self, body: Body, ids: list[int], limit: int | None, sampling: SamplingParams, stop: list[str],
             logprobs: int | None) -> Job:
         """The generation of a request whose prompt is ``ids``; ApiError 400 when the prompt leaves no room."""
         if len(ids) >= self.context:
@@ -220,12 +224,12 @@ class ModelServer:
         room = self.context - len(ids)
         return Job(ids=ids, max_tokens=min(limit or room, room), sampling=sampling, stop=stop, logprobs=logprobs)
 
-    def _too_long(self, body: dict[str, Any], what: str) -> ApiError:
+    def _too_long(self, body: Body, what: str) -> ApiError:
         return ApiError(400, f"{what}, but the server's context is {self.context} (lollm serve --ctx-size); "
                              f"shorten it", param="messages" if "messages" in body else "prompt",
                         code="context_length_exceeded")
 
-    def check_text_size(self, body: dict[str, Any], size: int) -> None:
+    def check_text_size(self, body: Body, size: int) -> None:
         """Refuse, before tokenizing, a prompt whose text (``size`` UTF-8 bytes) cannot fit the context.
 
         No token stands for more than ``token_bytes_bound`` bytes, so such a text
@@ -238,12 +242,12 @@ class ModelServer:
             raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
                                        f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
-    def chat_ids(self, body: dict[str, Any], tools: ToolRequest | None = None) -> list[int]:
+    def chat_ids(self, body: Body, tools: ToolRequest | None = None) -> list[int]:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
         try:
-            messages = _messages(body.get("messages"))
+            messages = read_messages(body.get("messages"))
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
         flags = dict(self.template_flags)
@@ -253,7 +257,7 @@ class ModelServer:
                 raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
             for key in extra:
                 if key in RESERVED_TEMPLATE_VARIABLES or not self.tokenizer.chat_template_reads(key):
-                    raise ApiError(400, f"chat_template_kwargs: the chat template does not read {_show(key)}",
+                    raise ApiError(400, f"chat_template_kwargs: the chat template does not read {short_repr(key)}",
                                    param=f"chat_template_kwargs.{key[:100]}")
             flags.update(extra)
         if tools is not None:
@@ -264,7 +268,7 @@ class ModelServer:
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
             raise ApiError(400, str(error), param="messages") from None
 
-    def completion_ids(self, body: dict[str, Any]) -> list[int]:
+    def completion_ids(self, body: Body) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -277,7 +281,7 @@ class ModelServer:
             bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
             if bad:
                 raise ApiError(400, f"'prompt' holds token ids outside the vocabulary (0 .. {self.model.vocab_size - 1}): "
-                                    f"{_show(bad[:5])}", param="prompt")
+                                    f"{short_repr(bad[:5])}", param="prompt")
             ids = list(prompt)
         else:
             raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
@@ -299,7 +303,7 @@ class ModelServer:
             raise ApiError(400, str(error), param=param, code=f"unsupported_{param}") from None
 
     # -- running a job: the engine, or the single worker --------------------------------------
-    def submit(self, job: Job) -> Future:
+    def submit(self, job: Job) -> Future[GenerationResult | None]:
         """Start ``job``; a Future of its GenerationResult (None: cancelled before it began).
 
         ApiError 503 (with ``Retry-After``) when ``max_queue`` requests already wait.
@@ -382,7 +386,7 @@ class ModelServer:
         """
         ranks.follow(self.group, self._follow_job)
 
-    def _follow_job(self, message: tuple[Any, ...]) -> None:
+    def _follow_job(self, message: FollowedJob) -> None:
         """One job rank 0 broadcast; an error rank 0's generation also meets (a LollmError) is rank 0's to report."""
         ids, max_tokens, sampling, stop, logprobs, constraint = message
         try:
@@ -402,35 +406,3 @@ class ModelServer:
         except Exception as error:
             log.info("--tp: the other ranks did not take the stop message: %s", error)
             return False
-
-    # -- answers ----------------------------------------------------------------------------
-    def usage(self, result: GenerationResult) -> dict[str, Any]:
-        prompt, completion = len(result.prompt_ids), len(result.new_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
-
-    def content_logprobs(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
-        """Chat-style logprobs: token text, log-probability, UTF-8 bytes, and the top alternatives."""
-
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            data = self.tokenizer.token_bytes(token)
-            return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
-
-        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
-
-    def text_logprobs(self, entries: list[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
-        """Completions-style (legacy) logprobs: parallel lists, offsets into the generated text."""
-        tokens, offsets = [], []
-        for e in entries:
-            offsets.append(offset)
-            text = self.tokenizer.token_bytes(e.token).decode("utf-8", errors="replace")
-            tokens.append(text)
-            offset += len(text)
-        top = [{self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in e.top} for e in entries]
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-                "text_offset": offsets}
-
-    def content_entries(self, result: GenerationResult) -> list[TokenLogprobs]:
-        """The logprobs of the answer's tokens (an end-of-sequence token that stopped it is not content)."""
-        entries = result.logprobs
-        return entries[:-1] if entries and result.stop_reason == "eos" else entries

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from importlib.metadata import PackageNotFoundError, version
 
+from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import IGNORED, MAX_INTEGER, RESPONSE_FORMATS, ROLES
 
-if TYPE_CHECKING:
-    from lollm.serve.model_server import ModelServer
+#: One object of the OpenAPI description (a schema, an operation, a response), as JSON.
+Schema = dict[str, object]
 
-# -- /openapi.json -------------------------------------------------------------------------------
-#
 # Written by hand, small and true to what the handlers accept: a request the schema allows may
 # still be refused (a template that rejects the messages, a prompt longer than the context, a
 # temperature so small the logits overflow), but never with a status the schema does not list.
 
 
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+def _nullable(schema: Schema) -> Schema:
     return {**schema, "nullable": True}
 
 
@@ -103,22 +102,23 @@ _ERRORS = {
 }
 
 
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+def _json(schema: Schema, description: str) -> Schema:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _generation_operation(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+def _generation_operation(summary: str, request: Schema, answer: Schema) -> Schema:
     errors = {status: _json(_ERROR, text) for status, text in _ERRORS.items()}
-    errors["503"]["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
-    ok = _json(answer, "the answer; with stream: true, server-sent events (data: {chunk} ... data: [DONE])")
+    errors["503"] = {**errors["503"], "headers": {"Retry-After": {"description": "seconds to wait",
+                                                                  "schema": {"type": "integer"}}}}
     event = {"type": "object", "required": ["data"], "description": "one server-sent event (as OpenAPI 3.2 reads a stream)",
              "properties": {"data": {"type": "string", "description": "a chunk as JSON, or [DONE] at the end"}}}
-    ok["content"]["text/event-stream"] = {"schema": event}
+    ok = {"description": "the answer; with stream: true, server-sent events (data: {chunk} ... data: [DONE])",
+          "content": {"application/json": {"schema": answer}, "text/event-stream": {"schema": event}}}
     return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
             "responses": {"200": ok, **errors}}
 
 
-def openapi_schema(server: ModelServer) -> dict[str, Any]:
+def openapi_schema(server: ModelServer) -> Schema:
     """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``)."""
     model = {"type": "string", "enum": [server.name], "description": "the served model's name (404 for any other)"}
     chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
@@ -137,7 +137,7 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
     listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
         "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
-    paths = {
+    paths: dict[str, dict[str, Schema]] = {
         "/v1/chat/completions": {"post": _generation_operation("chat: messages through the chat template", chat, _CHAT_ANSWER)},
         "/v1/completions": {"post": _generation_operation("completion of a prompt (text or token ids)", completion,
                                                           _COMPLETION_ANSWER)},
@@ -150,7 +150,7 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
             "200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "501": _json(_ERROR, "prometheus-client is not installed")}}},
     }
-    schema: dict[str, Any] = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
+    schema: Schema = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
     if server.api_key is not None:
         schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
@@ -160,8 +160,6 @@ def openapi_schema(server: ModelServer) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("lollm-core")
     except PackageNotFoundError:

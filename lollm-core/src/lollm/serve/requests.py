@@ -17,15 +17,19 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable, NoReturn
 
 from lollm.errors import TokenizerError
 from lollm.generate.loop import TokenLogprobs
 from lollm.generate.sampling import SEED_MAX, SamplingParams
 from lollm.generate.structured import CompiledConstraint, OutputConstraint, open_object
 from lollm.serve.tools import ToolRequest, template_tool_calls
+from lollm.tokenizer import Tokenizer
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
+
+#: A request body as :func:`parse_body` gives it: a JSON object (values: str, int, float, bool, None, list, dict).
+Body = dict[str, object]
 
 #: Fields a client may send that change nothing here, ignored when null or neutral.
 IGNORED = {"user": None, "metadata": None, "store": None, "service_tier": None, "parallel_tool_calls": None,
@@ -63,7 +67,7 @@ def body_limit(context: int) -> int:
     return BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context
 
 
-def longest_token_bytes(tokenizer: Any) -> int:
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
     """An upper bound on the bytes of text one token of ``tokenizer`` can stand for (at least 1).
 
     The UTF-8 length of the longest vocabulary string, added tokens included:
@@ -91,7 +95,7 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers  # extra HTTP headers of the answer (a 503's Retry-After)
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
@@ -117,16 +121,16 @@ _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 80, 80, 3
 
 
-def _show(value: Any) -> str:
+def short_repr(value: object) -> str:
     """``repr(value)`` cut short (long strings, big lists, deep nesting), for error messages."""
     return _SHOW.repr(value)
 
 
-def _refuse_constant(name: str) -> Any:
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes) -> Body:
     """The request body ``raw`` (JSON, UTF-8) as a dict; ApiError 400 when it is not one.
 
     Refused: invalid JSON, ``NaN`` / ``Infinity`` (Python's json reads them, JSON
@@ -152,7 +156,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def text_bytes(value: Any) -> int:
+def text_bytes(value: object) -> int:
     """UTF-8 bytes of every string inside ``value`` (values of objects, items of lists), without recursion."""
     total, stack = 0, [value]
     while stack:
@@ -166,18 +170,18 @@ def text_bytes(value: Any) -> int:
     return total
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def check_fields(body: Body, allowed: set[str]) -> None:
     for name, value in body.items():
         if name in allowed:
             continue
         if name in IGNORED and value in (None, IGNORED[name]):
             continue
-        raise ApiError(400, f"unsupported parameter {_show(name)} (value {_show(value)}): lollm serve does not "
+        raise ApiError(400, f"unsupported parameter {short_repr(name)} (value {short_repr(value)}): lollm serve does not "
                             f"implement it", param=name[:100], code="unsupported_parameter")
 
 
-def _number(body: dict[str, Any], name: str, *, integer: bool = False, low: float | None = None,
-            high: float | None = None, open_low: bool = False) -> Any:
+def number(body: Body, name: str, *, integer: bool = False, low: float | None = None,
+            high: float | None = None, open_low: bool = False) -> int | float | None:
     """``body[name]`` checked to be a number in range, or None when absent or null.
 
     Integers lie within +-:data:`MAX_INTEGER` and other numbers are finite
@@ -187,9 +191,9 @@ def _number(body: dict[str, Any], name: str, *, integer: bool = False, low: floa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise ApiError(400, f"{name!r} must be {'an integer' if integer else 'a number'}, got {_show(value)}", param=name)
+        raise ApiError(400, f"{name!r} must be {'an integer' if integer else 'a number'}, got {short_repr(value)}", param=name)
     if isinstance(value, int) and abs(value) > MAX_INTEGER or isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(400, f"{name!r} is out of range: {_show(value)}", param=name)
+        raise ApiError(400, f"{name!r} is out of range: {short_repr(value)}", param=name)
     if low is not None and (value <= low if open_low else value < low):
         raise ApiError(400, f"{name!r} must be {'>' if open_low else '>='} {low}, got {value}", param=name)
     if high is not None and value > high:
@@ -197,27 +201,27 @@ def _number(body: dict[str, Any], name: str, *, integer: bool = False, low: floa
     return value
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def flag(body: Body, name: str) -> bool:
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name!r} must be true or false, got {_show(value)}", param=name)
+        raise ApiError(400, f"{name!r} must be true or false, got {short_repr(value)}", param=name)
     return value
 
 
-def _stops(body: dict[str, Any]) -> list[str]:
+def stops(body: Body) -> list[str]:
     value = body.get("stop")
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most 16 of them, got {_show(value)}",
+        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most 16 of them, got {short_repr(value)}",
                        param="stop")
     return stops
 
 
-def _stream_options(body: dict[str, Any]) -> bool:
+def stream_options(body: Body) -> bool:
     """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
     options = body.get("stream_options")
     if options is None:
@@ -227,18 +231,19 @@ def _stream_options(body: dict[str, Any]) -> bool:
     return bool(options.get("include_usage", False))
 
 
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
+def chat_logprobs(body: Body) -> int | None:
     """How many alternatives each chat token's logprobs list (``logprobs`` + ``top_logprobs``), None: no logprobs."""
-    top = _number(body, "top_logprobs", integer=True, low=0, high=20)
-    if _flag(body, "logprobs"):
+    top = number(body, "top_logprobs", integer=True, low=0, high=20)
+    if flag(body, "logprobs"):
         return top or 0
     if top is not None:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return None
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    """The chat messages as the template takes them: role, content (text parts joined), name."""
+def read_messages(value: object) -> list[dict[str, object]]:
+    """The chat messages as the template takes them: role, content (text parts joined), name, and an assistant's
+    tool calls (arguments as objects: :func:`lollm.serve.tools.template_tool_calls`); ApiError 400 naming the message."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
@@ -248,11 +253,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise ApiError(400, f"{where} must be an object with 'role' and 'content'", param=where)
         for key, item in message.items():
             if key not in MESSAGE_FIELDS and item is not None:
-                raise ApiError(400, f"{where}.{_show(key)} is not supported (only {', '.join(MESSAGE_FIELDS)})",
+                raise ApiError(400, f"{where}.{short_repr(key)} is not supported (only {', '.join(MESSAGE_FIELDS)})",
                                param=f"{where}.{key[:100]}")
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}", param=f"{where}.role")
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {short_repr(role)}", param=f"{where}.role")
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -266,7 +271,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
             content = "\n".join(texts)
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        entry: dict[str, Any] = {"role": role, "content": content}
+        entry: dict[str, object] = {"role": role, "content": content}
         for key in ("name", "reasoning_content", "tool_call_id"):
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
@@ -284,7 +289,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
 RESPONSE_FORMATS = {"text": None, "json_object": None, "json_schema": "json_schema", "regex": "regex", "grammar": "grammar"}
 
 
-def response_format(value: Any) -> OutputConstraint | None:
+def response_format(value: object) -> OutputConstraint | None:
     """The request's ``response_format`` as an :class:`OutputConstraint` (None: free text); ApiError 400 when malformed.
 
     ``{"type": "text"}``; ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema":
@@ -299,10 +304,10 @@ def response_format(value: Any) -> OutputConstraint | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if not isinstance(kind, str) or kind not in RESPONSE_FORMATS:  # a dict or list as 'type' is unhashable
         raise ApiError(400, f"'response_format' must be an object whose 'type' is one of {', '.join(RESPONSE_FORMATS)}, "
-                            f"got {_show(value)}", param="response_format")
+                            f"got {short_repr(value)}", param="response_format")
     key = RESPONSE_FORMATS[kind]
     if set(value) - {"type", key}:
-        raise ApiError(400, f"'response_format' of type {kind!r} takes only {sorted({'type', key} - {None})}, got {_show(value)}",
+        raise ApiError(400, f"'response_format' of type {kind!r} takes only {sorted({'type', key} - {None})}, got {short_repr(value)}",
                        param="response_format")
     if kind == "text":
         return None

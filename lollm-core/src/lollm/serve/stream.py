@@ -6,20 +6,30 @@ import asyncio
 import json
 import logging
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Union
 
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult, TokenLogprobs
-from lollm.serve.answers import FINISH_REASON
+from lollm.serve.answers import FINISH_REASON, Chunk, usage
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import ApiError, Prepared, internal_error
 from lollm.serve.tool_formats import ToolCall
 from lollm.serve.tools import ToolCallParser
 
+# Lazy import below: starlette is the optional ``serve`` extra, imported where the response is made
+# (and here for type checkers only), so this module loads without it.
+if TYPE_CHECKING:
+    from starlette.responses import StreamingResponse
+    from starlette.types import Receive, Scope, Send
+
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
+#: What the generating thread hands the event loop: ("text", str), ("token", TokenLogprobs),
+#: then ("done", GenerationResult | None) or ("error", BaseException).
+Item = tuple[str, Union[str, TokenLogprobs, GenerationResult, BaseException, None]]
 
-def sse(payload: Any) -> str:
+
+def sse(payload: object) -> str:
     """One server-sent event carrying ``payload`` as JSON."""
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -35,27 +45,27 @@ class EventStream:
     is sent as an error event (a bug: one log line, as for a 500).
     """
 
-    def __init__(self, server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
+    def __init__(self, server: ModelServer, plan: Prepared, chunk: Chunk, where: str):
         self.server, self.plan, self.chunk, self.where = server, plan, chunk, where
         #: with tools, the text is read for calls before it is sent (lollm.serve.tools); calls sent so far
         self.parser: ToolCallParser | None = plan.job.tools.parser() if plan.job.tools is not None else None
         self.calls = 0
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
         plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
 
     def start(self) -> None:
         """Submit the job (ApiError 503 when the queue is full); its end comes to :meth:`settled`."""
         self.server.submit(self.plan.job).add_done_callback(self.settled)
 
-    def response(self):
+    def response(self) -> StreamingResponse:
         """The Starlette StreamingResponse of :meth:`events`; when it ends, however it ends, the job is cancelled."""
         from starlette.responses import StreamingResponse
 
         cancel = self.plan.job.cancel
 
         class Response(StreamingResponse):
-            async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
                 try:
                     await super().__call__(scope, receive, send)
                 finally:  # a no-op after the end; stops a generation whose client went away, even before the first event
@@ -64,7 +74,7 @@ class EventStream:
         return Response(self.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # -- the generating thread's side ---------------------------------------------------------
-    def put(self, item: tuple[str, Any]) -> None:
+    def put(self, item: Item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def on_text(self, piece: str) -> None:
@@ -74,7 +84,7 @@ class EventStream:
         if logprobs is not None and token not in self.server.stop_ids:
             self.put(("token", logprobs))
 
-    def settled(self, future: Future) -> None:
+    def settled(self, future: Future[GenerationResult | None]) -> None:
         """The job's Future is done: its result, or its error, goes on the queue last."""
         if future.cancelled():  # the server is closing
             self.put(("done", None))
@@ -110,9 +120,9 @@ class EventStream:
         finish = FINISH_REASON[result.stop_reason] if result is not None else "stop"
         yield sse(self.chunk("", None, "tool_calls" if self.calls and finish == "stop" else finish))
         if self.plan.include_usage and result is not None:
-            yield sse({**self.chunk("", None, None), "choices": [], "usage": self.server.usage(result)})
+            yield sse({**self.chunk("", None, None), "choices": [], "usage": usage(result)})
 
-    async def events(self):
+    async def events(self) -> AsyncIterator[str]:
         """The events: the assistant's role, then text (with its logprobs) as it comes, the end, ``[DONE]``."""
         pending: list[TokenLogprobs] = []
         try:
@@ -138,7 +148,7 @@ class EventStream:
             self.plan.job.cancel.set()  # no-op after the end; stops the generation of a client that went away
 
 
-def stream(server: ModelServer, plan: Prepared, chunk: Callable[..., dict[str, Any]], where: str):
+def stream(server: ModelServer, plan: Prepared, chunk: Chunk, where: str) -> StreamingResponse:
     """The StreamingResponse of ``plan``'s generation as server-sent events (:class:`EventStream`); ApiError 503 when full."""
     events = EventStream(server, plan, chunk, where)
     events.start()

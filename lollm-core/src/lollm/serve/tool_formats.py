@@ -11,10 +11,15 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from lollm.errors import LollmError
 from lollm.generate.structured import OutputConstraint, json_rule, tagged_json
+from lollm.tokenizer import Tokenizer
+
+#: A function's parameters as a JSON schema (``{"type": "object", "properties": {...}}``).
+JsonSchema = dict[str, object]
+#: The functions a request offers: name -> its parameters' :data:`JsonSchema`.
+Schemas = dict[str, JsonSchema]
 
 
 class ToolRequestError(LollmError):
@@ -33,11 +38,11 @@ class ToolCall:
     name: str
     arguments: str
 
-    def message_entry(self) -> dict[str, Any]:
+    def message_entry(self) -> dict[str, object]:
         """The call in ``message.tool_calls`` of an answer."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
-    def deltas(self, index: int) -> list[dict[str, Any]]:
+    def deltas(self, index: int) -> list[dict[str, object]]:
         """The call as streamed ``delta.tool_calls`` entries: id and name first, then the arguments.
 
         Concatenating the ``arguments`` of the entries of one ``index`` gives
@@ -47,7 +52,7 @@ class ToolCall:
                 {"index": index, "function": {"arguments": self.arguments}}]
 
 
-def new_call(name: str, arguments: dict[str, Any]) -> ToolCall:
+def new_call(name: str, arguments: dict[str, object]) -> ToolCall:
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
 
 
@@ -70,7 +75,7 @@ class ToolCallFormat:
     #: other marker texts the format's calls use (Gemma 4's string quote)
     extra_markers: tuple[str, ...] = ()
 
-    def marker_ids(self, tokenizer: Any) -> frozenset[int]:
+    def marker_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
         """The special-token ids among the format's markers: the decoder must write them out for the parser."""
         ids = set()
         for marker in (self.start, self.end, *self.extra_markers):
@@ -79,11 +84,11 @@ class ToolCallFormat:
                 ids.add(encoded[0])
         return frozenset(ids)
 
-    def parse(self, body: str, tools: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    def parse(self, body: str, tools: Schemas) -> tuple[str, dict[str, object]]:
         """The (function name, arguments) that ``body`` (the text between the markers) states; ValueError if none."""
         raise NotImplementedError
 
-    def constraint(self, schemas: dict[str, dict[str, Any]], parallel: bool) -> OutputConstraint:
+    def constraint(self, schemas: Schemas, parallel: bool) -> OutputConstraint:
         """The grammar of an answer that is only calls, to functions of ``schemas``, arguments following each schema.
 
         ``parallel``: one call or more, else exactly one. ToolRequestError where
@@ -92,7 +97,7 @@ class ToolCallFormat:
         raise ToolRequestError(f"tool_choice 'required' or a named function needs a grammar of the {self.name} call "
                                "format, which lollm does not have yet; use tool_choice 'auto'", "tool_choice")
 
-    def read(self, body: str, tools: dict[str, dict[str, Any]]) -> ToolCall | None:
+    def read(self, body: str, tools: Schemas) -> ToolCall | None:
         """The call of ``body``, or None when it does not parse or names a function not offered."""
         try:
             name, arguments = self.parse(body, tools)
@@ -153,7 +158,7 @@ class XmlCalls(ToolCallFormat):
         more = ' ("\\n" block)*' if parallel else ""
         return OutputConstraint.grammar("\n".join([f"start: block{more}", f"block: {' | '.join(calls)}", *rules]) + "\n")
 
-    def _value(self, function: str, key: str, spec: Any) -> str | None:
+    def _value(self, function: str, key: str, spec: object) -> str | None:
         """The Lark of one parameter's value and its closing tag: JSON, a string's enum, or None (text, bounded
         by the schema's minLength / maxLength; other string keywords are refused, never ignored)."""
         close = json.dumps("\n</parameter>\n")
@@ -191,7 +196,7 @@ class XmlCalls(ToolCallFormat):
         return name, arguments
 
 
-def _json_or_text(text: str) -> Any:
+def _json_or_text(text: str) -> object:
     try:
         return json.loads(text)
     except ValueError:
@@ -217,7 +222,7 @@ class Gemma4Calls(ToolCallFormat):
             raise ValueError("text after the arguments")
         return match.group(1), value
 
-    def _value(self, text: str, at: int) -> tuple[Any, int]:
+    def _value(self, text: str, at: int) -> tuple[object, int]:
         if text.startswith(self.QUOTE, at):
             close = text.find(self.QUOTE, at + len(self.QUOTE))
             if close < 0:
@@ -230,9 +235,9 @@ class Gemma4Calls(ToolCallFormat):
             raise ValueError(f"no value at {at}")
         return json.loads(scalar.group()), scalar.end()
 
-    def _container(self, text: str, at: int) -> tuple[Any, int]:
+    def _container(self, text: str, at: int) -> tuple[dict[str, object] | list[object], int]:
         is_object, close = text[at] == "{", "}" if text[at] == "{" else "]"
-        items: Any = {} if is_object else []
+        items: dict[str, object] | list[object] = {} if is_object else []
         at += 1
         while not text.startswith(close, at):
             if items:

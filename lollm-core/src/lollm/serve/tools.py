@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from lollm.generate.structured import ConstraintError, OutputConstraint, check_constraint
-from lollm.serve.tool_formats import FORMATS, ToolCall, ToolCallFormat, ToolRequestError, format_of
+from lollm.serve.tool_formats import FORMATS, Schemas, ToolCall, ToolCallFormat, ToolRequestError, format_of
+from lollm.tokenizer import StreamDecoder, Tokenizer
 
 #: OpenAI's rule for a function name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -66,7 +67,7 @@ class ToolCallParser:
     """
 
     fmt: ToolCallFormat
-    tools: dict[str, dict[str, Any]]  # function name -> its parameters' JSON schema
+    tools: Schemas  # function name -> its parameters' JSON schema
     max_calls: int | None = None
     buffer: str = ""
     inside: bool = False  # after a start marker, waiting for the end marker
@@ -156,13 +157,13 @@ class MarkerText:
     Everything else is the tokenizer's own.
     """
 
-    def __init__(self, tokenizer: Any, keep: frozenset[int]):
+    def __init__(self, tokenizer: Tokenizer, keep: frozenset[int]):
         self.tokenizer, self.keep = tokenizer, keep
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # any attribute of the tokenizer, as it is
         return getattr(self.tokenizer, name)
 
-    def stream_decoder(self, *, skip_special_tokens: bool = False) -> Any:
+    def stream_decoder(self, *, skip_special_tokens: bool = False) -> StreamDecoder:
         return self.tokenizer.stream_decoder(skip_special_tokens=skip_special_tokens, keep=self.keep)
 
 
@@ -189,8 +190,8 @@ class ToolRequest:
               a keyword it cannot enforce, so the arguments always validate); None for ``auto``.
     """
 
-    tools: list[dict[str, Any]]
-    schemas: dict[str, dict[str, Any]]
+    tools: list[dict[str, object]]
+    schemas: Schemas
     choice: str
     name: str | None
     parallel: bool
@@ -210,7 +211,7 @@ class ToolRequest:
         """
         return [] if self.parallel or self.keep else [self.fmt.end]
 
-    def text_of(self, tokenizer: Any) -> Any:
+    def text_of(self, tokenizer: Tokenizer) -> Tokenizer | MarkerText:
         """The tokenizer to decode the answer with: one that writes the special markers out (:class:`MarkerText`)."""
         return MarkerText(tokenizer, self.keep) if self.keep else tokenizer
 
@@ -226,7 +227,7 @@ class ToolRequest:
 
 
 
-def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any = None) -> ToolRequest | None:
+def read_tools(body: dict[str, object], template_source: str | None, tokenizer: Tokenizer | None = None) -> ToolRequest | None:
     """The request's tools, checked; None when it offers none or ``tool_choice`` is ``"none"``.
 
     Raises :class:`ToolRequestError` for a malformed ``tools`` list (OpenAI's
@@ -269,7 +270,7 @@ def read_tools(body: dict[str, Any], template_source: str | None, tokenizer: Any
     return ToolRequest(list(tools), schemas, mode, name, parallel, fmt, keep, grammar)
 
 
-def _check_forced(forced: dict[str, dict[str, Any]], names: list[str]) -> None:
+def _check_forced(forced: Schemas, names: list[str]) -> None:
     """ToolRequestError naming ``tools[i].function.parameters`` whose schema the call grammar cannot enforce."""
     for name, schema in forced.items():
         where = f"tools[{names.index(name)}].function.parameters"
@@ -280,10 +281,10 @@ def _check_forced(forced: dict[str, dict[str, Any]], names: list[str]) -> None:
                                    f"{error.reason}; remove the keyword, or use tool_choice 'auto'", where) from None
 
 
-def _schemas(tools: Any) -> dict[str, dict[str, Any]]:
+def _schemas(tools: object) -> Schemas:
     if not isinstance(tools, list) or len(tools) > 128:
         raise ToolRequestError("'tools' must be a list of at most 128 tools", "tools")
-    schemas: dict[str, dict[str, Any]] = {}
+    schemas: Schemas = {}
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -304,7 +305,7 @@ def _schemas(tools: Any) -> dict[str, dict[str, Any]]:
     return schemas
 
 
-def _choice(choice: Any, schemas: dict[str, dict[str, Any]]) -> tuple[str, str | None]:
+def _choice(choice: object, schemas: Schemas) -> tuple[str, str | None]:
     if choice is None:
         return "auto", None
     if choice in CHOICES:
@@ -322,7 +323,7 @@ def _choice(choice: Any, schemas: dict[str, dict[str, Any]]) -> tuple[str, str |
 # -- tool messages -----------------------------------------------------------------------------
 
 
-def template_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+def template_tool_calls(value: object, where: str) -> list[dict[str, object]]:
     """An assistant message's ``tool_calls`` as chat templates read them: arguments as a dict, not JSON text.
 
     OpenAI clients send ``arguments`` as a JSON string; templates print it with
