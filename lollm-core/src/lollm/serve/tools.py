@@ -9,7 +9,7 @@ and the model answers with text in the format it was fine-tuned on::
     Qwen3.5          <tool_call>\\n<function=get_weather>\\n<parameter=city>\\nParis\\n</parameter>\\n</function>\\n</tool_call>
     Gemma 4          <|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>
 
-Each format is one :class:`ToolCallFormat` (its start and end markers, how to
+Each format is one :class:`~lollm.serve.tool_formats.ToolCallFormat` (its start and end markers, how to
 read the text between them, and the grammar a constrained generation follows),
 chosen by :func:`format_of` from the template's own source: the template that
 writes the calls of earlier turns is the authority on their format. A template
