@@ -143,7 +143,7 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JS
     return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
 
 
-Handler = Callable[['Routes', 'Request'], Awaitable['Response']]  # an async method of Routes
+Handler = Callable[["Routes", "Request"], Awaitable["Response"]]  # an async method of Routes
 
 
 def guarded(handler: Handler) -> Handler:
