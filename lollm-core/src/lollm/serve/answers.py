@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Callable, Protocol, TypedDict
 
-from lollm.generate.loop import GenerationResult, TokenLogprobs
+from lollm.generate.loop import GenerationResult
+from lollm.generate.sequence import TokenLogprobs
 from lollm.serve.requests import Job
 from lollm.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from lollm.errors import TokenizerError
-from lollm.generate.loop import TokenLogprobs
+from lollm.generate.sequence import TokenLogprobs
 from lollm.generate.sampling import SEED_MAX, SamplingParams
 from lollm.generate.structured import CompiledConstraint, OutputConstraint, open_object
 from lollm.serve.tools import ToolRequest, template_tool_calls

@@ -9,7 +9,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, AsyncIterator, Iterator, Union
 
 from lollm.errors import LollmError
-from lollm.generate.loop import GenerationResult, TokenLogprobs
+from lollm.generate.loop import GenerationResult
+from lollm.generate.sequence import TokenLogprobs
 from lollm.serve.answers import FINISH_REASON, Chunk, usage
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import ApiError, Prepared, internal_error
