@@ -25,6 +25,7 @@ from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams, resolve_sampling
 from lollm.generate.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
 from lollm.engine import Engine, EngineConfig
+from lollm.engine.engine import why_not_batched
 from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import request_line
 from lollm.serve.metrics import metrics_for
@@ -110,16 +111,10 @@ class ModelServer:
             self.metrics = metrics_for(self._single_stats, kv_blocks=False)
 
     def _single_reason(self) -> str | None:
-        """Why this model cannot run through the engine here (None: it can)."""
-        if self.group is not None:
-            return "--tp runs one request at a time (the engine does not split a model over ranks yet)"
-        if self.draft_tokens > 0:
-            return "--mtp runs one request at a time (the engine does not decode speculatively)"
-        if not hasattr(self.model, "cache_layers"):
-            family = getattr(getattr(getattr(self.loaded, "family", None), "family", None), "name", None)
-            return (f"the {family or type(self.model).__name__} family cannot run batched yet (its model has no "
-                    f"cache_layers()): one request at a time")
-        return None
+        """Why this model cannot run through the engine here (None: it can): the engine's one answer."""
+        family = getattr(getattr(getattr(self.loaded, "family", None), "family", None), "name", None)
+        return why_not_batched(self.model, tp=self.group, speculative="--mtp" if self.draft_tokens > 0 else None,
+                               family=family)
 
     def _start_engine(self, max_running: int, kv_blocks: int | None, max_batch_tokens: int) -> EngineLoop:
         """The engine over the model and the thread that steps it (with this server's metrics)."""
