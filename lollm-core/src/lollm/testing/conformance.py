@@ -46,6 +46,14 @@ What the inherited tests prove (each one is a method below, read them):
    (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
    matches the reference run on the weights the file holds.
 
+Where each check lives: this module holds :class:`FamilyConformance`, its fixtures and
+sections 0 to 2; it inherits sections 3 to 6 from :mod:`lollm.testing.model_checks`, section 7
+and the engine tests from :mod:`lollm.testing.generation_checks` (with the checks a family's own
+tests call alone: :func:`check_speculation_is_exact`, :func:`check_chunked_prefill_is_exact`,
+:func:`check_prompt_cache_turns`), sections 8 and 9 from :mod:`lollm.testing.parity_checks`; the
+parity bound and the sensitivity come from :mod:`lollm.testing.reference`, the prompt's length and
+chunk schedules from :mod:`lollm.testing.schedules`.
+
 Why these checks and bounds, and the mutants that prove the kit fails a wrong family:
 docs/conformance-kit.md (:mod:`lollm.testing.mutation` makes those mutants).
 
@@ -82,10 +90,16 @@ from lollm.testing.generation_checks import (GenerationChecks, check_chunked_pre
 from lollm.testing.model_checks import TIE_CANDIDATES, UNEXPECTED_TENSOR, ModelChecks
 from lollm.testing.parity_checks import REFERENCE_TESTS, ParityChecks
 from lollm.testing.reference import (BOUND_FLOOR, NOISE_FACTOR, SENSITIVITY_CHECKS, SENSITIVITY_CHECKS_HELP, NoiseFloor,
-                                     cached_reference, measure_noise_floor, reference_sensitivity, _with_layer_types)
-from lollm.testing.schedules import MAX_WINDOWED_PROMPT, SEQUENCE_LENGTH, _schedules, _sliding_window
+                                     cached_reference, measure_noise_floor, reference_sensitivity, with_layer_types)
+from lollm.testing.schedules import MAX_WINDOWED_PROMPT, SEQUENCE_LENGTH, chunk_schedules, sliding_window_of
 
-__all__ = ["FamilyConformance", "NoiseFloor", "check_prompt_cache_turns", "measure_noise_floor", "reference_sensitivity"]
+# The checks live in the modules above, by what they check; every name families and their tests
+# import stays importable from here (``from lollm.testing.conformance import check_speculation_is_exact``).
+__all__ = ["BOUND_FLOOR", "FamilyConformance", "NOISE_FACTOR", "NoiseFloor", "REFERENCE_TESTS", "SENSITIVITY_CHECKS",
+           "SENSITIVITY_CHECKS_HELP", "SEQUENCE_LENGTH", "TIE_CANDIDATES", "UNEXPECTED_TENSOR", "cached_reference",
+           "check_chunked_prefill_is_exact", "check_prompt_cache_turns", "check_speculation_is_exact",
+           "measure_noise_floor", "prefill_chunk_sizes", "reference_sensitivity", "refused_imports", "repeating_prompt"]
+
 
 class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     """Inherit from this in a ``Test…`` class and provide the fixtures ``family_name`` and ``checkpoint_dir``.
@@ -193,7 +207,7 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
         Read from config.json (``sliding_window``, or ``text_config.sliding_window``), unless
         ``use_sliding_window`` is false. Override it when your family spells it otherwise.
         """
-        return _sliding_window(checkpoint.config)
+        return sliding_window_of(checkpoint.config)
 
     @pytest.fixture
     def prompt_ids(self, model, sliding_window) -> torch.Tensor:
@@ -233,9 +247,9 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
         naming the feature and the config change that fixes it (or ``coverage_waivers`` records why not).
         The report is printed too: ``pytest -rP`` shows it when the test passes."""
         T = prompt_ids.shape[1]
-        schedules = _schedules(T, sliding_window)
+        schedules = chunk_schedules(T, sliding_window)
         longest = max(s[0] for s in schedules if len(s) > 1 and s[1] == 1)
-        report = check_coverage(_with_layer_types(checkpoint.config, self.reference_model_types),
+        report = check_coverage(with_layer_types(checkpoint.config, self.reference_model_types),
                                 prompt_length=T, longest_prefill=longest)
         print(f"coverage report ({T}-position prompt, longest prefill before decode {longest}):\n{report.table()}")
         blind = report.blind(self.coverage_waivers)

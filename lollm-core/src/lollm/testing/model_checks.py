@@ -17,7 +17,7 @@ import torch
 
 from lollm.errors import WeightsError
 from lollm.load.loader import load_checkpoint
-from lollm.testing.schedules import _fill, _schedules, _short
+from lollm.testing.schedules import chunk_schedules, short_schedule
 
 #: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
 UNEXPECTED_TENSOR = "lollm_conformance.unexpected_tensor.weight"
@@ -139,18 +139,14 @@ class ModelChecks:
         self._assert_same(full, cached, "prefill with a cache vs without")
         # one token at a time from the start, half then one at a time, uneven chunks, and
         # (with a sliding window) prefills and chunks that end just before, at and after it
-        for schedule in _schedules(T, sliding_window):
+        for schedule in chunk_schedules(T, sliding_window):
             cache = model.new_cache(T)
             rows, at = [], 0
             for size in schedule:
                 rows.append(model(prompt_ids[:, at : at + size], cache)[0])
                 at += size
             assert cache.length == T
-            self._assert_same(full, torch.cat(rows), f"prefill-all vs chunks {_short(schedule)}")
-
-    @staticmethod
-    def _chunks(T: int) -> list[int]:
-        return _fill(T, [3, 1])
+            self._assert_same(full, torch.cat(rows), f"prefill-all vs chunks {short_schedule(schedule)}")
 
     def _assert_same(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} and {tuple(b.shape)}"

@@ -14,7 +14,7 @@ from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.plugins import InstalledFamily
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 from lollm.testing.reference import SENSITIVITY_CHECKS_HELP, cached_reference, reference_sensitivity
-from lollm.testing.schedules import _fill, _short
+from lollm.testing.schedules import fill_chunks, short_schedule
 
 #: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
 REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
@@ -85,7 +85,7 @@ class ParityChecks:
         if T > DELTA_RULE_CHUNK + 2:
             schedules.append([DELTA_RULE_CHUNK + 1] + [1] * (T - DELTA_RULE_CHUNK - 1))
         if sliding_window:
-            schedules.append(_fill(T, [sliding_window + 1]))
+            schedules.append(fill_chunks(T, [sliding_window + 1]))
         with torch.inference_mode():
             for schedule in schedules:
                 cache = model.new_cache(T)
@@ -94,7 +94,7 @@ class ParityChecks:
                     rows.append(model(prompt_ids[:, at : at + size], cache)[0].float())
                     at += size
                 self._check_parity(torch.cat(rows), ref_logits, prompt_ids[0].tolist(),
-                                   f"cached forward in chunks {_short(schedule)} vs the reference's prefill", parity_bound)
+                                   f"cached forward in chunks {short_schedule(schedule)} vs the reference's prefill", parity_bound)
 
     def test_reference_checkpoint_is_sensitive(self, checkpoint, prompt_ids, parity_bound):
         """The tiny checkpoint can tell a right model from a wrong one.

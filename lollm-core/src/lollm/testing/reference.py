@@ -225,7 +225,7 @@ def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, mod
     return _REFERENCE_RUNS[key]
 
 
-def _with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None = None) -> dict[str, Any]:
+def with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None = None) -> dict[str, Any]:
     """The config.json dict with ``layer_types`` as transformers derives it, when the file leaves it out.
 
     Gemma 2's hub config.json has no ``layer_types`` (transformers alternates sliding and global

@@ -2,7 +2,7 @@
 
 :class:`lollm.testing.conformance.FamilyConformance` makes a prompt of at least
 :data:`SEQUENCE_LENGTH` positions (3 W + 2 with a sliding window W) and runs it through a
-cache in the chunk sizes :func:`_schedules` lists: one token at a time, uneven chunks,
+cache in the chunk sizes :func:`chunk_schedules` lists: one token at a time, uneven chunks,
 prefills that end before, on and after a window's edge.
 """
 
@@ -19,7 +19,7 @@ MAX_WINDOWED_PROMPT = 128
 SEQUENCE_LENGTH = 72
 
 
-def _sliding_window(config: dict[str, Any]) -> int | None:
+def sliding_window_of(config: dict[str, Any]) -> int | None:
     """``sliding_window`` of a config.json dict (or of its ``text_config``), unless ``use_sliding_window`` is false."""
     for cfg in (config, config.get("text_config")):
         if isinstance(cfg, dict):
@@ -29,7 +29,7 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
     return None
 
 
-def _fill(T: int, sizes: list[int]) -> list[int]:
+def fill_chunks(T: int, sizes: list[int]) -> list[int]:
     """Chunks of the sizes given, in turn, until they cover T positions (the last one cut)."""
     out: list[int] = []
     while sum(out) < T:
@@ -37,7 +37,7 @@ def _fill(T: int, sizes: list[int]) -> list[int]:
     return out
 
 
-def _schedules(T: int, window: int | None) -> list[list[int]]:
+def chunk_schedules(T: int, window: int | None) -> list[list[int]]:
     """Chunk sizes the self-consistency test feeds through a cache, each summing to T.
 
     Always: one token at a time (decodes cross every boundary, and run past position 64),
@@ -47,11 +47,11 @@ def _schedules(T: int, window: int | None) -> list[list[int]]:
     (a chunk that ends just before the window's edge, a decode on the edge, a chunk
     that straddles it and must read keys a ring has since overwritten).
     """
-    out = [[1] * T, [T // 2] + [1] * (T - T // 2), _fill(T, [3, 1])]
+    out = [[1] * T, [T // 2] + [1] * (T - T // 2), fill_chunks(T, [3, 1])]
     if T > DELTA_RULE_CHUNK + 2:  # a prefill past one chunk of the chunked delta rule, then decode
         out.append([DELTA_RULE_CHUNK + 1] + [1] * (T - DELTA_RULE_CHUNK - 1))
     if window and window + 1 < T:
-        out += [[window + 1] + [1] * (T - window - 1), _fill(T, [max(1, window - 1), 1, window + 1])]
+        out += [[window + 1] + [1] * (T - window - 1), fill_chunks(T, [max(1, window - 1), 1, window + 1])]
     unique: list[list[int]] = []
     for schedule in out:
         if schedule not in unique:
@@ -59,7 +59,7 @@ def _schedules(T: int, window: int | None) -> list[list[int]]:
     return unique
 
 
-def _short(schedule: list[int]) -> str:
+def short_schedule(schedule: list[int]) -> str:
     """[5, 1, 1, 1] -> '[5, 1 x3]' (runs of one size written once)."""
     parts: list[str] = []
     i = 0
