@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Lazy imports below: selenium (an optional extra, lollm-core[browser]); the module loads without it.
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 # flags for a machine with no network and no screen (and, under CI, running as root)

@@ -43,6 +43,9 @@ from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
 from lollm.errors import LollmError
+from lollm.generate.loop import generate
+from lollm.generate.sampling import SamplingParams
+from lollm.testing.loading import load_with
 
 #: CPU seconds one example may take (its normal figure is well under a tenth of a second).
 CPU_SECONDS = 5.0
@@ -209,9 +212,5 @@ def check_clean(run: Callable[[], Any], *, cpu_seconds: float = CPU_SECONDS, mem
 
 def load_and_generate(load: Callable, raw: dict, weights: Any, fmt: str, prompt: tuple[int, ...] = (0, 1, 2)) -> Any:
     """One example: the family's ``load`` on (``raw``, ``weights``), then two greedy tokens through the loop."""
-    from lollm.generate.loop import generate
-    from lollm.generate.sampling import SamplingParams
-    from lollm.testing.loading import load_with
-
     model = load_with(load, raw, weights, fmt)
     return generate(model, list(prompt), max_new_tokens=2, sampling=SamplingParams(temperature=0.0))

@@ -10,12 +10,19 @@ Section 7 of :class:`lollm.testing.conformance.FamilyConformance` (which inherit
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import sys
 from typing import Any
 
 import pytest
 import torch
 
+from lollm.generate import prefill
+from lollm.generate.drafting import Drafter, PromptLookupDrafter
+from lollm.generate.loop import generate
+from lollm.generate.memory import cache_bytes, tensor_bytes
+from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.sampling import SamplingParams
 from lollm.load.loader import load_checkpoint
 from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
                                     check_window_blocks_released)
@@ -51,10 +58,6 @@ def check_prompt_cache_turns(
     :class:`lollm.generate.prompt_cache.CacheReuse`, for the caller to check how the
     cache was reused (that depends on what the family's cache can do).
     """
-    from lollm.generate.loop import generate
-    from lollm.generate.prompt_cache import PromptCache
-    from lollm.generate.sampling import SamplingParams
-
     vocab = int(vocab or model.vocab_size)
     g = torch.Generator().manual_seed(seed)
 
@@ -100,9 +103,6 @@ class GenerationChecks:
     # -- 7. the shared loop drives the model ------------------------------------------------
 
     def test_shared_generate_loop_follows_the_logits(self, model, prompt_ids):
-        from lollm.generate.loop import generate
-        from lollm.generate.sampling import SamplingParams
-
         ids = prompt_ids[0].tolist()[:6]
         n = min(5, int(model.max_context) - len(ids))
         result = generate(model, ids, max_new_tokens=n, sampling=SamplingParams(temperature=0.0))
@@ -121,8 +121,6 @@ class GenerationChecks:
         """Building the modules (lollm.load.build.on_meta) and sizing a cache (lollm.generate.memory) import neither
         torch._dynamo (with Triton: about 150 MB of resident memory) nor sympy (40 MB), which torch's
         Python reference ops pull in on first use; a lone ``lollm run`` process never needs them."""
-        from lollm.generate.memory import cache_bytes
-
         # torch.fx.experimental.symbolic_shapes: where torch's reference ops reach sympy from
         with refused_imports("torch._dynamo", "sympy", "triton", "torch.fx.experimental.symbolic_shapes") as attempts:
             model = load(load_checkpoint(checkpoint_dir))
@@ -133,8 +131,6 @@ class GenerationChecks:
     def test_cache_size_is_measured_exactly(self, model):
         """lollm.generate.memory sizes the cache on the meta device (no storage) before the loop allocates it:
         the bytes it finds are the bytes of the cache ``new_cache`` really builds."""
-        from lollm.generate.memory import cache_bytes, tensor_bytes
-
         for positions in (1, 37):
             need = cache_bytes(model, positions)
             assert need is not None, f"new_cache({positions}) could not be built on the meta device"
@@ -195,10 +191,6 @@ def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens:
     independent route). Returns ``{run: (drafted, accepted)}`` for the caller's own
     assertions. AssertionError names the run that differs.
     """
-    from lollm.generate.drafting import PromptLookupDrafter
-    from lollm.generate.loop import generate
-    from lollm.generate.sampling import SamplingParams
-
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed)
     counts = {}
     for name, sampling in (("greedy", greedy), ("sampled", sampled)):
@@ -232,8 +224,6 @@ def refused_imports(*names: str):
     """Inside: importing any of ``names`` (or a submodule) raises ImportError, and its name is added to
     the yielded list. Modules already imported are hidden while inside (so a lazy ``import`` in a
     function reaches the refusal) and put back afterwards, untouched."""
-    import importlib.abc
-
     attempts: list[str] = []
 
     class Refuse(importlib.abc.MetaPathFinder):
@@ -263,23 +253,19 @@ def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int
     ``max_new_tokens``) gives the whole prefill's tokens. The constant is restored afterwards.
     Returns the chunk sizes tried; AssertionError names the one that differs.
     """
-    import lollm.generate.prefill
-    from lollm.generate.loop import generate
-    from lollm.generate.sampling import SamplingParams
-
-    T, saved = len(prompt), lollm.generate.prefill.PREFILL_CHUNK_TOKENS
+    T, saved = len(prompt), prefill.PREFILL_CHUNK_TOKENS
     n = min(max_new_tokens, int(model.max_context) - T)
     greedy = SamplingParams(temperature=0.0)
 
     def run(chunk: int) -> tuple[torch.Tensor, list[int]]:
-        lollm.generate.prefill.PREFILL_CHUNK_TOKENS = chunk
+        prefill.PREFILL_CHUNK_TOKENS = chunk
         try:
             cache = model.new_cache(T)
-            logits = lollm.generate.prefill.run_prompt(model, prompt, cache, next(model.parameters()).device)[0, -1].double()
+            logits = prefill.run_prompt(model, prompt, cache, next(model.parameters()).device)[0, -1].double()
             assert cache.length == T, f"chunks of {chunk}: the cache holds {cache.length} positions, not {T}"
             return logits, generate(model, prompt, max_new_tokens=n, sampling=greedy).new_ids
         finally:
-            lollm.generate.prefill.PREFILL_CHUNK_TOKENS = saved
+            prefill.PREFILL_CHUNK_TOKENS = saved
 
     whole_logits, whole_ids = run(T)
     sizes = prefill_chunk_sizes(T, window)
@@ -295,8 +281,6 @@ def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int
 
 def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Any:
     """A drafter that proposes ``continuation`` where it goes, every third draft made wrong (+1 mod vocab)."""
-    from lollm.generate.drafting import Drafter
-
     truth = list(prompt) + list(continuation)
 
     class Scripted(Drafter):

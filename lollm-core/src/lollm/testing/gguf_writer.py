@@ -45,6 +45,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lollm.testing.tiny_gguf import byte_level_vocab
+
+# Lazy imports below: gguf and transformers (optional extras, lollm-core[parity]).
+
 __all__ = ["GGUF_TYPES", "SUPPORTED", "write_tiny_gguf"]
 
 #: The ggml types a tiny GGUF can be written in.
@@ -64,7 +72,6 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     config value a GGUF of that architecture cannot carry (naming the key).
     """
     import gguf
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     if ggml_type not in GGUF_TYPES:
@@ -132,8 +139,6 @@ def _write_metadata(writer: Any, folder: Path, arch: str, cfg: Any, raw: dict[st
     """Step 2: the architecture's numbers, RoPE, soft-caps and a byte-level vocabulary, as the converter writes them."""
     import gguf
 
-    from lollm.testing.tiny_gguf import byte_level_vocab
-
     gemma = arch.startswith("gemma")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -176,9 +181,6 @@ def _write_metadata(writer: Any, folder: Path, arch: str, cfg: Any, raw: dict[st
 def _write_tensors(writer: Any, folder: Path, arch: str, cfg: Any, ggml_type: str) -> dict[str, Any]:
     """Step 3: every tensor under gguf-py's name in the type asked for; returns what the file holds, as float32."""
     import gguf
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
 
     gemma = arch.startswith("gemma")
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)

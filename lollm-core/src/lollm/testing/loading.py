@@ -11,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lollm.load.loader import Checkpoint
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import pick_quantization
 
 #: What the tests load with: float32 float weights on the CPU, SDPA attention.
 TEST_OPTIONS = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float")
@@ -29,10 +32,6 @@ def resolved(options: LoadOptions | None = None) -> LoadOptions:
     The quantization comes from ``options.weights_mode``/``options.quantize`` for a
     safetensors checkpoint (a GGUF test that wants packed weights passes ``quantization``).
     """
-    import torch
-
-    from lollm.load.pipeline import pick_quantization
-
     options = options or TEST_OPTIONS
     if options.quantization is None:
         options = options.replace(quantization=pick_quantization(options, "safetensors", torch.device("cpu")))

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from lollm.errors import WeightsError
 from lollm.load.loader import load_checkpoint
@@ -62,8 +63,6 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
 
     ``edit`` receives the ``{name: tensor}`` dict of every tensor and changes it in place.
     """
-    from safetensors.torch import save_file
-
     source = load_checkpoint(src).weights
     tensors = {name: source.read(name) for name in source.names()}
     edit(tensors)

@@ -12,7 +12,9 @@ import torch
 
 from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.plugins import InstalledFamily
+from lollm.proof.parity import compare_logits, default_reference, layer_cosines
 from lollm.testing.coverage import DELTA_RULE_CHUNK
+from lollm.testing.gguf_writer import write_tiny_gguf
 from lollm.testing.reference import SENSITIVITY_CHECKS_HELP, cached_reference, reference_sensitivity
 from lollm.testing.schedules import fill_chunks, short_schedule
 
@@ -28,8 +30,6 @@ class ParityChecks:
 
     @staticmethod
     def _reference_builder(installed: InstalledFamily):
-        from lollm.proof.parity import default_reference
-
         return installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
 
     def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint):
@@ -40,8 +40,6 @@ class ParityChecks:
         """Fail unless every position has the reference's argmax, cosine >= parity_min_cosine and
         max |Δ| <= ``bound`` (the parity_bound fixture); the message names the worst position (and
         the first diverging hidden state when both sides gave them)."""
-        from lollm.proof.parity import compare_logits, layer_cosines
-
         stats = compare_logits(ours.float(), ref.float(), ids)
         bad = [s for s in stats if s.ours_argmax != s.ref_argmax or s.cosine < self.parity_min_cosine
                or s.max_abs_diff > bound]
@@ -140,8 +138,6 @@ class ParityChecks:
         if not self.gguf_types:
             pytest.skip("gguf_types = (): the GGUF mode is off for this family; set gguf_types = (\"F32\", \"F16\", "
                         "\"Q8_0\", \"Q4_0\") (any subset) on the test class to turn it on")
-        from lollm.testing.gguf_writer import write_tiny_gguf
-
         T = prompt_ids.shape[1]
         first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
         for ggml_type in self.gguf_types:

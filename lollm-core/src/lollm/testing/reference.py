@@ -8,6 +8,7 @@ checkpoint can tell a right model from a wrong one (a perturbed reference moves 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 import torch
 
 from lollm.load.loader import Checkpoint
+from lollm.proof.parity import load_reference_model, relabel_model_types
+
+# Lazy import below: transformers (an optional extra, lollm-core[parity]); with_layer_types works without it.
 
 #: The perturbations of the reference the sensitivity test applies (:func:`reference_sensitivity`).
 SENSITIVITY_CHECKS = ("rope_theta", "rope_scaling", "norm_eps", "attention_scale", "sliding_window")
@@ -110,10 +114,6 @@ def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
     ``model_types``: for model types transformers does not know, the architecture that stands for
     each (:func:`lollm.proof.parity.load_reference_model`).
     """
-    import copy
-
-    from lollm.proof.parity import load_reference_model
-
     base_model = load_reference_model(checkpoint, torch.float32, model_types)
     state = base_model.state_dict()
 
@@ -205,8 +205,6 @@ def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, mod
     experts through the plain per-expert loop: the grouped matmul has no float64), and the
     float32 reference as the first row of a batch of two.
     """
-    from lollm.proof.parity import load_reference_model
-
     key = _reference_key(build, checkpoint, "noise", ids.numpy().tobytes(), tuple(sorted((model_types or {}).items())),
                          factor, floor)
     if key in _REFERENCE_RUNS:
@@ -237,8 +235,6 @@ def with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None 
         return config
     try:
         import transformers
-
-        from lollm.proof.parity import relabel_model_types
 
         raw = relabel_model_types(dict(text), model_types or {})
         types = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(raw).layer_types

@@ -33,7 +33,18 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+import torch
+
+from lollm.generate.loop import generate, stop_token_ids
+from lollm.generate.sampling import resolve_sampling
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.testing.hub_configs import hub_config
+from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
+
+# Lazy imports below: uvicorn, openai and prometheus_client (optional extras: lollm-core[serve] and [test]),
+# each imported by the one helper that needs it.
 
 GREEDY = {"temperature": 0.0}
 
@@ -123,8 +134,6 @@ def app_in_thread(app: Any, timeout: float = 60) -> Iterator[str]:
 @contextmanager
 def one_torch_thread() -> Iterator[None]:
     """torch on one thread while inside (the reference runs of tiny models), as before afterwards."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -143,9 +152,6 @@ class Reference:
     """lollm in the test process, on the same checkpoint: what the server must answer (greedy)."""
 
     def __init__(self, folder: str | Path):
-        from lollm.generate.loop import stop_token_ids
-        from lollm.load.pipeline import open_model
-
         self.loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         ckpt = self.loaded.checkpoint
@@ -157,9 +163,6 @@ class Reference:
     def generate(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = (), logprobs: int | None = None,
                  **sampling_flags: Any):
         """Greedy, with the other sampling settings resolved as the server does (a family's repetition penalty ...)."""
-        from lollm.generate.loop import generate
-        from lollm.generate.sampling import resolve_sampling
-
         sampling = resolve_sampling({**GREEDY, **sampling_flags}, self.loaded.checkpoint.generation_config,
                                     self.loaded.family.family.sampling_defaults)
         return generate(self.model, ids, max_new_tokens=max_tokens, sampling=sampling, stop_ids=self.stop_ids,
@@ -240,8 +243,6 @@ def check_completions(client, model: str, reference: Reference, max_tokens: int 
 
 def check_logprobs(client, model: str, reference: Reference, max_tokens: int = 6) -> None:
     """logprobs / top_logprobs equal log_softmax of a plain forward (no cache) at each generated position."""
-    import torch
-
     ids = reference.chat_ids(CONVERSATION)
     plain = {"repetition_penalty": 1.0}  # so that greedy picks the most likely token
     expected = reference.generate(ids, max_tokens, **plain)
@@ -488,9 +489,6 @@ def write_chat_checkpoint(folder: str | Path) -> Path:
 
     Needs lollm-qwen to serve it and transformers (lollm-core[parity]) to write it.
     """
-    from lollm.testing.hub_configs import hub_config
-    from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
-
     raw = shrink_config(hub_config("Qwen__Qwen2.5-0.5B"), vocab_size=512, bos_token_id=0, eos_token_id=0,
                         initializer_range=0.1, tie_word_embeddings=False)
     return write_tiny_tokenizer(write_tiny_checkpoint(raw, folder), vocab_size=512)

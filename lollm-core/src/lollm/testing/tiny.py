@@ -24,6 +24,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+# Lazy imports below: transformers (lollm-core[parity]) writes the checkpoints, tokenizers (lollm-core[test])
+# the tokenizer; optional extras, imported by the functions that need them.
+
 #: The dimensions :func:`shrink_config` sets unless told otherwise.
 TINY_DIMENSIONS = {
     "hidden_size": 64,
@@ -205,7 +210,6 @@ def write_tiny_checkpoint(
               check; 0.3 (:data:`SENSITIVE_INIT_STD`) makes them depend on both (see
               docs/conformance-kit.md: the conformance kit checks it).
     """
-    import torch
     import transformers
 
     if schema not in ("hub", "transformers5"):

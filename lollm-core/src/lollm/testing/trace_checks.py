@@ -23,10 +23,12 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from lollm.load.options import LoadOptions
 from lollm import attention
-from lollm.cli.trace.capture import Trace, capture
+from lollm.cli.trace.capture import Trace, capture, compare
 from lollm.cli.trace.page import decode_attention, page_data
+from lollm.cli.trace.run import reference_for
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
 
 #: How close the logit lens of the last hidden state must be to the model's own logits (float32).
 LENS_TOLERANCE = 1e-5
@@ -186,10 +188,6 @@ def check_divergence(folder: str | Path, ids: list[int], *, layer: int) -> tuple
     Loads ``folder`` twice through lollm (float32, CPU) and compares each with the
     parity gate's reference for it (transformers). Returns (clean trace, broken trace).
     """
-    from lollm.load.pipeline import open_model
-    from lollm.cli.trace.capture import compare
-    from lollm.cli.trace.run import reference_for
-
     loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     clean = capture(loaded.model, ids)
     break_layer(loaded.model, layer)
