@@ -76,7 +76,7 @@ class Browser:
     def __enter__(self) -> "Browser":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -101,7 +101,7 @@ class Browser:
             time.sleep(0.05)
         return OpenPage(path, self.errors())
 
-    def js(self, script: str, *args: Any) -> Any:
+    def js(self, script: str, *args: object) -> Any:
         """Run JavaScript in the page and return its result."""
         return self.driver.execute_script(script, *args)
 

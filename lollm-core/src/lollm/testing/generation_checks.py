@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import sys
-from typing import Any
 
 import pytest
 import torch
@@ -21,15 +20,17 @@ from lollm.generate import prefill
 from lollm.generate.drafting import Drafter, PromptLookupDrafter
 from lollm.generate.loop import generate
 from lollm.generate.memory import cache_bytes, tensor_bytes
-from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.prompt_cache import CacheReuse, PromptCache
 from lollm.generate.sampling import SamplingParams
 from lollm.load.loader import load_checkpoint
+from lollm.model import Cache, CausalLM
 from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
                                     check_window_blocks_released)
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 
+
 def check_prompt_cache_turns(
-    model: Any,
+    model: CausalLM,
     *,
     vocab: int | None = None,
     first: int = 40,
@@ -39,7 +40,7 @@ def check_prompt_cache_turns(
     speculative_tokens: int = 0,
     max_snapshots: int = 4,
     seed: int = 0,
-) -> list[Any]:
+) -> list[CacheReuse]:
     """Greedy turns of a conversation with a prompt cache each equal a cold run of the same prompt.
 
     The conversation is made of random token ids (in ``[3, vocab)``: clear of the
@@ -170,7 +171,7 @@ class GenerationChecks:
         assert records[1].how == "extend" and records[1].reused > 0, records[1]
 
 
-def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens: int = 24, draft_tokens: int = 4,
+def check_speculation_is_exact(model: CausalLM, prompt: list[int], *, max_new_tokens: int = 24, draft_tokens: int = 4,
                                seed: int = 7) -> dict[str, tuple[int, int]]:
     """Speculative decoding (prompt lookup, and a scripted drafter) gives plain decoding's tokens and cache.
 
@@ -199,7 +200,7 @@ def check_speculation_is_exact(model: Any, prompt: list[int], *, max_new_tokens:
         if sampling is greedy:
             drafters["prompt lookup"] = PromptLookupDrafter(tokens=draft_tokens, min_ngram=1)
         for kind, drafter in drafters.items():
-            caches: list[Any] = []
+            caches: list[Cache] = []
             spy = _spying(drafter, caches)
             spec = generate(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling, drafter=spy)
             run = f"{name} with the {kind} drafter"
@@ -243,7 +244,7 @@ def refused_imports(*names: str):
         sys.modules.update(hidden)
 
 
-def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int | None = None,
+def check_chunked_prefill_is_exact(model: CausalLM, prompt: list[int], *, window: int | None = None,
                                    max_new_tokens: int = 6, max_abs_diff: float = 1e-3) -> list[int]:
     """A prefill run in chunks (:data:`lollm.generate.prefill.PREFILL_CHUNK_TOKENS` set small) equals a whole one.
 
@@ -279,14 +280,14 @@ def check_chunked_prefill_is_exact(model: Any, prompt: list[int], *, window: int
     return sizes
 
 
-def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Any:
+def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, vocab: int) -> Drafter:
     """A drafter that proposes ``continuation`` where it goes, every third draft made wrong (+1 mod vocab)."""
     truth = list(prompt) + list(continuation)
 
     class Scripted(Drafter):
         name = "scripted"
 
-        def propose(self, model, cache, history, num_tokens):
+        def propose(self, model: CausalLM, cache: Cache, history: list[int], num_tokens: int) -> list[int]:
             at = len(history)
             out = truth[at : at + num_tokens]
             return [(t + 1) % vocab if (at + i) % 3 == 0 else t for i, t in enumerate(out)]
@@ -294,12 +295,12 @@ def _scripted_drafter(prompt: list[int], continuation: list[int], tokens: int, v
     return Scripted(tokens=tokens)
 
 
-def _spying(drafter: Any, caches: list[Any]) -> Any:
+def _spying(drafter: Drafter, caches: list[Cache]) -> Drafter:
     """``drafter``, also recording the cache object each ``propose`` is given (the generation's main cache)."""
     inner = drafter
 
     class Spy(type(drafter)):
-        def propose(self, model, cache, history, num_tokens):
+        def propose(self, model: CausalLM, cache: Cache, history: list[int], num_tokens: int) -> list[int]:
             if not caches or caches[-1] is not cache:
                 caches.append(cache)
             return inner.propose(model, cache, history, num_tokens)
@@ -308,7 +309,7 @@ def _spying(drafter: Any, caches: list[Any]) -> Any:
     return Spy(**fields)
 
 
-def _check_final_cache(model: Any, cache: Any, sequence: list[int], run: str) -> None:
+def _check_final_cache(model: CausalLM, cache: Cache, sequence: list[int], run: str) -> None:
     """``cache`` holds ``sequence[:-1]``: its length, and the next forward matches a full forward."""
     assert cache.length == len(sequence) - 1, f"{run}: the cache ends at {cache.length} positions, plain decoding " \
                                               f"leaves {len(sequence) - 1}"

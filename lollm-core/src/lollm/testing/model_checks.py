@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from lollm.errors import WeightsError
 from lollm.load.loader import load_checkpoint
+from lollm.model import Cache
 from lollm.testing.schedules import chunk_schedules, short_schedule
 
 #: Name of the extra tensor the "unexpected tensor" test adds to a copy of the checkpoint.
@@ -32,7 +33,7 @@ def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
-def _cache_tensors(obj: Any, path: str = "cache", depth: int = 0, seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _cache_tensors(obj: object, path: str = "cache", depth: int = 0, seen: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of at least 2 dimensions reachable from ``obj`` (attributes, lists, dicts), with its path."""
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 6:
@@ -54,11 +55,12 @@ def _cache_tensors(obj: Any, path: str = "cache", depth: int = 0, seen: set[int]
                 yield from _cache_tensors(getattr(obj, name), f"{path}.{name}", depth + 1, seen)
 
 
-def _storage_map(cache: Any) -> dict[str, tuple[int, tuple[int, ...]]]:
+def _storage_map(cache: Cache) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{path: (data_ptr, shape)} of every tensor of the cache (:func:`_cache_tensors`): equal maps, the same storage."""
     return {path: (t.data_ptr(), tuple(t.shape)) for path, t in _cache_tensors(cache)}
 
 
-def _rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
+def _rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> Path:
     """Copy the checkpoint folder ``src`` to ``dst`` with its weights rewritten as one model.safetensors.
 
     ``edit`` receives the ``{name: tensor}`` dict of every tensor and changes it in place.

@@ -37,7 +37,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pytest
 import torch
@@ -48,7 +48,7 @@ from lollm.hookspecs import hookimpl
 from lollm.load.loader import load_checkpoint
 from lollm.load.plugins import Registry, build_registry
 from lollm.proof.parity import default_reference
-from lollm.testing.conformance import SEQUENCE_LENGTH, measure_noise_floor
+from lollm.testing.conformance import SEQUENCE_LENGTH, NoiseFloor, measure_noise_floor
 from lollm.testing.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
@@ -147,7 +147,7 @@ class _Collector:
     def __init__(self) -> None:
         self.run = KitRun()
 
-    def pytest_runtest_logreport(self, report: Any) -> None:
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         name = report.nodeid.split("::")[-1]
         if report.failed:
             self.run.outcomes[name] = ("failed", report.longreprtext)
@@ -184,7 +184,7 @@ class TestCopy(FamilyConformance):
 
 
 def run_kit(package: str, copy: str, family_name: str, checkpoint_dir: str | Path, workdir: str | Path, *,
-            tests: Sequence[str] = NUMERIC_TESTS, attributes: Mapping[str, Any] | None = None) -> KitRun:
+            tests: Sequence[str] = NUMERIC_TESTS, attributes: Mapping[str, object] | None = None) -> KitRun:
     """Run the kit's ``tests`` on the copy ``copy`` of the family package ``package``.
 
     ``copy`` must have been made by ``copy_family(package, workdir / "src", copy, ...)``. The
@@ -366,7 +366,7 @@ class SuiteResult:
 
     family: str
     hub_config: str
-    noise: Any  # lollm.testing.conformance.NoiseFloor
+    noise: NoiseFloor
     clean: KitRun
     caught: dict[str, list[str]] = field(default_factory=dict)
     moved: dict[str, float] = field(default_factory=dict)

@@ -15,7 +15,8 @@ from lollm.load.plugins import InstalledFamily
 from lollm.proof.parity import compare_logits, default_reference, layer_cosines
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 from lollm.testing.gguf_writer import write_tiny_gguf
-from lollm.testing.reference import SENSITIVITY_CHECKS_HELP, cached_reference, reference_sensitivity
+from lollm.testing.reference import (SENSITIVITY_CHECKS_HELP, ReferenceBuilder, ReferenceRun, cached_reference,
+                                     reference_sensitivity)
 from lollm.testing.schedules import fill_chunks, short_schedule
 
 #: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
@@ -29,10 +30,10 @@ class ParityChecks:
     # -- 8. parity against the reference ------------------------------------------------------
 
     @staticmethod
-    def _reference_builder(installed: InstalledFamily):
+    def _reference_builder(installed: InstalledFamily) -> ReferenceBuilder:
         return installed.family.resolve("parity_reference") if installed.family.parity_reference else default_reference
 
-    def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint):
+    def _reference(self, installed: InstalledFamily, checkpoint: Checkpoint) -> ReferenceRun:
         return cached_reference(self._reference_builder(installed), checkpoint, torch.float32)
 
     def _check_parity(self, ours: torch.Tensor, ref: torch.Tensor, ids: list[int], what: str, bound: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -19,6 +19,17 @@ from lollm.load.loader import Checkpoint
 from lollm.proof.parity import load_reference_model, relabel_model_types
 
 # Lazy import below: transformers (an optional extra, lollm-core[parity]); with_layer_types works without it.
+if TYPE_CHECKING:  # its classes only name types here
+    from transformers import PretrainedConfig, PreTrainedModel
+
+#: A parity reference, ready to run: ids (1, T) -> (logits (T, V), hidden states: num_layers + 1 tensors (1, T, D)).
+ReferenceRun = Callable[[torch.Tensor], tuple[torch.Tensor, list[torch.Tensor]]]
+#: What builds one: ``build(checkpoint, dtype)`` (:func:`lollm.proof.parity.default_reference`, or a family's
+#: ``parity_reference``).
+ReferenceBuilder = Callable[[Checkpoint, torch.dtype], ReferenceRun]
+#: One perturbation, made to a copy of the reference's text config, or to the model built from it.
+ConfigEdit = Callable[["PretrainedConfig"], None]
+ModelEdit = Callable[["PreTrainedModel"], None]
 
 #: The perturbations of the reference the sensitivity test applies (:func:`reference_sensitivity`).
 SENSITIVITY_CHECKS = ("rope_theta", "rope_scaling", "norm_eps", "attention_scale", "sliding_window")
@@ -31,7 +42,7 @@ SENSITIVITY_CHECKS_HELP = {
 }
 
 
-def _rope_dicts(config: Any) -> list[dict[str, Any]]:
+def _rope_dicts(config: PretrainedConfig) -> list[dict[str, object]]:
     """The RoPE parameter dicts of a transformers 5 config (one, or one per layer type)."""
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict):
@@ -41,14 +52,14 @@ def _rope_dicts(config: Any) -> list[dict[str, Any]]:
     return [params] if "rope_theta" in params else []
 
 
-def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
+def _perturbations(name: str, config: PretrainedConfig) -> list[tuple[str, ConfigEdit | None, ModelEdit | None]]:
     """(label, edit of the text config, edit of the built model) for one check; [] when it does not apply."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if name == "rope_theta":
         if not _rope_dicts(text):
             return []
 
-        def edit(cfg):
+        def edit(cfg: PretrainedConfig) -> None:
             for d in _rope_dicts(cfg):
                 d["rope_theta"] = d["rope_theta"] * 2
         return [("rope_theta", edit, None)]
@@ -56,7 +67,7 @@ def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
         if not any(d.get("rope_type", "default") != "default" for d in _rope_dicts(text)):
             return []
 
-        def edit(cfg):
+        def edit(cfg: PretrainedConfig) -> None:
             for d in _rope_dicts(cfg):
                 if d.get("rope_type", "default") != "default":
                     theta = d["rope_theta"]
@@ -69,12 +80,12 @@ def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
         if not keys:
             return []
 
-        def edit(cfg):
+        def edit(cfg: PretrainedConfig) -> None:
             for k in keys:
                 setattr(cfg, k, getattr(cfg, k) * 0.1)
         return [("norm_eps", edit, None)]
     if name == "attention_scale":
-        def scale(model):
+        def scale(model: PreTrainedModel) -> None:
             found = [m for m in model.modules() if isinstance(getattr(m, "scaling", None), float)]
             if not found:
                 raise _NotApplicable
@@ -89,7 +100,7 @@ def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
             return []
         out = []
         for delta in (+1, -1):
-            def edit(cfg, delta=delta):
+            def edit(cfg: PretrainedConfig, delta: int = delta) -> None:
                 cfg.sliding_window = cfg.sliding_window + delta
             out.append((f"sliding_window {delta:+d}", edit, None))
         return out
@@ -97,7 +108,7 @@ def _perturbations(name: str, config: Any) -> list[tuple[str, Any, Any]]:
 
 
 class _NotApplicable(Exception):
-    pass
+    """Raised by a model edit that finds nothing to change: the perturbation is left out."""
 
 
 def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
@@ -118,7 +129,7 @@ def reference_sensitivity(checkpoint: Checkpoint, ids: torch.Tensor,
     state = base_model.state_dict()
 
     @torch.inference_mode()
-    def logits(model) -> torch.Tensor:
+    def logits(model: PreTrainedModel) -> torch.Tensor:
         return model(ids, use_cache=False).logits[0].double()
 
     base = logits(base_model)
@@ -164,7 +175,8 @@ class NoiseFloor:
     bound: float
 
 
-_REFERENCE_RUNS: dict[tuple, Any] = {}
+#: Built references and measured noise floors, by builder, checkpoint files and what else they depend on.
+_REFERENCE_RUNS: dict[tuple, ReferenceRun | NoiseFloor] = {}
 
 
 def _files_stamp(path: Path) -> tuple:
@@ -174,12 +186,12 @@ def _files_stamp(path: Path) -> tuple:
     return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
 
 
-def _reference_key(build, checkpoint: Checkpoint, *more: Any) -> tuple:
+def _reference_key(build: ReferenceBuilder, checkpoint: Checkpoint, *more: object) -> tuple:
     return (getattr(build, "__module__", ""), getattr(build, "__qualname__", repr(build)), str(Path(checkpoint.path).resolve()),
             _files_stamp(checkpoint.path), *more)
 
 
-def cached_reference(build, checkpoint: Checkpoint, dtype: torch.dtype):
+def cached_reference(build: ReferenceBuilder, checkpoint: Checkpoint, dtype: torch.dtype) -> ReferenceRun:
     """``build(checkpoint, dtype)``, built once per process for the same builder, files and dtype.
 
     The mutation suite runs the kit on many copies of a family against one checkpoint; the
@@ -194,7 +206,7 @@ def cached_reference(build, checkpoint: Checkpoint, dtype: torch.dtype):
     return _REFERENCE_RUNS[key]
 
 
-def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, model_types: dict[str, str] | None = None,
+def measure_noise_floor(build: ReferenceBuilder, checkpoint: Checkpoint, ids: torch.Tensor, *, model_types: dict[str, str] | None = None,
                         factor: float = NOISE_FACTOR, floor: float = BOUND_FLOOR) -> NoiseFloor:
     """The reference's own float32 noise on ``checkpoint`` for the prompt ``ids`` (1, T), and the bound from it.
 
@@ -223,7 +235,7 @@ def measure_noise_floor(build, checkpoint: Checkpoint, ids: torch.Tensor, *, mod
     return _REFERENCE_RUNS[key]
 
 
-def with_layer_types(config: dict[str, Any], model_types: dict[str, str] | None = None) -> dict[str, Any]:
+def with_layer_types(config: dict[str, object], model_types: dict[str, str] | None = None) -> dict[str, object]:
     """The config.json dict with ``layer_types`` as transformers derives it, when the file leaves it out.
 
     Gemma 2's hub config.json has no ``layer_types`` (transformers alternates sliding and global

@@ -8,8 +8,6 @@ prefills that end before, on and after a window's edge.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 
 #: With a sliding window W, the test prompt has 3 W + 2 positions when that is at most this many.
@@ -19,7 +17,7 @@ MAX_WINDOWED_PROMPT = 128
 SEQUENCE_LENGTH = 72
 
 
-def sliding_window_of(config: dict[str, Any]) -> int | None:
+def sliding_window_of(config: dict[str, object]) -> int | None:
     """``sliding_window`` of a config.json dict (or of its ``text_config``), unless ``use_sliding_window`` is false."""
     for cfg in (config, config.get("text_config")):
         if isinstance(cfg, dict):

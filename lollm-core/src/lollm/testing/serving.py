@@ -32,11 +32,11 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
 
 import torch
 
-from lollm.generate.loop import generate, stop_token_ids
+from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.generate.sampling import resolve_sampling
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
@@ -45,6 +45,9 @@ from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_
 
 # Lazy imports below: uvicorn, openai and prometheus_client (optional extras: lollm-core[serve] and [test]),
 # each imported by the one helper that needs it.
+if TYPE_CHECKING:  # openai's classes only name types here
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
 
 GREEDY = {"temperature": 0.0}
 
@@ -56,7 +59,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
     """GET (or POST ``body``) ``url``; returns (status, parsed JSON body)."""
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
@@ -107,7 +110,7 @@ def run_server(folder: str | Path, *args: str, timeout: float = 180, nproc: int 
 
 
 @contextmanager
-def app_in_thread(app: Any, timeout: float = 60) -> Iterator[str]:
+def app_in_thread(app: Callable[..., Awaitable[None]], timeout: float = 60) -> Iterator[str]:
     """``app`` (an ASGI application) served by uvicorn in a daemon thread of this process; yields its root URL.
 
     Binds a free port on 127.0.0.1; waits (at most ``timeout`` seconds) until uvicorn has started, and on
@@ -142,7 +145,7 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def openai_client(base_url: str, api_key: str = "unused", **kwargs: Any):
+def openai_client(base_url: str, api_key: str = "unused", **kwargs: object) -> OpenAI:
     from openai import OpenAI
 
     return OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120, **kwargs)
@@ -157,11 +160,11 @@ class Reference:
         ckpt = self.loaded.checkpoint
         self.stop_ids = stop_token_ids(ckpt.generation_config, ckpt.config, self.tokenizer)
 
-    def chat_ids(self, messages: list[dict[str, str]], **flags: Any) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], **flags: object) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
 
     def generate(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = (), logprobs: int | None = None,
-                 **sampling_flags: Any):
+                 **sampling_flags: object) -> GenerationResult:
         """Greedy, with the other sampling settings resolved as the server does (a family's repetition penalty ...)."""
         sampling = resolve_sampling({**GREEDY, **sampling_flags}, self.loaded.checkpoint.generation_config,
                                     self.loaded.family.family.sampling_defaults)
@@ -280,7 +283,7 @@ def check_stop_strings(client, model: str, reference: Reference, max_tokens: int
     assert reply.choices[0].finish_reason == "stop"
 
 
-def health(base_url: str) -> dict[str, Any]:
+def health(base_url: str) -> dict[str, object]:
     return http(base_url.removesuffix("/v1") + "/health")[1]
 
 
@@ -314,7 +317,7 @@ def check_concurrent_requests(client, model: str, reference: Reference, max_toke
     assert [text for text, _ in ask_at_once(client, model, jobs, max_tokens)] == expected
 
 
-def metrics(base_url: str) -> dict[str, Any]:
+def metrics(base_url: str) -> dict[str, float]:
     """``GET /metrics`` parsed with prometheus-client's own parser: {sample name (labels appended): value}.
 
     A histogram's buckets read ``name_bucket{le=1.0}``; a counter's sample is ``name_total``.
@@ -324,7 +327,7 @@ def metrics(base_url: str) -> dict[str, Any]:
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=60) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
-    samples: dict[str, Any] = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
@@ -440,7 +443,7 @@ def check_disconnect_frees_blocks(client, model: str, base_url: str) -> None:
         time.sleep(0.1)
 
 
-def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+def post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], dict[str, object]]:
     """POST ``body`` as JSON; (status, headers with lower-case names, parsed JSON answer)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -458,7 +461,7 @@ def check_full_queue_is_a_503(client, model: str, base_url: str) -> None:
     """
     running = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=100_000, stream=True, **GREEDY)
     next(iter(running))  # the first chunk: it is in the engine
-    waiting: list[Any] = []
+    waiting: list[ChatCompletion] = []
     second = threading.Thread(target=lambda: waiting.append(
         client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=2, **GREEDY)))
     second.start()

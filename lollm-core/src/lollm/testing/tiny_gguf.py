@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -65,8 +65,8 @@ def byte_level_vocab(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext|
 def write_gguf(
     path: str | Path,
     arch: str,
-    metadata: Mapping[str, Any],
-    tensors: Mapping[str, tuple[Any, str]],
+    metadata: Mapping[str, bool | int | float | str | list],
+    tensors: Mapping[str, tuple[np.ndarray, str]],
 ) -> Path:
     """Write a GGUF file: ``general.architecture = arch``, the metadata, then the tensors in order.
 
