@@ -74,6 +74,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -83,6 +84,7 @@ from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.plugins import InstalledFamily, Registry, build_registry
 from lollm.load.options import LoadOptions
 from lollm.load.quantized import Quantization
+from lollm.model import CausalLM
 from lollm.testing.coverage import check_coverage
 from lollm.testing.generation_checks import (GenerationChecks, check_chunked_prefill_is_exact, check_prompt_cache_turns,
                                              check_speculation_is_exact, prefill_chunk_sizes, refused_imports,
@@ -186,18 +188,18 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
                     pytrace=False)
 
     @pytest.fixture
-    def load(self, installed: InstalledFamily):
+    def load(self, installed: InstalledFamily) -> Callable[[Checkpoint], CausalLM]:
         """``load(checkpoint)`` with the family's loader, on the CPU at float32 (plugin contract 2)."""
         loader = installed.family.resolve("load")
         options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float", quantization=Quantization("float"))
 
-        def load(checkpoint: Checkpoint):
+        def load(checkpoint: Checkpoint) -> CausalLM:
             return loader(checkpoint, options)
 
         return load
 
     @pytest.fixture
-    def model(self, load, checkpoint: Checkpoint):
+    def model(self, load: Callable[[Checkpoint], CausalLM], checkpoint: Checkpoint) -> CausalLM:
         return load(checkpoint)
 
     @pytest.fixture

@@ -182,7 +182,8 @@ def _write_metadata(writer: GGUFWriter, folder: Path, arch: str, cfg: Pretrained
     writer.add_add_bos_token(False)
 
 
-def _write_tensors(writer: GGUFWriter, folder: Path, arch: str, cfg: PretrainedConfig, ggml_type: str) -> dict[str, torch.Tensor]:
+def _write_tensors(writer: GGUFWriter, folder: Path, arch: str, cfg: PretrainedConfig,
+                   ggml_type: str) -> dict[str, torch.Tensor]:
     """Step 3: every tensor under gguf-py's name in the type asked for; returns what the file holds, as float32."""
     import gguf
 
