@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lollm.testing.conformance import _schedules, _sliding_window, reference_sensitivity
+from lollm.testing.conformance import reference_sensitivity
+from lollm.testing.schedules import chunk_schedules, sliding_window_of
 from lollm.testing.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
 
 
 @pytest.mark.parametrize(("T", "window"), [(32, None), (20, 6), (32, 6), (5, 6), (9, 2)])
 def test_schedules_cover_the_prompt_and_cross_the_window(T, window):
-    schedules = _schedules(T, window)
+    schedules = chunk_schedules(T, window)
     assert all(sum(s) == T and min(s) >= 1 for s in schedules), schedules
     assert [1] * T in schedules
     if window and window + 1 < T:
@@ -27,10 +28,10 @@ def test_schedules_cover_the_prompt_and_cross_the_window(T, window):
 
 
 def test_sliding_window_is_read_unless_turned_off():
-    assert _sliding_window({"sliding_window": 6}) == 6
-    assert _sliding_window({"text_config": {"sliding_window": 4}}) == 4
-    assert _sliding_window({"sliding_window": 32768, "use_sliding_window": False}) is None
-    assert _sliding_window({"sliding_window": None}) is None
+    assert sliding_window_of({"sliding_window": 6}) == 6
+    assert sliding_window_of({"text_config": {"sliding_window": 4}}) == 4
+    assert sliding_window_of({"sliding_window": 32768, "use_sliding_window": False}) is None
+    assert sliding_window_of({"sliding_window": None}) is None
 
 
 def _qwen2(folder, **kw):

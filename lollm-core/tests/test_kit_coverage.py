@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lollm.testing.conformance import SEQUENCE_LENGTH, _schedules
+from lollm.testing.schedules import SEQUENCE_LENGTH, chunk_schedules
 from lollm.testing.coverage import CoverageError, check_coverage, layer_kinds
 from lollm.testing.hub_configs import available, hub_config, hub_configs_dir
 from lollm.testing.tiny import SENSITIVE_NORM_EPS, kit_config, shrink_config
@@ -55,7 +55,7 @@ def test_kit_config_passes_the_coverage_check(hub):
     cfg = kit_config(hub_config(hub))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
     T = max(SEQUENCE_LENGTH, 3 * window + 2) if window else SEQUENCE_LENGTH
-    longest = max(s[0] for s in _schedules(T, window) if len(s) > 1 and s[1] == 1)
+    longest = max(s[0] for s in chunk_schedules(T, window) if len(s) > 1 and s[1] == 1)
     report = check_coverage(cfg, prompt_length=T, longest_prefill=longest)
     if "layer_types" not in cfg and cfg["model_type"] == "gemma2":
         cfg = {**cfg, "layer_types": ["sliding_attention", "full_attention"] * (cfg["num_hidden_layers"] // 2)}

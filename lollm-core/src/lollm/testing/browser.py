@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Lazy imports below: selenium (an optional extra, lollm-core[browser]); the module loads without it.
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 # flags for a machine with no network and no screen (and, under CI, running as root)
@@ -74,7 +76,7 @@ class Browser:
     def __enter__(self) -> "Browser":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -99,7 +101,7 @@ class Browser:
             time.sleep(0.05)
         return OpenPage(path, self.errors())
 
-    def js(self, script: str, *args: Any) -> Any:
+    def js(self, script: str, *args: object) -> Any:
         """Run JavaScript in the page and return its result."""
         return self.driver.execute_script(script, *args)
 

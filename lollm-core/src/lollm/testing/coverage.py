@@ -35,7 +35,6 @@ Pure Python on config dicts: no torch, no transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from lollm.errors import LollmError
 
@@ -99,17 +98,17 @@ class CoverageReport:
                                 + ". A family with a bug there would pass the kit. Coverage report:\n" + self.table())
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+def _text_config(config: dict[str, object]) -> dict[str, object]:
     """The decoder's config: ``text_config`` when there is one, else the config itself."""
     text = config.get("text_config")
     return text if isinstance(text, dict) else config
 
 
-def _int(value: Any) -> int | None:
+def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def layer_kinds(config: dict[str, Any]) -> list[str]:
+def layer_kinds(config: dict[str, object]) -> list[str]:
     """The attention kind of each layer, as ``layer_types`` spells them, read from a config.json dict.
 
     An explicit ``layer_types`` list wins; else Gemma 3's ``sliding_window_pattern`` N (every Nth
@@ -130,7 +129,7 @@ def layer_kinds(config: dict[str, Any]) -> list[str]:
     return ["sliding_attention" if uses_window else "full_attention"] * n
 
 
-def _layer_features(text: dict[str, Any], kinds: list[str]) -> list[Feature]:
+def _layer_features(text: dict[str, object], kinds: list[str]) -> list[Feature]:
     out: list[Feature] = []
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
     detail = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no layers"
@@ -160,7 +159,7 @@ def _layer_features(text: dict[str, Any], kinds: list[str]) -> list[Feature]:
     return out
 
 
-def check_coverage(config: dict[str, Any], *, prompt_length: int, longest_prefill: int,
+def check_coverage(config: dict[str, object], *, prompt_length: int, longest_prefill: int,
                    decode_reaches: int | None = None) -> CoverageReport:
     """The coverage report of a checkpoint's config.json dict under the kit's prompt schedule.
 

@@ -36,13 +36,22 @@ import os
 import resource
 import signal
 import sys
-from typing import Any, Callable
+from typing import Callable, TypeVar
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 
 from lollm.errors import LollmError
+from lollm.generate.loop import GenerationResult, generate
+from lollm.generate.sampling import SamplingParams
+from lollm.load.loader import Checkpoint, TensorSource
+from lollm.load.options import LoadOptions
+from lollm.model import CausalLM
+from lollm.testing.loading import load_with
+
+#: What an example's ``run`` returns (:func:`check_clean` hands it back).
+T = TypeVar("T")
 
 #: CPU seconds one example may take (its normal figure is well under a tenth of a second).
 CPU_SECONDS = 5.0
@@ -76,7 +85,7 @@ _GGUF_JUNK = st.recursive(
 )
 
 
-def _paths(value: Any, prefix: tuple = (), skip: tuple = ()) -> list[tuple]:
+def _paths(value: object, prefix: tuple = (), skip: tuple = ()) -> list[tuple]:
     """Every place in a nested dict/list a mutation can reach (dict keys and list indices), but the ``skip`` keys."""
     out = []
     if isinstance(value, dict):
@@ -92,7 +101,7 @@ def _paths(value: Any, prefix: tuple = (), skip: tuple = ()) -> list[tuple]:
     return out
 
 
-def _near(value: Any) -> st.SearchStrategy:
+def _near(value: object) -> st.SearchStrategy:
     """Values close to a valid one: off by one, doubled, halved, negated, zero, or another type."""
     if isinstance(value, bool):
         return st.sampled_from([not value, int(value), str(value).lower(), None])
@@ -167,7 +176,8 @@ def _virtual_memory_bytes() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def check_clean(run: Callable[[], Any], *, cpu_seconds: float = CPU_SECONDS, memory_bytes: int = MEMORY_BYTES) -> Any:
+def check_clean(run: Callable[[], T], *, cpu_seconds: float = CPU_SECONDS,
+                memory_bytes: int = MEMORY_BYTES) -> T | LollmError:
     """Run one example; it must return, or raise a LollmError, within ``cpu_seconds`` of CPU time
     and without growing the address space by more than ``memory_bytes``.
 
@@ -207,11 +217,8 @@ def check_clean(run: Callable[[], Any], *, cpu_seconds: float = CPU_SECONDS, mem
             resource.setrlimit(resource.RLIMIT_AS, old_limit)
 
 
-def load_and_generate(load: Callable, raw: dict, weights: Any, fmt: str, prompt: tuple[int, ...] = (0, 1, 2)) -> Any:
+def load_and_generate(load: Callable[[Checkpoint, LoadOptions], CausalLM], raw: dict, weights: TensorSource, fmt: str,
+                      prompt: tuple[int, ...] = (0, 1, 2)) -> GenerationResult:
     """One example: the family's ``load`` on (``raw``, ``weights``), then two greedy tokens through the loop."""
-    from lollm.generate.loop import generate
-    from lollm.generate.sampling import SamplingParams
-    from lollm.testing.loading import load_with
-
     model = load_with(load, raw, weights, fmt)
     return generate(model, list(prompt), max_new_tokens=2, sampling=SamplingParams(temperature=0.0))

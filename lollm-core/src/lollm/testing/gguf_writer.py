@@ -43,7 +43,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from lollm.testing.tiny_gguf import byte_level_vocab
+
+# Lazy imports below: gguf and transformers (optional extras, lollm-core[parity]).
+if TYPE_CHECKING:  # their classes only name types here
+    from gguf import GGUFWriter
+    from transformers import PretrainedConfig
 
 __all__ = ["GGUF_TYPES", "SUPPORTED", "write_tiny_gguf"]
 
@@ -64,7 +75,6 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     config value a GGUF of that architecture cannot carry (naming the key).
     """
     import gguf
-    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     if ggml_type not in GGUF_TYPES:
@@ -103,11 +113,11 @@ def write_tiny_gguf(checkpoint_dir: str | Path, out: str | Path, ggml_type: str 
     return out
 
 
-def _head_dim(cfg: Any) -> int:
+def _head_dim(cfg: PretrainedConfig) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _checked_rope(folder: Path, arch: str, cfg: Any) -> dict[str, Any]:
+def _checked_rope(folder: Path, arch: str, cfg: PretrainedConfig) -> dict[str, object]:
     """Step 1: raise ValueError for what a GGUF of ``arch`` cannot carry; return the RoPE parameters it writes."""
     rope = _rope(cfg)
     if arch.startswith("gemma") and float(cfg.query_pre_attn_scalar) != float(_head_dim(cfg)):
@@ -128,11 +138,10 @@ def _checked_rope(folder: Path, arch: str, cfg: Any) -> dict[str, Any]:
     return rope
 
 
-def _write_metadata(writer: Any, folder: Path, arch: str, cfg: Any, raw: dict[str, Any], rope: dict[str, Any]) -> None:
+def _write_metadata(writer: GGUFWriter, folder: Path, arch: str, cfg: PretrainedConfig, raw: dict[str, object],
+                    rope: dict[str, object]) -> None:
     """Step 2: the architecture's numbers, RoPE, soft-caps and a byte-level vocabulary, as the converter writes them."""
     import gguf
-
-    from lollm.testing.tiny_gguf import byte_level_vocab
 
     gemma = arch.startswith("gemma")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -173,17 +182,15 @@ def _write_metadata(writer: Any, folder: Path, arch: str, cfg: Any, raw: dict[st
     writer.add_add_bos_token(False)
 
 
-def _write_tensors(writer: Any, folder: Path, arch: str, cfg: Any, ggml_type: str) -> dict[str, Any]:
+def _write_tensors(writer: GGUFWriter, folder: Path, arch: str, cfg: PretrainedConfig,
+                   ggml_type: str) -> dict[str, torch.Tensor]:
     """Step 3: every tensor under gguf-py's name in the type asked for; returns what the file holds, as float32."""
     import gguf
-    import numpy as np
-    import torch
-    from safetensors.torch import load_file
 
     gemma = arch.startswith("gemma")
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), cfg.num_hidden_layers)
     qtype = gguf.GGMLQuantizationType[ggml_type]
-    stored: dict[str, Any] = {}
+    stored: dict[str, torch.Tensor] = {}
     for hf_name, value in load_file(str(folder / "model.safetensors")).items():
         if gemma and hf_name == "lm_head.weight":
             continue  # tied: the converter does not write it
@@ -210,7 +217,7 @@ def _write_tensors(writer: Any, folder: Path, arch: str, cfg: Any, ggml_type: st
     return stored
 
 
-def _rope(cfg: Any) -> dict[str, Any]:
+def _rope(cfg: PretrainedConfig) -> dict[str, object]:
     """transformers 5's ``rope_parameters`` of a config (flat, or one dict per layer type)."""
     params = getattr(cfg, "rope_parameters", None)
     if not isinstance(params, dict):

@@ -9,16 +9,20 @@ float32 on the CPU unless ``options`` says otherwise.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from lollm.load.loader import Checkpoint
+import torch
+
+from lollm.load.loader import Checkpoint, TensorSource
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import pick_quantization
+from lollm.model import CausalLM
 
 #: What the tests load with: float32 float weights on the CPU, SDPA attention.
 TEST_OPTIONS = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float")
 
 
-def test_checkpoint(config: dict, weights: Any, fmt: str) -> Checkpoint:
+def test_checkpoint(config: dict, weights: TensorSource, fmt: str) -> Checkpoint:
     """A Checkpoint around ``config`` and ``weights`` (no folder behind it; its tokenizer cannot be read)."""
     return Checkpoint(spec="<test>", path=Path("."), fmt=fmt, config=config, generation_config={}, weights=weights)
 
@@ -29,10 +33,6 @@ def resolved(options: LoadOptions | None = None) -> LoadOptions:
     The quantization comes from ``options.weights_mode``/``options.quantize`` for a
     safetensors checkpoint (a GGUF test that wants packed weights passes ``quantization``).
     """
-    import torch
-
-    from lollm.load.pipeline import pick_quantization
-
     options = options or TEST_OPTIONS
     if options.quantization is None:
         options = options.replace(quantization=pick_quantization(options, "safetensors", torch.device("cpu")))
@@ -40,6 +40,7 @@ def resolved(options: LoadOptions | None = None) -> LoadOptions:
                            dtype="float32" if options.dtype == "auto" else options.dtype)
 
 
-def load_with(load: Callable[..., Any], config: dict, weights: Any, fmt: str, options: LoadOptions | None = None) -> Any:
+def load_with(load: Callable[[Checkpoint, LoadOptions], CausalLM], config: dict, weights: TensorSource, fmt: str,
+              options: LoadOptions | None = None) -> CausalLM:
     """``load(checkpoint, options)`` on ``config`` and ``weights`` of format ``fmt``: the model it returns."""
     return load(test_checkpoint(config, weights, fmt), resolved(options))

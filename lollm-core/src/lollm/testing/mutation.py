@@ -24,6 +24,7 @@ test's outcome and failure message.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib
@@ -31,15 +32,25 @@ import io
 import re
 import shutil
 import sys
+import tempfile
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import pytest
+import torch
 
+from lollm.attention import visible
+from lollm.cli.new_family import find_hub_config
 from lollm.hookspecs import hookimpl
+from lollm.load.loader import load_checkpoint
 from lollm.load.plugins import Registry, build_registry
+from lollm.proof.parity import default_reference
+from lollm.testing.conformance import SEQUENCE_LENGTH, NoiseFloor, measure_noise_floor
+from lollm.testing.hub_configs import hub_config
+from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 __all__ = ["BUG_CLASSES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant", "NUMERIC_TESTS", "bf16_softmax_attend",
            "copy_family", "mutant_registry", "run_kit"]
@@ -136,7 +147,7 @@ class _Collector:
     def __init__(self) -> None:
         self.run = KitRun()
 
-    def pytest_runtest_logreport(self, report: Any) -> None:
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         name = report.nodeid.split("::")[-1]
         if report.failed:
             self.run.outcomes[name] = ("failed", report.longreprtext)
@@ -173,7 +184,7 @@ class TestCopy(FamilyConformance):
 
 
 def run_kit(package: str, copy: str, family_name: str, checkpoint_dir: str | Path, workdir: str | Path, *,
-            tests: Sequence[str] = NUMERIC_TESTS, attributes: Mapping[str, Any] | None = None) -> KitRun:
+            tests: Sequence[str] = NUMERIC_TESTS, attributes: Mapping[str, object] | None = None) -> KitRun:
     """Run the kit's ``tests`` on the copy ``copy`` of the family package ``package``.
 
     ``copy`` must have been made by ``copy_family(package, workdir / "src", copy, ...)``. The
@@ -239,10 +250,6 @@ def bf16_softmax_attend(q, k, v, *, start: int, ring: bool = False, window: int 
                         softcap: float | None = None, scale: float | None = None, layer: int | None = None):
     """A *wrong* attention for the ``bf16_softmax`` mutant: :func:`lollm.attention.eager_probs` with the
     softmax in bfloat16 (q, k, v (1, H|K, T|S, D) -> (1, H, T, D) in q's dtype)."""
-    import torch
-
-    from lollm.attention import visible
-
     _, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
     n_rep = H // K
@@ -359,7 +366,7 @@ class SuiteResult:
 
     family: str
     hub_config: str
-    noise: Any  # lollm.testing.conformance.NoiseFloor
+    noise: NoiseFloor
     clean: KitRun
     caught: dict[str, list[str]] = field(default_factory=dict)
     moved: dict[str, float] = field(default_factory=dict)
@@ -378,10 +385,6 @@ def kit_checkpoint(family_name: str, folder: str | Path) -> tuple[str, Path]:
     """The tiny checkpoint the suite judges ``family_name`` on: the hub config ``lollm new-family``'s
     tests take for it (:func:`lollm.cli.new_family.find_hub_config`), shrunk by
     :func:`lollm.testing.tiny.kit_config`, spread-init weights. Returns (hub config name, folder)."""
-    from lollm.cli.new_family import find_hub_config
-    from lollm.testing.hub_configs import hub_config
-    from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
-
     installed = next((f for f in build_registry().families if f.family.name == family_name), None)
     if installed is None:
         raise LookupError(f"no installed family is named {family_name!r}")
@@ -396,19 +399,10 @@ def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *
     The unchanged copy runs :data:`KIT_CHECKS` (coverage, parity, cached decode, self-consistency,
     sensitivity); each mutant runs ``tests`` (:data:`JUDGING_TESTS`) and is caught when one of them fails.
     """
-    import time
-
-    import torch
-
-    from lollm.proof.parity import default_reference
-    from lollm.testing.conformance import SEQUENCE_LENGTH, measure_noise_floor
-
     start = time.perf_counter()
     package, mutants = MUTANTS[family_name]
     workdir = Path(workdir)
     hub, checkpoint = kit_checkpoint(family_name, workdir / "checkpoint")
-    from lollm.load.loader import load_checkpoint
-
     loaded = load_checkpoint(checkpoint)
     ids = torch.randint(0, int(loaded.config.get("vocab_size", 512)), (1, SEQUENCE_LENGTH),
                         generator=torch.Generator().manual_seed(1234))
@@ -459,10 +453,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lollm.testing.mutation [FAMILY ...] [--workdir DIR]``: run the suite, print the
     tables, exit 1 when the unchanged copy fails or a mutant survives (every family of
     :data:`MUTANTS` by default)."""
-    import argparse
-    import tempfile
-    import time
-
     parser = argparse.ArgumentParser(prog="python -m lollm.testing.mutation", description=main.__doc__)
     parser.add_argument("families", nargs="*", default=sorted(MUTANTS), help=f"of {', '.join(sorted(MUTANTS))}")
     parser.add_argument("--workdir", help="where the copies and checkpoints go (default: a temporary folder)")

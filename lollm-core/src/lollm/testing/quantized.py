@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
 
 #: A text of about 600 tokens (Qwen2.5's and Gemma 3's tokenizers), written for these
 #: measurements: plain English prose with names, numbers and a little code.
@@ -121,10 +122,6 @@ def check_quantize_at_load(folder, mode: str, group_size: int = 32, min_cosine: 
     normal); a wrong layout or scale gives cosines near 0. The check is on the
     wiring: the real files measure accuracy.
     """
-    import torch
-
-    from lollm.load.pipeline import open_model
-
     float_model = open_model(str(folder), LoadOptions(device="cpu", dtype="float32")).model
     packed = open_model(str(folder), LoadOptions(device="cpu", dtype="float32", quantize=mode, group_size=group_size)).model
     summary = packed.weights_summary

@@ -32,8 +32,22 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
+
+import torch
+
+from lollm.generate.loop import GenerationResult, generate, stop_token_ids
+from lollm.generate.sampling import resolve_sampling
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.testing.hub_configs import hub_config
+from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
+
+# Lazy imports below: uvicorn, openai and prometheus_client (optional extras: lollm-core[serve] and [test]),
+# each imported by the one helper that needs it.
+if TYPE_CHECKING:  # openai's classes only name types here
+    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
 
 GREEDY = {"temperature": 0.0}
 
@@ -45,7 +59,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
     """GET (or POST ``body``) ``url``; returns (status, parsed JSON body)."""
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
@@ -96,7 +110,7 @@ def run_server(folder: str | Path, *args: str, timeout: float = 180, nproc: int 
 
 
 @contextmanager
-def app_in_thread(app: Any, timeout: float = 60) -> Iterator[str]:
+def app_in_thread(app: Callable[..., Awaitable[None]], timeout: float = 60) -> Iterator[str]:
     """``app`` (an ASGI application) served by uvicorn in a daemon thread of this process; yields its root URL.
 
     Binds a free port on 127.0.0.1; waits (at most ``timeout`` seconds) until uvicorn has started, and on
@@ -123,8 +137,6 @@ def app_in_thread(app: Any, timeout: float = 60) -> Iterator[str]:
 @contextmanager
 def one_torch_thread() -> Iterator[None]:
     """torch on one thread while inside (the reference runs of tiny models), as before afterwards."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -133,7 +145,7 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def openai_client(base_url: str, api_key: str = "unused", **kwargs: Any):
+def openai_client(base_url: str, api_key: str = "unused", **kwargs: object) -> OpenAI:
     from openai import OpenAI
 
     return OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120, **kwargs)
@@ -143,23 +155,17 @@ class Reference:
     """lollm in the test process, on the same checkpoint: what the server must answer (greedy)."""
 
     def __init__(self, folder: str | Path):
-        from lollm.generate.loop import stop_token_ids
-        from lollm.load.pipeline import open_model
-
         self.loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         ckpt = self.loaded.checkpoint
         self.stop_ids = stop_token_ids(ckpt.generation_config, ckpt.config, self.tokenizer)
 
-    def chat_ids(self, messages: list[dict[str, str]], **flags: Any) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], **flags: object) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
 
     def generate(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = (), logprobs: int | None = None,
-                 **sampling_flags: Any):
+                 **sampling_flags: object) -> GenerationResult:
         """Greedy, with the other sampling settings resolved as the server does (a family's repetition penalty ...)."""
-        from lollm.generate.loop import generate
-        from lollm.generate.sampling import resolve_sampling
-
         sampling = resolve_sampling({**GREEDY, **sampling_flags}, self.loaded.checkpoint.generation_config,
                                     self.loaded.family.family.sampling_defaults)
         return generate(self.model, ids, max_new_tokens=max_tokens, sampling=sampling, stop_ids=self.stop_ids,
@@ -240,8 +246,6 @@ def check_completions(client, model: str, reference: Reference, max_tokens: int 
 
 def check_logprobs(client, model: str, reference: Reference, max_tokens: int = 6) -> None:
     """logprobs / top_logprobs equal log_softmax of a plain forward (no cache) at each generated position."""
-    import torch
-
     ids = reference.chat_ids(CONVERSATION)
     plain = {"repetition_penalty": 1.0}  # so that greedy picks the most likely token
     expected = reference.generate(ids, max_tokens, **plain)
@@ -279,7 +283,7 @@ def check_stop_strings(client, model: str, reference: Reference, max_tokens: int
     assert reply.choices[0].finish_reason == "stop"
 
 
-def health(base_url: str) -> dict[str, Any]:
+def health(base_url: str) -> dict[str, object]:
     return http(base_url.removesuffix("/v1") + "/health")[1]
 
 
@@ -313,7 +317,7 @@ def check_concurrent_requests(client, model: str, reference: Reference, max_toke
     assert [text for text, _ in ask_at_once(client, model, jobs, max_tokens)] == expected
 
 
-def metrics(base_url: str) -> dict[str, Any]:
+def metrics(base_url: str) -> dict[str, float]:
     """``GET /metrics`` parsed with prometheus-client's own parser: {sample name (labels appended): value}.
 
     A histogram's buckets read ``name_bucket{le=1.0}``; a counter's sample is ``name_total``.
@@ -323,7 +327,7 @@ def metrics(base_url: str) -> dict[str, Any]:
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=60) as response:
         assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
         text = response.read().decode()
-    samples: dict[str, Any] = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
@@ -439,7 +443,7 @@ def check_disconnect_frees_blocks(client, model: str, base_url: str) -> None:
         time.sleep(0.1)
 
 
-def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+def post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], dict[str, object]]:
     """POST ``body`` as JSON; (status, headers with lower-case names, parsed JSON answer)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -457,7 +461,7 @@ def check_full_queue_is_a_503(client, model: str, base_url: str) -> None:
     """
     running = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=100_000, stream=True, **GREEDY)
     next(iter(running))  # the first chunk: it is in the engine
-    waiting: list[Any] = []
+    waiting: list[ChatCompletion] = []
     second = threading.Thread(target=lambda: waiting.append(
         client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=2, **GREEDY)))
     second.start()
@@ -488,9 +492,6 @@ def write_chat_checkpoint(folder: str | Path) -> Path:
 
     Needs lollm-qwen to serve it and transformers (lollm-core[parity]) to write it.
     """
-    from lollm.testing.hub_configs import hub_config
-    from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
-
     raw = shrink_config(hub_config("Qwen__Qwen2.5-0.5B"), vocab_size=512, bos_token_id=0, eos_token_id=0,
                         initializer_range=0.1, tie_word_embeddings=False)
     return write_tiny_tokenizer(write_tiny_checkpoint(raw, folder), vocab_size=512)

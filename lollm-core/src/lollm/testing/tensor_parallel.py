@@ -29,7 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
 from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.load.ranks import finish
 
 #: Absolute tolerance on float32 logits. The sums an all-reduce adds in another order
 #: (o_proj, down_proj as N partial sums) differ by a few float32 ulps of the hidden
@@ -122,8 +126,6 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
     report: max |diff| for prefill and decode, per-rank bytes, unmatched plan patterns.
     """
     device = device or os.environ.get("LOLLM_TP_DEVICE", "cpu")
-    from lollm.load.pipeline import open_model
-
     loaded = open_model(str(folder), LoadOptions(device=device, dtype="float32"))
     vocab = loaded.model.lm_head.weight.shape[0]
     prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -151,11 +153,6 @@ def check_tensor_parallel(folder: Path, nproc: int, tmp: Path, *, prompt_len: in
 
 
 def _worker(folder: str, out: str, nproc: int, prompt: list[int], steps: int, device: str) -> None:
-    import torch.distributed as dist
-
-    from lollm.load.pipeline import open_model
-    from lollm.load.ranks import finish
-
     loaded = open_model(folder, LoadOptions(device=device, dtype="float32", tp=nproc))
     tp = loaded.model.tensor_parallel
     rec = record(loaded.model, prompt, steps, device=loaded.device)

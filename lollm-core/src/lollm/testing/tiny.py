@@ -22,7 +22,12 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+import torch
+
+# Lazy imports below: transformers (lollm-core[parity]) writes the checkpoints, tokenizers (lollm-core[test])
+# the tokenizer; optional extras, imported by the functions that need them.
 
 #: The dimensions :func:`shrink_config` sets unless told otherwise.
 TINY_DIMENSIONS = {
@@ -51,7 +56,7 @@ KIT_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "top_k_experts": 2, "
                "shared_expert_intermediate_size": 48}
 
 
-def kit_config(raw: dict[str, Any]) -> dict[str, Any]:
+def kit_config(raw: dict[str, object]) -> dict[str, object]:
     """A tiny config of the hub config.json ``raw`` that the conformance kit's coverage check passes.
 
     The decoder only: a multimodal config's ``text_config`` (its token ids added from the top
@@ -98,7 +103,7 @@ def kit_config(raw: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _kit_head_dims(cfg: dict[str, Any]) -> None:
+def _kit_head_dims(cfg: dict[str, object]) -> None:
     """Heads wide enough for 8 turning RoPE pairs (``partial_rotary_factor``); a wider global head (Gemma 4)."""
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     parts = [d.get("partial_rotary_factor", 1.0) for d in rope.values() if isinstance(d, dict)]
@@ -109,7 +114,7 @@ def _kit_head_dims(cfg: dict[str, Any]) -> None:
         cfg["global_head_dim"] = max(2 * cfg["head_dim"], int(16 / part + 0.999))
 
 
-def _kit_extras(cfg: dict[str, Any]) -> None:
+def _kit_extras(cfg: dict[str, object]) -> None:
     """Shrink the keys of Gemma 4 (per-layer inputs, KV sharing) and Qwen 3.5 (linear attention)."""
     if isinstance(cfg.get("hidden_size_per_layer_input"), int) and cfg["hidden_size_per_layer_input"] > 0:
         cfg.update(hidden_size_per_layer_input=16, vocab_size_per_layer_input=cfg["vocab_size"])
@@ -124,7 +129,7 @@ def _kit_extras(cfg: dict[str, Any]) -> None:
         cfg.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
 
 
-def shrink_config(raw: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+def shrink_config(raw: dict[str, object], **overrides: object) -> dict[str, object]:
     """A copy of ``raw`` (a config.json dict) with tiny dimensions, every other key kept.
 
     Sets :data:`TINY_DIMENSIONS`, then ``overrides`` (any key, set verbatim; they
@@ -144,7 +149,7 @@ def shrink_config(raw: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     return out
 
 
-def _shrink(cfg: dict[str, Any], overrides: dict[str, Any]) -> None:
+def _shrink(cfg: dict[str, object], overrides: dict[str, object]) -> None:
     cfg.update(TINY_DIMENSIONS)
     cfg.update(copy.deepcopy(overrides))
     if "head_dim" in cfg and "head_dim" not in overrides:
@@ -156,7 +161,7 @@ def _shrink(cfg: dict[str, Any], overrides: dict[str, Any]) -> None:
     _fix_token_ids(cfg, cfg["vocab_size"], overrides)
 
 
-def _fix_token_ids(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, Any]) -> None:
+def _fix_token_ids(cfg: dict[str, object], vocab_size: int, overrides: dict[str, object]) -> None:
     """Move token ids >= vocab_size to vocab_size-1, vocab_size-2, ... (in increasing order of the old id)."""
     keys = [k for k in cfg if k.endswith(("_token_id", "_token_index")) and k not in overrides]
     big = sorted({i for k in keys for i in _ids(cfg[k]) if i >= vocab_size})
@@ -169,7 +174,7 @@ def _fix_token_ids(cfg: dict[str, Any], vocab_size: int, overrides: dict[str, An
             cfg[k] = new_id.get(value, value)
 
 
-def _ids(value: Any) -> list[int]:
+def _ids(value: object) -> list[int]:
     if isinstance(value, bool):
         return []
     if isinstance(value, int):
@@ -180,7 +185,7 @@ def _ids(value: Any) -> list[int]:
 
 
 def write_tiny_checkpoint(
-    raw_config: dict[str, Any],
+    raw_config: dict[str, object],
     folder: str | Path,
     *,
     schema: Literal["hub", "transformers5"] = "transformers5",
@@ -205,7 +210,6 @@ def write_tiny_checkpoint(
               check; 0.3 (:data:`SENSITIVE_INIT_STD`) makes them depend on both (see
               docs/conformance-kit.md: the conformance kit checks it).
     """
-    import torch
     import transformers
 
     if schema not in ("hub", "transformers5"):
@@ -240,7 +244,7 @@ def write_tiny_checkpoint(
     return folder
 
 
-def to_hub_schema(raw: dict[str, Any]) -> dict[str, Any]:
+def to_hub_schema(raw: dict[str, object]) -> dict[str, object]:
     """``raw`` with a flat ``rope_parameters`` moved to ``rope_theta`` (+ ``rope_scaling``), as hub files spell it.
 
     A config already in the hub form is returned unchanged (a copy). A

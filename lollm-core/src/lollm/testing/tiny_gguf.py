@@ -14,8 +14,13 @@ inside the functions only.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
+
+import numpy as np
+
+# Lazy imports below: tokenizers (lollm-core[test]) and gguf (lollm-core[parity]), optional extras.
 
 #: Text the tiny tokenizers are trained on (English and a little Python).
 CORPUS = [
@@ -35,8 +40,6 @@ def byte_level_vocab(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext|
     byte symbols, then merges learned from :data:`CORPUS`; if the corpus runs out
     of merges, ``<|reserved_N|>`` tokens (type 4, user-defined) fill the rest.
     """
-    import json
-
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -62,8 +65,8 @@ def byte_level_vocab(vocab_size: int, specials: tuple[str, ...] = ("<|endoftext|
 def write_gguf(
     path: str | Path,
     arch: str,
-    metadata: Mapping[str, Any],
-    tensors: Mapping[str, tuple[Any, str]],
+    metadata: Mapping[str, bool | int | float | str | list],
+    tensors: Mapping[str, tuple[np.ndarray, str]],
 ) -> Path:
     """Write a GGUF file: ``general.architecture = arch``, the metadata, then the tensors in order.
 
@@ -74,8 +77,6 @@ def write_gguf(
     ``gguf.quants.quantize`` (the last dimension must be a multiple of its block size).
     """
     import gguf
-    import numpy as np
-
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():

@@ -23,10 +23,14 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from lollm.load.options import LoadOptions
 from lollm import attention
-from lollm.cli.trace.capture import Trace, capture
+from lollm.cli.trace.capture import Trace, capture, compare
 from lollm.cli.trace.page import decode_attention, page_data
+from lollm.cli.trace.run import reference_for
+from lollm.load.options import LoadOptions
+from lollm.load.pipeline import open_model
+from lollm.model import CausalLM
+from lollm.testing.browser import Browser
 
 #: How close the logit lens of the last hidden state must be to the model's own logits (float32).
 LENS_TOLERANCE = 1e-5
@@ -88,7 +92,7 @@ def reference_attention(call: dict[str, Any]) -> torch.Tensor:
     return (torch.softmax(scores, dim=-1) @ v.double()).to(q.dtype)
 
 
-def check_numbers(model: Any, ids: list[int], *, pieces=None) -> Trace:
+def check_numbers(model: CausalLM, ids: list[int], *, pieces=None) -> Trace:
     """The numbers a trace shows are right; returns the trace.
 
     1. the logit lens of the last hidden state equals the model's own logits (a plain
@@ -162,7 +166,7 @@ def _keys_in_position_order(v: torch.Tensor, call: dict[str, Any]) -> torch.Tens
 # ---------------------------------------------------------------------------
 # The divergence from transformers
 # ---------------------------------------------------------------------------
-def break_layer(model: Any, layer: int, *, seed: int = 0) -> int:
+def break_layer(model: CausalLM, layer: int, *, seed: int = 0) -> int:
     """Add noise to every parameter of decoder layer ``layer`` (``...layers.<layer>.`` in its name); returns how many.
 
     The noise is as large as each parameter's own spread, so the layer's output
@@ -186,10 +190,6 @@ def check_divergence(folder: str | Path, ids: list[int], *, layer: int) -> tuple
     Loads ``folder`` twice through lollm (float32, CPU) and compares each with the
     parity gate's reference for it (transformers). Returns (clean trace, broken trace).
     """
-    from lollm.load.pipeline import open_model
-    from lollm.cli.trace.capture import compare
-    from lollm.cli.trace.run import reference_for
-
     loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
     clean = capture(loaded.model, ids)
     break_layer(loaded.model, layer)
@@ -211,7 +211,7 @@ def check_divergence(folder: str | Path, ids: list[int], *, layer: int) -> tuple
 # ---------------------------------------------------------------------------
 # The page in a browser
 # ---------------------------------------------------------------------------
-def check_page(browser: Any, path: str | Path, trace: Trace, *, click: int | None = None) -> None:
+def check_page(browser: Browser, path: str | Path, trace: Trace, *, click: int | None = None) -> None:
     """The page of ``trace`` at ``path``: drawn without a console error, one lens row per layer,
     and a click on a token updates the logit lens, the attention panel and the family's own panels.
 
