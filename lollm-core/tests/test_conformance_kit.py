@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lollm.testing.conformance import _schedules, _sliding_window, reference_sensitivity
-from lollm.testing.hub_configs import hub_config
+from lollm.load.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
 
 

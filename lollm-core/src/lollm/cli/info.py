@@ -113,7 +113,7 @@ def list_(
 ) -> None:
     """The models on this machine: the Hugging Face cache and lollm's cache ($LOLLM_CACHE), with the family that runs each."""
     from lollm.cli.models import list_models, rows_json
-    from lollm.testing.real_models import cache_dir
+    from lollm.load.real_models import cache_dir
 
     rows = list_models()
     if as_json:

@@ -5,7 +5,7 @@ Two caches are listed:
     read through ``huggingface_hub.scan_cache_dir`` (never by walking its folders here: the
     library owns that layout);
   * lollm's own cache (``$LOLLM_CACHE`` or ``~/.cache/lollm``, see
-    :func:`lollm.testing.real_models.cache_dir`): the ``.gguf`` files and the safetensors
+    :func:`lollm.load.real_models.cache_dir`): the ``.gguf`` files and the safetensors
     checkpoint folders (a ``config.json`` beside ``*.safetensors``) found under it.
 
 Each model is one :class:`ModelRow`: what to pass to ``lollm run``, its format, its
@@ -147,7 +147,7 @@ def _lollm_rows(root: Path, registry: Any) -> Iterable[ModelRow]:
 def list_models() -> list[ModelRow]:
     """Every model in the hub cache, then in lollm's cache. Reads headers only (no weights, no network)."""
     from lollm.load.plugins import get_registry
-    from lollm.testing.real_models import cache_dir
+    from lollm.load.real_models import cache_dir
 
     registry = get_registry()
     return [*_hf_rows(registry), *_lollm_rows(cache_dir(), registry)]

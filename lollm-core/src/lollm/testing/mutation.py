@@ -379,7 +379,7 @@ def kit_checkpoint(family_name: str, folder: str | Path) -> tuple[str, Path]:
     tests take for it (:func:`lollm.cli.new_family.find_hub_config`), shrunk by
     :func:`lollm.testing.tiny.kit_config`, spread-init weights. Returns (hub config name, folder)."""
     from lollm.cli.new_family import find_hub_config
-    from lollm.testing.hub_configs import hub_config
+    from lollm.load.hub_configs import hub_config
     from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
     installed = next((f for f in build_registry().families if f.family.name == family_name), None)

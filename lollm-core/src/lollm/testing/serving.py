@@ -488,7 +488,7 @@ def write_chat_checkpoint(folder: str | Path) -> Path:
 
     Needs lollm-qwen to serve it and transformers (lollm-core[parity]) to write it.
     """
-    from lollm.testing.hub_configs import hub_config
+    from lollm.load.hub_configs import hub_config
     from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
 
     raw = shrink_config(hub_config("Qwen__Qwen2.5-0.5B"), vocab_size=512, bos_token_id=0, eos_token_id=0,
