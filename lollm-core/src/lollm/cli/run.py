@@ -81,14 +81,15 @@ def run(
     from lollm.load.pipeline import open_model
     from lollm.generate.sampling import resolve_sampling
 
-    checkpoint, family, template_flags = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
+    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
+    checkpoint = prepared.checkpoint
     all_ids = encode_prompts(checkpoint.tokenizer, prompts, system=system, no_chat=no_chat, parse_special=parse_special,
-                             template_flags=template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
-    sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
+                             template_flags=prepared.template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
+    sampling = resolve_sampling(user, checkpoint.generation_config, prepared.family.family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
 
     # 3. The weights, then one generation per prompt (--tp: every rank computes, rank 0 alone prints).
-    loaded = open_model(checkpoint, options)
+    loaded = open_model(checkpoint, prepared.options)  # taken as they are: nothing is decided again
     silence_followers(loaded.tp, err)
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
@@ -210,10 +211,11 @@ def chat(
     from lollm.load.pipeline import open_model
     from lollm.generate.sampling import resolve_sampling
 
-    checkpoint, family, template_flags = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
+    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
+    checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
-    loaded = open_model(checkpoint, options)
+    loaded = open_model(checkpoint, prepared.options)
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
     session = ChatSession(

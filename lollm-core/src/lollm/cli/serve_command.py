@@ -64,13 +64,10 @@ def serve(
     check_family(options.family)
     require_serve_extra()
     check_model_exists(model)
-    checkpoint, family, template_flags = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
-    if tp != 1:  # the other ranks wait for requests in a collective: far longer than torch's 30-minute default
-        from lollm.load.pipeline import pick_device
-        from lollm.load.tensor_parallel import init
-
-        init(tp, pick_device(device), timeout=SERVE_TP_TIMEOUT)
-    loaded = open_model(checkpoint, options)
+    # --tp: the other ranks wait for requests in a collective, far longer than torch's 30-minute default
+    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
+    family, template_flags = prepared.family.family, prepared.template_flags
+    loaded = open_model(prepared.checkpoint, prepared.options)
     silence_followers(loaded.tp, err)
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
