@@ -25,11 +25,16 @@ exits 130 (``run`` first ends its output and prints the statistics of what
 it generated). Flags are checked before torch is imported or a checkpoint
 is read, so a typo costs nothing.
 
-This module holds the commands; their plumbing lives beside it: the shared
-flags and the LoadOptions made of them in :mod:`lollm.cli.options`, the checks
-before the weights load in :mod:`lollm.cli.checks`, the prompts and files read
-in :mod:`lollm.cli.inputs`, and what is printed in :mod:`lollm.cli.report`.
-Under ``--tp N`` the commands keep their ranks in step through :mod:`lollm.load.ranks`.
+This module holds the app, lists the commands in the order ``lollm --help`` shows them, and
+runs them (:func:`main`). The commands live beside it, one module per group: ``run`` and
+``chat`` in :mod:`lollm.cli.run`; ``serve`` in :mod:`lollm.cli.serve_command`; ``parity``,
+``trace`` and ``bench`` in :mod:`lollm.cli.measure`; ``families``, ``tokenize``, ``inspect``,
+``list``, ``pull`` and ``new-family`` in :mod:`lollm.cli.info`. Their plumbing: the shared
+flags and the LoadOptions made of them in :mod:`lollm.cli.options`, the checks before the
+weights load in :mod:`lollm.cli.checks` (the choices themselves are made once, by
+:func:`lollm.load.pipeline.prepare`), the prompts and files read in :mod:`lollm.cli.inputs`,
+and what is printed in :mod:`lollm.cli.report`. Under ``--tp N`` the commands keep their
+ranks in step through :mod:`lollm.load.ranks`.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from typing import Any
+from importlib.metadata import version
+from typing import TextIO
 
 import typer
 from rich.markup import escape
@@ -49,6 +55,7 @@ from lollm.cli.report import err, out
 from lollm.cli.run import chat, run
 from lollm.cli.serve_command import serve
 from lollm.errors import LollmError
+from lollm.family import CONTRACT_VERSION, DEBUG_ENV
 
 # rich_markup_mode=None: click's plain help, read literally ("lollm-core[triton]" stays as written; rich markup ate it)
 app = App(
@@ -62,10 +69,6 @@ app = App(
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
-
-        from lollm.family import CONTRACT_VERSION
-
         core = version("lollm-core")
         out.print(f"lollm {core} (lollm-core {core}, plugin contract {CONTRACT_VERSION}, Python {sys.version.split()[0]})")
         raise typer.Exit()
@@ -78,8 +81,6 @@ def _options(
 ) -> None:
     """lollm: a study-first LLM inference engine."""
     if debug:
-        from lollm.family import DEBUG_ENV
-
         # an environment variable, not a global: the plugin guard reads it, and torchrun's ranks inherit it
         os.environ[DEBUG_ENV] = "1"
 
@@ -103,7 +104,7 @@ app.command()(pull)
 class _WatchedStdout:
     """sys.stdout, remembering a failed write: main() then knows the OSError came from the output."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self.error: OSError | None = None
 
@@ -121,7 +122,7 @@ class _WatchedStdout:
             self.error = exc
             raise
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._stream, name)
 
 

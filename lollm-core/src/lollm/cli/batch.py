@@ -11,22 +11,35 @@ output throughput of the whole batch.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Optional
 
+import typer
 from rich.markup import escape
+from rich.table import Table
 
 from lollm.cli import report as show
 from lollm.cli.report import err, out
-from lollm.errors import GenerationError
+from lollm.engine.llm import LLM, Completion, PromptError, single_reason
+from lollm.errors import GenerationError, LollmError
+from lollm.proof.bench_batching import ConcurrencyResult, run_concurrency
+
+# Lazy imports below: torch, lollm.attention, lollm.load.pipeline, lollm.generate.loop and lollm.proof.bench import
+# torch, which the CLI leaves until the flags are checked; the functions that run a model import them.
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
+    from lollm.generate.drafting import Drafter
+    from lollm.generate.structured import CompiledConstraint
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import LoadedModel
+    from lollm.sampling_params import SamplingParams
 
 
-def batch_reason(loaded: Any, drafter: Any) -> str | None:
+def batch_reason(loaded: LoadedModel, drafter: Optional[Drafter]) -> str | None:
     """Why ``run``'s prompts must run one at a time (None: they run batched through the engine)."""
-    from lollm.engine.llm import single_reason
-
     if drafter is not None:
         return (f"{'--mtp' if drafter.name == 'MTP' else '--prompt-lookup'} decodes speculatively, which the engine "
                 f"does not: one prompt at a time")
@@ -36,18 +49,18 @@ def batch_reason(loaded: Any, drafter: Any) -> str | None:
 class _InOrder:
     """Prints completions in input order as they finish: each waits for the prompts before it."""
 
-    def __init__(self, loaded: Any, prompts: list[str], sampling: Any, as_json: bool):
+    def __init__(self, loaded: LoadedModel, prompts: list[str], sampling: SamplingParams, as_json: bool):
         self.loaded, self.prompts, self.sampling, self.as_json = loaded, prompts, sampling, as_json
-        self.waiting: dict[int, Any] = {}
+        self.waiting: dict[int, Completion] = {}
         self.next = 0
 
-    def take(self, completion: Any) -> None:
+    def take(self, completion: Completion) -> None:
         self.waiting[completion.index] = completion
         while self.next in self.waiting:
             self._print(self.waiting.pop(self.next))
             self.next += 1
 
-    def _print(self, c: Any) -> None:
+    def _print(self, c: Completion) -> None:
         from lollm.generate.loop import GenerationResult
 
         if not self.as_json:
@@ -61,16 +74,14 @@ class _InOrder:
         show.generation(self.loaded, self.prompts[c.index], result, self.sampling, as_json=self.as_json, extra=extra)
 
 
-def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                max_new_tokens: int, as_json: bool, constraint: Any = None) -> None:
+def run_batched(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]], *, sampling: SamplingParams,
+                stop_strings: list[str], max_new_tokens: int, as_json: bool,
+                constraint: Optional[CompiledConstraint] = None) -> None:
     """``run``'s prompts through one engine; printed in input order, then (text) the batch's throughput line.
 
     ``constraint``: a compiled constraint every output follows (None: free text). Ctrl-C exits 130
     after what was printed.
     """
-    import typer
-
-    from lollm.engine.llm import LLM, PromptError
 
     llm = LLM.from_loaded(loaded)
     printer = _InOrder(loaded, prompts, sampling, as_json)
@@ -98,8 +109,6 @@ def run_batched(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sa
 def parse_levels(text: str) -> list[int]:
     """``--concurrency 1,4,16`` as [1, 4, 16] (ascending: the lowest is the ratios' base); LollmError naming the
     flag for anything but distinct positive whole numbers."""
-    from lollm.errors import LollmError, GenerationError
-
     try:
         levels = [int(part) for part in text.split(",")]
     except ValueError:
@@ -111,14 +120,13 @@ def parse_levels(text: str) -> list[int]:
     return sorted(levels)
 
 
-def bench_concurrency(spec: str, options: Any, *, levels: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
+def bench_concurrency(spec: str, options: LoadOptions, *, levels: list[int], prompt_tokens: int, new_tokens: int, rounds: int,
                       threads: int | None, as_json: bool) -> None:
     """``bench --concurrency``: load as ``bench`` does, measure every level in alternating rounds, print the figures."""
     import torch
 
     from lollm.attention import use_backend
     from lollm.proof.bench import prompt_ids
-    from lollm.proof.bench_batching import run_concurrency
     from lollm.load.pipeline import open_model
     from lollm.load.threads import apply_threads
 
@@ -131,12 +139,8 @@ def bench_concurrency(spec: str, options: Any, *, levels: list[int], prompt_toke
     concurrency_report(result, model=spec, as_json=as_json)
 
 
-def concurrency_report(result: Any, *, model: str, as_json: bool) -> None:
+def concurrency_report(result: ConcurrencyResult, *, model: str, as_json: bool) -> None:
     """``bench --concurrency``: JSON, or one row per level (throughput, its ratio, TTFT and inter-token latency)."""
-    import json
-
-    from rich.table import Table
-
     from lollm.proof.bench import machine_load
 
     if as_json:

@@ -12,9 +12,19 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.inputs import messages, read_tokenize_text
+from lollm.cli.models import list_models, rows_json
+from lollm.cli.models import pull as fetch
+from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
+from lollm.load.inventory import inspect_checkpoint
+from lollm.load.loader import _looks_like_repo_id, download_repo
+from lollm.load.plugins import get_registry
+from lollm.load.real_models import cache_dir
+from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
+
+# Lazy import below: lollm.generate.conversation imports torch; only tokenize --chat --think needs it.
 
 
 def new_family(
@@ -24,8 +34,6 @@ def new_family(
     into: Path = typer.Option(Path("."), "--into", metavar="PATH", help="Where to write the folder lollm-NAME."),
 ) -> None:
     """Write a new family distribution lollm-NAME, copied from an installed family, that installs and passes its own tests."""
-    from lollm.cli.new_family import describe, render
-
     out.print(escape(describe(render(name, like, into, model_type=model_type))), soft_wrap=True)
 
 
@@ -34,8 +42,6 @@ def families(
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a plugin is broken, two plugins claim one type, or $LOLLM_LOAD_PLUGINS names a distribution that is not an installed plugin."),
 ) -> None:
     """List the installed family plugins (no model code is imported), and those $LOLLM_LOAD_PLUGINS leaves out."""
-    from lollm.load.plugins import get_registry
-
     # the diagnostic command tries again the plugins other commands skip as remembered hangs
     registry = get_registry(retry_hung=True)
     if as_json:
@@ -60,9 +66,6 @@ def tokenize(
     """Show the token ids and pieces of TEXT: how the model sees it."""
     model, rest = which_model(model_opt, model_arg, text, extra=1)
     text = read_tokenize_text(rest[0] if rest else None, file)
-
-    from lollm.load.loader import download_repo, _looks_like_repo_id
-    from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
     folder = Path(model)
     if folder.is_file() and folder.suffix == ".gguf":
@@ -98,8 +101,6 @@ def inspect(
 ) -> None:
     """Show what is inside a checkpoint: a summary (format, architecture, parameters, bytes, tensors per type), its metadata, then its tensors (name, shape, type, bytes) in natural order (blk.2 before blk.10)."""
     model, _ = which_model(model_opt, model_arg)
-    from lollm.load.inventory import inspect_checkpoint
-
     inv = inspect_checkpoint(model)
     rows = inv.select(pattern)
     if as_json:
@@ -112,9 +113,6 @@ def list_(
     as_json: with_help(Json, "Machine-readable output (size in bytes).") = False,
 ) -> None:
     """The models on this machine: the Hugging Face cache and lollm's cache ($LOLLM_CACHE), with the family that runs each."""
-    from lollm.cli.models import list_models, rows_json
-    from lollm.load.real_models import cache_dir
-
     rows = list_models()
     if as_json:
         print(rows_json(rows))
@@ -131,8 +129,6 @@ def pull(
                                help="A Hugging Face repo id (org/name), or org/name:QUANT for the one .gguf file of that quant."),
 ) -> None:
     """Download a model into the Hugging Face cache (huggingface_hub's progress bar), then print its path and how to run it."""
-    from lollm.cli.models import pull as fetch
-
     path = fetch(spec)
     out.print(f"pulled {escape(spec)} to {escape(str(path))}", soft_wrap=True)
     out.print(f"run it: lollm run {escape(spec)} --prompt 'Hello'", soft_wrap=True)

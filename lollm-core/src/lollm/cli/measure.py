@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from lollm.cli import report as show
+from lollm.cli.batch import bench_concurrency, parse_levels
 from lollm.cli.checks import check_family, check_threads
 from lollm.cli.inputs import read_stdin
 from lollm.cli.options import (Attn, Device, Dtype, Family, GroupSize, Json, ModelArg, ModelOpt, NoChat, Prompt,
@@ -16,6 +17,9 @@ from lollm.cli.report import err, out
 from lollm.errors import LollmError
 from lollm.load.options import LoadOptions
 from lollm.load.ranks import finish, silence_followers
+
+# Lazy imports below: lollm.proof, lollm.attention, lollm.load.pipeline and lollm.cli.trace.run import torch, which
+# waits until every flag is checked (a typo costs nothing); each command imports them after its checks.
 
 
 def parity(
@@ -119,8 +123,6 @@ def bench(
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")
     check_threads(threads)  # before torch is imported
     if concurrency is not None:
-        from lollm.cli.batch import bench_concurrency, parse_levels
-
         levels = parse_levels(concurrency)
         if tp != 1:
             raise LollmError(f"--concurrency measures the batched engine, which does not run under --tp {tp}")

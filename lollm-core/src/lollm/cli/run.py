@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.markup import escape
 
 from lollm.cli import report as show
+from lollm.cli.batch import batch_reason, run_batched
 from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
                               check_run_flags, open_checkpoint)
 from lollm.cli.inputs import encode_prompts, read_prompts
@@ -20,7 +21,18 @@ from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens,
                                output_constraint, sampling_flags, which_model, with_help)
 from lollm.cli.report import err
 from lollm.errors import LollmError
+from lollm.generate.drafting import drafter_from_flags
+from lollm.generate.structured import compile_constraint
 from lollm.load.ranks import finish, silence_followers
+
+# Lazy imports below: lollm.load.pipeline and lollm.generate's loop, sampling and conversation import torch, which
+# waits until every flag is checked (a typo costs nothing); each command imports them after its checks.
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
+    from lollm.generate.drafting import Drafter
+    from lollm.generate.structured import CompiledConstraint, OutputConstraint
+    from lollm.load.pipeline import LoadedModel
+    from lollm.sampling_params import SamplingParams
 
 
 def run(
@@ -64,8 +76,6 @@ def run(
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp or prompt_lookup,
                     draft_tokens=draft_tokens, sampling=user)
-    from lollm.generate.drafting import drafter_from_flags
-
     drafter = drafter_from_flags(mtp=mtp, prompt_lookup=prompt_lookup, draft_tokens=draft_tokens)
     if system is not None and no_chat:
         raise LollmError("--system needs the chat template; it cannot be used with --no-chat")
@@ -100,8 +110,9 @@ def run(
     finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
 
 
-def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, sampling: Any, stop_strings: list[str],
-                  max_new_tokens: int, drafter: Any, as_json: bool, verbose: bool, constraint: Any = None) -> None:
+def _generate_all(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]], *, sampling: SamplingParams,
+                  stop_strings: list[str], max_new_tokens: int, drafter: Optional[Drafter], as_json: bool, verbose: bool,
+                  constraint: Optional[OutputConstraint] = None) -> None:
     """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt.
 
     Several prompts run batched through one engine when the model can (:mod:`lollm.cli.batch`), else
@@ -110,7 +121,6 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
     """
     from lollm.generate.loop import stop_token_ids
     from lollm.generate.sampling import describe_sampling
-    from lollm.generate.structured import compile_constraint
 
     checkpoint = loaded.checkpoint
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer)
@@ -119,8 +129,6 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
     if not as_json:
         err.print("[dim]" + escape(describe_sampling(sampling, everything=verbose)) + "[/dim]", soft_wrap=True)
     if len(prompts) > 1:
-        from lollm.cli.batch import batch_reason, run_batched
-
         reason = batch_reason(loaded, drafter)
         if reason is None:
             return run_batched(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop_strings,
@@ -133,8 +141,9 @@ def _generate_all(loaded: Any, prompts: list[str], all_ids: list[list[int]], *, 
                       max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json, constraint=constraint)
 
 
-def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, stops: set[int], stop_strings: list[str],
-                  max_new_tokens: int, drafter: Any, as_json: bool, constraint: Any = None) -> None:
+def _generate_one(loaded: LoadedModel, prompt: str, ids: list[int], *, sampling: SamplingParams, stops: set[int],
+                  stop_strings: list[str], max_new_tokens: int, drafter: Optional[Drafter], as_json: bool,
+                  constraint: Optional[CompiledConstraint] = None) -> None:
     """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
     from lollm.generate.loop import GenerationResult, generate
 
@@ -143,7 +152,7 @@ def _generate_one(loaded: Any, prompt: str, ids: list[int], *, sampling: Any, st
     started = time.perf_counter()
     first_token_at: list[float] = []
 
-    def on_token(token_id: int, logprobs: Any) -> None:
+    def on_token(token_id: int, logprobs: object) -> None:
         if not new_ids:
             first_token_at.append(time.perf_counter())
         new_ids.append(token_id)

@@ -16,6 +16,9 @@ from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, Grou
 from lollm.cli.report import err
 from lollm.load.ranks import finish, is_leader, silence_followers
 
+# Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
+# serve extra), which waits until every flag is checked (a typo costs nothing).
+
 
 def serve(
     model_arg: ModelArg = None,

@@ -21,7 +21,7 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError, PluginError
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.options import LoadOptions, check_threads
+from lollm.load.options import LoadOptions, check_threads  # noqa: F401 - check_threads: lollm.engine.llm takes it from here
 from lollm.load.plugins import InstalledFamily, get_registry
 from lollm.load.quantized import Quantization
 import lollm.load.tensor_parallel as tensor_parallel
