@@ -48,12 +48,9 @@ from typing import TextIO
 import typer
 from rich.markup import escape
 
-from lollm.cli.info import families, inspect, list_, new_family, pull, tokenize
-from lollm.cli.measure import bench, parity, trace
+from lollm.cli import info, measure, run, serve_command
 from lollm.cli.options import App
 from lollm.cli.report import err, out
-from lollm.cli.run import chat, run
-from lollm.cli.serve_command import serve
 from lollm.errors import LollmError
 from lollm.family import CONTRACT_VERSION, DEBUG_ENV
 
@@ -85,19 +82,20 @@ def _options(
         os.environ[DEBUG_ENV] = "1"
 
 
-# The commands, in the order ``lollm --help`` lists them.
-app.command()(run)
-app.command("new-family")(new_family)
-app.command()(families)
-app.command()(tokenize)
-app.command()(parity)
-app.command()(trace)
-app.command()(bench)
-app.command()(inspect)
-app.command()(chat)
-app.command()(serve)
-app.command("list")(list_)
-app.command()(pull)
+# The commands, in the order ``lollm --help`` lists them. (Registered by module, so that ``lollm.cli.run``,
+# ``lollm.cli.new_family`` and ``lollm.cli.trace`` stay the modules of those names, not the command functions.)
+app.command()(run.run)
+app.command("new-family")(info.new_family)
+app.command()(info.families)
+app.command()(info.tokenize)
+app.command()(measure.parity)
+app.command()(measure.trace)
+app.command()(measure.bench)
+app.command()(info.inspect)
+app.command()(run.chat)
+app.command()(serve_command.serve)
+app.command("list")(info.list_)
+app.command()(info.pull)
 
 
 
