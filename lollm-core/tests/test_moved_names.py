@@ -40,3 +40,11 @@ def test_the_loop_keeps_its_package_level_names():
     from lollm.generate import GenerationResult, generate
     from lollm.generate.loop import GenerationResult as Result, generate as loop_generate
     assert generate is loop_generate and GenerationResult is Result
+
+
+def test_docs_plugins_lists_every_moved_module():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text(encoding="utf-8")
+    missing = [old for old, new in MOVED.items() if f"| `{old}` | `{new}` |" not in page]
+    assert not missing, f"docs/plugins.md, section 'Names that moved', lacks: {missing}"

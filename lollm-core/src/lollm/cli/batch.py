@@ -11,27 +11,31 @@ output throughput of the whole batch.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from typing import TYPE_CHECKING
 
+import typer
 from rich.markup import escape
+from rich.table import Table
 
 from lollm.cli import report as show
 from lollm.cli.report import err, out
-from lollm.errors import GenerationError
-from lollm.sampling_params import SamplingParams
+from lollm.engine.llm import LLM, Completion, PromptError
+from lollm.errors import GenerationError, LollmError
 
-# Lazy imports below (inside the functions): the engine and torch load only when a command runs, so that the
-# CLI starts, and checks its flags, without torch. Types only for the checker here:
-if TYPE_CHECKING:
-    from lollm.engine.llm import Completion
+# Lazy imports below: torch, lollm.attention, lollm.load.pipeline, lollm.generate.loop, lollm.proof.bench and
+# lollm.proof.bench_batching import torch, which the CLI leaves until the flags are checked; the functions that run a model import them.
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
     from lollm.generate.drafting import Drafter
     from lollm.generate.structured import CompiledConstraint
     from lollm.load.options import LoadOptions
     from lollm.load.pipeline import LoadedModel
     from lollm.proof.bench_batching import ConcurrencyResult
+    from lollm.sampling_params import SamplingParams
 
 
 def batch_reason(loaded: LoadedModel, drafter: Drafter | None) -> str | None:
@@ -79,9 +83,6 @@ def run_batched(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]
     ``constraint``: a compiled constraint every output follows (None: free text). Ctrl-C exits 130
     after what was printed.
     """
-    import typer
-
-    from lollm.engine.llm import LLM, PromptError
 
     llm = LLM.from_loaded(loaded)
     printer = _InOrder(loaded, prompts, sampling, as_json)
@@ -109,8 +110,6 @@ def run_batched(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]
 def parse_levels(text: str) -> list[int]:
     """``--concurrency 1,4,16`` as [1, 4, 16] (ascending: the lowest is the ratios' base); LollmError naming the
     flag for anything but distinct positive whole numbers."""
-    from lollm.errors import LollmError, GenerationError
-
     try:
         levels = [int(part) for part in text.split(",")]
     except ValueError:
@@ -144,10 +143,6 @@ def bench_concurrency(spec: str, options: LoadOptions, *, levels: list[int], pro
 
 def concurrency_report(result: ConcurrencyResult, *, model: str, as_json: bool) -> None:
     """``bench --concurrency``: JSON, or one row per level (throughput, its ratio, TTFT and inter-token latency)."""
-    import json
-
-    from rich.table import Table
-
     from lollm.proof.bench import machine_load
 
     if as_json:

@@ -7,29 +7,39 @@ Two stages, in the order a command runs them:
    :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`;
 2. with the checkpoint open (configs, tokenizer, tensor table) and its family routed,
    before the weights stream in: :func:`open_checkpoint` (it takes the command's
-   :class:`lollm.load.options.LoadOptions`); and once loaded, :func:`check_draft_head`.
+   :class:`lollm.load.options.LoadOptions` and returns them resolved: device, dtype, attention backend,
+   quantization and family, each decided once); and once loaded, :func:`check_draft_head`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from lollm.errors import LollmError
-from lollm.load.options import LoadOptions
+from lollm.cli.report import err, plugin_warnings
+from lollm.errors import CheckpointError, GenerationError, LollmError
+from lollm.load.loader import _looks_like_repo_id
+from lollm.load.options import THREADS_PER_CORE, LoadOptions, check_threads, threads_limit
+from lollm.load.plugins import get_registry
+from lollm.sampling_params import check_sampling_value, check_seed
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (lollm.load.pipeline imports torch)
+    from lollm.load.pipeline import LoadedModel, Prepared
+
+# Lazy imports below: lollm.attention and lollm.load.pipeline import torch, and these checks run before torch is
+# imported (a typo costs nothing); they are imported where a check needs them.
+
+__all__ = ["THREADS_PER_CORE", "check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists",
+           "check_run_flags", "check_serve_flags", "check_threads", "open_checkpoint", "threads_limit"]
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
 def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], device: str, threads: Optional[int], mtp: bool,
-                    draft_tokens: int, sampling: dict[str, Any]) -> None:
+                    draft_tokens: int, sampling: dict[str, float | int | None]) -> None:
     """The flags of ``run``, ``chat`` and ``serve``, checked before torch is imported; each error names its flag."""
-    from lollm.errors import GenerationError
-    from lollm.sampling_params import check_sampling_value, check_seed
-
     if max_new_tokens is not None and max_new_tokens < 1:
         raise LollmError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     for key, value in sampling.items():
@@ -48,37 +58,6 @@ def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devic
     check_threads(threads)
     if mtp and draft_tokens < 1:
         raise LollmError(f"--draft-tokens must be >= 1, got {draft_tokens}")
-
-
-#: ``--threads`` is refused above this many threads per core the process may run on.
-THREADS_PER_CORE = 4
-
-
-def threads_limit() -> int:
-    """The most ``--threads`` accepted: :data:`THREADS_PER_CORE` times the cores this process may run on.
-
-    The cores are those of ``os.sched_getaffinity`` where the system has it (a
-    container or ``taskset`` may allow fewer than the machine has), else
-    ``os.cpu_count()``. More threads than cores only adds switching; a million
-    exhausts the machine's thread limit before torch ever computes.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return THREADS_PER_CORE * max(cores, 1)
-
-
-def check_threads(threads: Optional[int]) -> None:
-    """``--threads`` between 1 and :func:`threads_limit`, before torch sees it; LollmError naming the flag otherwise."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise LollmError(f"--threads must be >= 1, got {threads}")
-    limit = threads_limit()
-    if threads > limit:
-        raise LollmError(f"--threads {threads} is more than lollm allows here: at most {limit} ({THREADS_PER_CORE} per "
-                         f"core, {limit // THREADS_PER_CORE} cores); leave it out for torch's default (one per core)")
 
 
 def check_ctx_size(ctx_size: Optional[int]) -> None:
@@ -115,9 +94,6 @@ def check_attn(options: LoadOptions) -> None:
 def check_family(family: Optional[str]) -> None:
     """The plugins, before the model is looked for: ``$LOLLM_LOAD_PLUGINS`` warnings on stderr, and a
     ``--family`` name that no installed family has (the registry imports no torch and no model code)."""
-    from lollm.cli.report import plugin_warnings
-    from lollm.load.plugins import get_registry
-
     registry = get_registry()
     plugin_warnings(registry)
     if family is not None:
@@ -126,9 +102,6 @@ def check_family(family: Optional[str]) -> None:
 
 def check_model_exists(spec: str) -> None:
     """A local path that does not exist is an error now, before torch is imported (hub ids are checked when fetched)."""
-    from lollm.errors import CheckpointError
-    from lollm.load.loader import _looks_like_repo_id
-
     if Path(spec).expanduser().exists():
         return
     repo, colon, quant = spec.partition(":")
@@ -141,41 +114,22 @@ def check_model_exists(spec: str) -> None:
     )
 
 
-def open_checkpoint(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool],
-                    mtp: bool) -> tuple[Any, Any, dict[str, bool]]:
-    """Step 2 of ``run``, ``chat`` and ``serve``: the checkpoint (configs, tokenizer, tensor table) and its family,
-    with every check that needs them, before the weights load.
+def open_checkpoint(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool], mtp: bool,
+                    tp_timeout: Optional[float] = None) -> Prepared:
+    """Step 2 of ``run``, ``chat`` and ``serve``: :func:`lollm.load.pipeline.open_checkpoint`, its advice on the
+    threads printed dim on stderr.
 
-    Sets torch's thread count (``--threads``, else the cores free now: :mod:`lollm.load.threads`, with a
-    one-line note on a terminal's stderr when the machine is busy), checks the attention backend (``options.attn``) on
-    ``options.device`` and the ``--weights``/``--quantize``/``--group-size`` flags against
-    the checkpoint's format (lollm.load.pipeline.pick_quantization), routes the checkpoint
-    (``options.family``: by that name), and decides ``--think`` from the chat template
-    itself. Returns ``(checkpoint, family, template_flags)``; raises LollmError naming the flag.
+    Returns the :class:`lollm.load.pipeline.Prepared` record: the checkpoint, its family, the template flags
+    of ``--think``, and the resolved options (device, dtype, attention backend, quantization, family) that
+    ``open_model`` takes as they are. Raises LollmError naming the flag.
     """
-    from lollm.attention import resolve_backend
-    from lollm.generate.conversation import thinking_flags
-    from lollm.load.loader import load_checkpoint
-    from lollm.load.pipeline import pick_device, pick_quantization, route
+    from lollm.load.pipeline import open_checkpoint as open_and_decide
 
-    from lollm.cli.report import err
-    from lollm.load.threads import apply_threads
-
-    note = apply_threads(threads).note
-    if note is not None and sys.stderr.isatty():  # advice for a person at a terminal, not a line in a log or a pipe
-        err.print(f"[dim]{note}[/dim]", soft_wrap=True)
-    device = pick_device(options.device)
-    resolve_backend(options.attn, device)
-    checkpoint = load_checkpoint(model)
-    pick_quantization(options, checkpoint.fmt, device)
-    family = route(checkpoint, options.family).family
-    if mtp and not family.capabilities.speculative_head:
-        raise LollmError(f"--mtp: the family {family.name!r} has no speculative (MTP) head")
-    template_flags = thinking_flags(checkpoint.tokenizer, think, model)  # decided from the chat template itself
-    return checkpoint, family, template_flags
+    return open_and_decide(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=tp_timeout,
+                           note=lambda line: err.print(f"[dim]{line}[/dim]", soft_wrap=True))
 
 
-def check_draft_head(loaded: Any, model: str, mtp: bool) -> None:
+def check_draft_head(loaded: LoadedModel, model: str, mtp: bool) -> None:
     """``--mtp`` on a loaded model without draft-head tensors is an error naming the checkpoint."""
     if mtp and not getattr(loaded.model, "has_draft_head", False):
         raise LollmError(f"--mtp: the checkpoint {model} carries no draft-head tensors (mtp.*), so it cannot draft")

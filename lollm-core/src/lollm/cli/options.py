@@ -20,18 +20,25 @@ under ``--tp N``, which reads torchrun's environment through :mod:`lollm.load.te
 
 from __future__ import annotations
 
+import json
 from copy import copy
+from pathlib import Path
 from typing import Annotated, Any, List, Optional, get_args
 
+import click
 import typer
 
+from lollm.errors import LollmError
+from lollm.generate.structured import ConstraintError, OutputConstraint, check_constraint
 from lollm.load.options import LoadOptions
+
+# Lazy import below: lollm.load.tensor_parallel imports torch; only --tp N reads torchrun's environment through it.
 
 
 class Command(typer.core.TyperCommand):
     """A command whose help names each argument by its metavar alone (MODEL, TEXT), without typer's ``<str>``."""
 
-    def format_options(self, ctx: Any, formatter: Any) -> None:
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The Arguments and Options sections of ``--help``, as click writes them (plain text, never rich markup).
 
         An option's row is click's own (``-n, --max-new-tokens N``: every valued option
@@ -60,7 +67,7 @@ class App(typer.Typer):
         return super().command(*args, cls=cls or Command, **kwargs)
 
 
-def with_help(alias: Any, help: str) -> Any:
+def with_help(alias: object, help: str) -> object:
     """The option (or argument) type ``alias`` of this module with another help text, for one command."""
     base, info = get_args(alias)
     info = copy(info)
@@ -198,7 +205,7 @@ GrammarFlag = Annotated[Optional[str], typer.Option(
     "--grammar", metavar="FILE", help="The output follows this grammar (llguidance's Lark syntax; docs/structured-output.md).")]
 
 
-def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str]) -> Any:
+def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str]) -> Optional[OutputConstraint]:
     """The :class:`lollm.generate.structured.OutputConstraint` of ``--json-schema`` / ``--regex`` / ``--grammar`` (None: none).
 
     ``--json-schema`` is a file when one exists at that path, else the schema's JSON text (a value
@@ -207,12 +214,6 @@ def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar:
     loads. Raises LollmError naming the flag: two of them given, an unreadable file, a schema
     that is not a JSON object, or what cannot be enforced (an unsupported schema keyword ...).
     """
-    import json
-    from pathlib import Path
-
-    from lollm.errors import LollmError
-    from lollm.generate.structured import ConstraintError, OutputConstraint, check_constraint
-
     given = [name for name, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
              if value is not None]
     if len(given) > 1:
@@ -251,6 +252,6 @@ def output_constraint(json_schema: Optional[str], regex: Optional[str], grammar:
 
 
 def sampling_flags(temperature: Optional[float], top_k: Optional[int], top_p: Optional[float], min_p: Optional[float],
-                   repetition_penalty: Optional[float]) -> dict[str, Any]:
+                   repetition_penalty: Optional[float]) -> dict[str, float | int | None]:
     """The sampling flags a user gave, by :class:`lollm.sampling_params.SamplingParams` field (None: not given)."""
     return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)

@@ -10,11 +10,23 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
+    from lollm.cli.models import ModelRow
+    from lollm.generate.drafting import Drafter
+    from lollm.generate.loop import GenerationResult
+    from lollm.load.inventory import Inventory, TensorRow
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import LoadedModel
+    from lollm.load.plugins import Registry
+    from lollm.proof.bench import BenchResult
+    from lollm.proof.parity import ParityReport
+    from lollm.sampling_params import SamplingParams
 
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -28,7 +40,7 @@ def note(line: str) -> None:
 # -- run and chat: how the weights were kept, the end of one generation ----------------
 
 
-def execution_note(loaded: Any) -> str:
+def execution_note(loaded: LoadedModel) -> str:
     """What the statistics line adds after the dtype: packed weights (their mode; the line above gives
     the details) and the tensor-parallel degree; empty for a plain float run in one process."""
     text = ""
@@ -40,7 +52,7 @@ def execution_note(loaded: Any) -> str:
     return text
 
 
-def weights_summary(loaded: Any) -> None:
+def weights_summary(loaded: LoadedModel) -> None:
     """One dim line on stderr saying how the weights were kept (packed or float)."""
     summary = getattr(loaded.model, "weights_summary", None)
     if summary is not None and summary.requested != "float":
@@ -48,8 +60,8 @@ def weights_summary(loaded: Any) -> None:
         err.print("[dim]" + escape(summary.line() + kept) + "[/dim]", soft_wrap=True)
 
 
-def generation(loaded: Any, prompt: str, result: Any, sampling: Any, *, as_json: bool, drafter: Any = None,
-               extra: Optional[dict[str, Any]] = None) -> None:
+def generation(loaded: LoadedModel, prompt: str, result: GenerationResult, sampling: SamplingParams, *, as_json: bool,
+               drafter: Optional[Drafter] = None, extra: Optional[dict[str, object]] = None) -> None:
     """The end of one generation of ``run``: a JSON object on stdout, or a newline and the statistics line on stderr.
 
     With a ``drafter`` (:mod:`lollm.generate.drafting`), a second line says how many of its drafts were accepted
@@ -115,7 +127,7 @@ def _torch_threads() -> int:
 # -- families --------------------------------------------------------------------------
 
 
-def families_json(registry: Any) -> dict[str, Any]:
+def families_json(registry: Registry) -> dict[str, object]:
     """``lollm families --json``: every installed family (with the plugin contract it speaks), and the trouble."""
     return {
         "families": [
@@ -134,7 +146,7 @@ def families_json(registry: Any) -> dict[str, Any]:
     }
 
 
-def families_table(registry: Any) -> None:
+def families_table(registry: Registry) -> None:
     """``lollm families``: the table of installed families on stdout (or why there is none), then the trouble on stderr."""
     from lollm.load.plugins import FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV
 
@@ -164,7 +176,7 @@ def families_table(registry: Any) -> None:
     plugin_warnings(registry)
 
 
-def plugin_warnings(registry: Any) -> None:
+def plugin_warnings(registry: Registry) -> None:
     """The registry's warnings (``$LOLLM_LOAD_PLUGINS`` naming what is not installed ...), one yellow line each on stderr."""
     for line in registry.warnings():
         err.print(f"[yellow]warning:[/yellow] {escape(line)}", soft_wrap=True)
@@ -185,7 +197,7 @@ def tokens_table(ids: list[int], pieces: list[str]) -> None:
     out.print(table)
 
 
-def models_table(rows: list[Any]) -> None:
+def models_table(rows: list[ModelRow]) -> None:
     """``lollm list``: the models of the caches (cache-relative names: a full path wraps in a narrow table)."""
     table = Table(title="Models on this machine (run one: lollm run SPEC --prompt TEXT)")
     for col, justify in (("model", "left"), ("format", "left"), ("quant", "left"), ("size", "right"),
@@ -199,7 +211,7 @@ def models_table(rows: list[Any]) -> None:
               "lollm list --json.", style="dim")
 
 
-def inventory(inv: Any, rows: list[Any], pattern: Optional[str], *, tensors: bool) -> None:
+def inventory(inv: Inventory, rows: list[TensorRow], pattern: Optional[str], *, tensors: bool) -> None:
     """``lollm inspect``: the summary, the metadata, then (``tensors``) the tensors ``rows`` in natural order."""
     from lollm.load.inventory import summarize
 
@@ -220,7 +232,7 @@ def inventory(inv: Any, rows: list[Any], pattern: Optional[str], *, tensors: boo
         out.print(table)
 
 
-def inventory_json(inv: Any, rows: list[Any], pattern: Optional[str]) -> dict[str, Any]:
+def inventory_json(inv: Inventory, rows: list[TensorRow], pattern: Optional[str]) -> dict[str, object]:
     """``lollm inspect --json``: path, format, summary, metadata (arrays summarized), the tensors ``rows``, the totals."""
     from lollm.load.inventory import summarize
 
@@ -233,7 +245,7 @@ def inventory_json(inv: Any, rows: list[Any], pattern: Optional[str]) -> dict[st
     }
 
 
-def inventory_summary(inv: Any) -> None:
+def inventory_summary(inv: Inventory) -> None:
     """The first table of ``inspect``: the checkpoint at a glance (lollm.load.inventory.Inventory.summary)."""
     s = inv.summary()
     table = Table(title=escape(f"{inv.path} ({inv.fmt})"), show_header=False)
@@ -256,7 +268,7 @@ def size(nbytes: int) -> str:
 # -- parity and bench -----------------------------------------------------------------------
 
 
-def parity(report: Any, as_json: bool) -> None:
+def parity(report: ParityReport, as_json: bool) -> None:
     """The parity report: JSON, or the table of positions and the verdict line."""
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
@@ -290,7 +302,7 @@ def _times(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}×"
 
 
-def bench(result: Any, *, model: str, options: Any, new_tokens: int, rounds: int, as_json: bool) -> None:
+def bench(result: BenchResult, *, model: str, options: LoadOptions, new_tokens: int, rounds: int, as_json: bool) -> None:
     """The bench figures: JSON, or the table, the ratios and the machine's load.
 
     ``options``: the :class:`lollm.load.options.LoadOptions` lollm was benched with (its dtype,

@@ -162,7 +162,7 @@ class LLM:
     def __init__(self, model: str, *, family: str | None = None, device: str = "auto", dtype: str = "auto",
                  threads: int | None = None, engine: EngineConfig | None = None, weights: str = "auto", quantize: str | None = None,
                  group_size: int = 32, attn: str | None = None, think: bool | None = None):
-        from lollm.cli.checks import check_threads, open_checkpoint
+        from lollm.load.pipeline import check_threads, open_checkpoint
         from lollm.load.options import LoadOptions
         from lollm.load.pipeline import open_model
 

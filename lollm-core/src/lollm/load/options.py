@@ -27,6 +27,7 @@ docs/plugins.md ("Contract 2").
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -156,3 +157,34 @@ class LoadOptions:
     def replace(self, **changes: Any) -> "LoadOptions":
         """A copy with ``changes`` applied (the record is frozen)."""
         return replace(self, **changes)
+
+
+#: ``--threads`` is refused above this many threads per core the process may run on.
+THREADS_PER_CORE = 4
+
+
+def threads_limit() -> int:
+    """The most ``--threads`` accepted: :data:`THREADS_PER_CORE` times the cores this process may run on.
+
+    The cores are those of ``os.sched_getaffinity`` where the system has it (a
+    container or ``taskset`` may allow fewer than the machine has), else
+    ``os.cpu_count()``. More threads than cores only adds switching; a million
+    exhausts the machine's thread limit before torch ever computes.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return THREADS_PER_CORE * max(cores, 1)
+
+
+def check_threads(threads: int | None) -> None:
+    """``--threads`` between 1 and :func:`threads_limit`, before torch sees it; LollmError naming the flag otherwise."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise LollmError(f"--threads must be >= 1, got {threads}")
+    limit = threads_limit()
+    if threads > limit:
+        raise LollmError(f"--threads {threads} is more than lollm allows here: at most {limit} ({THREADS_PER_CORE} per "
+                         f"core, {limit // THREADS_PER_CORE} cores); leave it out for torch's default (one per core)")

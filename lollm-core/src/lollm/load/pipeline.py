@@ -11,18 +11,21 @@ and the one-call entry point for Python users::
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError, PluginError
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.options import LoadOptions
+from lollm.load.options import LoadOptions, check_threads  # noqa: F401 - check_threads: lollm.engine.llm takes it from here
 from lollm.load.plugins import InstalledFamily, get_registry
 from lollm.load.quantized import Quantization
+import lollm.load.tensor_parallel as tensor_parallel
+from lollm.load.threads import apply_threads
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -124,39 +127,120 @@ def pick_quantization(options: LoadOptions, fmt: str, device: torch.device) -> Q
     return Quantization(mode, options.group_size)
 
 
-def join_tensor_parallel(options: LoadOptions) -> LoadOptions:
+def join_tensor_parallel(options: LoadOptions, *, timeout: float | None = None) -> LoadOptions:
     """Under ``tp > 1``: join torchrun's process group; return the options with this rank's device and group.
 
-    Each rank computes on its own device (:func:`lollm.load.tensor_parallel.init`).
-    One process (``tp == 1``) returns the options unchanged. Raises TensorParallelError.
+    Each rank computes on its own device (:func:`lollm.load.tensor_parallel.init`; ``timeout``: seconds a
+    collective may wait, None for its default). One process (``tp == 1``) returns the options unchanged.
+    Raises TensorParallelError.
     """
     if options.tp == 1 or options.tensor_parallel is not None:
         return options
-    from lollm.load.tensor_parallel import init
-
-    group = init(options.tp, pick_device(options.device))
+    group = tensor_parallel.init(options.tp, pick_device(options.device), timeout=timeout)
     return options.replace(device=str(group.device), tensor_parallel=group)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A checkpoint opened, and every choice core makes for it decided once, before the weights load.
+
+    checkpoint:     configs, tokenizer and tensor table (:class:`lollm.load.loader.Checkpoint`).
+    options:        the resolved :class:`LoadOptions`: a concrete ``device`` and ``dtype``, the attention
+                    backend ``attn``, the ``quantization``, the routed ``family``'s name, and this rank's
+                    ``tensor_parallel`` group under ``--tp``; :func:`open_model` takes them as they are.
+    family:         the installed family that serves the checkpoint (routed once).
+    template_flags: the chat template's keywords for ``think`` (``{}`` or ``{"enable_thinking": bool}``).
+    """
+
+    checkpoint: Checkpoint
+    options: LoadOptions
+    family: InstalledFamily
+    template_flags: dict[str, bool] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[object]:
+        """``checkpoint, family, template_flags = open_checkpoint(...)``: the 3-tuple it returned before 0.2 (until 0.3)."""
+        return iter((self.checkpoint, self.family.family, self.template_flags))
+
+
+def prepare(spec: str | Checkpoint, options: LoadOptions | None = None, *, think: bool | None = None,
+            tp_timeout: float | None = None) -> Prepared:
+    """Open the checkpoint and decide, each exactly once, every choice of the load: the path of every command.
+
+    In order: the device (:func:`pick_device`), under ``tp > 1`` this rank's process group (its device;
+    ``tp_timeout``: seconds a collective may wait), the attention backend on that device
+    (:func:`lollm.attention.resolve_backend`, before the files open: a typo costs nothing), the checkpoint
+    (``spec``: a folder, a .gguf file, a repo id, or a :class:`Checkpoint` already open), its family
+    (:func:`route`, by ``options.family`` when given), the dtype (:func:`pick_dtype`), the packed weights
+    (:func:`pick_quantization`) and the chat template's ``think`` flag (:func:`template_flags`).
+    Raises LollmError subclasses naming the flag or the file.
+    """
+    options = options or LoadOptions()
+    device = pick_device(options.device)
+    group = options.tensor_parallel
+    if options.tp != 1 and group is None:
+        group = tensor_parallel.init(options.tp, device, timeout=tp_timeout)
+        device = group.device
+    attn = resolve_backend(options.attn, device)
+    checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
+    installed = route(checkpoint, options.family)
+    resolved = options.replace(
+        device=str(device), dtype=str(pick_dtype(options.dtype, device, checkpoint.config)).removeprefix("torch."),
+        attn=attn, quantization=pick_quantization(options, checkpoint.fmt, device),
+        family=installed.family.name, tensor_parallel=group,
+    )
+    model = spec if isinstance(spec, str) else str(checkpoint.path)
+    return Prepared(checkpoint, resolved, installed, template_flags(checkpoint, think, model))
+
+
+def open_checkpoint(model: str | Checkpoint, options: LoadOptions | None = None, *, threads: int | None = None,
+                    think: bool | None = None, mtp: bool = False, note: Callable[[str], None] | None = None,
+                    tp_timeout: float | None = None) -> Prepared:
+    """Step 2 of ``lollm run``, ``chat``, ``serve`` and of :class:`lollm.engine.llm.LLM`: the checkpoint, its family
+    and every choice of the load (:func:`prepare`), with the checks that need them, before the weights load.
+
+    First sets torch's thread count (``threads``, else the cores free now: :mod:`lollm.load.threads`); when
+    the machine is busy, its one-line advice goes to ``note`` (None: stderr, on a terminal only). ``mtp``: the
+    family must have a speculative (MTP) head. Returns the :class:`Prepared` record (it still unpacks as
+    ``checkpoint, family, template_flags``). Raises LollmError naming the flag.
+    """
+    advice = apply_threads(threads).note
+    if advice is not None and sys.stderr.isatty():  # advice for a person at a terminal, not a line in a log or a pipe
+        (note or (lambda line: print(line, file=sys.stderr)))(advice)
+    prepared = prepare(model, options, think=think, tp_timeout=tp_timeout)
+    if mtp and not prepared.family.family.capabilities.speculative_head:
+        raise LollmError(f"--mtp: the family {prepared.family.family.name!r} has no speculative (MTP) head")
+    return prepared
+
+
+def template_flags(checkpoint: Checkpoint, think: bool | None, model: str) -> dict[str, bool]:
+    """The chat template's keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
+
+    Decided from the checkpoint's chat template itself (its tokenizer is read only when ``think`` is
+    given): a template that does not read ``enable_thinking`` cannot be switched, and asking for it
+    is a LollmError naming the model.
+    """
+    if think is None:
+        return {}
+    if not checkpoint.tokenizer.chat_template_reads("enable_thinking"):
+        raise LollmError(
+            f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
+        )
+    return {"enable_thinking": think}
 
 
 def resolve_options(options: LoadOptions, checkpoint: Checkpoint) -> LoadOptions:
     """``options`` with every choice core makes decided for this checkpoint: what a family's ``load`` receives.
 
-    device: ``auto`` becomes the device :func:`pick_device` picks; dtype: ``auto``
-    becomes :func:`pick_dtype`'s choice, any alias its canonical name; attn: the
-    backend :func:`lollm.attention.resolve_backend` checks; quantization: from
-    :func:`pick_quantization`. ``tensor_parallel`` must already be joined
-    (:func:`join_tensor_parallel`) when ``tp > 1``. Raises LollmError naming the option.
+    The options of :func:`prepare` (device, dtype, attention backend, quantization, family, and under
+    ``tp > 1`` this rank's group). Raises LollmError naming the option.
     """
-    device = pick_device(options.device)
-    if options.tp != 1 and options.tensor_parallel is None:
-        raise LollmError(f"--tp {options.tp}: join the process group first (lollm.load.pipeline.join_tensor_parallel)")
-    dtype = pick_dtype(options.dtype, device, checkpoint.config)
-    return options.replace(
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        attn=resolve_backend(options.attn, device),
-        quantization=pick_quantization(options, checkpoint.fmt, device),
-    )
+    return prepare(checkpoint, options).options
+
+
+def taken_as_they_are(options: LoadOptions | None) -> bool:
+    """Whether ``options`` were resolved by :func:`prepare` (every choice made): :func:`open_model` decides nothing again."""
+    return (options is not None and options.resolved and options.attn is not None and options.family is not None
+            and (options.tp == 1 or options.tensor_parallel is not None))
 
 
 def check_load_signature(load: Any, installed: InstalledFamily) -> None:
@@ -182,10 +266,11 @@ def open_model(spec: str | Checkpoint, options: LoadOptions | None = None) -> Lo
     """Locate the checkpoint, route it to its family and build the model. Raises LollmError subclasses.
 
     ``spec``: a folder, a .gguf file, a Hugging Face repo id, or a :class:`Checkpoint`
-    already opened (the CLI opens it first to check flags against the family and the
-    tokenizer before the weights load). ``options``: a :class:`lollm.load.options.LoadOptions`
-    (None: the defaults, float weights on the best device); every field is checked
-    before the weights load.
+    already opened. ``options``: a :class:`lollm.load.options.LoadOptions` (None: the defaults,
+    float weights on the best device). Options resolved by :func:`prepare` with the checkpoint
+    it opened (what the CLI does, to check its flags against the family and the tokenizer
+    before the weights load) are taken as they are; any others are decided here, once
+    (:func:`prepare`), before the weights load.
 
     The attention backend (``options.attn``) is kept in ``LoadedModel.attn``; the
     commands run the model inside ``lollm.attention.use_backend(loaded.attn)`` (so does
@@ -196,11 +281,11 @@ def open_model(spec: str | Checkpoint, options: LoadOptions | None = None) -> Lo
     ``options.tp`` above 1 (docs/tensor-parallel.md): this process must be one of ``tp``
     started by torchrun; it joins the process group and loads only its share of the weights.
     """
-    options = join_tensor_parallel(options or LoadOptions())
-    resolve_backend(options.attn, pick_device(options.device))  # a typo costs nothing: checked before the files open
-    checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
-    installed = route(checkpoint, options.family)
-    options = resolve_options(options, checkpoint)
+    if isinstance(spec, Checkpoint) and taken_as_they_are(options):
+        checkpoint, installed = spec, get_registry().family_named(options.family)
+    else:
+        prepared = prepare(spec, options)
+        checkpoint, options, installed = prepared.checkpoint, prepared.options, prepared.family
     load = installed.family.resolve("load")
     check_load_signature(load, installed)
     start = time.perf_counter()

@@ -1,0 +1,96 @@
+"""``lollm serve``: an OpenAI-compatible HTTP server over the batched engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from lollm.cli import report as show
+from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_run_flags,
+                              check_serve_flags, open_checkpoint)
+from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelArg, ModelOpt, Mtp,
+                               Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
+                               load_options, sampling_flags, which_model, with_help)
+from lollm.cli.report import err
+from lollm.load.ranks import finish, is_leader, silence_followers
+
+# Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
+# serve extra), which waits until every flag is checked (a typo costs nothing).
+
+
+def serve(
+    model_arg: ModelArg = None,
+    family_name: Family = None,
+    host: str = typer.Option("127.0.0.1", metavar="HOST", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
+    port: int = typer.Option(8000, metavar="PORT", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", metavar="NAME", help="The model id clients send (default: the checkpoint's folder or file name)."),
+    ctx_size: CtxSize = None,
+    temperature: with_help(Temperature, "Default for requests that give none (then generation_config, then the family's).") = None,
+    top_k: with_help(TopK, "Default top-k for requests.") = None,
+    top_p: with_help(TopP, "Default top-p for requests.") = None,
+    min_p: with_help(MinP, "Default min-p for requests.") = None,
+    repetition_penalty: with_help(RepetitionPenalty, "Default repetition penalty.") = None,
+    think: with_help(Think, "Default enable_thinking (a request's chat_template_kwargs wins).") = None,
+    mtp: Mtp = False,
+    draft_tokens: DraftTokens = 3,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    threads: Threads = None,
+    weights: Weights = "auto",
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
+    tp: with_help(Tp, "Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm serve --tp N …`; rank 0 serves HTTP, every rank generates (docs/tensor-parallel.md).") = 1,
+    max_running: int = typer.Option(16, "--max-running", metavar="N", help="The batched engine runs at most N requests at once (docs/serving.md)."),
+    kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", metavar="N", help="KV cache blocks (16 positions each) in the engine's pool (default: --max-running sequences of up to 2048 positions, at most half the free memory)."),
+    max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", metavar="N", help="The most tokens in one engine step: decode tokens plus prefill chunks."),
+    max_queue: int = typer.Option(128, "--max-queue", metavar="N", help="At most N requests wait to run; one more gets 503 with Retry-After."),
+    model_opt: ModelOpt = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    model, _ = which_model(model_opt, model_arg)
+    user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
+    check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
+                    sampling=user)
+    check_ctx_size(ctx_size)
+    check_serve_flags(port=port, max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
+                      max_queue=max_queue)
+    options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
+                           group_size=group_size, tp=tp, family=family_name, progress=True)
+
+    from lollm.generate.conversation import DEFAULT_CONTEXT
+    from lollm.load.pipeline import open_model
+    from lollm.serve.server import ModelServer, require_serve_extra, serve as run_server
+
+    check_family(options.family)
+    require_serve_extra()
+    check_model_exists(model)
+    # --tp: the other ranks wait for requests in a collective, far longer than torch's 30-minute default
+    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
+    family, template_flags = prepared.family.family, prepared.template_flags
+    loaded = open_model(prepared.checkpoint, prepared.options)
+    silence_followers(loaded.tp, err)
+    show.weights_summary(loaded)
+    check_draft_head(loaded, model, mtp)
+    name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
+    server = ModelServer(
+        loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
+        sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
+        max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
+    )
+    if not is_leader(loaded.tp):
+        server.follow()  # every generation rank 0 runs, until rank 0 stops
+        finish(loaded.tp)
+        return
+    split = "" if loaded.tp is None else f", --tp {tp}"
+    try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
+        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}")
+    finally:
+        if loaded.tp is not None and server.stop_followers():
+            finish(loaded.tp)
+
+
+#: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
+SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
