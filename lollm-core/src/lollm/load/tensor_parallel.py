@@ -539,7 +539,7 @@ class Sharding:
         each pattern matches on a checkpoint that has everything). Raises
         TensorParallelError for a config field N does not divide.
         """
-        from lollm.load.build import on_meta  # lollm.load.build imports this module
+        from lollm.load.meta import on_meta
 
         with on_meta():
             full = cls(self.config, *args, **kwargs)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.load.loader import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
+from lollm.files import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
 from lollm.tokenizer import sentencepiece
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
