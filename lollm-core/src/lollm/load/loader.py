@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lollm.errors import CheckpointError, ConfigError
-from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json
+# The bounded file readers live in lollm.files; their names stay importable from here too.
+from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json  # noqa: F401
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -130,8 +130,8 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 # --------------------------------------------------------------------- files
 
 
-#: The files that hold a whole vocabulary may be large (lollm.load.loader.MAX_TOKENIZER_JSON_BYTES);
-#: every other tokenizer file is held to lollm.load.loader.MAX_JSON_BYTES.
+#: The files that hold a whole vocabulary may be large (lollm.files.MAX_TOKENIZER_JSON_BYTES);
+#: every other tokenizer file is held to lollm.files.MAX_JSON_BYTES.
 _LARGE_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
