@@ -272,7 +272,7 @@ class Checkpoint:
     config: dict[str, Any]
     generation_config: dict[str, Any]
     weights: TensorSource
-    _tokenizer: Any = field(default=None, repr=False)
+    _tokenizer: Tokenizer | None = field(default=None, repr=False)
 
     @property
     def model_type(self) -> str:
@@ -300,7 +300,7 @@ class Checkpoint:
         return self._tokenizer
 
 
-def _shard_path(folder: Path, index: Path, shard: Any) -> Path:
+def _shard_path(folder: Path, index: Path, shard: object) -> Path:
     """The path of a shard the index names: a plain file name (or relative path) inside ``folder``.
 
     Raises CheckpointError naming the index and the entry for anything else: not a string, a

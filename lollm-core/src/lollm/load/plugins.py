@@ -192,7 +192,7 @@ def _guarded(work: Callable[[], Any], what: str, timeout: float) -> Any:
     ``ImportError``, a ``sys.exit()`` (``SystemExit``), a ``KeyboardInterrupt``
     it raises itself. stdout and stderr are swallowed while it runs.
     """
-    outcome: dict[str, Any] = {}
+    outcome: dict[str, object] = {}
 
     def target() -> None:
         try:
@@ -411,10 +411,10 @@ def _register(name: str, obj: object, *, entry_point: str | None = None) -> tupl
     collected: list[Family] = []
     hints: list[tuple[str, str, str]] = []
 
-    def register(family: Any) -> None:
+    def register(family: object) -> None:
         collected.append(validate_family(family, plugin=name))
 
-    def register_hint(install: Any, *, model_types: Any = (), gguf_architectures: Any = ()) -> None:
+    def register_hint(install: object, *, model_types: object = (), gguf_architectures: object = ()) -> None:
         hints.extend(validate_install_hint(install, model_types, gguf_architectures, plugin=name))
 
     for hook, call in (("lollm_register_families", lambda: pm.hook.lollm_register_families(register=register)),
@@ -432,7 +432,7 @@ def _register(name: str, obj: object, *, entry_point: str | None = None) -> tupl
     return collected, hints
 
 
-def validate_install_hint(install: Any, model_types: Any, gguf_architectures: Any, *,
+def validate_install_hint(install: object, model_types: object, gguf_architectures: object, *,
                           plugin: str) -> list[tuple[str, str, str]]:
     """Check one ``register(install, model_types=..., gguf_architectures=...)`` call; return ``(kind, key, install)`` rows.
 
