@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+# Lazy imports below: triton and lollm.kernels (which imports Triton), the optional extra lollm-core[triton].
 from lollm.batch import Batch
 from lollm.errors import AttentionBackendError
 # The recording lives in lollm.trace.attention; its names stay importable from here.

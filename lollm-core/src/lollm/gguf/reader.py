@@ -48,6 +48,7 @@ from lollm.gguf.metadata import BIG_ARRAY_LEN, MAX_ARRAY_NESTING, StringArray, _
 from lollm.gguf.quants import GGML_TYPES, GGML_TYPES_BY_NAME, GGMLType
 from lollm.gguf.quants import dequantize as _dequantize
 
+# Lazy imports below: torch (only to hand a tensor over; the reader itself is numpy) and mmap.
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 

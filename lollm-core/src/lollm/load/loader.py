@@ -34,6 +34,8 @@ from lollm.errors import CheckpointError, ConfigError
 # The bounded file readers live in lollm.files; their names stay importable from here too.
 from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json  # noqa: F401
 
+# Lazy imports below: torch, safetensors, huggingface_hub, the tokenizer and the GGUF reader are imported
+# where they are used, so that naming a checkpoint (and the CLI's checks of a spec) stays torch-free and fast.
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 

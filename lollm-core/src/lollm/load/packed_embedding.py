@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lollm.gguf.quants import dequantize
 from lollm.load.packed_linear import exact_scale
 
 # ---------------------------------------------------------------------------
@@ -47,8 +48,6 @@ class BlockEmbedding(_PackedEmbedding):
         self.register_buffer("blocks", blocks)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from lollm.gguf.quants import dequantize
-
         rows = self.blocks[ids.reshape(-1).cpu()]  # (T, bytes_per_row) uint8
         flat = dequantize(rows.numpy().reshape(-1), self.ggml_type, what="embedding rows")
         out = torch.from_numpy(flat).view(*ids.shape, self.embedding_dim)

@@ -11,6 +11,7 @@ import functools
 import torch
 from torch import nn
 
+from lollm import native
 from lollm.errors import WeightsError
 
 #: The dtype the packed kernels compute in (activations, scales and outputs).
@@ -58,7 +59,6 @@ def native_gemm_rows() -> int:
     :class:`Q5Linear`) dequantizes to bfloat16 and multiplies once, on a CPU with native bfloat16
     matmul: :data:`GEMM_MIN_ROWS_TILES` where the kernel multiplies with AMX tiles
     (:func:`lollm.native.tile_min_rows`), else :data:`GEMM_MIN_ROWS`. Decided once per process."""
-    from lollm import native
     return GEMM_MIN_ROWS_TILES if native.tile_min_rows() else GEMM_MIN_ROWS
 
 
@@ -226,7 +226,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", exact_scale(scale))
         self.bias = bias
-        from lollm import native
         # Decided (and built, on a first run) while the model loads, not at its first token.
         self.native = self.group_size % 32 == 0 and native.block_int8_op() is not None
         # torch's kernel reads bfloat16 scales: kept beside the float32 ones only where it runs the

@@ -77,6 +77,7 @@ import pluggy
 from lollm import hookspecs
 from lollm.errors import PluginError
 from lollm.family import Family, validate_family
+from lollm.load.checks import seconds_from_env
 # The router lives in lollm.load.registry; its names stay importable from here.
 from lollm.load.registry import (  # noqa: F401
     FIRST_PARTY_DISTRIBUTIONS, FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, GGUF_ARCHITECTURE,
@@ -108,8 +109,6 @@ def _timeout() -> float:
     for a number outside (0, :data:`MAX_IMPORT_TIMEOUT_SECONDS`]: ``nan``,
     ``inf`` (``1e309`` reads as inf), zero and negative values included.
     """
-    from lollm.load.checks import seconds_from_env
-
     return seconds_from_env(IMPORT_TIMEOUT_ENV, IMPORT_TIMEOUT_SECONDS, MAX_IMPORT_TIMEOUT_SECONDS, error=PluginError)
 
 

@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from lollm.errors import LollmError
+from lollm.load.checks import seconds_from_env
+
+# Lazy imports below: torch.distributed, imported only where a rank joins or leaves a group
+# (it is absent from some torch builds, and a single-process run never needs it).
 
 #: The environment torchrun sets for every process it starts.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -112,8 +116,6 @@ def env_seconds(name: str, default: float, environ: Mapping[str, str] | None = N
     number, and for a number outside (0, :data:`MAX_TIMEOUT_SECONDS`] (``nan``,
     ``inf``, zero and negative values included).
     """
-    from lollm.load.checks import seconds_from_env
-
     return seconds_from_env(name, default, MAX_TIMEOUT_SECONDS, error=TensorParallelError, environ=environ)
 
 

@@ -46,7 +46,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from lollm import native
 from lollm.errors import LollmError
+from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
 from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
 # The layers live in packed_linear and packed_embedding; their names stay importable from here.
 from lollm.load.packed_linear import (  # noqa: F401
@@ -158,8 +160,6 @@ def int8_groups_from_gguf(read_rows, ggml_type: str, shape: tuple[int, int], gro
     dequantized a slice of rows at a time and requantized per group of 32
     (``s = max|w| / 127``, float32).
     """
-    from lollm.gguf.quants import dequantize
-
     n, k = shape
     g = group_size if k % group_size == 0 else 32
     own_blocks = ggml_type in ("Q8_0", "Q5_0") and g == 32  # the file's codes and float16 scales
@@ -201,8 +201,6 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
     head). A 4-bit matrix whose row count the int4 kernel cannot tile (not a
     multiple of 16) becomes int8 too. Returns None for every other type.
     """
-    from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
-
     n, k = shape
     t = GGML_TYPES_BY_NAME[ggml_type]
     row_bytes = k // t.block_size * t.type_size
@@ -232,7 +230,6 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
 
 
 def _native_q5() -> bool:
-    from lollm import native
     return native.block_q5_op() is not None
 
 
@@ -291,7 +288,6 @@ class WeightsSummary:
         parts = [f"{stored}→{kept} ×{n}" for (stored, kept), n in sorted(self.counts.items()) if n]
         text = f"weights ({self.requested}): " + ", ".join(parts) + f"; {self.model_bytes / 1e6:.0f} MB in memory"
         if any(kept.startswith("int8") for _, kept in self.counts):
-            from lollm import native
             text += f"; {native.status()}"
         if self.dequantized:
             shown = ", ".join(self.dequantized[:3]) + (f" and {len(self.dequantized) - 3} more" if len(self.dequantized) > 3 else "")

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from lollm.errors import LollmError
 
+# Lazy imports below: torch and torch.distributed (and tensor_parallel, which imports torch), only on
+# the ranks of a --tp run, so that the CLI imports this module torch-free.
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from rich.console import Console
 

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lollm.load.meta import on_meta
 # The process group lives in lollm.load.process_group; its names stay importable from here.
 from lollm.load.process_group import (  # noqa: F401
     COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS, RENDEZVOUS_TIMEOUT_ENV,
@@ -275,8 +276,6 @@ class Sharding:
         each pattern matches on a checkpoint that has everything). Raises
         TensorParallelError for a config field N does not divide.
         """
-        from lollm.load.meta import on_meta
-
         with on_meta():
             full = cls(self.config, *args, **kwargs)
             full_shapes = {n: tuple(p.shape) for n, p in full.named_parameters(remove_duplicate=False)}

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.gguf.reader import StringArray
+from lollm.gguf.reader import GGUFFile, StringArray
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE, byte_token
 from lollm.tokenizer.chat import ChatTemplate
@@ -177,8 +177,6 @@ def load_gguf_tokenizer(metadata: Mapping[str, object] | str | os.PathLike, *, s
     Raises TokenizerError, whose message always starts with that name.
     """
     if isinstance(metadata, (str, os.PathLike)):
-        from lollm.gguf import GGUFFile
-
         with GGUFFile(metadata) as gguf:
             return _build_named(gguf.metadata, source or f"GGUF file {os.fspath(metadata)}")
     if not isinstance(metadata, Mapping):
