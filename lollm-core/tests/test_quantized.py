@@ -394,15 +394,15 @@ def test_weight_flag_defaults():
 def test_int8_many_rows_path_agrees_with_the_kernel(grouped, monkeypatch):
     """The dequantize-then-matmul path (forced, whatever the CPU) gives the kernel's outputs within
     bfloat16 roundings: each path rounds once per output (or group) at 2**-9 of its size."""
-    import lollm.load.quantized as quantized
+    import lollm.load.packed_linear as packed_linear
 
     raw, ref = gguf_matrix("Q8_0")
     layer = linear_from_gguf(raw, "Q8_0", (N, K), None, grouped=grouped)
     x = torch.randn(24, K)
-    monkeypatch.setattr(quantized, "_NATIVE_BF16", False)
+    monkeypatch.setattr(packed_linear, "_NATIVE_BF16", False)
     assert layer.gemm_rows() is None
     kernel = layer(x)
-    monkeypatch.setattr(quantized, "_NATIVE_BF16", True)
+    monkeypatch.setattr(packed_linear, "_NATIVE_BF16", True)
     assert layer.gemm_rows() <= 24
     many = layer(x)
     products = x.to(torch.bfloat16).float().abs() @ (layer.codes.float().abs() * layer.kernel_scale.float()[..., None]).transpose(0, 1).reshape(N, K).T

@@ -148,7 +148,7 @@ def guard_plugin_call(fn: Callable[..., Any], *, what: str) -> Callable[..., Any
     original exception propagates as it is, traceback and all.
     """
     @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> Any:
         try:
             return fn(*args, **kwargs)
         except LollmError:
@@ -208,7 +208,7 @@ def import_target(target: str, *, what: str) -> Callable[..., Any]:
 _TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
-def validate_family(family: Any, *, plugin: str) -> Family:
+def validate_family(family: object, *, plugin: str) -> Family:
     """Check one registration field by field and return a clean copy; raise PluginError naming the plugin otherwise.
 
     A plugin is third-party code, so every field is checked for its type, not
@@ -254,7 +254,7 @@ def validate_family(family: Any, *, plugin: str) -> Family:
     )
 
 
-def _names(value: Any, key: str, where: str) -> tuple[str, ...]:
+def _names(value: object, key: str, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         raise PluginError(
             f"{where}: {key} must be a tuple of strings, got the string {value!r} "
@@ -270,13 +270,13 @@ def _names(value: Any, key: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _target(value: Any, key: str, where: str) -> str:
+def _target(value: object, key: str, where: str) -> str:
     if not isinstance(value, str) or not _TARGET.match(value):
         raise PluginError(f"{where}: {key} must be 'module:function', got {value!r}")
     return value
 
 
-def _sampling_defaults(value: Any, where: str) -> dict[str, Any]:
+def _sampling_defaults(value: object, where: str) -> dict[str, Any]:
     if not isinstance(value, MappingABC):
         raise PluginError(f"{where}: sampling_defaults must be a dict, got {type(value).__name__}")
     checked: dict[str, Any] = {}
@@ -291,7 +291,7 @@ def _sampling_defaults(value: Any, where: str) -> dict[str, Any]:
     return checked
 
 
-def _capabilities(value: Any, where: str) -> Capabilities:
+def _capabilities(value: object, where: str) -> Capabilities:
     if not isinstance(value, Capabilities):
         raise PluginError(f"{where}: capabilities must be a lollm.family.Capabilities, got {type(value).__name__}")
     flags = {}

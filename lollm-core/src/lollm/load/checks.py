@@ -78,10 +78,10 @@ MAX_ROPE_THETA = 1e16
 MIN_ROPE_KNOB = 2.0**-10
 
 #: Marks a key without a default: absent (or null) raises.
-REQUIRED: Any = object()
+REQUIRED: object = object()
 
 
-def show(value: Any, limit: int = 80) -> str:
+def show(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (a bad value may be a megabyte of junk)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
@@ -108,11 +108,11 @@ def seconds_from_env(name: str, default: float, maximum: float, *, error: type[L
     return value
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -131,7 +131,7 @@ class ConfigReader:
     wrong type or out of range.
     """
 
-    def __init__(self, raw: Any, where: str, defaults: Mapping[str, Any] | None = None):
+    def __init__(self, raw: object, where: str, defaults: Mapping[str, object] | None = None):
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} is {show(raw)}: expected an object of settings")
         self.raw = {**defaults, **raw} if defaults else raw
@@ -151,7 +151,7 @@ class ConfigReader:
         """Whether ``key`` is present and not null."""
         return self.raw.get(key) is not None
 
-    def value(self, key: str, default: Any = REQUIRED) -> Any:
+    def value(self, key: str, default: object = REQUIRED) -> Any:
         """The raw value of ``key``, unchecked; ``default`` when absent or null (ConfigError when required)."""
         value = self.raw.get(key)
         if value is None:
@@ -160,7 +160,7 @@ class ConfigReader:
             return default
         return value
 
-    def _present(self, key: str, default: Any) -> bool:
+    def _present(self, key: str, default: object) -> bool:
         """Whether ``key`` has a value to check; False (use the default) when it is absent or null."""
         if self.raw.get(key) is not None:
             return True
@@ -168,11 +168,11 @@ class ConfigReader:
             raise self.fail(f"has no {key!r}, which the model needs")
         return False
 
-    def _bad(self, key: str, value: Any, expected: str) -> ConfigError:
+    def _bad(self, key: str, value: object, expected: str) -> ConfigError:
         return self.fail(f"{key!r} is {show(value)}: expected {expected}")
 
     # -- numbers -------------------------------------------------------------
-    def integer(self, key: str, default: Any = REQUIRED, *, at_least: int = 0, at_most: int) -> int:
+    def integer(self, key: str, default: object = REQUIRED, *, at_least: int = 0, at_most: int) -> int:
         """An integer in ``at_least .. at_most`` (a JSON integer: not a boolean, not ``2.0``)."""
         if not self._present(key, default):
             return default
@@ -181,14 +181,14 @@ class ConfigReader:
             raise self._bad(key, value, f"an integer from {at_least} to {at_most}")
         return value
 
-    def positive_int(self, key: str, default: Any = REQUIRED, *, at_most: int) -> int:
+    def positive_int(self, key: str, default: object = REQUIRED, *, at_most: int) -> int:
         """An integer in ``1 .. at_most`` (a count or a width)."""
         return self.integer(key, default, at_least=1, at_most=at_most)
 
     def number(
         self,
         key: str,
-        default: Any = REQUIRED,
+        default: object = REQUIRED,
         *,
         above: float | None = None,
         at_least: float | None = None,
@@ -212,17 +212,17 @@ class ConfigReader:
         return float(value)
 
     # -- RoPE ----------------------------------------------------------------
-    def rope_theta(self, key: str, default: Any = REQUIRED) -> float:
+    def rope_theta(self, key: str, default: object = REQUIRED) -> float:
         """A RoPE base (``rope_theta``, GGUF ``rope.freq_base``): a finite number above 1 and at most
         :data:`MAX_ROPE_THETA`."""
         return self.number(key, default, above=1.0, at_most=MAX_ROPE_THETA)
 
-    def rope_factor(self, key: str = "factor", default: Any = REQUIRED) -> float:
+    def rope_factor(self, key: str = "factor", default: object = REQUIRED) -> float:
         """A RoPE context-extension factor (``rope_scaling.factor``, GGUF ``rope.scaling.factor``):
         a finite number from 1 to :data:`MAX_ROPE_FACTOR` (see the module docstring for why)."""
         return self.number(key, default, at_least=1.0, at_most=MAX_ROPE_FACTOR)
 
-    def rope_knob(self, key: str, default: Any = None, *, at_most: float = MAX_ROPE_FACTOR) -> float:
+    def rope_knob(self, key: str, default: object = None, *, at_most: float = MAX_ROPE_FACTOR) -> float:
         """A tuning number of a RoPE scaling, from :data:`MIN_ROPE_KNOB` to ``at_most``: YaRN's
         ``beta_fast`` / ``beta_slow`` and Llama 3's ``low_freq_factor`` / ``high_freq_factor`` (up to
         :data:`MAX_ROPE_FACTOR`); YaRN's ``attention_factor``, ``mscale``, ``mscale_all_dim``, which
@@ -230,7 +230,7 @@ class ConfigReader:
         return self.number(key, default, at_least=MIN_ROPE_KNOB, at_most=at_most)
 
     # -- flags, names, lists -------------------------------------------------
-    def boolean(self, key: str, default: Any = REQUIRED) -> bool:
+    def boolean(self, key: str, default: object = REQUIRED) -> bool:
         """``true`` or ``false`` (not ``0``/``1``, not the string ``"true"``)."""
         if not self._present(key, default):
             return default
@@ -239,7 +239,7 @@ class ConfigReader:
             raise self._bad(key, value, "true or false")
         return value
 
-    def string(self, key: str, default: Any = REQUIRED, *, choices: Sequence[str] | None = None) -> str:
+    def string(self, key: str, default: object = REQUIRED, *, choices: Sequence[str] | None = None) -> str:
         """A string, one of ``choices`` when given."""
         if not self._present(key, default):
             return default
@@ -250,7 +250,7 @@ class ConfigReader:
             raise self.fail(f"{key!r} is {show(value)}; implemented: {', '.join(map(repr, choices))}")
         return value
 
-    def strings(self, key: str, default: Any = REQUIRED, *, length: int, choices: Sequence[str]) -> tuple[str, ...]:
+    def strings(self, key: str, default: object = REQUIRED, *, length: int, choices: Sequence[str]) -> tuple[str, ...]:
         """A list of exactly ``length`` strings, each one of ``choices`` (e.g. ``layer_types``)."""
         if not self._present(key, default):
             return default
@@ -275,7 +275,7 @@ class ConfigReader:
             raise self._bad(key, value, f"a token id or a list of token ids (integers from 0 to {MAX_VOCAB - 1})")
         return tuple(ids)
 
-    def mapping(self, key: str, default: Any = None) -> dict[str, Any] | None:
+    def mapping(self, key: str, default: object = None) -> dict[str, Any] | None:
         """A JSON object (dict); ``default`` (None) when absent or null."""
         if not self._present(key, default):
             return default
@@ -284,7 +284,7 @@ class ConfigReader:
             raise self._bad(key, value, "an object")
         return value
 
-    def section(self, key: str, default: Any = None) -> "ConfigReader | None":
+    def section(self, key: str, default: object = None) -> "ConfigReader | None":
         """A nested object as a reader of its own (errors name ``where 'key'``); None when absent."""
         value = self.mapping(key, default)
         return None if value is None else ConfigReader(value, f"{self.where} {key!r}")

@@ -18,6 +18,9 @@ from typing import Any
 
 from lollm.errors import CheckpointError, LollmError
 
+# Lazy imports below: numpy, the GGUF reader and the loader, only for the checkpoint being inspected,
+# so that the CLI's start-up stays light.
+
 #: Bytes per element of the safetensors dtypes.
 SAFETENSORS_ELEMENT_BYTES = {
     "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,

@@ -32,19 +32,26 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from lollm.errors import LollmError
+
+# Lazy imports below: torch and torch.distributed (and tensor_parallel, which imports torch), only on
+# the ranks of a --tp run, so that the CLI imports this module torch-free.
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
+    from rich.console import Console
+
+    from lollm.load.process_group import Group
 
 T = TypeVar("T")
 
 
-def is_leader(group: Any) -> bool:
+def is_leader(group: Group | None) -> bool:
     """Whether this process talks to the user: rank 0, or the only process (``group is None``)."""
     return group is None or group.rank == 0
 
 
-def silence_followers(group: Any, console: Any = None) -> None:
+def silence_followers(group: Group | None, console: Console | None = None) -> None:
     """Rule 1: on ranks other than 0, stdout goes to /dev/null and ``console`` (a rich Console) goes quiet."""
     if is_leader(group):
         return
@@ -54,7 +61,7 @@ def silence_followers(group: Any, console: Any = None) -> None:
         console.quiet = True
 
 
-def broadcast(group: Any, value: Any = None) -> Any:
+def broadcast(group: Group | None, value: object = None) -> Any:
     """The leader's ``value`` on every rank (``torch.distributed.broadcast_object_list``); others pass anything."""
     if group is None:
         return value
@@ -65,7 +72,7 @@ def broadcast(group: Any, value: Any = None) -> Any:
     return message[0]
 
 
-def leader_decides(group: Any, work: Callable[[], T]) -> T:
+def leader_decides(group: Group | None, work: Callable[[], T]) -> T:
     """Rule 2: ``work()`` on the leader only; its result on every rank.
 
     A LollmError raised by ``work`` on the leader is sent instead and raised on every
@@ -85,7 +92,7 @@ def leader_decides(group: Any, work: Callable[[], T]) -> T:
     return value
 
 
-def follow(group: Any, handle: Callable[[Any], None]) -> None:
+def follow(group: Group | None, handle: Callable[[Any], None]) -> None:
     """Rule 2 as a loop, on a follower: ``handle(work)`` for each ``work`` the leader broadcasts, until it sends None.
 
     The leader sends each piece of work with ``broadcast(group, work)`` (before it
@@ -97,7 +104,7 @@ def follow(group: Any, handle: Callable[[Any], None]) -> None:
         handle(work)
 
 
-def agree(group: Any, flag: bool) -> bool:
+def agree(group: Group | None, flag: bool) -> bool:
     """Rule 2 for one flag, asked often: the leader's ``flag`` on every rank (others pass anything).
 
     One int32 broadcast (on the group's device under nccl), far cheaper than
@@ -113,7 +120,7 @@ def agree(group: Any, flag: bool) -> bool:
     return bool(value.item())
 
 
-def finish(group: Any) -> None:
+def finish(group: Group | None) -> None:
     """Rule 4: the end of a ``--tp`` command: every rank meets at a barrier, then leaves the group."""
     if group is None:
         return

@@ -31,6 +31,8 @@ count, on the idle and on a busy machine (docs/quantized-execution.md, "Threads"
 
 from __future__ import annotations
 
+# Lazy imports below: torch, only when the threads are set (choosing them is torch-free, for the CLI).
+
 import os
 import time
 from dataclasses import dataclass

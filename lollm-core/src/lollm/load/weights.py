@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from lollm.errors import WeightsError
+from lollm.gguf.quants import SUPPORTED_TYPES, dequantize
+# Lazy imports below: tqdm (only when a progress bar is drawn) and ctypes (glibc's malloc_trim, Linux only).
 from lollm.load.quantized import (
     FLOAT_TYPES,
     INT4_TYPES,
@@ -136,8 +138,6 @@ def _pack(model: nn.Module, source, file_name: str, target: str, quantization: Q
         else:
             new = linear_from_float(source.read(file_name), quantization, module.bias)
     elif gguf:  # an embedding keeps the file's blocks, whatever their type (if we can dequantize it)
-        from lollm.gguf.quants import SUPPORTED_TYPES
-
         if stored not in SUPPORTED_TYPES:
             return False  # the float path names the type it cannot read
         rows = source.shape(file_name)[0]
@@ -188,8 +188,6 @@ def _tie_packed(model: nn.Module, target: str, src: str, dtype: torch.dtype, sum
         blocks = embedding.blocks.numpy().reshape(-1)
         new = linear_from_gguf(blocks, ggml_type, shape, head.bias, grouped=True)
         if new is None:  # a type with no packed form: the head is a float copy
-            from lollm.gguf.quants import dequantize
-
             head.weight = nn.Parameter(torch.from_numpy(dequantize(blocks, ggml_type)).view(shape).to(dtype), requires_grad=False)
             summary.dequantized.append(f"{target} (tied, {ggml_type})")
             summary.add(ggml_type, f"{str(dtype).removeprefix('torch.')} (tied head)")

@@ -34,6 +34,10 @@ from pathlib import Path
 
 import torch
 
+from lollm.errors import LollmError
+
+# Lazy imports below: torch.utils.cpp_extension and ninja, only when the kernel is built (on first use).
+
 #: The environment variable that turns the kernel off ("0", "off", "false", "no") or on (unset, "1", "on", "true", "yes").
 ENV = "LOLLM_NATIVE"
 #: The one that turns its AMX tiles off (the same values; block_int8.cpp reads it too, once).
@@ -143,8 +147,6 @@ def _switch(name: str) -> str:
         return "off"
     if value.strip().lower() in _ON:
         return "on"
-    from lollm.errors import LollmError
-
     raise LollmError(f"{name}={value!r}: use 0 (off) or 1 (on)")
 
 

@@ -52,6 +52,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 from jinja2 import nodes
+from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import _PassArg
 from jinja2.visitor import NodeTransformer
@@ -76,7 +77,7 @@ class _GenerationBlock(jinja2.ext.Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
     """The ``tojson`` filter of transformers: plain ``json.dumps`` (no HTML escaping, UTF-8 kept as is).
 
     With ``indent`` the text can be far longer than the data, so it is built
@@ -152,7 +153,7 @@ def _step() -> None:
         budget.step()
 
 
-def _sized(value: Any, what: str) -> Any:
+def _sized(value: object, what: str) -> Any:
     """Return ``value`` unless it is a string or container longer than :data:`MAX_OUTPUT_CHARS`."""
     if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_OUTPUT_CHARS:
         unit = "characters" if isinstance(value, str) else "items"
@@ -167,16 +168,16 @@ def _check_size(size: int, what: str) -> None:
         raise _LimitExceeded(f"{what} would build {size:,} characters or items (limit {MAX_OUTPUT_CHARS:,})")
 
 
-def _check_width(width: Any, what: str) -> None:
+def _check_width(width: object, what: str) -> None:
     if isinstance(width, int) and not isinstance(width, bool) and abs(width) > MAX_WIDTH:
         raise _LimitExceeded(f"{what}: {width} is larger than the limit of {MAX_WIDTH:,}")
 
 
-def _bits(value: Any) -> int:
+def _bits(value: object) -> int:
     return abs(value).bit_length() if isinstance(value, int) else 0
 
 
-def _check_binop(operator: str, left: Any, right: Any) -> None:
+def _check_binop(operator: str, left: object, right: object) -> None:
     """Refuse an operation whose result would be too big *before* computing it."""
     sized = (str, bytes, list, tuple)
     if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
@@ -212,7 +213,7 @@ def _check_printf(fmt: str) -> None:
 class _BoundedFormatter(SandboxedFormatter):
     """``str.format`` in the sandbox, refusing field widths and precisions above :data:`MAX_WIDTH`."""
 
-    def format_field(self, value: Any, format_spec: str) -> Any:
+    def format_field(self, value: object, format_spec: str) -> Any:
         for number in re.findall(r"\d+", format_spec):
             _check_width(int(number), f"the format spec {format_spec!r}")
         _step()
@@ -246,7 +247,7 @@ def _bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap one of jinja2's filters: check its arguments before the call and its result after."""
     skip = 2 if _PassArg.from_obj(func) is not None else 1  # (context/environment,) value, arguments...
 
-    def bounded(*args: Any, **kwargs: Any) -> Any:
+    def bounded(*args: object, **kwargs: object) -> Any:
         _refuse_outside_a_render()
         value, extra = args[skip - 1] if len(args) >= skip else None, args[skip:]
         for argument in (*extra, *kwargs.values()):
@@ -277,7 +278,7 @@ def _refuse_outside_a_render() -> None:
         raise _LimitExceeded("filters are not evaluated at compile time")
 
 
-def _iterate(value: Any) -> Iterator[Any]:
+def _iterate(value: object) -> Iterator[Any]:
     """The iterable of every ``{% for %}``, one budget step per item (an empty loop body costs time too)."""
     budget = _BUDGET.get()
     for item in value:
@@ -286,7 +287,7 @@ def _iterate(value: Any) -> Iterator[Any]:
         yield item
 
 
-def _concat(parts: list[Any]) -> str:
+def _concat(parts: list[object]) -> str:
     """``a ~ b ~ c``: refused before it is built when the result would be too long."""
     _refuse_outside_a_render()
     texts = [str(part) for part in parts]
@@ -324,7 +325,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"+", "*", "**", "%"})
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, **options: object) -> None:
         super().__init__(**options)
         for name, func in list(self.filters.items()):
             self.filters[name] = _bounded_filter(name, func)
@@ -344,20 +345,20 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """Parse ``source`` and rewrite its loops and ``~`` (see :class:`_GuardLoops`)."""
         return _GuardLoops().visit(self.parse(source))
 
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: Context, operator: str, left: object, right: object) -> Any:
         _step()
         _check_binop(operator, left, right)
         return _sized(super().call_binop(context, operator, left, right), f"{operator!r}")
 
-    def getattr(self, obj: Any, attribute: str) -> Any:
+    def getattr(self, obj: object, attribute: str) -> Any:
         _step()
         return _sized(super().getattr(obj, attribute), f"reading {attribute!r}")
 
-    def getitem(self, obj: Any, argument: Any) -> Any:
+    def getitem(self, obj: object, argument: object) -> Any:
         _step()
         return _sized(super().getitem(obj, argument), "reading an item")
 
-    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja2's signature)
+    def call(__self, __context: Context, __obj: object, *args: object, **kwargs: object) -> Any:  # noqa: N805 (jinja2's signature)
         budget = _BUDGET.get()
         if isinstance(getattr(__obj, "__self__", None), str) and callable(__obj):
             _bounded_str_method(__obj, args, kwargs)
@@ -372,7 +373,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         finally:
             budget.depth -= 1
 
-    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+    def wrap_str_format(self, value: object) -> Callable[..., str] | None:
         # jinja2 hands out a safe wrapper of "...".format; ours also bounds the field widths.
         wrapper = super().wrap_str_format(value)
         if wrapper is None:
@@ -381,7 +382,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         formatter = _BoundedFormatter(self)
         is_map = value.__name__ == "format_map"
 
-        def bounded(*args: Any, **kwargs: Any) -> str:
+        def bounded(*args: object, **kwargs: object) -> str:
             if is_map:
                 if kwargs or len(args) != 1:
                     raise TypeError("format_map() takes exactly one positional argument")
@@ -452,14 +453,14 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         special_tokens: Mapping[str, str] | None = None,
-        **template_kwargs: Any,
+        **template_kwargs: object,
     ) -> str:
         """Render the prompt text for ``messages``.
 
         ``special_tokens`` maps names such as ``"bos_token"`` to their text;
         ``template_kwargs`` become template variables too and win over them.
         """
-        variables: dict[str, Any] = dict(special_tokens or {})
+        variables: dict[str, object] = dict(special_tokens or {})
         variables.update(template_kwargs)
         variables.update(
             messages=prepare_messages(messages, self.origin),
@@ -499,7 +500,7 @@ class ChatTemplate:
             _BUDGET.reset(token)
 
 
-def prepare_messages(messages: Any, origin: str = "chat template") -> list[dict]:
+def prepare_messages(messages: object, origin: str = "chat template") -> list[dict]:
     """Copy the messages into the shape templates expect, as transformers does.
 
     Each message must be a mapping. Keys whose value is ``None`` are dropped
@@ -523,7 +524,7 @@ def prepare_messages(messages: Any, origin: str = "chat template") -> list[dict]
     return prepared
 
 
-def _check_tools(tools: Any, origin: str) -> list[dict] | None:
+def _check_tools(tools: object, origin: str) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, (list, tuple)) or not all(isinstance(tool, Mapping) for tool in tools):

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.gguf.reader import StringArray
+from lollm.gguf.reader import GGUFFile, StringArray
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE, byte_token
 from lollm.tokenizer.chat import ChatTemplate
@@ -168,7 +168,7 @@ _KNOWN_KEYS = {
 _TOKEN_TYPES = {NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE}
 
 
-def load_gguf_tokenizer(metadata: Mapping[str, Any] | str | os.PathLike, *, source: str | None = None) -> Tokenizer:
+def load_gguf_tokenizer(metadata: Mapping[str, object] | str | os.PathLike, *, source: str | None = None) -> Tokenizer:
     """The :class:`Tokenizer` described by a GGUF file's metadata.
 
     ``metadata`` is the key -> value dict of :attr:`lollm.gguf.GGUFFile.metadata`
@@ -177,8 +177,6 @@ def load_gguf_tokenizer(metadata: Mapping[str, Any] | str | os.PathLike, *, sour
     Raises TokenizerError, whose message always starts with that name.
     """
     if isinstance(metadata, (str, os.PathLike)):
-        from lollm.gguf import GGUFFile
-
         with GGUFFile(metadata) as gguf:
             return _build_named(gguf.metadata, source or f"GGUF file {os.fspath(metadata)}")
     if not isinstance(metadata, Mapping):
@@ -186,7 +184,7 @@ def load_gguf_tokenizer(metadata: Mapping[str, Any] | str | os.PathLike, *, sour
     return _build_named(metadata, source or "GGUF metadata")
 
 
-def _build_named(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+def _build_named(metadata: Mapping[str, object], source: str) -> Tokenizer:
     """:func:`_build`, with every TokenizerError's message made to start with ``source`` (a
     check deeper down, such as the added-token scan's, may not know which file it reads)."""
     try:
@@ -197,7 +195,7 @@ def _build_named(metadata: Mapping[str, Any], source: str) -> Tokenizer:
         raise TokenizerError(f"{source}: {exc}") from None
 
 
-def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
+def _build(metadata: Mapping[str, object], source: str) -> Tokenizer:
     model_name = _get(metadata, "model", str, source)
     if model_name is None:
         raise TokenizerError(f"{source}: has no {PREFIX}model, so it describes no tokenizer")
@@ -269,7 +267,7 @@ def _build(metadata: Mapping[str, Any], source: str) -> Tokenizer:
     )
 
 
-def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
+def _gpt2(metadata: Mapping[str, object], tokens: list[str], source: str):
     """Byte-level BPE: the vocabulary and merges of the file, the regexes of ``tokenizer.ggml.pre``."""
     pre_name = _get(metadata, "pre", str, source)
     known = ", ".join(sorted(PRE_TOKENIZERS))
@@ -293,7 +291,7 @@ def _gpt2(metadata: Mapping[str, Any], tokens: list[str], source: str):
     return model, PreTokenizer(steps), None, ByteLevelDecoder(), pre.add_bos
 
 
-def _split_merges(merges: Iterable[Any], source: str) -> Iterator[tuple[str, str]]:
+def _split_merges(merges: Iterable[object], source: str) -> Iterator[tuple[str, str]]:
     """``(first, second)`` of each ``"Ġ t"`` merge string, one at a time (the BPE keeps no string of them).
 
     llama.cpp cuts a merge at the first space after its first character.
@@ -305,7 +303,7 @@ def _split_merges(merges: Iterable[Any], source: str) -> Iterator[tuple[str, str
         yield merge[:cut], merge[cut + 1 :]
 
 
-def _llama(metadata: Mapping[str, Any], tokens: Sequence[str], respelled: dict[int, str], types: bytes, source: str):
+def _llama(metadata: Mapping[str, object], tokens: Sequence[str], respelled: dict[int, str], types: bytes, source: str):
     """SentencePiece BPE by score, spaces as "▁", byte fallback, optional "▁" prefix.
 
     ``respelled``: id -> the spelling that replaces the file's (see :func:`_respell_space_tokens`)."""
@@ -368,7 +366,7 @@ def _respell_space_tokens(
     return respelled, new_added
 
 
-def _chat_templates(metadata: Mapping[str, Any], source: str) -> dict[str, ChatTemplate]:
+def _chat_templates(metadata: Mapping[str, object], source: str) -> dict[str, ChatTemplate]:
     templates = {}
     for key, value in metadata.items():
         if key == "tokenizer.chat_template":
@@ -386,7 +384,7 @@ def _chat_templates(metadata: Mapping[str, Any], source: str) -> dict[str, ChatT
 # ------------------------------------------------------------------ helpers
 
 
-def _get(metadata: Mapping[str, Any], key: str, kind: type, source: str, *, lazy: bool = False) -> Any:
+def _get(metadata: Mapping[str, object], key: str, kind: type, source: str, *, lazy: bool = False) -> Any:
     """``metadata["tokenizer.ggml." + key]`` checked to be of type ``kind``, or None when absent.
 
     A numpy array becomes a list; with ``lazy``, a GGUF :class:`~lollm.gguf.reader.StringArray`
@@ -405,7 +403,7 @@ def _get(metadata: Mapping[str, Any], key: str, kind: type, source: str, *, lazy
     return value
 
 
-def _array(metadata: Mapping[str, Any], key: str, length: int, source: str) -> list | None:
+def _array(metadata: Mapping[str, object], key: str, length: int, source: str) -> list | None:
     values = _get(metadata, key, list, source)
     if values is not None and len(values) != length:
         raise TokenizerError(f"{source}: {PREFIX}{key} has {len(values)} entries for {length} tokens")

@@ -261,7 +261,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
-        **template_kwargs: Any,
+        **template_kwargs: object,
     ) -> str:
         """Render ``messages`` into the prompt text with the model's chat template.
 
@@ -280,7 +280,7 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, parse_special: bool = True, **template_kwargs: Any
+        self, messages: list[dict], *, add_generation_prompt: bool = True, parse_special: bool = True, **template_kwargs: object
     ) -> list[int]:
         """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
 
@@ -347,7 +347,7 @@ class Tokenizer:
         template = self._chat_templates.get("default")
         return template is not None and template.reads(name)
 
-    def _select_chat_template(self, tools: Any) -> ChatTemplate:
+    def _select_chat_template(self, tools: object) -> ChatTemplate:
         # Like transformers: a template named "tool_use" is preferred when tools are given.
         if tools and "tool_use" in self._chat_templates:
             return self._chat_templates["tool_use"]
@@ -371,7 +371,7 @@ _UNTRUSTED_KWARGS = ("tools", "documents")
 _MAX_NESTING = 100
 
 
-def _strings(value: Any, depth: int = 0):
+def _strings(value: object, depth: int = 0):
     """Every string inside messages (contents, content parts, names ...), depth first."""
     if depth > _MAX_NESTING:
         raise TokenizerError(f"chat messages nest deeper than {_MAX_NESTING} levels")
@@ -385,7 +385,7 @@ def _strings(value: Any, depth: int = 0):
             yield from _strings(item, depth + 1)
 
 
-def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+def _map_strings(value: object, change: Callable[[str], str]) -> Any:
     """A copy of ``value`` with ``change`` applied to every string inside it (keys stay; depth checked by _strings)."""
     if isinstance(value, str):
         return change(value)
