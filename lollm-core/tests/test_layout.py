@@ -191,3 +191,15 @@ def test_no_function_over_the_limit():
                 if lines > MAX_FUNCTION_CODE_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines})")
     assert not long, f"functions over {MAX_FUNCTION_CODE_LINES} code lines:\n" + "\n".join(long)
+
+
+def test_the_reading_order_names_files_that_exist():
+    """docs/architecture.md's walk from ``lollm run`` to one token names real files."""
+    import re
+
+    page = (PACKAGE.parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = page.split("## Reading order", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\| `lollm/([\w/]+\.py)` \| (\d+) \|", section)
+    assert len(named) >= 15, "the reading order lists too few files"
+    missing = [name for name, _ in named if not (PACKAGE / name).is_file()]
+    assert not missing, f"docs/architecture.md's reading order names files that do not exist: {missing}"
