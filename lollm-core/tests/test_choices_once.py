@@ -28,11 +28,9 @@ DECIDERS = {"pick_device": pipeline, "resolve_backend": lollm.attention, "route"
 
 @pytest.fixture
 def calls(monkeypatch) -> Counter:
-    """Wrap each decider in every lollm module that holds it; the counter of their calls.
-
-    lollm.attention's own module is left alone: ``use_backend(name)``, which the generation loop enters,
-    looks up again the name already decided in order to set it; that is using the choice, not making it.
-    """
+    """Wrap each decider in every lollm module that holds it (its own module too, so that a call through
+    a function-level import counts); the counter of their calls. ``use_backend(name)``, which the generation
+    loop enters, sets the name already decided and is not a decider."""
     counter: Counter = Counter()
     for name, home in DECIDERS.items():
         original = getattr(home, name)
@@ -42,12 +40,23 @@ def calls(monkeypatch) -> Counter:
             return __original(*args, **kwargs)
 
         for module_name, module in list(sys.modules.items()):
-            if module_name.startswith("lollm.") and module is not lollm.attention and getattr(module, name, None) is original:
+            if (module_name == "lollm" or module_name.startswith("lollm.")) and getattr(module, name, None) is original:
                 monkeypatch.setattr(module, name, counted)
     return counter
 
 
 def test_lollm_run_decides_each_choice_once(invoke, ckpt, calls):
     done = ok(invoke("run", ckpt, "-p", "hello", "--temperature", "0", "-n", "4"))
+    assert done.stdout.strip()
+    assert dict(calls) == {"pick_device": 1, "resolve_backend": 1, "route": 1, "pick_quantization": 1}
+
+
+@pytest.mark.parametrize("named", ["flag", "environment"])
+def test_a_named_backend_is_checked_early_and_chosen_once(invoke, ckpt, calls, monkeypatch, named):
+    """--attn (or $LOLLM_ATTN) is checked by name before the model is looked for, and chosen once."""
+    args = ["--attn", "eager"] if named == "flag" else []
+    if named == "environment":
+        monkeypatch.setenv("LOLLM_ATTN", "eager")
+    done = ok(invoke("run", ckpt, "-p", "hello", "--temperature", "0", "-n", "4", *args))
     assert done.stdout.strip()
     assert dict(calls) == {"pick_device": 1, "resolve_backend": 1, "route": 1, "pick_quantization": 1}

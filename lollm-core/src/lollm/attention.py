@@ -351,27 +351,45 @@ def current_backend() -> str:
     return _selected.get() or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
 
 
-def resolve_backend(name: str | None = None, device: torch.device | str | None = None) -> str:
-    """Check a backend name (None: :func:`current_backend`) and that it can run on ``device``; return it.
-
-    Raises AttentionBackendError (a LollmError) naming the unknown value and the
-    known ones, or saying what the backend lacks here. Call it before loading a
-    model, so that a typo costs nothing.
-    """
+def _named(name: str | None) -> tuple[str, str]:
+    """The backend's name (None: :func:`current_backend`'s) and where it came from, for errors."""
     if name is not None:
-        source = "--attn"
-    elif _selected.get():
-        name, source = _selected.get(), "attention backend"
-    else:
-        name, source = os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR
-    backend = _lookup(name, source)
-    backend.check(None if device is None else torch.device(device))
+        return name, "--attn"
+    if _selected.get():
+        return _selected.get(), "attention backend"
+    return os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR
+
+
+def _checked(name: str | None, device: torch.device | str | None = None) -> str:
+    """The backend's name once :data:`BACKENDS` knows it and it can run here (on ``device``, when given)."""
+    name, source = _named(name)
+    _lookup(name, source).check(None if device is None else torch.device(device))
     return name
+
+
+def check_backend_name(name: str | None = None) -> None:
+    """Check a backend's name (None: :func:`current_backend`'s) and what it needs of this machine.
+
+    The commands call it on their flags before a model is looked for, so that a typo or a missing
+    GPU costs nothing; the backend is chosen later, once, by :func:`resolve_backend` with the device
+    known. Raises AttentionBackendError naming the unknown value and the known ones, or what the
+    backend lacks on this machine.
+    """
+    _checked(name)
+
+
+def resolve_backend(name: str | None = None, device: torch.device | str | None = None) -> str:
+    """Choose a backend (None: :func:`current_backend`) and check that it can run on ``device``; return its name.
+
+    The decision a load makes once (:func:`lollm.load.pipeline.prepare`). Raises AttentionBackendError
+    (a LollmError) naming the unknown value and the known ones, or saying what the backend lacks here.
+    """
+    return _checked(name, device)
 
 
 def set_backend(name: str) -> None:
     """Use backend ``name`` from now on in this context (the whole program, for a plain script)."""
-    _selected.set(resolve_backend(name))
+    _selected.set(_checked(name))
 
 
 @contextmanager
@@ -384,7 +402,7 @@ def use_backend(name: str | None) -> Iterator[str]:
     if name is None:
         yield current_backend()
         return
-    token = _selected.set(resolve_backend(name))
+    token = _selected.set(_checked(name))
     try:
         yield name
     finally:

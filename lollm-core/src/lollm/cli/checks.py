@@ -83,12 +83,13 @@ def check_serve_flags(*, port: int, max_running: int, kv_blocks: Optional[int], 
 
 
 def check_attn(options: LoadOptions) -> None:
-    """The backend named by --attn or $LOLLM_ATTN, checked before the model is looked for (lollm.attention
-    imports torch: only when one is named; its device check comes again in :func:`open_checkpoint`)."""
+    """The name of the backend given by --attn or $LOLLM_ATTN, checked before the model is looked for
+    (lollm.attention imports torch: only when one is named). The backend is chosen once, with the
+    device, by :func:`lollm.load.pipeline.prepare`."""
     if options.attn is not None or os.environ.get("LOLLM_ATTN"):
-        from lollm.attention import resolve_backend
+        from lollm.attention import check_backend_name
 
-        resolve_backend(options.attn)
+        check_backend_name(options.attn)
 
 
 def check_family(family: Optional[str]) -> None:
