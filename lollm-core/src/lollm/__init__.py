@@ -16,6 +16,8 @@ importing only those below it (docs/architecture.md walks them from ``lollm run`
 * :mod:`lollm.cli` – the commands; :mod:`lollm.testing` – the kit for plugin authors (production never imports it)
 """
 
+import importlib
+
 from lollm import _moved
 
 __version__ = "0.2.0"
@@ -36,8 +38,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'lollm' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
