@@ -3,7 +3,7 @@
 Two stages, in the order a command runs them:
 
 1. before torch is imported or the checkpoint read (a typo costs nothing):
-   :func:`check_run_flags`, :func:`check_threads`, :func:`check_ctx_size`,
+   :func:`check_run_flags` (it calls :func:`lollm.load.options.check_threads`), :func:`check_ctx_size`,
    :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`;
 2. with the checkpoint open (configs, tokenizer, tensor table) and its family routed,
    before the weights stream in: :func:`open_checkpoint` (it takes the command's
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Optional
 
 from lollm.cli.report import err, plugin_warnings
 from lollm.errors import CheckpointError, GenerationError, LollmError
-from lollm.load.loader import _looks_like_repo_id
-from lollm.load.options import THREADS_PER_CORE, LoadOptions, check_threads, threads_limit
+from lollm.load.loader import looks_like_repo_id
+from lollm.load.options import LoadOptions, check_threads
 from lollm.load.plugins import get_registry
 from lollm.sampling_params import check_sampling_value, check_seed
 
@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (lollm.lo
 # Lazy imports below: lollm.attention and lollm.load.pipeline import torch, and these checks run before torch is
 # imported (a typo costs nothing); they are imported where a check needs them.
 
-__all__ = ["THREADS_PER_CORE", "check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists",
-           "check_run_flags", "check_serve_flags", "check_threads", "open_checkpoint", "threads_limit"]
+__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_run_flags",
+           "check_serve_flags", "open_checkpoint"]
 
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
@@ -107,7 +107,7 @@ def check_model_exists(spec: str) -> None:
     repo, colon, quant = spec.partition(":")
     if colon and Path(repo).expanduser().is_file():
         raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
-    if _looks_like_repo_id(spec) or (colon and quant and _looks_like_repo_id(repo)):
+    if looks_like_repo_id(spec) or (colon and quant and looks_like_repo_id(repo)):
         return
     raise CheckpointError(
         f"{spec}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"

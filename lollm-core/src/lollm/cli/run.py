@@ -89,7 +89,7 @@ def run(
 
     # 2. The checkpoint (configs, tokenizer, tensor table) and its family: checks that need them, before the weights load.
     from lollm.load.pipeline import open_model
-    from lollm.generate.sampling import resolve_sampling
+    from lollm.sampling_params import resolve_sampling
 
     prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
     checkpoint = prepared.checkpoint
@@ -120,7 +120,7 @@ def _generate_all(loaded: LoadedModel, prompts: list[str], all_ids: list[list[in
     of --json-schema / --regex / --grammar (None: free text), compiled here once for the model's vocabulary.
     """
     from lollm.generate.loop import stop_token_ids
-    from lollm.generate.sampling import describe_sampling
+    from lollm.sampling_params import describe_sampling
 
     checkpoint = loaded.checkpoint
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer)
@@ -218,7 +218,7 @@ def chat(
     from lollm.generate.conversation import ChatSession, repl
     from lollm.generate.loop import stop_token_ids
     from lollm.load.pipeline import open_model
-    from lollm.generate.sampling import resolve_sampling
+    from lollm.sampling_params import resolve_sampling
 
     prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
     checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags

@@ -62,7 +62,8 @@ def serve(
 
     from lollm.generate.conversation import DEFAULT_CONTEXT
     from lollm.load.pipeline import open_model
-    from lollm.serve.server import ModelServer, require_serve_extra, serve as run_server
+    from lollm.serve.app import require_serve_extra, serve as run_server
+    from lollm.serve.model_server import ModelServer
 
     check_family(options.family)
     require_serve_extra()

@@ -43,11 +43,12 @@ from lollm.generate.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
 from lollm.generate.memory import check_cache_fits
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import SamplingParams
-from lollm.generate.sequence import (  # noqa: F401 (re-exported: lollm.generate.loop's names before the move)
-    Sequence, Step, StopReason, TokenLogprobs, check_prompt_ids, check_request, token_logprobs)
+from lollm.generate.sequence import Sequence, Step, StopReason, TokenLogprobs, check_request
+# Moved to lollm.generate.sequence; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.generate.sequence import check_prompt_ids, token_logprobs  # noqa: F401
 from lollm.generate.structured import CompiledConstraint
 from lollm.model import Cache, CausalLM
+from lollm.sampling_params import SamplingParams
 from lollm.tokenizer.stream import StreamDecoder
 from lollm.tokenizer.tokenizer import Tokenizer
 

@@ -38,7 +38,8 @@ from torch import nn
 from lollm.errors import ConfigError, LollmError, WeightsError
 from lollm.load.meta import on_meta
 from lollm.load.options import LoadOptions
-from lollm.load.tensor_parallel import Sharding, TensorParallelError
+from lollm.load.process_group import TensorParallelError
+from lollm.load.tensor_parallel import Sharding
 from lollm.load.weights import load_weights
 
 

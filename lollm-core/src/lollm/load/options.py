@@ -36,7 +36,7 @@ from lollm.errors import LollmError
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from lollm.load.quantized import Quantization
-    from lollm.load.tensor_parallel import Group
+    from lollm.load.process_group import Group
 
 #: ``weights`` choices: ``auto`` keeps a GGUF's blocks packed and loads safetensors as float
 #: (unless ``quantize``); ``float`` dequantizes everything; ``quantized`` insists on packing.
@@ -74,7 +74,7 @@ class LoadOptions:
 
     Decided by core (:func:`lollm.load.pipeline.resolve_options`), None until then:
       quantization:    :class:`lollm.load.quantized.Quantization`: which tensors may stay packed, and how.
-      tensor_parallel: :class:`lollm.load.tensor_parallel.Group` of this rank under ``--tp``; None on one process.
+      tensor_parallel: :class:`lollm.load.process_group.Group` of this rank under ``--tp``; None on one process.
 
     After resolution ``device`` is concrete (``"cpu"``, ``"cuda:0"`` …), ``dtype`` a
     canonical name (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``attn`` the backend's name.

@@ -22,7 +22,7 @@ from lollm.load import ranks
 from lollm.load.pipeline import LoadedModel
 from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import SamplingParams, resolve_sampling
+from lollm.sampling_params import SamplingParams, resolve_sampling
 from lollm.generate.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.engine import why_not_batched
@@ -92,7 +92,7 @@ class ModelServer:
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
-        self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.load.tensor_parallel.Group), else None
+        self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.load.process_group.Group), else None
         if max_queue < 1:  # a request waits in the queue before it runs, even on an idle server
             raise LollmError(f"--max-queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue

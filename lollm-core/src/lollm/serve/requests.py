@@ -21,8 +21,8 @@ from typing import Callable, NoReturn
 
 from lollm.errors import TokenizerError
 from lollm.generate.sequence import TokenLogprobs
-from lollm.generate.sampling import SEED_MAX, SamplingParams
 from lollm.generate.structured import CompiledConstraint, OutputConstraint, open_object
+from lollm.sampling_params import SEED_MAX, SamplingParams
 from lollm.serve.tools import ToolRequest, template_tool_calls
 from lollm.tokenizer import Tokenizer
 
