@@ -12,7 +12,7 @@ from rich.markup import escape
 from lollm.cli import report as show
 from lollm.cli.batch import batch_reason, run_batched
 from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
-                              check_run_flags, open_checkpoint)
+                              check_run_flags, open_for_command)
 from lollm.cli.inputs import encode_prompts, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
                                GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat,
@@ -91,7 +91,7 @@ def run(
     from lollm.load.pipeline import open_model
     from lollm.sampling_params import resolve_sampling
 
-    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
+    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
     checkpoint = prepared.checkpoint
     all_ids = encode_prompts(checkpoint.tokenizer, prompts, system=system, no_chat=no_chat, parse_special=parse_special,
                              template_flags=prepared.template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
@@ -220,7 +220,7 @@ def chat(
     from lollm.load.pipeline import open_model
     from lollm.sampling_params import resolve_sampling
 
-    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
+    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)
     checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))

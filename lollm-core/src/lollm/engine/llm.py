@@ -9,7 +9,7 @@
         print(c.index, c.finish_reason, c.text)
 
 :class:`LLM` loads a checkpoint the way ``lollm run`` does (the checkpoint, its family, the
-threads and the ``--think`` flag through :func:`lollm.cli.checks.open_checkpoint`, then
+threads and the ``--think`` flag through :func:`lollm.load.pipeline.open_checkpoint`, then
 :func:`lollm.load.pipeline.open_model` with packed GGUF weights kept packed). :meth:`LLM.generate`
 hands **every** prompt to one :class:`lollm.engine.Engine` at once and steps it until all are
 done: each step is one forward over every running request (docs/batching.md), which is where

@@ -140,7 +140,7 @@ def build_model(model_class: Callable[..., nn.Module], config: Any, weights: Any
     split, and WeightsError naming the tensor (see :func:`lollm.load.weights.load_weights`).
     """
     if not options.resolved:
-        raise LollmError("build_model needs resolved LoadOptions (lollm.load.pipeline.resolve_options)")
+        raise LollmError("build_model needs resolved LoadOptions (lollm.load.pipeline.prepare)")
     device, dtype = options.torch_device, options.torch_dtype
 
     # 1. The module tree on the meta device: shapes and dtypes, no memory (this rank's share under --tp).

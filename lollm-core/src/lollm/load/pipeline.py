@@ -21,15 +21,17 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError, PluginError
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.options import LoadOptions
+from lollm.load.options import DTYPE_ALIASES, DTYPE_NAMES, LoadOptions
 from lollm.load.plugins import get_registry
 from lollm.load.registry import InstalledFamily
 from lollm.load.quantized import Quantization
 from lollm.load import process_group
 from lollm.load.threads import apply_threads
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of :data:`lollm.load.options.DTYPE_NAMES` (``bf16`` is ``torch.bfloat16``)."""
+    return getattr(torch, DTYPE_ALIASES.get(name, name))
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -61,10 +63,10 @@ def pick_dtype(name: str, device: torch.device, config: dict[str, Any]) -> torch
         if device.type == "cpu":
             return torch.float32
         stored = config.get("dtype") or config.get("torch_dtype") or "float16"  # GGUF: no stored float dtype
-        return DTYPES.get(str(stored), torch.float32)
-    if name not in DTYPES:
-        raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(set(DTYPES)))})")
-    return DTYPES[name]
+        return torch_dtype(str(stored)) if str(stored) in DTYPE_NAMES else torch.float32
+    if name not in DTYPE_NAMES:
+        raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(DTYPE_NAMES))})")
+    return torch_dtype(name)
 
 
 @dataclass
@@ -227,15 +229,6 @@ def template_flags(checkpoint: Checkpoint, think: bool | None, model: str) -> di
             f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
         )
     return {"enable_thinking": think}
-
-
-def resolve_options(options: LoadOptions, checkpoint: Checkpoint) -> LoadOptions:
-    """``options`` with every choice core makes decided for this checkpoint: what a family's ``load`` receives.
-
-    The options of :func:`prepare` (device, dtype, attention backend, quantization, family, and under
-    ``tp > 1`` this rank's group). Raises LollmError naming the option.
-    """
-    return prepare(checkpoint, options).options
 
 
 def taken_as_they_are(options: LoadOptions | None) -> bool:

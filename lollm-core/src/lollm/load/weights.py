@@ -15,7 +15,7 @@ parameter or buffer left without a value all raise
 
 Quantized weights (docs/quantized-execution.md): when the load's
 :class:`lollm.load.quantized.Quantization` packs (``LoadOptions.quantization``, decided
-by :func:`lollm.load.pipeline.resolve_options` from ``--weights`` / ``--quantize``), each
+by :func:`lollm.load.pipeline.prepare` from ``--weights`` / ``--quantize``), each
 tensor the family's ``quantizable(model_name)`` accepts is not converted to
 float: its ``nn.Linear`` is replaced by an :class:`~lollm.load.packed_linear.Int4Linear`
 or :class:`~lollm.load.packed_linear.Int8Linear`, its ``nn.Embedding`` by a
