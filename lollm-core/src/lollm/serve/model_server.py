@@ -1,7 +1,7 @@
 """The served model and how its requests run: the batched engine, or one worker thread (no HTTP here).
 
 :class:`ModelServer` holds the model, its tokenizer and the server's settings; it turns a
-request body into a :class:`~lollm.serve.requests.Prepared` job (:meth:`ModelServer.prepare`),
+request body into a :class:`~lollm.serve.requests.PreparedRequest` job (:meth:`ModelServer.prepare`),
 runs jobs (:meth:`ModelServer.submit`), counts how they end and, under ``--tp``, keeps the
 other ranks in step (:meth:`ModelServer.follow`).
 """
@@ -30,9 +30,9 @@ from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import request_line
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
-                                  Body, Job, Prepared, body_limit, chat_logprobs, check_fields, flag, longest_token_bytes,
-                                  number, parse_body, read_messages, response_format, short_repr, stops, stream_options,
-                                  text_bytes)
+                                  Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
+                                  longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
+                                  stops, stream_options, text_bytes)
 from lollm.serve.tool_formats import ToolRequestError
 from lollm.serve.tools import ToolRequest, read_tools
 
@@ -157,7 +157,7 @@ class ModelServer:
             raise ApiError(404, f"the model {short_repr(model)} does not exist here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    def prepare(self, raw: bytes, kind: str) -> Prepared:
+    def prepare(self, raw: bytes, kind: str) -> PreparedRequest:
         """A request body of ``kind`` ("chat" or "completion") parsed, checked and tokenized; ApiError when refused.
 
         Runs in a thread of the pool, never on the event loop: the template and
@@ -178,7 +178,7 @@ class ModelServer:
         job.constraint, job.tools = constraint, tools
         if tools is not None and tools.grammar is not None:
             job.constraint = self.compile(tools.grammar, "tools")
-        return Prepared(job, streaming, include_usage)
+        return PreparedRequest(job, streaming, include_usage)
 
     def tools(self, body: Body, constraint: CompiledConstraint | None) -> ToolRequest | None:
         """The request's tools (:func:`lollm.serve.tools.read_tools`); ApiError 400 naming the field when refused."""

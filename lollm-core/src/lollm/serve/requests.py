@@ -2,7 +2,7 @@
 
 Everything here is plain Python over the parsed body: no HTTP, no model. A request the
 server refuses is an :class:`ApiError` that names the field; a request read and checked
-becomes a :class:`Job` (what the engine or the single worker runs) inside a :class:`Prepared`
+becomes a :class:`Job` (what the engine or the single worker runs) inside a :class:`PreparedRequest`
 (the job and how to answer), made by :meth:`lollm.serve.model_server.ModelServer.prepare`.
 """
 
@@ -352,7 +352,7 @@ class Job:
 
 
 @dataclass
-class Prepared:
+class PreparedRequest:
     """A request read, checked and tokenized (:meth:`ModelServer.prepare`): its job and how to answer."""
 
     job: Job
