@@ -93,8 +93,6 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
 
-
-
 def stop_token_ids(generation_config: dict, config: dict, tokenizer: Tokenizer | None = None) -> set[int]:
     """End-of-sequence ids from generation_config.json, config.json and the tokenizer, together.
 
@@ -138,14 +136,7 @@ class _StopStringWatcher:
         return out + rest
 
 
-
-
-
 # -- layer 1: the step generator ---------------------------------------------------------------
-
-
-
-
 
 
 def generate_steps(

@@ -96,7 +96,6 @@ def check_prompt_cache_turns(
     return records
 
 
-
 class GenerationChecks:
     """Section 7 of the kit and its engine tests; the fixtures and class attributes they use are
     :class:`FamilyConformance`'s."""
