@@ -30,7 +30,7 @@ import time
 import torch
 
 from lollm import native
-from lollm.load.quantized import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
+from lollm.load.packed_linear import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
 
 
 def timed(fn, repeat: int) -> float:

@@ -33,11 +33,11 @@ from lollm.kernels.flash_decode import (
     BLOCK_R,
     DECODE_TILES,
     MAX_SPLITS,
-    _flash_decode_combine_kernel,
-    _flash_decode_split_kernel,
+    flash_decode_combine_kernel,
+    flash_decode_split_kernel,
 )
-from lollm.kernels.flash_prefill import PREFILL_TILES, _flash_prefill_kernel, _tiles, dot_precision, head_block
-from lollm.kernels.paged_attention import PAGED_TILES, _paged_attention_kernel
+from lollm.kernels.flash_prefill import PREFILL_TILES, dot_precision, flash_prefill_kernel, head_block, tiles_for
+from lollm.kernels.paged_attention import PAGED_TILES, paged_attention_kernel
 
 #: Largest shared memory one block may use (opt-in maximum), bytes: A100 and H100/H200.
 SHARED_LIMIT = {80: 166912, 90: 232448}
@@ -83,14 +83,14 @@ def resource_usage(cubin: bytes) -> str:
 
 def cases(width: int, dtype: torch.dtype):
     """(name, kernel, constexprs, num_warps, num_stages) as the launchers set them, every feature on."""
-    BLOCK_M, BLOCK_N, warps, stages = _tiles(PREFILL_TILES, width)
+    BLOCK_M, BLOCK_N, warps, stages = tiles_for(PREFILL_TILES, width)
     common = dict(HAS_WINDOW=True, HAS_SOFTCAP=True, DOT_PRECISION=dot_precision(dtype), BLOCK_D=head_block(width))
-    yield "prefill", _flash_prefill_kernel, dict(common, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N), warps, stages
-    BLOCK_N, warps, stages = _tiles(DECODE_TILES, width)
-    yield "decode split", _flash_decode_split_kernel, dict(common, RING=True, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
-    yield "decode combine", _flash_decode_combine_kernel, dict(BLOCK_SPLITS=MAX_SPLITS, BLOCK_D=head_block(width)), 4, 2
-    BLOCK_N, warps, stages = _tiles(PAGED_TILES, width)
-    yield "paged split", _paged_attention_kernel, dict(common, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
+    yield "prefill", flash_prefill_kernel, dict(common, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N), warps, stages
+    BLOCK_N, warps, stages = tiles_for(DECODE_TILES, width)
+    yield "decode split", flash_decode_split_kernel, dict(common, RING=True, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
+    yield "decode combine", flash_decode_combine_kernel, dict(BLOCK_SPLITS=MAX_SPLITS, BLOCK_D=head_block(width)), 4, 2
+    BLOCK_N, warps, stages = tiles_for(PAGED_TILES, width)
+    yield "paged split", paged_attention_kernel, dict(common, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N), warps, stages
 
 
 def build(arch: int, width: int, dtype: torch.dtype):
@@ -115,7 +115,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, action="append", help="head width (default: every row of PREFILL_TILES)")
     parser.add_argument("--dtype", action="append", choices=list(DTYPES), help="default: all three")
     args = parser.parse_args()
-    if _flash_prefill_kernel.__class__.__name__ == "InterpretedFunction":
+    if flash_prefill_kernel.__class__.__name__ == "InterpretedFunction":
         parser.error("TRITON_INTERPRET is set: kernels defined for the interpreter cannot be compiled; unset it")
     failed = 0
     print(f"{'arch':>5} {'kernel':>15} {'D':>4} {'dtype':>9} {'shared KB':>9}  registers")

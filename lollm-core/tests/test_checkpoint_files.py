@@ -134,7 +134,7 @@ def test_a_local_gguf_with_a_quant_suffix_is_not_sent_to_the_hub(tmp_path, monke
     def no_hub(*args, **kwargs):
         raise AssertionError("the hub was asked")
 
-    monkeypatch.setattr(loader, "_hub_gguf_file", no_hub)
+    monkeypatch.setattr(loader, "hub_gguf_file", no_hub)
     monkeypatch.setattr(loader, "download_repo", no_hub)
     models = tmp_path / "models"
     models.mkdir()

@@ -82,7 +82,7 @@ def toy_visible(toy_site, monkeypatch):
 
 
 def test_the_threads_limit_is_cores_times_a_small_factor():
-    from lollm.cli.checks import THREADS_PER_CORE, check_threads, threads_limit
+    from lollm.load.options import THREADS_PER_CORE, check_threads, threads_limit
     from lollm.errors import LollmError
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -95,7 +95,7 @@ def test_the_threads_limit_is_cores_times_a_small_factor():
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve", "bench"])
 def test_too_many_threads_is_refused_before_torch_on_every_command(toy_site, ckpt, command):
-    from lollm.cli.checks import threads_limit
+    from lollm.load.options import threads_limit
 
     # (one more than the limit: harmless even where the check is missing, unlike the million of the report)
     extra = ["-p", "hi"] if command == "run" else ["--port", "1"] if command == "serve" else []

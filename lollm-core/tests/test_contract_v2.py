@@ -67,7 +67,7 @@ def test_the_family_gets_resolved_options_and_nothing_on_the_weights(spy):
 
 def test_the_tensor_parallel_group_reaches_the_family_through_the_options(spy, monkeypatch):
     group = Group(rank=1, world=2, backend="gloo", device=torch.device("cpu"))
-    monkeypatch.setattr("lollm.load.tensor_parallel.init", lambda tp, device, timeout=None: group)  # torchrun's group, without torchrun
+    monkeypatch.setattr("lollm.load.process_group.init", lambda tp, device, timeout=None: group)  # torchrun's group, without torchrun
     loaded = open_model(str(spy), LoadOptions(device="cpu", tp=2))
     (_, options, source_attributes), = SEEN
     assert options.tensor_parallel is group and options.tp == 2

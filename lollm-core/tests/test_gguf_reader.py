@@ -30,7 +30,7 @@ from conftest_gguf import (
 from lollm.errors import CheckpointError, GGUFError, LollmError
 from lollm.gguf import GGUFFile, GGUFTensorInfo, GGUFTensorSource
 from lollm.gguf import reader as reader_module
-from lollm.gguf.reader import BIG_ARRAY_LEN
+from lollm.gguf.metadata import BIG_ARRAY_LEN
 
 pytest_plugins = ["conftest_gguf"]
 

@@ -28,8 +28,9 @@ from lollm import hookspecs
 from lollm.errors import DuplicateModelType, PluginError, UnknownFamily, UnknownModelType
 from lollm.family import CONTRACT_VERSION, Family
 from lollm.hookspecs import hookimpl
-from lollm.load.plugins import (FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, build_registry,
-                           normalize_name, read_allowlist)
+from lollm.load.plugins import build_registry
+from lollm.load.registry import (FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV, normalize_name,
+                                 read_allowlist)
 
 
 def fam(name: str, *types: str, gguf: tuple[str, ...] = ()) -> Family:

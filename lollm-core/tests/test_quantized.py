@@ -17,16 +17,12 @@ from lollm.errors import LollmError, WeightsError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, SUPPORTED_TYPES, affine4, dequantize
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import pick_quantization
+from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
+from lollm.load.packed_linear import Int4Linear, Int8Linear, _pack_int4, exact_scale
 from lollm.load.quantized import (
     INT4_TYPES,
     INT8_TYPES,
-    BlockEmbedding,
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
     Quantization,
-    _pack_int4,
-    exact_scale,
     linear_from_float,
     linear_from_gguf,
     quantize_int4_groups,

@@ -228,10 +228,10 @@ def test_the_readme_openai_snippet_runs(folder):
 def test_serve_loads_the_weights_it_is_asked_for(folder, monkeypatch):
     from typer.testing import CliRunner
 
-    import lollm.serve.server as server_module
+    import lollm.serve.app as server_module
     from lollm.cli import app
     from lollm.errors import LollmError
-    from lollm.load.quantized import Int8Linear
+    from lollm.load.packed_linear import Int8Linear
 
     servers = []
     monkeypatch.setattr(server_module, "serve", lambda server, **kwargs: servers.append(server))  # do not listen

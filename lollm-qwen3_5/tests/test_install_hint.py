@@ -2,7 +2,7 @@
 
 When lollm-qwen3_5 is not installed, nothing of it can speak: the error for one of its
 checkpoints gets its "pip install lollm-qwen3_5" from lollm-core's small first-party
-table (lollm.load.plugins.FIRST_PARTY_MODEL_TYPES / FIRST_PARTY_GGUF_ARCHITECTURES).
+table (lollm.load.registry.FIRST_PARTY_MODEL_TYPES / FIRST_PARTY_GGUF_ARCHITECTURES).
 This test reads the families this distribution registers through its own
 entry points, so a type added here without its row in core (or a row left in
 core for a type removed here) fails.

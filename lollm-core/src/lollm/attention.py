@@ -64,8 +64,9 @@ import torch.nn.functional as F
 # Lazy imports below: triton and lollm.kernels (which imports Triton), the optional extra lollm-core[triton].
 from lollm.batch import Batch
 from lollm.errors import AttentionBackendError
-# The recording lives in lollm.trace.attention; its names stay importable from here.
-from lollm.trace.attention import AttentionRecord, AttentionRecording, _recorder, recording  # noqa: F401
+from lollm.trace.attention import AttentionRecord, active_recording
+# The recording lives in lollm.trace.attention; a family may still import these from here (docs/plugins.md, 10).
+from lollm.trace.attention import AttentionRecording, recording  # noqa: F401
 
 DEFAULT_BACKEND = "sdpa"
 ENV_VAR = "LOLLM_ATTN"
@@ -455,7 +456,7 @@ def attend(
     if isinstance(start, Batch):
         return _attend_batch(q, k, v, start, window=window, softcap=softcap, scale=scale, layer=layer)
     _check_heads(q, k, v)
-    rec = _recorder.get()
+    rec = active_recording()
     if rec is not None:
         T, S = q.shape[2], k.shape[2]
         out, probs = eager_probs(q, k, v, start=start, ring=ring, window=window, softcap=softcap, scale=scale)
@@ -497,7 +498,7 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
     GPU the gather copies and the B launches are the cost, hence step 0
     (docs/flash-attention.md, "Paged attention"; docs/batching.md, section 7).
     """
-    if _recorder.get() is not None:
+    if active_recording() is not None:
         raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
     if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"attend: an engine step wants k, v pools (blocks, block_size, K, D), got {tuple(k_pool.shape)}")

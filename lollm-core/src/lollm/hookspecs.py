@@ -68,7 +68,7 @@ def lollm_register_install_hints(register):
     lollm-llama"). Useful to a meta-plugin or an index of families that knows
     where the others live; a family's own types need no hint (when it is
     installed it serves them), and lollm-core keeps the hints for its
-    first-party distributions itself (:data:`lollm.load.plugins.FIRST_PARTY_MODEL_TYPES`).
+    first-party distributions itself (:data:`lollm.load.registry.FIRST_PARTY_MODEL_TYPES`).
 
     :param register: a callable ``register(install, *, model_types=(),
         gguf_architectures=())``: ``install`` is the distribution to ``pip

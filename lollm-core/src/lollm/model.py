@@ -129,7 +129,7 @@ class LensModel(CausalLM, Protocol):
 
     * the hidden states, through ``forward(..., hidden_states=[])`` (the contract above);
     * the attention probabilities: nothing to add, a family whose attention calls
-      :func:`lollm.attention.attend` is recorded by :func:`lollm.attention.recording`;
+      :func:`lollm.attention.attend` is recorded by :func:`lollm.trace.attention.recording`;
     * its own internals, if it wants: ``lollm.trace.record_series / record_choice /
       record_softcap`` called from its forward (no-ops outside a trace);
     * the logit lens, through this method.

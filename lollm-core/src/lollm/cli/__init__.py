@@ -98,7 +98,6 @@ app.command("list")(info.list_)
 app.command()(info.pull)
 
 
-
 class _WatchedStdout:
     """sys.stdout, remembering a failed write: main() then knows the OSError came from the output."""
 

@@ -3,10 +3,10 @@
 Two stages, in the order a command runs them:
 
 1. before torch is imported or the checkpoint read (a typo costs nothing):
-   :func:`check_run_flags`, :func:`check_threads`, :func:`check_ctx_size`,
+   :func:`check_run_flags` (it calls :func:`lollm.load.options.check_threads`), :func:`check_ctx_size`,
    :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`;
 2. with the checkpoint open (configs, tokenizer, tensor table) and its family routed,
-   before the weights stream in: :func:`open_checkpoint` (it takes the command's
+   before the weights stream in: :func:`open_for_command` (it takes the command's
    :class:`lollm.load.options.LoadOptions` and returns them resolved: device, dtype, attention backend,
    quantization and family, each decided once); and once loaded, :func:`check_draft_head`.
 """
@@ -14,14 +14,13 @@ Two stages, in the order a command runs them:
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from lollm.cli.report import err, plugin_warnings
 from lollm.errors import CheckpointError, GenerationError, LollmError
-from lollm.load.loader import _looks_like_repo_id
-from lollm.load.options import THREADS_PER_CORE, LoadOptions, check_threads, threads_limit
+from lollm.load.loader import looks_like_repo_id
+from lollm.load.options import DEVICE_PATTERN, LoadOptions, check_threads
 from lollm.load.plugins import get_registry
 from lollm.sampling_params import check_sampling_value, check_seed
 
@@ -31,11 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (lollm.lo
 # Lazy imports below: lollm.attention and lollm.load.pipeline import torch, and these checks run before torch is
 # imported (a typo costs nothing); they are imported where a check needs them.
 
-__all__ = ["THREADS_PER_CORE", "check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists",
-           "check_run_flags", "check_serve_flags", "check_threads", "open_checkpoint", "threads_limit"]
-
-_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
-
+__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_run_flags",
+           "check_serve_flags", "open_for_command"]
 
 def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], device: str, threads: Optional[int], mtp: bool,
                     draft_tokens: int, sampling: dict[str, float | int | None]) -> None:
@@ -53,7 +49,7 @@ def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], devic
             check_seed(seed)
         except GenerationError as exc:
             raise LollmError(f"--seed: {exc}") from None
-    if not _DEVICE.match(device):
+    if not DEVICE_PATTERN.match(device):
         raise LollmError(f"unknown device {device!r} (use auto, cpu, cuda, cuda:N or mps)")
     check_threads(threads)
     if mtp and draft_tokens < 1:
@@ -108,15 +104,15 @@ def check_model_exists(spec: str) -> None:
     repo, colon, quant = spec.partition(":")
     if colon and Path(repo).expanduser().is_file():
         raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
-    if _looks_like_repo_id(spec) or (colon and quant and _looks_like_repo_id(repo)):
+    if looks_like_repo_id(spec) or (colon and quant and looks_like_repo_id(repo)):
         return
     raise CheckpointError(
         f"{spec}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
     )
 
 
-def open_checkpoint(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool], mtp: bool,
-                    tp_timeout: Optional[float] = None) -> Prepared:
+def open_for_command(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool], mtp: bool,
+                     tp_timeout: Optional[float] = None) -> Prepared:
     """Step 2 of ``run``, ``chat`` and ``serve``: :func:`lollm.load.pipeline.open_checkpoint`, its advice on the
     threads printed dim on stderr.
 
@@ -124,9 +120,9 @@ def open_checkpoint(model: str, options: LoadOptions, *, threads: Optional[int],
     of ``--think``, and the resolved options (device, dtype, attention backend, quantization, family) that
     ``open_model`` takes as they are. Raises LollmError naming the flag.
     """
-    from lollm.load.pipeline import open_checkpoint as open_and_decide
+    from lollm.load.pipeline import open_checkpoint
 
-    return open_and_decide(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=tp_timeout,
+    return open_checkpoint(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=tp_timeout,
                            note=lambda line: err.print(f"[dim]{line}[/dim]", soft_wrap=True))
 
 

@@ -19,7 +19,7 @@ from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, whi
 from lollm.cli.report import out
 from lollm.errors import LollmError
 from lollm.load.inventory import inspect_checkpoint
-from lollm.load.loader import _looks_like_repo_id, download_repo
+from lollm.load.loader import looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
 from lollm.load.real_models import cache_dir
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
@@ -71,7 +71,7 @@ def tokenize(
     if folder.is_file() and folder.suffix == ".gguf":
         tokenizer = load_gguf_tokenizer(folder)  # built from the file's tokenizer.* metadata
     else:
-        if not folder.exists() and _looks_like_repo_id(model):
+        if not folder.exists() and looks_like_repo_id(model):
             folder = download_repo(model)
         tokenizer = load_tokenizer(folder)
     if think is not None and not chat:

@@ -9,13 +9,13 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.batch import bench_concurrency, parse_levels
-from lollm.cli.checks import check_family, check_threads
+from lollm.cli.checks import check_family
 from lollm.cli.inputs import read_stdin
 from lollm.cli.options import (Attn, Device, Dtype, Family, GroupSize, Json, ModelArg, ModelOpt, NoChat, Prompt,
                                Quantize, System, Think, Threads, Tp, Weights, load_options, which_model, with_help)
 from lollm.cli.report import err, out
 from lollm.errors import LollmError
-from lollm.load.options import LoadOptions
+from lollm.load.options import LoadOptions, check_threads
 from lollm.load.ranks import finish, silence_followers
 
 # Lazy imports below: lollm.proof, lollm.attention, lollm.load.pipeline and lollm.cli.trace.run import torch, which
@@ -44,7 +44,7 @@ def parity(
     options = load_options("parity", device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name)
     from lollm.proof.parity import DEFAULT_PROMPT, run_parity
-    from lollm.load.tensor_parallel import current
+    from lollm.load.process_group import current
 
     report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine)
     group = current()  # --tp: every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict

@@ -28,8 +28,10 @@ from typing import Iterable
 
 from lollm.errors import CheckpointError, LollmError
 from lollm.load.inventory import inspect_checkpoint
-from lollm.load.loader import _hub_gguf_file, _looks_like_repo_id, download_repo, read_json
-from lollm.load.plugins import GGUF_ARCHITECTURE, MODEL_TYPE, Registry, get_registry
+from lollm.files import read_json
+from lollm.load.loader import hub_gguf_file, looks_like_repo_id, download_repo
+from lollm.load.plugins import get_registry
+from lollm.load.registry import GGUF_ARCHITECTURE, MODEL_TYPE, Registry
 from lollm.load.real_models import cache_dir
 
 # Lazy import below: huggingface_hub (a scan of its cache) only where lollm list reads that cache.
@@ -165,13 +167,13 @@ def pull(spec: str) -> Path:
     checkpoint (then the GGUF form is suggested).
     """
     repo, colon, quant = spec.partition(":")
-    if not _looks_like_repo_id(repo) or (colon and not quant):
+    if not looks_like_repo_id(repo) or (colon and not quant):
         raise CheckpointError(f"{spec}: lollm pull takes a Hugging Face repo id, 'org/name' or 'org/name:QUANT' (e.g. Q4_K_M)")
     if _offline():
         raise CheckpointError(f"{spec}: HF_HUB_OFFLINE is set, and lollm pull needs the network; "
                               f"unset it to download (lollm list shows what is already cached)")
     if quant:
-        return _hub_gguf_file(repo, quant)
+        return hub_gguf_file(repo, quant)
     folder = download_repo(repo)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise CheckpointError(f"{repo}: no config.json with .safetensors weights there; for a GGUF repo name "

@@ -269,7 +269,7 @@ def check_name(name: str) -> None:
     from importlib.metadata import distributions
     from importlib.util import find_spec
 
-    from lollm.load.plugins import FIRST_PARTY_DISTRIBUTIONS, normalize_name
+    from lollm.load.registry import FIRST_PARTY_DISTRIBUTIONS, normalize_name
 
     shown = name if len(name) <= 60 else name[:60] + "…"
     if not _NAME.fullmatch(name) or keyword.iskeyword(name) or name.endswith("_"):

@@ -145,12 +145,12 @@ def load_options(command: str, *, device: str = "auto", dtype: str = "auto", att
     """The :class:`LoadOptions` of ``command``'s flags (``--device``, ``--dtype``, ``--attn``, ``--weights`` ...).
 
     Under ``--tp N`` (N != 1) torchrun's environment is checked first
-    (:func:`lollm.load.tensor_parallel.check_launch`; its error's launch line names
+    (:func:`lollm.load.process_group.check_launch`; its error's launch line names
     ``command``). Raises LollmError naming the flag: that check's, or
     LoadOptions' own (a dtype, weights or quantize value outside its choices).
     """
     if tp != 1:
-        from lollm.load.tensor_parallel import check_launch
+        from lollm.load.process_group import check_launch
 
         check_launch(tp, command=command)
     return LoadOptions(device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize, group_size=group_size,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these mo
     from lollm.load.inventory import Inventory, TensorRow
     from lollm.load.options import LoadOptions
     from lollm.load.pipeline import LoadedModel
-    from lollm.load.plugins import Registry
+    from lollm.load.registry import Registry
     from lollm.proof.bench import BenchResult
     from lollm.proof.parity import ParityReport
     from lollm.sampling_params import SamplingParams
@@ -148,7 +148,7 @@ def families_json(registry: Registry) -> dict[str, object]:
 
 def families_table(registry: Registry) -> None:
     """``lollm families``: the table of installed families on stdout (or why there is none), then the trouble on stderr."""
-    from lollm.load.plugins import FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV
+    from lollm.load.registry import FIRST_PARTY_MODEL_TYPES, LOAD_PLUGINS_ENV
 
     if not registry.families and registry.skipped:
         out.print(f"No family plugin is loaded: {LOAD_PLUGINS_ENV} leaves out every installed one.")

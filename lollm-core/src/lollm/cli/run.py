@@ -12,7 +12,7 @@ from rich.markup import escape
 from lollm.cli import report as show
 from lollm.cli.batch import batch_reason, run_batched
 from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
-                              check_run_flags, open_checkpoint)
+                              check_run_flags, open_for_command)
 from lollm.cli.inputs import encode_prompts, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
                                GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat,
@@ -89,9 +89,9 @@ def run(
 
     # 2. The checkpoint (configs, tokenizer, tensor table) and its family: checks that need them, before the weights load.
     from lollm.load.pipeline import open_model
-    from lollm.generate.sampling import resolve_sampling
+    from lollm.sampling_params import resolve_sampling
 
-    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
+    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
     checkpoint = prepared.checkpoint
     all_ids = encode_prompts(checkpoint.tokenizer, prompts, system=system, no_chat=no_chat, parse_special=parse_special,
                              template_flags=prepared.template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
@@ -120,7 +120,7 @@ def _generate_all(loaded: LoadedModel, prompts: list[str], all_ids: list[list[in
     of --json-schema / --regex / --grammar (None: free text), compiled here once for the model's vocabulary.
     """
     from lollm.generate.loop import stop_token_ids
-    from lollm.generate.sampling import describe_sampling
+    from lollm.sampling_params import describe_sampling
 
     checkpoint = loaded.checkpoint
     stops = stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer)
@@ -218,9 +218,9 @@ def chat(
     from lollm.generate.conversation import ChatSession, repl
     from lollm.generate.loop import stop_token_ids
     from lollm.load.pipeline import open_model
-    from lollm.generate.sampling import resolve_sampling
+    from lollm.sampling_params import resolve_sampling
 
-    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp)
+    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)
     checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))

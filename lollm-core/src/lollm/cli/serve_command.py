@@ -9,7 +9,7 @@ import typer
 
 from lollm.cli import report as show
 from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_run_flags,
-                              check_serve_flags, open_checkpoint)
+                              check_serve_flags, open_for_command)
 from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelArg, ModelOpt, Mtp,
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
                                load_options, sampling_flags, which_model, with_help)
@@ -62,13 +62,14 @@ def serve(
 
     from lollm.generate.conversation import DEFAULT_CONTEXT
     from lollm.load.pipeline import open_model
-    from lollm.serve.server import ModelServer, require_serve_extra, serve as run_server
+    from lollm.serve.app import require_serve_extra, serve as run_server
+    from lollm.serve.model_server import ModelServer
 
     check_family(options.family)
     require_serve_extra()
     check_model_exists(model)
     # --tp: the other ranks wait for requests in a collective, far longer than torch's 30-minute default
-    prepared = open_checkpoint(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
+    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
     family, template_flags = prepared.family.family, prepared.template_flags
     loaded = open_model(prepared.checkpoint, prepared.options)
     silence_followers(loaded.tp, err)

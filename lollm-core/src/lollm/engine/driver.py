@@ -47,10 +47,10 @@ from lollm.engine.engine import DEFAULT_POSITIONS_PER_SEQUENCE, Engine, EngineOu
 from lollm.engine.scheduler import Request
 from lollm.errors import GenerationError
 from lollm.generate.loop import GenerationResult, stream_text
-from lollm.generate.sampling import SamplingParams
 from lollm.generate.sequence import Step, StopReason, TokenLogprobs
 from lollm.generate.structured import CompiledConstraint
 from lollm.model import CausalLM
+from lollm.sampling_params import SamplingParams
 from lollm.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("lollm.serve.server")

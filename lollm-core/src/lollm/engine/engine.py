@@ -44,9 +44,9 @@ from lollm.engine.scheduler import Request, Scheduler
 from lollm.engine.snapshots import StateSnapshots
 from lollm.errors import GenerationError
 from lollm.generate.sequence import Sequence, Step, check_request
-from lollm.generate.sampling import SamplingParams
 from lollm.generate.structured import CompiledConstraint
 from lollm.model import CausalLM
+from lollm.sampling_params import SamplingParams
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
 #: block and share prefixes at a finer grain; larger ones mean shorter block tables.

@@ -9,7 +9,7 @@
         print(c.index, c.finish_reason, c.text)
 
 :class:`LLM` loads a checkpoint the way ``lollm run`` does (the checkpoint, its family, the
-threads and the ``--think`` flag through :func:`lollm.cli.checks.open_checkpoint`, then
+threads and the ``--think`` flag through :func:`lollm.load.pipeline.open_checkpoint`, then
 :func:`lollm.load.pipeline.open_model` with packed GGUF weights kept packed). :meth:`LLM.generate`
 hands **every** prompt to one :class:`lollm.engine.Engine` at once and steps it until all are
 done: each step is one forward over every running request (docs/batching.md), which is where
@@ -48,7 +48,8 @@ from lollm.sampling_params import SamplingParams, resolve_sampling
 if TYPE_CHECKING:
     from lollm.engine.driver import EngineRun
     from lollm.engine.engine import Engine, EngineConfig
-    from lollm.generate.loop import GenerationResult, TokenLogprobs
+    from lollm.generate.loop import GenerationResult
+    from lollm.generate.sequence import TokenLogprobs
     from lollm.load.pipeline import LoadedModel
     from lollm.model import CausalLM
 
@@ -88,7 +89,7 @@ class Completion:
     token_times:    seconds from the request's submission to each generated token (one per id of ``token_ids``).
                     Batched, every prompt of a call is submitted at its start, so the first time includes
                     the wait for a place in the batch; one by one, a prompt is submitted when its turn comes.
-    logprobs:       with ``logprobs=N``: one :class:`lollm.generate.loop.TokenLogprobs` per generated id.
+    logprobs:       with ``logprobs=N``: one :class:`lollm.generate.sequence.TokenLogprobs` per generated id.
     batched:        whether it ran through the engine (False: the single-sequence loop).
     """
 
@@ -162,9 +163,8 @@ class LLM:
     def __init__(self, model: str, *, family: str | None = None, device: str = "auto", dtype: str = "auto",
                  threads: int | None = None, engine: EngineConfig | None = None, weights: str = "auto", quantize: str | None = None,
                  group_size: int = 32, attn: str | None = None, think: bool | None = None):
-        from lollm.load.pipeline import check_threads, open_checkpoint
-        from lollm.load.options import LoadOptions
-        from lollm.load.pipeline import open_model
+        from lollm.load.options import LoadOptions, check_threads
+        from lollm.load.pipeline import open_checkpoint, open_model
 
         check_threads(threads)
         options = LoadOptions(device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,

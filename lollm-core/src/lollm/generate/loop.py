@@ -43,11 +43,12 @@ from lollm.generate.drafting import Drafter, MtpDrafter
 from lollm.errors import GenerationError
 from lollm.generate.memory import check_cache_fits
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import SamplingParams
-from lollm.generate.sequence import (  # noqa: F401 (re-exported: lollm.generate.loop's names before the move)
-    Sequence, Step, StopReason, TokenLogprobs, check_prompt_ids, check_request, token_logprobs)
+from lollm.generate.sequence import Sequence, Step, StopReason, TokenLogprobs, check_request
+# Moved to lollm.generate.sequence; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.generate.sequence import check_prompt_ids, token_logprobs  # noqa: F401
 from lollm.generate.structured import CompiledConstraint
 from lollm.model import Cache, CausalLM
+from lollm.sampling_params import SamplingParams
 from lollm.tokenizer.stream import StreamDecoder
 from lollm.tokenizer.tokenizer import Tokenizer
 
@@ -90,8 +91,6 @@ class GenerationResult:
     def decode_tokens_per_second(self) -> float:
         steps = max(len(self.new_ids) - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds else 0.0
-
-
 
 
 def stop_token_ids(generation_config: dict, config: dict, tokenizer: Tokenizer | None = None) -> set[int]:
@@ -137,14 +136,7 @@ class _StopStringWatcher:
         return out + rest
 
 
-
-
-
 # -- layer 1: the step generator ---------------------------------------------------------------
-
-
-
-
 
 
 def generate_steps(

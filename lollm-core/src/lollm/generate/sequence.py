@@ -23,9 +23,10 @@ import torch
 
 from lollm.errors import GenerationError
 from lollm.generate.prefill import run_prompt
-from lollm.generate.sampling import Sampler, SamplingParams
+from lollm.generate.sampling import Sampler
 from lollm.generate.structured import CompiledConstraint, TokenMatcher
 from lollm.model import Cache, CausalLM
+from lollm.sampling_params import SamplingParams
 
 
 class StopReason:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lollm.gguf.bits import _SHIFT_2BIT, _bits, _crumbs, _f16, _nibbles, _shaped
+from lollm.gguf.bits import SHIFT_2BIT, crumbs, f16, nibbles, shaped, single_bits
 
 # ---------------------------------------------------------------------------
 # K-quants: 256-weight super-blocks made of 16 or 8 sub-blocks
@@ -34,12 +34,12 @@ def dequantize_q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
     """
     n = blocks.shape[0]
     sc = blocks[:, 0:16]
-    d = _f16(blocks[:, 80:82])
-    dmin = _f16(blocks[:, 82:84])
+    d = f16(blocks[:, 80:82])
+    dmin = f16(blocks[:, 82:84])
     scale = d * (sc & np.uint8(0x0F))  # (n, 16) float32
     minv = dmin * (sc >> np.uint8(4))
-    q = _crumbs(blocks[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
-    y = _shaped(out, n, 16, 16)
+    q = crumbs(blocks[:, 16:80].reshape(n, 2, 32)).reshape(n, 16, 16)
+    y = shaped(out, n, 16, 16)
     np.multiply(q, scale[:, :, None], out=y)
     np.subtract(y, minv[:, :, None], out=y)
 
@@ -52,8 +52,8 @@ def _q3_k_scales(s: np.ndarray) -> np.ndarray:
     position 2 * (j // 4). The 6-bit value is stored with an offset of 32.
     """
     n = s.shape[0]
-    low = _nibbles(s[:, 0:8]).reshape(n, 16)  # j < 8: low nibble of byte j; j >= 8: high nibble of byte j - 8
-    high = ((s[:, None, 8:12] >> _SHIFT_2BIT) & np.uint8(3)).reshape(n, 16)  # (j // 4, j % 4)
+    low = nibbles(s[:, 0:8]).reshape(n, 16)  # j < 8: low nibble of byte j; j >= 8: high nibble of byte j - 8
+    high = ((s[:, None, 8:12] >> SHIFT_2BIT) & np.uint8(3)).reshape(n, 16)  # (j // 4, j % 4)
     six_bit = low | (high << np.uint8(4))
     six_bit -= np.uint8(32)
     return six_bit.view(np.int8)
@@ -77,17 +77,17 @@ def dequantize_q3_k(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q3_K in ggml-quants.c.
     """
     n = blocks.shape[0]
-    high = _bits(blocks[:, 0:32]).reshape(n, 256)
-    low = _crumbs(blocks[:, 32:96].reshape(n, 2, 32)).reshape(n, 256)
-    d = _f16(blocks[:, 108:110])
+    high = single_bits(blocks[:, 0:32]).reshape(n, 256)
+    low = crumbs(blocks[:, 32:96].reshape(n, 2, 32)).reshape(n, 256)
+    d = f16(blocks[:, 108:110])
     scale = d * _q3_k_scales(blocks[:, 96:108])  # (n, 16) float32
     high ^= np.uint8(1)
     low -= high << np.uint8(2)  # wraps in uint8; as int8 it is low - 4 * (1 - bit)
-    y = _shaped(out, n, 16, 16)
+    y = shaped(out, n, 16, 16)
     np.multiply(low.view(np.int8).reshape(n, 16, 16), scale[:, :, None], out=y)
 
 
-def _k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def k4_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 8 scales and 8 mins (6 bits each) of a Q4_K / Q5_K block: ``(n, 12)`` -> two ``(n, 8)`` uint8.
 
     ::
@@ -116,7 +116,7 @@ def dequantize_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
 
         bytes  0-1    d           float16 super-scale for the 8 scales
         bytes  2-3    dmin        float16 super-scale for the 8 mins
-        bytes  4-15   scales[12]  8 scales + 8 mins, 6 bits each (see _k4_scales_mins)
+        bytes  4-15   scales[12]  8 scales + 8 mins, 6 bits each (see k4_scales_mins)
         bytes 16-143  qs[128]     256 unsigned 4-bit values in 4 groups of 32 bytes;
                                   group g holds sub-block 2g in its low nibbles and
                                   sub-block 2g+1 in its high nibbles
@@ -126,13 +126,13 @@ def dequantize_q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q4_K in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, m = _k4_scales_mins(blocks[:, 4:16])
+    d = f16(blocks[:, 0:2])
+    dmin = f16(blocks[:, 2:4])
+    sc, m = k4_scales_mins(blocks[:, 4:16])
     scale = d * sc  # (n, 8) float32
     minv = dmin * m
-    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
-    y = _shaped(out, n, 8, 32)
+    q = nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    y = shaped(out, n, 8, 32)
     np.multiply(q, scale[:, :, None], out=y)
     np.subtract(y, minv[:, :, None], out=y)
 
@@ -154,14 +154,14 @@ def dequantize_q5_k(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q5_K in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, m = _k4_scales_mins(blocks[:, 4:16])
+    d = f16(blocks[:, 0:2])
+    dmin = f16(blocks[:, 2:4])
+    sc, m = k4_scales_mins(blocks[:, 4:16])
     scale = d * sc
     minv = dmin * m
-    q = _nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
-    q |= _bits(blocks[:, 16:48]) << np.uint8(4)
-    y = _shaped(out, n, 8, 32)
+    q = nibbles(blocks[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
+    q |= single_bits(blocks[:, 16:48]) << np.uint8(4)
+    y = shaped(out, n, 8, 32)
     np.multiply(q, scale[:, :, None], out=y)
     np.subtract(y, minv[:, :, None], out=y)
 
@@ -185,11 +185,11 @@ def dequantize_q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q6_K in ggml-quants.c.
     """
     n = blocks.shape[0]
-    low = _nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
-    high = _crumbs(blocks[:, 128:192].reshape(n, 2, 32))  # (n, 2, 4, 32)
-    d = _f16(blocks[:, 208:210])
+    low = nibbles(blocks[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)
+    high = crumbs(blocks[:, 128:192].reshape(n, 2, 32))  # (n, 2, 4, 32)
+    d = f16(blocks[:, 208:210])
     scale = d * blocks[:, 192:208].view(np.int8)  # (n, 16) float32
     low |= high << np.uint8(4)
     low -= np.uint8(32)  # int8 view: q - 32
-    y = _shaped(out, n, 16, 16)
+    y = shaped(out, n, 16, 16)
     np.multiply(low.view(np.int8).reshape(n, 16, 16), scale[:, :, None], out=y)

@@ -1,6 +1,6 @@
 """Parsing a GGUF header's metadata: value types, the checked parser, and lazily decoded string arrays.
 
-:class:`lollm.gguf.reader.GGUFFile` walks a file's header with the :class:`_Parser` here; every
+:class:`lollm.gguf.reader.GGUFFile` walks a file's header with the :class:`HeaderParser` here; every
 length is checked against the bytes left before anything is allocated (docs/gguf.md).
 """
 
@@ -48,7 +48,7 @@ def value_type_name(type_id: int) -> str:
     return {_STRING: "string", _ARRAY: "array"}.get(type_id, f"unknown type {type_id}")
 
 
-class _Parser:
+class HeaderParser:
     """Walks the header of a GGUF file, checking every length against the bytes left."""
 
     def __init__(self, buf: memoryview, path: Path):

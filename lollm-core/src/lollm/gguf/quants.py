@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from lollm.errors import GGUFError
-from lollm.gguf.bits import QK_K, _f16, _nibbles, _shaped
+from lollm.gguf.bits import QK_K, f16, nibbles, shaped
 from lollm.gguf.kquants import (
-    _k4_scales_mins, dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k,
+    dequantize_q2_k, dequantize_q3_k, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, k4_scales_mins,
 )
 
 
@@ -174,8 +174,8 @@ def dequantize_q4_0(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q4_0 in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    q = _nibbles(blocks[:, 2:18]).reshape(n, 32)
+    d = f16(blocks[:, 0:2])
+    q = nibbles(blocks[:, 2:18]).reshape(n, 32)
     q -= np.uint8(8)  # wraps around in uint8; read as int8 it is q - 8
     np.multiply(q.view(np.int8), d, out=out)
 
@@ -194,9 +194,9 @@ def dequantize_q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q4_1 in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    m = _f16(blocks[:, 2:4])
-    q = _nibbles(blocks[:, 4:20]).reshape(n, 32)
+    d = f16(blocks[:, 0:2])
+    m = f16(blocks[:, 2:4])
+    q = nibbles(blocks[:, 4:20]).reshape(n, 32)
     np.multiply(q, d, out=out)
     np.add(out, m, out=out)
 
@@ -217,9 +217,9 @@ def dequantize_q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q5_0 in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
+    d = f16(blocks[:, 0:2])
     high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # (n, 32): bit j -> weight j
-    q = _nibbles(blocks[:, 6:22]).reshape(n, 32)
+    q = nibbles(blocks[:, 6:22]).reshape(n, 32)
     q |= high << np.uint8(4)
     q -= np.uint8(16)  # int8 view: q - 16
     np.multiply(q.view(np.int8), d, out=out)
@@ -240,10 +240,10 @@ def dequantize_q5_1(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_q5_1 in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    m = _f16(blocks[:, 2:4])
+    d = f16(blocks[:, 0:2])
+    m = f16(blocks[:, 2:4])
     high = np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little")
-    q = _nibbles(blocks[:, 8:24]).reshape(n, 32)
+    q = nibbles(blocks[:, 8:24]).reshape(n, 32)
     q |= high << np.uint8(4)
     np.multiply(q, d, out=out)
     np.add(out, m, out=out)
@@ -261,7 +261,7 @@ def dequantize_q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
 
     Follows dequantize_row_q8_0 in ggml-quants.c.
     """
-    d = _f16(blocks[:, 0:2])
+    d = f16(blocks[:, 0:2])
     np.multiply(blocks[:, 2:34].view(np.int8), d, out=out)
 
 
@@ -287,8 +287,8 @@ def dequantize_iq4_nl(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_iq4_nl in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    levels = KVALUES_IQ4NL[_nibbles(blocks[:, 2:18]).reshape(n, 32)]
+    d = f16(blocks[:, 0:2])
+    levels = KVALUES_IQ4NL[nibbles(blocks[:, 2:18]).reshape(n, 32)]
     np.multiply(levels, d, out=out)
 
 
@@ -309,15 +309,15 @@ def dequantize_iq4_xs(blocks: np.ndarray, out: np.ndarray) -> None:
     Follows dequantize_row_iq4_xs in ggml-quants.c.
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
+    d = f16(blocks[:, 0:2])
     scales_h = blocks[:, 2:4].view("<u2").astype(np.uint32)  # (n, 1)
     high = ((scales_h >> np.arange(0, 16, 2, dtype=np.uint32)) & np.uint32(3)).astype(np.uint8)  # (n, 8)
-    low = _nibbles(blocks[:, 4:8]).transpose(0, 2, 1).reshape(n, 8)  # scale b: byte b // 2, nibble b % 2
+    low = nibbles(blocks[:, 4:8]).transpose(0, 2, 1).reshape(n, 8)  # scale b: byte b // 2, nibble b % 2
     ls = low | (high << np.uint8(4))
     ls -= np.uint8(32)
     scale = d * ls.view(np.int8)  # (n, 8) float32
-    levels = KVALUES_IQ4NL[_nibbles(blocks[:, 8:136].reshape(n, 8, 16)).reshape(n, 8, 32)]
-    y = _shaped(out, n, 8, 32)
+    levels = KVALUES_IQ4NL[nibbles(blocks[:, 8:136].reshape(n, 8, 16)).reshape(n, 8, 32)]
+    y = shaped(out, n, 8, 32)
     np.multiply(levels, scale[:, :, None], out=y)
 
 
@@ -335,16 +335,16 @@ def affine4_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     ``(q - 8) * d`` gives -0.0 for a negative ``d``).
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    q = _nibbles(blocks[:, 2:18]).reshape(n, 1, 32)
+    d = f16(blocks[:, 0:2])
+    q = nibbles(blocks[:, 2:18]).reshape(n, 1, 32)
     return q, d, d * np.float32(-8)
 
 
 def affine4_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 as ``w = q * scale + offset``: scale ``d``, offset ``m`` (the format's own form)."""
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, 4:20]).reshape(n, 1, 32)
-    return q, _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    q = nibbles(blocks[:, 4:20]).reshape(n, 1, 32)
+    return q, f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
 
 
 def affine4_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -355,10 +355,10 @@ def affine4_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     bit for bit (``x + (-y)`` is ``x - y`` in IEEE arithmetic).
     """
     n = blocks.shape[0]
-    d = _f16(blocks[:, 0:2])
-    dmin = _f16(blocks[:, 2:4])
-    sc, m = _k4_scales_mins(blocks[:, 4:16])
-    q = _nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
+    d = f16(blocks[:, 0:2])
+    dmin = f16(blocks[:, 2:4])
+    sc, m = k4_scales_mins(blocks[:, 4:16])
+    q = nibbles(blocks[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32)
     return q, d * sc, -(dmin * m)
 
 

@@ -26,7 +26,7 @@ Decisions this reader makes (see docs/gguf.md):
   works, and only ``dequantize()`` of that tensor raises;
 * tensors must lie inside the file, start at a multiple of the alignment and
   not overlap one another;
-* numeric arrays in the metadata of more than :data:`BIG_ARRAY_LEN` elements
+* numeric arrays in the metadata of more than :data:`lollm.gguf.metadata.BIG_ARRAY_LEN` elements
   (token types, scores) come back as numpy arrays, string arrays that long
   (tokens, merges) as a :class:`StringArray` that decodes them from the file
   when used (every string is checked when the file opens), smaller ones and
@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lollm.errors import GGUFError
-# The header's parser lives in lollm.gguf.metadata; its names stay importable from here.
-from lollm.gguf.metadata import BIG_ARRAY_LEN, MAX_ARRAY_NESTING, StringArray, _Parser, value_type_name  # noqa: F401
+from lollm.gguf.metadata import HeaderParser
+# Moved to lollm.gguf.metadata; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.gguf.metadata import StringArray  # noqa: F401
 from lollm.gguf.quants import GGML_TYPES, GGML_TYPES_BY_NAME, GGMLType
 from lollm.gguf.quants import dequantize as _dequantize
 
@@ -139,11 +140,11 @@ class GGUFFile:
         self.file_size = size
         # a memoryview slices fastest; it is not released explicitly, so that an
         # error raised mid-parse (with arrays still viewing it) stays a GGUFError
-        self._parse(_Parser(memoryview(self._map), self.path))
+        self._parse(HeaderParser(memoryview(self._map), self.path))
 
     # -- parsing -------------------------------------------------------------
 
-    def _parse(self, p: _Parser) -> None:
+    def _parse(self, p: HeaderParser) -> None:
         magic = bytes(p.buf[0:4])
         if magic != GGUF_MAGIC:
             raise p.fail(f"not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
@@ -203,7 +204,7 @@ class GGUFFile:
             if a.offset + a.nbytes > b.offset:
                 raise p.fail(f"tensors {a.name!r} and {b.name!r} overlap in the data section")
 
-    def _tensor_info(self, p: _Parser, i: int) -> tuple[str, list[int], GGMLType, int]:
+    def _tensor_info(self, p: HeaderParser, i: int) -> tuple[str, list[int], GGMLType, int]:
         name = p.string(f"the name of tensor {i}")
         n_dims = p.u32(f"the dimension count of tensor {name!r}")
         if n_dims > GGML_MAX_DIMS:

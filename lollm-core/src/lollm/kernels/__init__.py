@@ -29,7 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from lollm.batch import Batch
 from lollm.errors import AttentionBackendError
-from lollm.kernels.flash_decode import _flash_decode_split_kernel, flash_decode
+from lollm.kernels.flash_decode import flash_decode, flash_decode_split_kernel
 from lollm.kernels.flash_prefill import PREFILL_TILES, flash_prefill
 from lollm.kernels.paged_attention import PAGED_MAX_QUERIES, PagedLayout, paged_attention, paged_attention_batch
 
@@ -43,7 +43,7 @@ MAX_HEAD_DIM = max(PREFILL_TILES)
 
 def interpreted() -> bool:
     """True when the kernels were defined for Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return isinstance(_flash_decode_split_kernel, InterpretedFunction)
+    return isinstance(flash_decode_split_kernel, InterpretedFunction)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int, ring: bool = False,

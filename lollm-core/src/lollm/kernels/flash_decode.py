@@ -6,11 +6,11 @@ per head, would start only H programs, each walking the whole cache alone:
 most of a GPU would idle while the cache streams through a few SMs. So the
 work is split along the *keys* instead:
 
-1. :func:`_flash_decode_split_kernel`: program (g, r, s) takes the query rows
+1. :func:`flash_decode_split_kernel`: program (g, r, s) takes the query rows
    of block r of K/V head g and the s-th slice of the keys, and runs the same
    online softmax as the prefill kernel over that slice only. It writes the
    slice's unnormalised accumulator and its running max m and sum l.
-2. :func:`_flash_decode_combine_kernel`: one program per (query head, query)
+2. :func:`flash_decode_combine_kernel`: one program per (query head, query)
    merges the slices: with M the largest of their maxima,
    ``out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s``,
    the same rescaling the online softmax does between two tiles.
@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lollm.kernels.flash_prefill import _tiles, dot_precision, head_block
+from lollm.kernels.flash_prefill import dot_precision, head_block, tiles_for
 
 
 @triton.jit
-def _flash_decode_split_kernel(
+def flash_decode_split_kernel(
     Q, K, V,  # q (1, H, T, D), k and v (1, K, S, D)
     Acc, M, L,  # partial results: acc (H, T, SPLITS, D), m and l (H, T, SPLITS), all fp32
     stride_qh, stride_qt, stride_qd,
@@ -129,7 +129,7 @@ def _flash_decode_split_kernel(
 
 
 @triton.jit
-def _flash_decode_combine_kernel(
+def flash_decode_combine_kernel(
     Acc, M, L, Out,  # partials as above; out (1, H, T, D)
     stride_oh, stride_ot, stride_od,
     T, D, n_splits,
@@ -195,7 +195,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: in
     n_kv, S = k.shape[1], k.shape[2]
     n_rep = H // n_kv
     scale = D**-0.5 if scale is None else scale
-    BLOCK_N, num_warps, num_stages = _tiles(DECODE_TILES, D)
+    BLOCK_N, num_warps, num_stages = tiles_for(DECODE_TILES, D)
     row_blocks = triton.cdiv(n_rep * T, BLOCK_R)
     if splits is None:
         splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (n_kv * row_blocks)))
@@ -210,7 +210,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: in
 
     # the launch grid of the first kernel: one program per (K/V head, block of query rows, slice of keys)
     grid = (n_kv, row_blocks, n_splits)
-    _flash_decode_split_kernel[grid](
+    flash_decode_split_kernel[grid](
         q, k, v, acc, m, l,
         q.stride(1), q.stride(2), q.stride(3),
         k.stride(1), k.stride(2), k.stride(3),
@@ -222,7 +222,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: in
         num_warps=num_warps, num_stages=num_stages,
     )
     # the launch grid of the second: one program per (query head, query)
-    _flash_decode_combine_kernel[(H * T,)](
+    flash_decode_combine_kernel[(H * T,)](
         acc, m, l, out,
         out.stride(1), out.stride(2), out.stride(3),
         T, D, n_splits,

@@ -41,7 +41,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _flash_prefill_kernel(
+def flash_prefill_kernel(
     Q, K, V, Out,  # pointers: q (1, H, T, D), k and v (1, K, S, D), out (1, H, T, D)
     stride_qh, stride_qt, stride_qd,
     stride_kh, stride_ks, stride_kd,
@@ -161,7 +161,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _tiles(table: dict[int, tuple], D: int) -> tuple:
+def tiles_for(table: dict[int, tuple], D: int) -> tuple:
     """The entry of ``table`` for the narrowest listed width >= D."""
     for width in sorted(table):
         if D <= width:
@@ -182,10 +182,10 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: i
     n_kv, S = k.shape[1], k.shape[2]
     scale = D**-0.5 if scale is None else scale
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_M, BLOCK_N, num_warps, num_stages = _tiles(PREFILL_TILES, D)
+    BLOCK_M, BLOCK_N, num_warps, num_stages = tiles_for(PREFILL_TILES, D)
     # the launch grid: one program per (tile of BLOCK_M queries, query head)
     grid = (triton.cdiv(T, BLOCK_M), H)
-    _flash_prefill_kernel[grid](
+    flash_prefill_kernel[grid](
         q, k, v, out,
         q.stride(1), q.stride(2), q.stride(3),
         k.stride(1), k.stride(2), k.stride(3),

@@ -24,7 +24,7 @@ It is :mod:`lollm.kernels.flash_decode` with two changes:
    from small int32 tensors;
 2. a key tile's addresses go through the block table (step 3 below).
 
-Then, as in flash_decode, :func:`_flash_decode_combine_kernel` merges the slices.
+Then, as in flash_decode, :func:`flash_decode_combine_kernel` merges the slices.
 Keys are always in position order here (a pool holds every position), so a
 sliding window is only a mask, and the slices cover only the positions that
 some query of the sequence may see.
@@ -44,12 +44,12 @@ import triton
 import triton.language as tl
 
 from lollm.batch import Batch
-from lollm.kernels.flash_decode import BLOCK_R, MAX_SPLITS, TARGET_PROGRAMS, _flash_decode_combine_kernel
-from lollm.kernels.flash_prefill import _tiles, dot_precision, head_block
+from lollm.kernels.flash_decode import BLOCK_R, MAX_SPLITS, TARGET_PROGRAMS, flash_decode_combine_kernel
+from lollm.kernels.flash_prefill import dot_precision, head_block, tiles_for
 
 
 @triton.jit
-def _paged_attention_kernel(
+def paged_attention_kernel(
     Q, K, V,  # q (1, H, N, D): the queries of B sequences end to end; k and v pools (blocks, block_size, K, D), one layout
     Tables, Starts, Counts, Rows,  # int32: block tables (B, max_blocks); cached length, new tokens, first row (B,)
     Acc, M, L,  # partial results: acc (H, N, SPLITS, D), m and l (H, N, SPLITS), all fp32
@@ -215,7 +215,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     n_rep = H // n_kv
     B = layout.starts.numel()
     scale = D**-0.5 if scale is None else scale
-    BLOCK_N, num_warps, num_stages = _tiles(PAGED_TILES, D)
+    BLOCK_N, num_warps, num_stages = tiles_for(PAGED_TILES, D)
     row_blocks = triton.cdiv(n_rep * layout.max_count, BLOCK_R)
     if splits is None:
         splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (B * n_kv * row_blocks)))
@@ -229,7 +229,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
     # the launch grid: one program per (sequence, K/V head x block of its query rows, slice of its keys)
     grid = (B, n_kv * row_blocks, n_splits)
-    _paged_attention_kernel[grid](
+    paged_attention_kernel[grid](
         q, k_pool, v_pool, layout.tables, layout.starts, layout.counts, layout.rows, acc, m, l,
         q.stride(1), q.stride(2), q.stride(3),
         *k_pool.stride(), layout.tables.stride(0),
@@ -240,7 +240,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         num_warps=num_warps, num_stages=num_stages,
     )
     # the combine of flash_decode, with the N queries of the batch as its T: one program per (query head, query)
-    _flash_decode_combine_kernel[(H * N,)](
+    flash_decode_combine_kernel[(H * N,)](
         acc, m, l, out,
         out.stride(1), out.stride(2), out.stride(3),
         N, D, n_splits,

@@ -38,7 +38,8 @@ from torch import nn
 from lollm.errors import ConfigError, LollmError, WeightsError
 from lollm.load.meta import on_meta
 from lollm.load.options import LoadOptions
-from lollm.load.tensor_parallel import Sharding, TensorParallelError
+from lollm.load.process_group import TensorParallelError
+from lollm.load.tensor_parallel import Sharding
 from lollm.load.weights import load_weights
 
 
@@ -139,7 +140,7 @@ def build_model(model_class: Callable[..., nn.Module], config: Any, weights: Any
     split, and WeightsError naming the tensor (see :func:`lollm.load.weights.load_weights`).
     """
     if not options.resolved:
-        raise LollmError("build_model needs resolved LoadOptions (lollm.load.pipeline.resolve_options)")
+        raise LollmError("build_model needs resolved LoadOptions (lollm.load.pipeline.prepare)")
     device, dtype = options.torch_device, options.torch_dtype
 
     # 1. The module tree on the meta device: shapes and dtypes, no memory (this rank's share under --tp).

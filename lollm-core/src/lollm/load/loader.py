@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lollm.errors import CheckpointError, ConfigError
-# The bounded file readers live in lollm.files; their names stay importable from here too.
-from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, is_present, read_file, read_json  # noqa: F401
+from lollm.files import is_present, read_json
+# Moved to lollm.files; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, read_file  # noqa: F401
 
 # Lazy imports below: torch, safetensors, huggingface_hub, the tokenizer and the GGUF reader are imported
 # where they are used, so that naming a checkpoint (and the CLI's checks of a spec) stays torch-free and fast.
@@ -377,7 +378,11 @@ def load_folder(folder: Path, spec: str | None = None) -> Checkpoint:
     return Checkpoint(spec or str(folder), folder, "safetensors", config, generation_config, weights)
 
 
-def _looks_like_repo_id(spec: str) -> bool:
+def looks_like_repo_id(spec: str) -> bool:
+    """True when ``spec`` reads as a hub repo id (``owner/name``: two non-empty parts, not a relative or home path).
+
+    Only the shape is checked, nothing is fetched: a folder of that name on disk wins where callers look first.
+    """
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
 
@@ -434,8 +439,13 @@ def load_gguf(path: Path, spec: str | None = None) -> Checkpoint:
     return Checkpoint(spec or str(path), path.parent, "gguf", metadata, {}, source)
 
 
-def _hub_gguf_file(repo_id: str, quant: str) -> Path:
-    """Find and fetch the one .gguf file of ``repo_id`` whose name carries ``quant``."""
+def hub_gguf_file(repo_id: str, quant: str) -> Path:
+    """Find and fetch the one .gguf file of ``repo_id`` whose name carries ``quant`` (``owner/name:Q4_K_M``).
+
+    Returns its path in the hub cache (of a split file, its first part). Raises CheckpointError when no
+    file or more than one matches, or when the files cannot be listed or fetched (with ``HF_HUB_OFFLINE``
+    set, only the local cache is read).
+    """
     from huggingface_hub import HfApi, hf_hub_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
@@ -489,9 +499,9 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
             f"{text}: {repo} is a local path, and ':{quant}' picks a quant only among the files of a hub repo "
             f"('org/name:QUANT'); give the local .gguf file's path alone"
         )
-    if colon and quant and _looks_like_repo_id(repo):
-        return load_gguf(_hub_gguf_file(repo, quant), text)
-    if _looks_like_repo_id(text):
+    if colon and quant and looks_like_repo_id(repo):
+        return load_gguf(hub_gguf_file(repo, quant), text)
+    if looks_like_repo_id(text):
         return load_folder(download_repo(text), text)
     raise CheckpointError(
         f"{text}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"

@@ -15,7 +15,7 @@ Two kinds of fields:
   ``quantize``, ``group_size``, ``tp``, ``family``, ``progress``), where
   ``"auto"`` and ``None`` leave the choice to core;
 * what core decided (``quantization``, ``tensor_parallel``), filled by
-  :func:`lollm.load.pipeline.resolve_options` once the checkpoint is open. A
+  :func:`lollm.load.pipeline.prepare` once the checkpoint is open. A
   family's ``load`` only ever receives resolved options: ``device`` and
   ``dtype`` name a concrete device and dtype, ``quantization`` says what may
   stay packed, ``tensor_parallel`` is this rank's group under ``--tp`` (or None).
@@ -36,7 +36,7 @@ from lollm.errors import LollmError
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from lollm.load.quantized import Quantization
-    from lollm.load.tensor_parallel import Group
+    from lollm.load.process_group import Group
 
 #: ``weights`` choices: ``auto`` keeps a GGUF's blocks packed and loads safetensors as float
 #: (unless ``quantize``); ``float`` dequantizes everything; ``quantized`` insists on packing.
@@ -48,11 +48,13 @@ QUANTIZE_CHOICES = ("int8", "int4")
 #: Values per int4 group that ``group_size`` accepts (lollm.load.quantized's kernels).
 GROUP_SIZES = (32, 64, 128, 256)
 
-#: ``device`` spellings: torch's names of the three devices lollm runs on.
-_DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+#: ``device`` spellings: torch's names of the three devices lollm runs on (``lollm run --device`` checks the same).
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 #: dtype names the options accept, beside ``auto``.
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+#: The short names among :data:`DTYPE_NAMES`, each with torch's name of its dtype.
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,9 @@ class LoadOptions:
       family:     the family's name when several installed plugins claim the checkpoint's type.
       progress:   show a progress bar while the weights stream in (only on a terminal).
 
-    Decided by core (:func:`lollm.load.pipeline.resolve_options`), None until then:
+    Decided by core (:func:`lollm.load.pipeline.prepare`), None until then:
       quantization:    :class:`lollm.load.quantized.Quantization`: which tensors may stay packed, and how.
-      tensor_parallel: :class:`lollm.load.tensor_parallel.Group` of this rank under ``--tp``; None on one process.
+      tensor_parallel: :class:`lollm.load.process_group.Group` of this rank under ``--tp``; None on one process.
 
     After resolution ``device`` is concrete (``"cpu"``, ``"cuda:0"`` …), ``dtype`` a
     canonical name (``"float32"``, ``"bfloat16"``, ``"float16"``) and ``attn`` the backend's name.
@@ -100,7 +102,7 @@ class LoadOptions:
         The attention backend's name is checked when the options are resolved
         (:func:`lollm.attention.resolve_backend` knows the backends and what each needs).
         """
-        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.match(self.device):
             raise LollmError(f"--device {self.device!r}: use auto, cpu, cuda, cuda:N or mps")
         if self.attn is not None and not isinstance(self.attn, str):
             raise LollmError(f"--attn {self.attn!r}: give a backend's name (sdpa, eager, triton)")
@@ -151,7 +153,7 @@ class LoadOptions:
         value = getattr(self, key)
         if value == "auto":
             raise LollmError(f"LoadOptions.{key} is still 'auto': pass the options through "
-                             f"lollm.load.pipeline.resolve_options (open_model does) before a family loads")
+                             f"lollm.load.pipeline.prepare (open_model does) before a family loads")
         return value
 
     def replace(self, **changes: Any) -> "LoadOptions":

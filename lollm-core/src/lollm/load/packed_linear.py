@@ -89,7 +89,7 @@ def exact_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.half()
 
 
-def _row_slices(n_rows: int, row_len: int):
+def row_slices(n_rows: int, row_len: int):
     step = max(64, (_SLICE_WEIGHTS // max(row_len, 1)) // 64 * 64)  # a multiple of 64 rows (the int4 tile)
     for start in range(0, n_rows, step):
         yield start, min(n_rows, start + step)
@@ -339,7 +339,7 @@ class Q5Linear(nn.Module):
         nibbles = torch.empty(n, k // 2, dtype=torch.uint8)
         high = torch.empty(n, k // 8, dtype=torch.uint8)
         scale = torch.empty(n, k // 32, dtype=torch.float16)
-        for start, stop in _row_slices(n, k):
+        for start, stop in row_slices(n, k):
             blocks = torch.from_numpy(read_rows(start, stop).reshape(stop - start, pairs, 2, 22))
             scale[start:stop] = blocks[..., 0:2].contiguous().view(torch.float16).reshape(stop - start, -1)
             high[start:stop] = blocks[..., 2:6].reshape(stop - start, -1)  # the two qh words, back to back

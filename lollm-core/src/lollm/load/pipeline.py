@@ -21,14 +21,17 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError, PluginError
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.options import LoadOptions, check_threads  # noqa: F401 - check_threads: lollm.engine.llm takes it from here
-from lollm.load.plugins import InstalledFamily, get_registry
+from lollm.load.options import DTYPE_ALIASES, DTYPE_NAMES, LoadOptions
+from lollm.load.plugins import get_registry
+from lollm.load.registry import InstalledFamily
 from lollm.load.quantized import Quantization
-import lollm.load.tensor_parallel as tensor_parallel
+from lollm.load import process_group
 from lollm.load.threads import apply_threads
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of one of :data:`lollm.load.options.DTYPE_NAMES` (``bf16`` is ``torch.bfloat16``)."""
+    return getattr(torch, DTYPE_ALIASES.get(name, name))
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -60,10 +63,10 @@ def pick_dtype(name: str, device: torch.device, config: dict[str, Any]) -> torch
         if device.type == "cpu":
             return torch.float32
         stored = config.get("dtype") or config.get("torch_dtype") or "float16"  # GGUF: no stored float dtype
-        return DTYPES.get(str(stored), torch.float32)
-    if name not in DTYPES:
-        raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(set(DTYPES)))})")
-    return DTYPES[name]
+        return torch_dtype(str(stored)) if str(stored) in DTYPE_NAMES else torch.float32
+    if name not in DTYPE_NAMES:
+        raise LollmError(f"unknown dtype {name!r} (use auto, {', '.join(sorted(DTYPE_NAMES))})")
+    return torch_dtype(name)
 
 
 @dataclass
@@ -77,7 +80,7 @@ class LoadedModel:
     dtype: torch.dtype
     load_seconds: float
     attn: str = "sdpa"  # the attention backend the commands run it with (lollm.attention)
-    tp: Any = None  # the lollm.load.tensor_parallel.Group of this rank under --tp N, else None
+    tp: Any = None  # the lollm.load.process_group.Group of this rank under --tp N, else None
     options: LoadOptions = field(default_factory=LoadOptions)  # the resolved options it was loaded with
 
     @property
@@ -130,13 +133,13 @@ def pick_quantization(options: LoadOptions, fmt: str, device: torch.device) -> Q
 def join_tensor_parallel(options: LoadOptions, *, timeout: float | None = None) -> LoadOptions:
     """Under ``tp > 1``: join torchrun's process group; return the options with this rank's device and group.
 
-    Each rank computes on its own device (:func:`lollm.load.tensor_parallel.init`; ``timeout``: seconds a
+    Each rank computes on its own device (:func:`lollm.load.process_group.init`; ``timeout``: seconds a
     collective may wait, None for its default). One process (``tp == 1``) returns the options unchanged.
     Raises TensorParallelError.
     """
     if options.tp == 1 or options.tensor_parallel is not None:
         return options
-    group = tensor_parallel.init(options.tp, pick_device(options.device), timeout=timeout)
+    group = process_group.init(options.tp, pick_device(options.device), timeout=timeout)
     return options.replace(device=str(group.device), tensor_parallel=group)
 
 
@@ -178,7 +181,7 @@ def prepare(spec: str | Checkpoint, options: LoadOptions | None = None, *, think
     device = pick_device(options.device)
     group = options.tensor_parallel
     if options.tp != 1 and group is None:
-        group = tensor_parallel.init(options.tp, device, timeout=tp_timeout)
+        group = process_group.init(options.tp, device, timeout=tp_timeout)
         device = group.device
     attn = resolve_backend(options.attn, device)
     checkpoint = spec if isinstance(spec, Checkpoint) else load_checkpoint(spec)
@@ -226,15 +229,6 @@ def template_flags(checkpoint: Checkpoint, think: bool | None, model: str) -> di
             f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
         )
     return {"enable_thinking": think}
-
-
-def resolve_options(options: LoadOptions, checkpoint: Checkpoint) -> LoadOptions:
-    """``options`` with every choice core makes decided for this checkpoint: what a family's ``load`` receives.
-
-    The options of :func:`prepare` (device, dtype, attention backend, quantization, family, and under
-    ``tp > 1`` this rank's group). Raises LollmError naming the option.
-    """
-    return prepare(checkpoint, options).options
 
 
 def taken_as_they_are(options: LoadOptions | None) -> bool:

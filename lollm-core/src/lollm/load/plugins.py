@@ -78,12 +78,12 @@ from lollm import hookspecs
 from lollm.errors import PluginError
 from lollm.family import Family, validate_family
 from lollm.load.checks import seconds_from_env
-# The router lives in lollm.load.registry; its names stay importable from here.
-from lollm.load.registry import (  # noqa: F401
-    FIRST_PARTY_DISTRIBUTIONS, FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES, GGUF_ARCHITECTURE,
-    LOAD_PLUGINS_ENV, MODEL_TYPE, _REQUIREMENT, BrokenPlugin, InstalledFamily, InstallHint, Registry, SkippedPlugin,
-    normalize_name, read_allowlist,
+from lollm.load.registry import (
+    FIRST_PARTY_DISTRIBUTIONS, GGUF_ARCHITECTURE, MODEL_TYPE, REQUIREMENT, BrokenPlugin, InstalledFamily, InstallHint,
+    Registry, SkippedPlugin, normalize_name, read_allowlist,
 )
+# Moved to lollm.load.registry; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.load.registry import FIRST_PARTY_GGUF_ARCHITECTURES, FIRST_PARTY_MODEL_TYPES  # noqa: F401
 
 
 def _entry_points() -> Iterable[md.EntryPoint]:
@@ -441,7 +441,7 @@ def validate_install_hint(install: object, model_types: object, gguf_architectur
     Raises PluginError naming the plugin and the bad value.
     """
     where = f"plugin {plugin!r}: lollm_register_install_hints"
-    if not isinstance(install, str) or not _REQUIREMENT.match(install):
+    if not isinstance(install, str) or not REQUIREMENT.match(install):
         raise PluginError(f"{where}: install={install!r} is not a distribution name (e.g. 'lollm-llama')")
     rows: list[tuple[str, str, str]] = []
     for kind, arg, keys in ((MODEL_TYPE, "model_types", model_types),

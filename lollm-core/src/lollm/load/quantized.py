@@ -50,11 +50,9 @@ from lollm import native
 from lollm.errors import LollmError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
 from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
-# The layers live in packed_linear and packed_embedding; their names stay importable from here.
-from lollm.load.packed_linear import (  # noqa: F401
-    GEMM_MIN_ROWS, GEMM_MIN_ROWS_GROUPED, GEMM_MIN_ROWS_TILES, KERNEL_DTYPE, Int4Linear, Int8Linear, Q5Linear,
-    _pack_int4, _row_slices, exact_scale, gemm_slices, native_bf16_matmul, native_gemm_rows,
-)
+from lollm.load.packed_linear import Int4Linear, Int8Linear, Q5Linear, row_slices
+# Moved to lollm.load.packed_linear; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.load.packed_linear import exact_scale, native_gemm_rows  # noqa: F401
 
 #: GGUF types kept as 4-bit groups of 32 (exact codes).
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -146,7 +144,7 @@ def int8_from_float_rows(n_rows: int, n_cols: int, read_rows) -> tuple[torch.Ten
     """
     q = torch.empty(1, n_rows, n_cols, dtype=torch.int8)
     scale = torch.empty(1, n_rows, dtype=torch.float32)
-    for start, stop in _row_slices(n_rows, n_cols):
+    for start, stop in row_slices(n_rows, n_cols):
         q[0, start:stop], scale[0, start:stop] = quantize_int8_rows(read_rows(start, stop))
     return q, scale
 
@@ -165,7 +163,7 @@ def int8_groups_from_gguf(read_rows, ggml_type: str, shape: tuple[int, int], gro
     own_blocks = ggml_type in ("Q8_0", "Q5_0") and g == 32  # the file's codes and float16 scales
     codes = torch.empty(k // g, n, g, dtype=torch.int8)
     scale = torch.empty(k // g, n, dtype=torch.float16 if own_blocks else torch.float32)
-    for start, stop in _row_slices(n, k):
+    for start, stop in row_slices(n, k):
         raw = read_rows(start, stop)
         if own_blocks:
             blocks = raw.reshape(stop - start, k // 32, -1)  # (r, G, bytes per 32-weight block)
@@ -213,7 +211,7 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
 
     if ggml_type in INT4_TYPES and n % 16 == 0:
         layer = Int4Linear(k, n, 32, bias)
-        for start, stop in _row_slices(n, k):
+        for start, stop in row_slices(n, k):
             q, s, o = (torch.from_numpy(a) for a in affine4(read_rows(start, stop), ggml_type))
             layer.fill_rows(start, q.view(stop - start, k), s.view(stop - start, -1), o.view(stop - start, -1))
         return layer
@@ -242,7 +240,7 @@ def linear_from_float(weight: torch.Tensor, quantization: Quantization, bias: nn
     n, k = weight.shape
     if quantization.mode == "int4" and n % 16 == 0 and k % quantization.group_size == 0:
         layer = Int4Linear(k, n, quantization.group_size, bias)
-        for start, stop in _row_slices(n, k):
+        for start, stop in row_slices(n, k):
             layer.fill_rows(start, *quantize_int4_groups(weight[start:stop], quantization.group_size))
         return layer
     return Int8Linear(*int8_from_float_rows(n, k, lambda a, b: weight[a:b]), bias)

@@ -126,7 +126,7 @@ def finish(group: Group | None) -> None:
         return
     import torch.distributed as dist
 
-    from lollm.load.tensor_parallel import shutdown
+    from lollm.load.process_group import shutdown
 
     sys.stdout.flush()
     dist.barrier()

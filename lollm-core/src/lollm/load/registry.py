@@ -55,7 +55,7 @@ GGUF_ARCHITECTURE = "GGUF architecture"
 
 # PEP 508 distribution name, with optional extras for an install hint ("lollm-x[cuda]")
 _DIST_NAME = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
-_REQUIREMENT = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])(\[[A-Za-z0-9._,-]+\])?$")
+REQUIREMENT = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])(\[[A-Za-z0-9._,-]+\])?$")
 
 
 def normalize_name(name: str) -> str:

@@ -62,12 +62,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lollm.load.meta import on_meta
-# The process group lives in lollm.load.process_group; its names stay importable from here.
-from lollm.load.process_group import (  # noqa: F401
-    COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_SECONDS, MAX_TIMEOUT_SECONDS, RENDEZVOUS_TIMEOUT_ENV,
-    RENDEZVOUS_TIMEOUT_SECONDS, TORCHRUN_ENV, Group, TensorParallelError, backend_for, check_launch, current,
-    env_seconds, init, shutdown,
-)
+from lollm.load.process_group import Group, TensorParallelError
+# Moved to lollm.load.process_group; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
+from lollm.load.process_group import check_launch, current, init, shutdown  # noqa: F401
 
 
 # ---------------------------------------------------------------------------

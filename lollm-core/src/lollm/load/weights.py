@@ -15,11 +15,11 @@ parameter or buffer left without a value all raise
 
 Quantized weights (docs/quantized-execution.md): when the load's
 :class:`lollm.load.quantized.Quantization` packs (``LoadOptions.quantization``, decided
-by :func:`lollm.load.pipeline.resolve_options` from ``--weights`` / ``--quantize``), each
+by :func:`lollm.load.pipeline.prepare` from ``--weights`` / ``--quantize``), each
 tensor the family's ``quantizable(model_name)`` accepts is not converted to
-float: its ``nn.Linear`` is replaced by an :class:`~lollm.load.quantized.Int4Linear`
-or :class:`~lollm.load.quantized.Int8Linear`, its ``nn.Embedding`` by a
-:class:`~lollm.load.quantized.BlockEmbedding` or :class:`~lollm.load.quantized.Int8Embedding`,
+float: its ``nn.Linear`` is replaced by an :class:`~lollm.load.packed_linear.Int4Linear`
+or :class:`~lollm.load.packed_linear.Int8Linear`, its ``nn.Embedding`` by a
+:class:`~lollm.load.packed_embedding.BlockEmbedding` or :class:`~lollm.load.packed_embedding.Int8Embedding`,
 built from the file's blocks a slice of rows at a time. The model's code does
 not change: the new modules are called like the ones they replace.
 """
@@ -35,13 +35,12 @@ from torch import nn
 from lollm.errors import WeightsError
 from lollm.gguf.quants import SUPPORTED_TYPES, dequantize
 # Lazy imports below: tqdm (only when a progress bar is drawn) and ctypes (glibc's malloc_trim, Linux only).
+from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
+from lollm.load.packed_linear import Int8Linear
 from lollm.load.quantized import (
     FLOAT_TYPES,
     INT4_TYPES,
     INT8_TYPES,
-    BlockEmbedding,
-    Int8Embedding,
-    Int8Linear,
     Quantization,
     WeightsSummary,
     describe,

@@ -13,7 +13,7 @@ It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja are needed; ninja comes with lollm-core), for this CPU
 (``-march=native``), and cached under torch's extension folder
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), one build per
-CPU model. Where it cannot be built, :class:`lollm.load.quantized.Int8Linear` keeps
+CPU model. Where it cannot be built, :class:`lollm.load.packed_linear.Int8Linear` keeps
 torch's kernel, and :func:`status` says why. ``LOLLM_NATIVE=0`` turns it off. A build
 already in the folder is loaded without a compiler.
 
@@ -166,7 +166,7 @@ def block_int8_op():
 
     x: ``(M, K)`` float32, contiguous, CPU; codes: ``(groups, N, group_size)`` int8,
     ``group_size`` a multiple of 32; scale: ``(groups, N)`` float32 or float16 (where every
-    scale is a float16 value, such as a Q8_0 file's block scales, :class:`lollm.load.quantized.Int8Linear`
+    scale is a float16 value, such as a Q8_0 file's block scales, :class:`lollm.load.packed_linear.Int8Linear`
     keeps them so), contiguous. Returns
     ``(M, N)`` float32, ``y[m, n] = sum_k x[m, k] * codes[k // gs, n, k % gs] * scale[k // gs, n]``
     with x rounded to int8 per block of 32 (scale max|x| / 127). The scales are read as float32
@@ -187,7 +187,7 @@ def block_q5_op():
 
     x: ``(M, K)`` float32, K a multiple of 64; nibbles ``(N, K / 2)`` and high ``(N, K / 8)``
     uint8, scale ``(N, K / 32)`` float16: a Q5_0 matrix in the pairs of blocks that
-    :class:`lollm.load.quantized.Q5Linear` holds (block_int8.cpp, above ``unpack_q5_pair``).
+    :class:`lollm.load.packed_linear.Q5Linear` holds (block_int8.cpp, above ``unpack_q5_pair``).
     Returns ``(M, N)`` float32, x rounded to int8 per block of 32 as for
     :func:`block_int8_op`. Built with it, in the same library.
     """

@@ -49,13 +49,13 @@ import torch
 from lollm.attention import resolve_backend
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult, generate
-from lollm.generate.sampling import SamplingParams
 from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model, pick_dtype
 from lollm.load.quantized import model_bytes
 from lollm.load.threads import apply_threads
 from lollm.proof.parity import load_reference_model, reference_weights
+from lollm.sampling_params import SamplingParams
 from lollm.tokenizer import Tokenizer
 
 # Lazy imports below: llama_cpp, in LlamaCppEngine.load, the optional ``lollm-core[bench]`` extra;

@@ -32,8 +32,8 @@ from lollm.engine.cache import pool_room
 from lollm.engine.driver import EngineJob, EngineLoop
 from lollm.engine.engine import Engine, EngineConfig, why_not_batched
 from lollm.errors import LollmError
-from lollm.generate.sampling import SamplingParams
 from lollm.model import CausalLM
+from lollm.sampling_params import SamplingParams
 
 
 def percentile(values: list[float], q: float) -> float:

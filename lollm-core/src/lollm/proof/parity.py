@@ -46,11 +46,11 @@ import torch
 
 from lollm.attention import resolve_backend, use_backend
 from lollm.errors import LollmError
-from lollm.generate.loop import check_prompt_ids
+from lollm.generate.sequence import check_prompt_ids
 from lollm.load.loader import Checkpoint, load_checkpoint
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model, pick_device, route
-from lollm.load.plugins import InstalledFamily
+from lollm.load.registry import InstalledFamily
 from lollm.load.quantized import WeightsSummary
 from lollm.load.ranks import leader_decides
 
@@ -279,7 +279,7 @@ def run_parity(
     at the same dtype and device.
 
     ``options.tp``: tensor-parallel degree; above 1 this process is one of ``tp`` ranks
-    started by torchrun (:func:`lollm.load.tensor_parallel.init`). Every rank runs
+    started by torchrun (:func:`lollm.load.process_group.init`). Every rank runs
     our sharded forward; rank 0 alone builds the reference and compares, then
     broadcasts the report (or its error) so that every rank returns the same
     report (or raises the same LollmError).

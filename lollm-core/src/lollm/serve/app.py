@@ -96,7 +96,6 @@ async def wait(server: ModelServer, request: Request, job: Job) -> GenerationRes
             job.cancel.set()
 
 
-
 def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
     """The lines ``lollm serve`` prints once it listens: where, what, a curl line to paste, and how requests run."""
     shown = f"[{host}]" if ":" in host else host
@@ -122,7 +121,6 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
             batching]
 
 
-
 #: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames).
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                  "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -131,9 +129,6 @@ CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 def chat_page_html() -> str:
     """The chat page served at ``/``: ``lollm/serve/static/chat.html``, one file with its style and script (no network)."""
     return resources.files("lollm.serve").joinpath("static", "chat.html").read_text(encoding="utf-8")
-
-
-
 
 
 def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:

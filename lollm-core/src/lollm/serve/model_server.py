@@ -1,7 +1,7 @@
 """The served model and how its requests run: the batched engine, or one worker thread (no HTTP here).
 
 :class:`ModelServer` holds the model, its tokenizer and the server's settings; it turns a
-request body into a :class:`~lollm.serve.requests.Prepared` job (:meth:`ModelServer.prepare`),
+request body into a :class:`~lollm.serve.requests.PreparedRequest` job (:meth:`ModelServer.prepare`),
 runs jobs (:meth:`ModelServer.submit`), counts how they end and, under ``--tp``, keeps the
 other ranks in step (:meth:`ModelServer.follow`).
 """
@@ -22,7 +22,7 @@ from lollm.load import ranks
 from lollm.load.pipeline import LoadedModel
 from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import SamplingParams, resolve_sampling
+from lollm.sampling_params import SamplingParams, resolve_sampling
 from lollm.generate.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.engine import why_not_batched
@@ -30,9 +30,9 @@ from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import request_line
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
-                                  Body, Job, Prepared, body_limit, chat_logprobs, check_fields, flag, longest_token_bytes,
-                                  number, parse_body, read_messages, response_format, short_repr, stops, stream_options,
-                                  text_bytes)
+                                  Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
+                                  longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
+                                  stops, stream_options, text_bytes)
 from lollm.serve.tool_formats import ToolRequestError
 from lollm.serve.tools import ToolRequest, read_tools
 
@@ -92,7 +92,7 @@ class ModelServer:
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
-        self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.load.tensor_parallel.Group), else None
+        self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.load.process_group.Group), else None
         if max_queue < 1:  # a request waits in the queue before it runs, even on an idle server
             raise LollmError(f"--max-queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
@@ -157,7 +157,7 @@ class ModelServer:
             raise ApiError(404, f"the model {short_repr(model)} does not exist here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    def prepare(self, raw: bytes, kind: str) -> Prepared:
+    def prepare(self, raw: bytes, kind: str) -> PreparedRequest:
         """A request body of ``kind`` ("chat" or "completion") parsed, checked and tokenized; ApiError when refused.
 
         Runs in a thread of the pool, never on the event loop: the template and
@@ -178,7 +178,7 @@ class ModelServer:
         job.constraint, job.tools = constraint, tools
         if tools is not None and tools.grammar is not None:
             job.constraint = self.compile(tools.grammar, "tools")
-        return Prepared(job, streaming, include_usage)
+        return PreparedRequest(job, streaming, include_usage)
 
     def tools(self, body: Body, constraint: CompiledConstraint | None) -> ToolRequest | None:
         """The request's tools (:func:`lollm.serve.tools.read_tools`); ApiError 400 naming the field when refused."""

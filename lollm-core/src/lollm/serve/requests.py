@@ -2,7 +2,7 @@
 
 Everything here is plain Python over the parsed body: no HTTP, no model. A request the
 server refuses is an :class:`ApiError` that names the field; a request read and checked
-becomes a :class:`Job` (what the engine or the single worker runs) inside a :class:`Prepared`
+becomes a :class:`Job` (what the engine or the single worker runs) inside a :class:`PreparedRequest`
 (the job and how to answer), made by :meth:`lollm.serve.model_server.ModelServer.prepare`.
 """
 
@@ -21,8 +21,8 @@ from typing import Callable, NoReturn
 
 from lollm.errors import TokenizerError
 from lollm.generate.sequence import TokenLogprobs
-from lollm.generate.sampling import SEED_MAX, SamplingParams
 from lollm.generate.structured import CompiledConstraint, OutputConstraint, open_object
+from lollm.sampling_params import SEED_MAX, SamplingParams
 from lollm.serve.tools import ToolRequest, template_tool_calls
 from lollm.tokenizer import Tokenizer
 
@@ -352,7 +352,7 @@ class Job:
 
 
 @dataclass
-class Prepared:
+class PreparedRequest:
     """A request read, checked and tokenized (:meth:`ModelServer.prepare`): its job and how to answer."""
 
     job: Job

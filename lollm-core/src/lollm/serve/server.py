@@ -78,13 +78,13 @@ from lollm.serve.model_server import (DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEU
                                       RETRY_AFTER_SECONDS, ModelServer)
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import (BODY_BYTES_BASE, BODY_BYTES_PER_POSITION, MAX_INTEGER, MAX_JSON_DEPTH, ApiError, Job,
-                                  Prepared, body_limit, parse_body, response_format)
+                                  PreparedRequest, body_limit, parse_body, response_format)
 from lollm.serve.stream import EventStream, sse
 
 __all__ = [
     "ApiError", "BODY_BYTES_BASE", "BODY_BYTES_PER_POSITION", "DEFAULT_MAX_BATCH_TOKENS", "DEFAULT_MAX_QUEUE",
     "DEFAULT_MAX_RUNNING", "EventStream", "FINISH_REASON", "Job", "MAX_INTEGER", "MAX_JSON_DEPTH", "ModelServer",
-    "Prepared", "RETRY_AFTER_SECONDS", "announce", "banner", "body_limit", "chat_page_html", "create_app", "guarded",
-    "openapi_schema", "parse_body", "read_limited", "request_line", "require_serve_extra", "response_format", "serve",
+    "PreparedRequest", "RETRY_AFTER_SECONDS", "announce", "banner", "body_limit", "chat_page_html", "create_app",
+    "guarded", "openapi_schema", "parse_body", "read_limited", "request_line", "require_serve_extra", "response_format", "serve",
     "sse",
 ]

@@ -13,7 +13,7 @@ from lollm.generate.loop import GenerationResult
 from lollm.generate.sequence import TokenLogprobs
 from lollm.serve.answers import FINISH_REASON, Chunk, usage
 from lollm.serve.model_server import ModelServer
-from lollm.serve.requests import ApiError, Prepared, internal_error
+from lollm.serve.requests import ApiError, PreparedRequest, internal_error
 from lollm.serve.tool_formats import ToolCall
 from lollm.serve.tools import ToolCallParser
 
@@ -46,7 +46,7 @@ class EventStream:
     is sent as an error event (a bug: one log line, as for a 500).
     """
 
-    def __init__(self, server: ModelServer, plan: Prepared, chunk: Chunk, where: str):
+    def __init__(self, server: ModelServer, plan: PreparedRequest, chunk: Chunk, where: str):
         self.server, self.plan, self.chunk, self.where = server, plan, chunk, where
         #: with tools, the text is read for calls before it is sent (lollm.serve.tools); calls sent so far
         self.parser: ToolCallParser | None = plan.job.tools.parser() if plan.job.tools is not None else None
@@ -149,7 +149,7 @@ class EventStream:
             self.plan.job.cancel.set()  # no-op after the end; stops the generation of a client that went away
 
 
-def stream(server: ModelServer, plan: Prepared, chunk: Chunk, where: str) -> StreamingResponse:
+def stream(server: ModelServer, plan: PreparedRequest, chunk: Chunk, where: str) -> StreamingResponse:
     """The StreamingResponse of ``plan``'s generation as server-sent events (:class:`EventStream`); ApiError 503 when full."""
     events = EventStream(server, plan, chunk, where)
     events.start()

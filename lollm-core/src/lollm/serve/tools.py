@@ -226,7 +226,6 @@ class ToolRequest:
         return stop_reason == "stop_string" and bool(self.stops())
 
 
-
 def read_tools(body: dict[str, object], template_source: str | None, tokenizer: Tokenizer | None = None) -> ToolRequest | None:
     """The request's tools, checked; None when it offers none or ``tool_choice`` is ``"none"``.
 

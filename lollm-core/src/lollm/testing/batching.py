@@ -21,8 +21,8 @@ from lollm.engine.engine import Engine, EngineConfig
 from lollm.engine.cache import largest_window, window_blocks_per_sequence
 from lollm.engine.scheduler import Request
 from lollm.generate.loop import generate
-from lollm.generate.sampling import SamplingParams
 from lollm.model import CausalLM
+from lollm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 #: Two logits closer than this count as a tie that float rounding may flip (the kit's
@@ -62,7 +62,7 @@ def path_noise(model: CausalLM, prompt: list[int], decode: int = 8) -> float:
     step) against a prefill of all but the last ``decode`` tokens and then one token at a
     time (a decode step's one row). A float model gives float rounding (about 1e-5); packed
     GGUF weights take different kernels at one row and at many
-    (:class:`lollm.load.quantized.Int8Linear`), so their logits part by bfloat16 roundings. A
+    (:class:`lollm.load.packed_linear.Int8Linear`), so their logits part by bfloat16 roundings. A
     caller that compares an engine run with a lone run of such a model derives its
     ``tie_bound`` from this figure instead of :data:`TIE_BOUND`.
     """

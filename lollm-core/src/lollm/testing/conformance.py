@@ -81,7 +81,8 @@ import torch
 
 from lollm.hookspecs import ENTRY_POINT_GROUP
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.plugins import InstalledFamily, Registry, build_registry
+from lollm.load.plugins import build_registry
+from lollm.load.registry import InstalledFamily, Registry
 from lollm.load.options import LoadOptions
 from lollm.load.quantized import Quantization
 from lollm.model import CausalLM

@@ -44,10 +44,10 @@ from hypothesis import strategies as st
 
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult, generate
-from lollm.generate.sampling import SamplingParams
 from lollm.load.loader import Checkpoint, TensorSource
 from lollm.load.options import LoadOptions
 from lollm.model import CausalLM
+from lollm.sampling_params import SamplingParams
 from lollm.testing.loading import load_with
 
 #: What an example's ``run`` returns (:func:`check_clean` hands it back).

@@ -21,9 +21,9 @@ from lollm.generate.drafting import Drafter, PromptLookupDrafter
 from lollm.generate.loop import generate
 from lollm.generate.memory import cache_bytes, tensor_bytes
 from lollm.generate.prompt_cache import CacheReuse, PromptCache
-from lollm.generate.sampling import SamplingParams
 from lollm.load.loader import load_checkpoint
 from lollm.model import Cache, CausalLM
+from lollm.sampling_params import SamplingParams
 from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
                                     check_window_blocks_released)
 from lollm.testing.coverage import DELTA_RULE_CHUNK
@@ -94,7 +94,6 @@ def check_prompt_cache_turns(
     turn(5, p4)
     turn(6, p1[:5] + words(message))
     return records
-
 
 
 class GenerationChecks:

@@ -73,7 +73,6 @@ def _rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict[str, torch.Te
     return dst
 
 
-
 class ModelChecks:
     """Sections 3 to 6 of the kit; the fixtures and class attributes they use are :class:`FamilyConformance`'s."""
 

@@ -46,9 +46,11 @@ from lollm.attention import visible
 from lollm.cli.new_family import find_hub_config
 from lollm.hookspecs import hookimpl
 from lollm.load.loader import load_checkpoint
-from lollm.load.plugins import Registry, build_registry
+from lollm.load.plugins import build_registry
+from lollm.load.registry import Registry
 from lollm.proof.parity import default_reference
-from lollm.testing.conformance import SEQUENCE_LENGTH, NoiseFloor, measure_noise_floor
+from lollm.testing.reference import NoiseFloor, measure_noise_floor
+from lollm.testing.schedules import SEQUENCE_LENGTH
 from lollm.load.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lollm.load.loader import Checkpoint, load_checkpoint
-from lollm.load.plugins import InstalledFamily
+from lollm.load.registry import InstalledFamily
 from lollm.proof.parity import compare_logits, default_reference, layer_cosines
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 from lollm.testing.gguf_writer import write_tiny_gguf

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Iterator
 import torch
 
 from lollm.generate.loop import GenerationResult, generate, stop_token_ids
-from lollm.generate.sampling import resolve_sampling
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
+from lollm.sampling_params import resolve_sampling
 from lollm.load.hub_configs import hub_config
 from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
 

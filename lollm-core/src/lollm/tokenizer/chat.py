@@ -100,7 +100,6 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-
 # ----------------------------------------------------------------- bounds of one render
 #
 # A template is a small program shipped by whoever published the checkpoint.

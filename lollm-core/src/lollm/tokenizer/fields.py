@@ -17,23 +17,25 @@ from lollm.files import MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, is_present, re
 _LARGE_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def _max_bytes(path: Path) -> int:
+def max_bytes_for(path: Path) -> int:
+    """The most bytes lollm reads of the tokenizer file ``path``: a vocabulary file's limit, or the JSON one."""
     return MAX_TOKENIZER_JSON_BYTES if path.name in _LARGE_FILES else MAX_JSON_BYTES
 
 
-def _present(path: Path) -> bool:
+def file_present(path: Path) -> bool:
     """A tokenizer file is there (a regular file, links followed); absent: False; a folder, FIFO,
     device or broken link in its place: TokenizerError naming it (never silently skipped)."""
     return is_present(path, error=TokenizerError)
 
 
-def _read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     """Parse a JSON file whose top level must be an object; every failure is a TokenizerError naming the file."""
-    return read_json(path, what="tokenizer file", error=TokenizerError, max_bytes=_max_bytes(path))
+    return read_json(path, what="tokenizer file", error=TokenizerError, max_bytes=max_bytes_for(path))
 
 
-def _read_text(path: Path) -> str:
-    data = read_file(path, max_bytes=_max_bytes(path), what="tokenizer file", error=TokenizerError)
+def read_text(path: Path) -> str:
+    """The whole text file ``path`` (within :func:`max_bytes_for`); TokenizerError when it is not UTF-8."""
+    data = read_file(path, max_bytes=max_bytes_for(path), what="tokenizer file", error=TokenizerError)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -55,15 +57,15 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "null" if value is None else type(value).__name__)
 
 
-def _require(mapping: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def require_field(mapping: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     """``mapping[key]``, checked to be of type ``kind``; ``where`` names the file (and path inside it)."""
     if key not in mapping:
         raise TokenizerError(f"{where}: missing key {key!r}")
-    return _optional(mapping, key, kind, where, required=True)
+    return optional_field(mapping, key, kind, where, required=True)
 
 
-def _optional(mapping: dict, key: str, kind: type | tuple[type, ...], where: str, default: Any = None,
-              *, required: bool = False) -> Any:
+def optional_field(mapping: dict, key: str, kind: type | tuple[type, ...], where: str, default: Any = None,
+                   *, required: bool = False) -> Any:
     """``mapping[key]`` checked to be of type ``kind`` (a boolean is never an int); ``default`` when
     the key is absent or null (unless ``required``). TokenizerError names ``where``, the key and both types."""
     value = mapping.get(key)

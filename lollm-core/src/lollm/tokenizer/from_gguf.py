@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lollm.errors import TokenizerError
-from lollm.gguf.reader import GGUFFile, StringArray
+from lollm.gguf.metadata import StringArray
+from lollm.gguf.reader import GGUFFile
 from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE, byte_token
 from lollm.tokenizer.chat import ChatTemplate
@@ -387,7 +388,7 @@ def _chat_templates(metadata: Mapping[str, object], source: str) -> dict[str, Ch
 def _get(metadata: Mapping[str, object], key: str, kind: type, source: str, *, lazy: bool = False) -> Any:
     """``metadata["tokenizer.ggml." + key]`` checked to be of type ``kind``, or None when absent.
 
-    A numpy array becomes a list; with ``lazy``, a GGUF :class:`~lollm.gguf.reader.StringArray`
+    A numpy array becomes a list; with ``lazy``, a GGUF :class:`~lollm.gguf.metadata.StringArray`
     stays one (its strings are then decoded one at a time as the caller iterates).
     """
     value = metadata.get(PREFIX + key)

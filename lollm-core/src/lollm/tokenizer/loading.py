@@ -46,7 +46,7 @@ from lollm.tokenizer.added_tokens import AddedToken, AddedVocabulary
 from lollm.tokenizer.bpe import BPE
 from lollm.tokenizer.chat import ChatTemplate
 from lollm.tokenizer.decoders import ByteLevelDecoder, Decoder, SentencePieceDecoder, build_decoder
-from lollm.tokenizer.fields import _max_bytes, _optional, _present, _read_json_object, _read_text, _require
+from lollm.tokenizer.fields import file_present, max_bytes_for, optional_field, read_json_object, read_text, require_field
 from lollm.tokenizer.normalize import Normalizer, build_normalizer
 from lollm.tokenizer.pretokenize import (
     QWEN2_PATTERN,
@@ -92,19 +92,19 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a folder{hint}")
 
     config_path = folder / TOKENIZER_CONFIG_JSON
-    config = _read_json_object(config_path) if _present(config_path) else {}
+    config = read_json_object(config_path) if file_present(config_path) else {}
 
     tokenizer_json = folder / TOKENIZER_JSON
     vocab_json, merges_txt = folder / VOCAB_JSON, folder / MERGES_TXT
-    if _present(tokenizer_json):
+    if file_present(tokenizer_json):
         pipeline = _read_tokenizer_json(tokenizer_json)
         class_defaults: dict[str, str] = {}
-    elif _present(folder / TOKENIZER_MODEL):
+    elif file_present(folder / TOKENIZER_MODEL):
         pipeline, class_defaults = _read_sentencepiece_model(folder / TOKENIZER_MODEL, config, config_path)
-    elif _present(vocab_json) and _present(merges_txt):
+    elif file_present(vocab_json) and file_present(merges_txt):
         pipeline, class_defaults = _read_vocab_and_merges(vocab_json, merges_txt, config, config_path)
-    elif _present(vocab_json) or _present(merges_txt):
-        missing = MERGES_TXT if _present(vocab_json) else VOCAB_JSON
+    elif file_present(vocab_json) or file_present(merges_txt):
+        missing = MERGES_TXT if file_present(vocab_json) else VOCAB_JSON
         raise TokenizerError(f"{folder} has no {TOKENIZER_JSON}, and its GPT-2 style tokenizer lacks {missing}")
     else:
         raise TokenizerError(
@@ -132,9 +132,9 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
 
 
 def _read_tokenizer_json(path: Path) -> _Pipeline:
-    data = _read_json_object(path)
+    data = read_json_object(path)
     where = str(path)
-    model_spec = _require(data, "model", dict, where)
+    model_spec = require_field(data, "model", dict, where)
     model = _build_bpe(model_spec, where)
     normalizer = build_normalizer(data.get("normalizer"), where)
     pre_tokenizer = build_pre_tokenizer(data.get("pre_tokenizer"), where)
@@ -154,7 +154,7 @@ def _read_tokenizer_json(path: Path) -> _Pipeline:
         raise TokenizerError(
             f"{where}: the pre_tokenizer has a ByteLevel step, but the decoder is SentencePiece-style"
         )
-    entries = _optional(data, "added_tokens", list, where, [])
+    entries = optional_field(data, "added_tokens", list, where, [])
     added = [_added_token(entry, f"{where} added_tokens[{i}]") for i, entry in enumerate(entries)]
     post = _parse_post_processor(data.get("post_processor"), where) if data.get("post_processor") is not None else None
     return _Pipeline(
@@ -174,8 +174,8 @@ def _build_bpe(spec: dict, where: str) -> BPE:
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if spec.get(key):
             raise TokenizerError(f"{where}: BPE {key} {spec[key]!r} is not implemented by lollm")
-    vocab = _check_vocab(_require(spec, "vocab", dict, f"{where} model"), f"{where} model.vocab")
-    raw_merges = _require(spec, "merges", list, f"{where} model")
+    vocab = _check_vocab(require_field(spec, "vocab", dict, f"{where} model"), f"{where} model.vocab")
+    raw_merges = require_field(spec, "merges", list, f"{where} model")
     merges = []
     for i, merge in enumerate(raw_merges):
         # Two spellings exist: ["Ġ", "t"] (tokenizers >= 0.20) and "Ġ t" (older files).
@@ -191,10 +191,10 @@ def _build_bpe(spec: dict, where: str) -> BPE:
     return BPE(
         vocab,
         merges,
-        unk_token=_optional(spec, "unk_token", str, f"{where} model"),
-        fuse_unk=_optional(spec, "fuse_unk", bool, f"{where} model", False),
-        byte_fallback=_optional(spec, "byte_fallback", bool, f"{where} model", False),
-        ignore_merges=_optional(spec, "ignore_merges", bool, f"{where} model", False),
+        unk_token=optional_field(spec, "unk_token", str, f"{where} model"),
+        fuse_unk=optional_field(spec, "fuse_unk", bool, f"{where} model", False),
+        byte_fallback=optional_field(spec, "byte_fallback", bool, f"{where} model", False),
+        ignore_merges=optional_field(spec, "ignore_merges", bool, f"{where} model", False),
         source=where,
     )
 
@@ -209,19 +209,19 @@ def _check_vocab(vocab: dict, where: str) -> dict[str, int]:
 def _added_token(entry: Any, where: str) -> AddedToken:
     if not isinstance(entry, dict):
         raise TokenizerError(f"{where}: must be an object, got {entry!r}")
-    content = _require(entry, "content", str, where)
+    content = require_field(entry, "content", str, where)
     if not content:
         raise TokenizerError(f"{where}: 'content' is empty; an added token needs some text")
-    special = _optional(entry, "special", bool, where, False)
+    special = optional_field(entry, "special", bool, where, False)
     return AddedToken(
-        id=_require(entry, "id", int, where),
+        id=require_field(entry, "id", int, where),
         content=content,
         special=special,
-        lstrip=_optional(entry, "lstrip", bool, where, False),
-        rstrip=_optional(entry, "rstrip", bool, where, False),
-        single_word=_optional(entry, "single_word", bool, where, False),
+        lstrip=optional_field(entry, "lstrip", bool, where, False),
+        rstrip=optional_field(entry, "rstrip", bool, where, False),
+        single_word=optional_field(entry, "single_word", bool, where, False),
         # tokenizers' default: special tokens are matched on the raw text.
-        normalized=_optional(entry, "normalized", bool, where, not special),
+        normalized=optional_field(entry, "normalized", bool, where, not special),
     )
 
 
@@ -235,7 +235,7 @@ def _parse_post_processor(spec: Any, where: str) -> tuple[list[int], list[int]]:
     if kind == "Sequence":
         prefix: list[int] = []
         suffix: list[int] = []
-        for sub in _optional(spec, "processors", list, f"{where} post_processor", []):
+        for sub in optional_field(spec, "processors", list, f"{where} post_processor", []):
             sub_prefix, sub_suffix = _parse_post_processor(sub, where)
             # each processor wraps the result of the previous one
             prefix, suffix = sub_prefix + prefix, suffix + sub_suffix
@@ -247,8 +247,8 @@ def _parse_post_processor(spec: Any, where: str) -> tuple[list[int], list[int]]:
 
 def _template_ids(spec: dict, where: str) -> tuple[list[int], list[int]]:
     """The ids a ``TemplateProcessing`` post-processor's ``single`` template puts around ``$A``."""
-    single = _require(spec, "single", list, f"{where} post_processor")
-    special = _optional(spec, "special_tokens", dict, f"{where} post_processor", {})
+    single = require_field(spec, "single", list, f"{where} post_processor")
+    special = optional_field(spec, "special_tokens", dict, f"{where} post_processor", {})
     prefix, suffix = [], []
     seen_sequence = False
     for item in single:
@@ -296,7 +296,7 @@ def _read_vocab_and_merges(
     vocab_path: Path, merges_path: Path, config: dict, config_path: Path
 ) -> tuple[_Pipeline, dict[str, str]]:
     # GPT-2's own folder has no tokenizer_class at all: the format *is* GPT-2's.
-    class_name = _optional(config, "tokenizer_class", str, str(config_path)) or "GPT2Tokenizer"
+    class_name = optional_field(config, "tokenizer_class", str, str(config_path)) or "GPT2Tokenizer"
     class_name = class_name.removesuffix("Fast")
     if class_name not in _GPT2_STYLE_CLASSES:
         raise TokenizerError(
@@ -304,12 +304,12 @@ def _read_vocab_and_merges(
             f"by lollm (known: {', '.join(sorted(_GPT2_STYLE_CLASSES))})"
         )
     build, defaults = _GPT2_STYLE_CLASSES[class_name]
-    normalizer, pre_tokenizer = build(_optional(config, "add_prefix_space", bool, str(config_path), False))
+    normalizer, pre_tokenizer = build(optional_field(config, "add_prefix_space", bool, str(config_path), False))
 
-    vocab_data = _read_json_object(vocab_path)
+    vocab_data = read_json_object(vocab_path)
     vocab = _check_vocab(vocab_data, str(vocab_path))
     merges = []
-    for line_no, line in enumerate(_read_text(merges_path).split("\n"), start=1):
+    for line_no, line in enumerate(read_text(merges_path).split("\n"), start=1):
         line = line.rstrip("\r")
         if not line or (line_no == 1 and line.startswith("#version")):
             continue
@@ -338,7 +338,7 @@ def _read_sentencepiece_model(path: Path, config: dict, config_path: Path) -> tu
     normalized text, exactly as SentencePiece does.
     """
     where = str(path)
-    sp = sentencepiece.parse_model_proto(read_file(path, max_bytes=_max_bytes(path), error=TokenizerError), where)
+    sp = sentencepiece.parse_model_proto(read_file(path, max_bytes=max_bytes_for(path), error=TokenizerError), where)
     if sp.model_type != sentencepiece.BPE_MODEL:
         name = sentencepiece.MODEL_TYPE_NAMES.get(sp.model_type, str(sp.model_type))
         raise TokenizerError(f"{where}: SentencePiece model type {name} is not implemented by lollm (only BPE)")
@@ -373,7 +373,7 @@ def _read_sentencepiece_model(path: Path, config: dict, config_path: Path) -> tu
         if 0 <= token_id < len(sp.pieces):
             defaults[name] = sp.pieces[token_id][0]
     post_processor = None
-    class_name = (_optional(config, "tokenizer_class", str, str(config_path)) or "").removesuffix("Fast")
+    class_name = (optional_field(config, "tokenizer_class", str, str(config_path)) or "").removesuffix("Fast")
     if class_name in _BOS_BY_DEFAULT_CLASSES:
         bos = _token_content(config.get("bos_token"), f"{config_path} 'bos_token'") or defaults.get("bos_token")
         if bos is None or bos not in model.vocab:
@@ -518,7 +518,7 @@ def _post_processor_ids(
     ids = {t.content: t.id for t in added_tokens}
     prefix, suffix = [], []
     for flag, name, target in (("add_bos_token", "bos_token", prefix), ("add_eos_token", "eos_token", suffix)):
-        if _optional(config, flag, bool, str(config_path), False):
+        if optional_field(config, flag, bool, str(config_path), False):
             content = special_tokens.get(name)
             if content is None:
                 raise TokenizerError(f"{config_path}: {flag} is true but no {name} is named")
@@ -537,18 +537,18 @@ def _read_chat_templates(folder: Path, config: dict, config_path: Path) -> dict[
             where = f"{config_path} chat_template[{i}]"
             if not isinstance(entry, dict):
                 raise TokenizerError(f"{where}: must be an object with 'name' and 'template'")
-            name = _require(entry, "name", str, where)
-            templates[name] = ChatTemplate(_require(entry, "template", str, where), f"{where} ({name!r})")
+            name = require_field(entry, "name", str, where)
+            templates[name] = ChatTemplate(require_field(entry, "template", str, where), f"{where} ({name!r})")
     elif value is not None:
         raise TokenizerError(f"{config_path}: 'chat_template' must be a string or a list, got {type(value).__name__}")
 
     jinja_path = folder / CHAT_TEMPLATE_JINJA
-    if _present(jinja_path):
-        templates["default"] = ChatTemplate(_read_text(jinja_path), str(jinja_path))
+    if file_present(jinja_path):
+        templates["default"] = ChatTemplate(read_text(jinja_path), str(jinja_path))
     extra_dir = folder / ADDITIONAL_CHAT_TEMPLATES_DIR
     if (extra_dir.exists() or extra_dir.is_symlink()) and not extra_dir.is_dir():
         raise TokenizerError(f"{extra_dir} is not a folder; it should hold one <name>.jinja chat template per file")
     if extra_dir.is_dir():
         for path in sorted(extra_dir.glob("*.jinja")):
-            templates[path.stem] = ChatTemplate(_read_text(path), str(path))
+            templates[path.stem] = ChatTemplate(read_text(path), str(path))
     return templates

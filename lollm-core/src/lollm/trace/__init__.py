@@ -4,7 +4,7 @@ A trace is one forward pass of a prompt, recorded and drawn as a single HTML
 page (``lollm trace MODEL -p PROMPT``; docs/trace.md). Most of it needs
 nothing from a family beyond the model contract (:mod:`lollm.model`): the
 hidden states, the attention probabilities (recorded by
-:func:`lollm.attention.recording`) and the logit lens (``model.logit_lens``).
+:func:`lollm.trace.attention.recording`) and the logit lens (``model.logit_lens``).
 
 What is a family's *own* (the gates of a Gated DeltaNet layer, a router's
 choice of experts, a final soft-cap) it hands over with one of three calls,

@@ -45,6 +45,14 @@ class AttentionRecording:
 _recorder: ContextVar[AttentionRecording | None] = ContextVar("lollm_attention_recorder", default=None)
 
 
+def active_recording() -> AttentionRecording | None:
+    """The recording of the innermost :func:`recording` block around this call, None outside any.
+
+    :func:`lollm.attention.attend` asks it on every call: None costs nothing more.
+    """
+    return _recorder.get()
+
+
 @contextmanager
 def recording() -> Iterator[AttentionRecording]:
     """``with recording() as rec:``: every :func:`attend` inside records its probabilities in ``rec.records``.

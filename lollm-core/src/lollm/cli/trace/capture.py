@@ -10,7 +10,7 @@ position at once, as the parity gate does) and keeps:
    output head (``model.logit_lens``), softmaxed; per position the top 5 next
    tokens and the probability and rank of the token that really comes next;
 3. the attention probabilities of every attention call
-   (:func:`lollm.attention.recording`), one (H, T, S) tensor per layer;
+   (:func:`lollm.trace.attention.recording`), one (H, T, S) tensor per layer;
 4. what the family records of its own internals (:mod:`lollm.trace`).
 
 :func:`compare` adds the divergence from a reference (transformers, as in the
@@ -27,11 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from lollm import attention
-
-from lollm.generate import memory
 from lollm.errors import LollmError
+from lollm.generate import memory
 from lollm.trace import Internal, recording_internals
+from lollm.trace.attention import AttentionRecord, recording
 
 #: Next tokens the logit lens keeps per layer and position.
 LENS_TOP = 5
@@ -101,7 +100,7 @@ class Trace:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _on_position_grid(record: attention.AttentionRecord, T: int) -> torch.Tensor:
+def _on_position_grid(record: AttentionRecord, T: int) -> torch.Tensor:
     """(1, H, Tq, S) probabilities with their key positions -> (H, T, T), keys in position order."""
     probs = record.probs[0].float().cpu()  # (H, Tq, S)
     H = probs.shape[0]
@@ -164,7 +163,7 @@ def capture(model: Any, ids: list[int], *, pieces: Callable[[list[int]], list[st
     device = torch.device(device)
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     hidden: list[torch.Tensor] = []
-    with torch.inference_mode(), attention.recording() as attn, recording_internals(model) as own:
+    with torch.inference_mode(), recording() as attn, recording_internals(model) as own:
         logits = model(input_ids, None, hidden_states=hidden)[0].float().cpu()  # (T, V)
         num_layers = int(getattr(model, "num_layers", len(hidden) - 1))
         if len(hidden) != num_layers + 1:
@@ -232,7 +231,7 @@ class CaptureShape:
 def capture_shape(model: Any, device: torch.device | str = "cpu") -> CaptureShape:
     """Run one token through ``model`` (no cache) and read off what a longer capture would keep per token."""
     hidden: list[torch.Tensor] = []
-    with torch.inference_mode(), attention.recording() as attn:
+    with torch.inference_mode(), recording() as attn:
         model(torch.zeros(1, 1, dtype=torch.long, device=device), None, hidden_states=hidden)
     heads = [int(r.probs.shape[1]) for r in attn.records]
     width = int(hidden[0].shape[-1]) if hidden else 0
