@@ -18,10 +18,10 @@ from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
-from lollm.load.inventory import inspect_checkpoint
+from lollm.cli.inventory import inspect_checkpoint
 from lollm.load.loader import _looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
-from lollm.load.real_models import cache_dir
+from lollm.cli.real_models import cache_dir
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
 # Lazy import below: lollm.generate.conversation imports torch; only tokenize --chat --think needs it.

@@ -5,7 +5,7 @@ Two caches are listed:
     read through ``huggingface_hub.scan_cache_dir`` (never by walking its folders here: the
     library owns that layout);
   * lollm's own cache (``$LOLLM_CACHE`` or ``~/.cache/lollm``, see
-    :func:`lollm.load.real_models.cache_dir`): the ``.gguf`` files and the safetensors
+    :func:`lollm.cli.real_models.cache_dir`): the ``.gguf`` files and the safetensors
     checkpoint folders (a ``config.json`` beside ``*.safetensors``) found under it.
 
 Each model is one :class:`ModelRow`: what to pass to ``lollm run``, its format, its
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Iterable
 
 from lollm.errors import CheckpointError, LollmError
-from lollm.load.inventory import inspect_checkpoint
+from lollm.cli.inventory import inspect_checkpoint
 from lollm.load.loader import _hub_gguf_file, _looks_like_repo_id, download_repo, read_json
 from lollm.load.plugins import GGUF_ARCHITECTURE, MODEL_TYPE, Registry, get_registry
-from lollm.load.real_models import cache_dir
+from lollm.cli.real_models import cache_dir
 
 # Lazy import below: huggingface_hub (a scan of its cache) only where lollm list reads that cache.
 

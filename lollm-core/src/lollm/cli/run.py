@@ -215,7 +215,8 @@ def chat(
     check_family(options.family)
     check_model_exists(model)
 
-    from lollm.generate.conversation import ChatSession, repl
+    from lollm.cli.chat import repl
+    from lollm.generate.conversation import ChatSession
     from lollm.generate.loop import stop_token_ids
     from lollm.load.pipeline import open_model
     from lollm.generate.sampling import resolve_sampling

@@ -49,7 +49,7 @@ from lollm.load.loader import load_checkpoint
 from lollm.load.plugins import Registry, build_registry
 from lollm.proof.parity import default_reference
 from lollm.testing.conformance import SEQUENCE_LENGTH, NoiseFloor, measure_noise_floor
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 __all__ = ["BUG_CLASSES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant", "NUMERIC_TESTS", "bf16_softmax_attend",
