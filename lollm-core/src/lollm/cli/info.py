@@ -12,19 +12,19 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.inputs import messages, read_tokenize_text
+from lollm.cli.inventory import inspect_checkpoint
 from lollm.cli.models import list_models, rows_json
 from lollm.cli.models import pull as fetch
 from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
-from lollm.cli.inventory import inspect_checkpoint
 from lollm.load.loader import _looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
-from lollm.cli.real_models import cache_dir
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
-# Lazy import below: lollm.generate.conversation imports torch; only tokenize --chat --think needs it.
+# Lazy imports below: lollm.generate.conversation imports torch, and only tokenize --chat --think needs it;
+# lollm.cli.real_models, for lollm list's empty answer only (why it waits: lollm.cli.models).
 
 
 def new_family(
@@ -118,6 +118,8 @@ def list_(
         print(rows_json(rows))
         return
     if not rows:
+        from lollm.cli.real_models import cache_dir
+
         out.print(f"No model in the Hugging Face cache or in {escape(str(cache_dir()))}. "
                   f"Fetch one: lollm pull org/name (or org/name:Q4_K_M for a GGUF repo).")
         return
