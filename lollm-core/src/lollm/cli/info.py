@@ -23,7 +23,7 @@ from lollm.load.loader import _looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
-# Lazy imports below: lollm.generate.conversation imports torch, and only tokenize --chat --think needs it;
+# Lazy imports below: lollm.load.pipeline imports torch, and only tokenize --chat needs it (template_flags);
 # lollm.cli.real_models, for lollm list's empty answer only (why it waits: lollm.cli.models).
 
 
@@ -77,9 +77,9 @@ def tokenize(
     if think is not None and not chat:
         raise LollmError("--think/--no-think applies to the chat template: add --chat")
     if chat:
-        from lollm.generate.conversation import thinking_flags
+        from lollm.load.pipeline import template_flags
 
-        flags = thinking_flags(tokenizer, think, model)
+        flags = template_flags(tokenizer, think, model)
         rendered = tokenizer.apply_chat_template(messages(text, system), add_generation_prompt=True, **flags)
         ids = tokenizer.encode_chat(messages(text, system), add_generation_prompt=True, parse_special=parse_special,
                                     **flags)

@@ -33,25 +33,9 @@ from lollm.generate.loop import GenerationResult, generate
 from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams
 from lollm.load.pipeline import LoadedModel
-from lollm.tokenizer import Tokenizer
 
 #: The session context (``--ctx-size``) when none is given, capped by the model's own.
 DEFAULT_CONTEXT = 4096
-
-
-def thinking_flags(tokenizer: Tokenizer, think: bool | None, model: str) -> dict[str, bool]:
-    """The template keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
-
-    Decided from the chat template itself: a template that does not read
-    ``enable_thinking`` cannot be switched, and asking for it is an error naming the model.
-    """
-    if think is None:
-        return {}
-    if not tokenizer.chat_template_reads("enable_thinking"):
-        raise LollmError(
-            f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
-        )
-    return {"enable_thinking": think}
 
 
 class ChatSession:
