@@ -10,6 +10,10 @@ beside it. Each folder's SOURCE.md says where its files were found.
 
 ``$LOLLM_HUB_CONFIGS`` points at another folder of the same layout instead.
 
+They live with the commands: ``lollm new-family`` writes its tiny test config from one, and
+the kit (:mod:`lollm.testing`, the layer above) builds its tiny models from them; no checkpoint
+loads through them.
+
 Usage::
 
     from lollm.cli.hub_configs import hub_config, hub_file

@@ -17,6 +17,10 @@ Usage::
     python -m lollm.cli.real_models qwen2.5-coder-0.5b-instruct --gguf   # prints the .gguf path
 
 The conversion needs transformers, gguf and accelerate (``lollm-core[parity]``).
+
+It lives with the commands, not with loading: ``lollm list`` reads its cache folder
+(:func:`cache_dir`), and nothing in core loads through it; the tests, the kit
+(:mod:`lollm.testing`, the layer above) and the benchmarks fetch with it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""``lollm chat``: a conversation with one model in the terminal, reusing its cache from turn to turn.
+"""A conversation with one model, reusing its cache from turn to turn: what ``lollm chat`` runs.
 
 ::
 
-    >>> you type a message
+    a user message
         the chat template renders the whole conversation ─► token ids
         the prompt cache keeps what the last turn computed ─► only the new part is prefilled
-        the answer streams out; Ctrl-C stops it (the conversation stays), Ctrl-D quits
-    >>> /stats   tokens reused from the cache vs prefilled, for the last turn
-    >>> /drop N  forget the oldest N turns     /reset   start over     /quit   leave
+        the answer streams out (``should_stop`` ends it early; the conversation keeps what came)
+    then: the answer joins the conversation; drop_oldest(N) and reset() forget turns
 
 A full context does not end the conversation. A turn is a user message and
 its answer; when the next message would leave too little of the context
@@ -18,10 +17,8 @@ message is refused instead, with an error that names ``/drop N`` and
 ``/reset``; a message too long on its own is refused either way.
 
 :class:`ChatSession` holds the conversation (messages, template flags, a
-:class:`~lollm.generate.prompt_cache.PromptCache`); :func:`repl` reads lines and
-prints answers. Line editing and history come from prompt_toolkit (the
-``lollm-core[chat]`` extra) when the terminal is interactive; piped input is
-read line by line without it.
+:class:`~lollm.generate.prompt_cache.PromptCache`). The terminal around it (reading
+lines, ``/stats``, ``/drop N``, ``/reset``, Ctrl-C) is a command's, in :mod:`lollm.cli.chat`.
 """
 
 from __future__ import annotations
