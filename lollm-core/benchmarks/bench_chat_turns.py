@@ -53,7 +53,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from lollm.load.real_models import derive_safetensors
+        from lollm.cli.real_models import derive_safetensors
 
         args.model = str(derive_safetensors("qwen2.5-coder-0.5b-instruct"))
     loaded = open_model(args.model, LoadOptions(device="cpu", dtype="float32"))

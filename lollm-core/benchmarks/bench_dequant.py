@@ -82,7 +82,7 @@ def bench_types(n_weights: int, repeat: int) -> None:
 def bench_file(name: str) -> None:
     import gguf
     from lollm.gguf import GGUFFile
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     path = fetch_gguf(name)
     t0 = time.perf_counter()

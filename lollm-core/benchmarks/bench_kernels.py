@@ -351,7 +351,7 @@ def main() -> None:
 
     threads = apply_threads(args.threads).threads
     if args.model is None and not args.skip_model:
-        from lollm.load.real_models import fetch_gguf
+        from lollm.cli.real_models import fetch_gguf
 
         args.model = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
     if args.worker:

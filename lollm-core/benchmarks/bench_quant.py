@@ -35,7 +35,7 @@ import torch
 from lollm.load.options import LoadOptions
 from lollm.proof.bench import (LlamaCppEngine, LollmEngine, alternate, machine_load, measure_load, peak_bytes, prompt_ids,
                          reset_peak, rss_bytes)
-from lollm.load.real_models import fetch_gguf
+from lollm.cli.real_models import fetch_gguf
 
 MODELS = {"qwen": "qwen2.5-coder-0.5b-instruct", "gemma": "gemma-3-270m"}
 GREEDY_PROMPT = "The history of the Roman Empire begins with the founding of the city of Rome, which legend dates to"

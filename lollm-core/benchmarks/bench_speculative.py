@@ -41,7 +41,7 @@ from lollm.generate.loop import generate
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
 from lollm.generate.sampling import SamplingParams
-from lollm.load.real_models import fetch_gguf
+from lollm.cli.real_models import fetch_gguf
 
 MODELS = {"qwen": "qwen2.5-coder-0.5b-instruct", "gemma": "gemma-3-270m"}
 

@@ -62,7 +62,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from lollm.load.real_models import fetch_gguf
+        from lollm.cli.real_models import fetch_gguf
 
         args.model = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
     loaded = open_model(args.model, LoadOptions(device="cpu", weights="auto"))

@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
-        from lollm.load.real_models import fetch_gguf
+        from lollm.cli.real_models import fetch_gguf
 
         args.model = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
     if args.worker:

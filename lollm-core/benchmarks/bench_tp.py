@@ -53,7 +53,7 @@ FAMILIES = {
 
 
 def write_checkpoint(family: str, folder: Path) -> Path:
-    from lollm.load.hub_configs import hub_configs_dir
+    from lollm.cli.hub_configs import hub_configs_dir
     from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
 
     hub, text, overrides = FAMILIES[family]

@@ -2,7 +2,7 @@
 
 Run: ``python lollm-core/benchmarks/compare_grammar_libraries.py`` (needs both libraries:
 ``pip install xgrammar==0.2.9 llguidance==1.9.1``, and the real GGUF tokenizers of
-lollm.load.real_models). Prints, for the real Qwen2.5 tokenizer (151,936 ids) and the
+lollm.cli.real_models). Prints, for the real Qwen2.5 tokenizer (151,936 ids) and the
 real Gemma 3 tokenizer (262,144 ids), both read by lollm's own tokenizer code:
 
 * the vocabulary preparation (once per tokenizer),
@@ -141,7 +141,7 @@ def _llguidance(tokenizer, vocab: list[bytes], stop: list[int], answer_ids: list
 
 
 def main() -> None:
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
     from lollm.tokenizer import load_gguf_tokenizer
 
     text = json.dumps(ANSWER)

@@ -82,7 +82,7 @@ def tiny_checkpoints(root: Path) -> dict[str, Path]:
     return made
 
 
-REAL = {  # name in lollm.load.real_models -> hub config of the same shape (lollm.load.hub_configs)
+REAL = {  # name in lollm.cli.real_models -> hub config of the same shape (lollm.cli.hub_configs)
     "qwen2.5-coder-0.5b-instruct": "Qwen__Qwen2.5-0.5B",
     "gemma-3-270m": "google__gemma-3-270m-it",
 }
@@ -94,8 +94,8 @@ def real_checkpoints(root: Path, given: dict[str, str | None]) -> dict[str, tupl
     Returns name -> (folder, "real" or "random weights, real shape"). Nothing is
     downloaded: a GPU machine may reach no network.
     """
-    from lollm.load.hub_configs import hub_configs_dir
-    from lollm.load.real_models import cache_dir
+    from lollm.cli.hub_configs import hub_configs_dir
+    from lollm.cli.real_models import cache_dir
     from lollm.testing.tiny import write_tiny_checkpoint
 
     out = {}

@@ -133,7 +133,7 @@ def write(tmp: Path, name: str, data: bytes) -> Path:
 @pytest.fixture(scope="session")
 def qwen25_gguf() -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K / Q5_0 / Q6_K / Q8_0 / F32)."""
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("qwen2.5-coder-0.5b-instruct")
 
@@ -141,7 +141,7 @@ def qwen25_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """The real Gemma 3 270M GGUF (Q4_K_M)."""
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("gemma-3-270m")
 

@@ -181,7 +181,7 @@ def test_serve_and_chat_name_their_extra_when_it_is_missing(monkeypatch):
                           env={**__import__("os").environ, "NO_COLOR": "1", "COLUMNS": "200"})
     assert done.returncode == 2 and "lollm-core[serve]" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
-    from lollm.generate.conversation import _line_reader
+    from lollm.cli.chat import _line_reader
     from lollm.errors import LollmError
 
     monkeypatch.setitem(sys.modules, "prompt_toolkit", None)

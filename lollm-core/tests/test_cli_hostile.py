@@ -353,10 +353,10 @@ def test_a_chat_session_takes_no_silent_default_context(toy_visible, ckpt):
 
 
 def test_a_piped_line_is_bounded(invoke, ckpt, monkeypatch):
-    import lollm.generate.conversation as conversation
+    import lollm.cli.chat as chat
     from lollm.errors import LollmError
 
-    assert conversation.MAX_LINE_CHARS == 2**20
-    monkeypatch.setattr(conversation, "MAX_LINE_CHARS", 100)
+    assert chat.MAX_LINE_CHARS == 2**20
+    monkeypatch.setattr(chat, "MAX_LINE_CHARS", 100)
     done = invoke("chat", ckpt, stdin="x" * 150 + "\n")
     assert isinstance(done.exception, LollmError) and "longer than 100 characters" in str(done.exception)

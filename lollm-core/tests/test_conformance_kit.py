@@ -12,7 +12,7 @@ import torch
 
 from lollm.testing.conformance import reference_sensitivity
 from lollm.testing.schedules import chunk_schedules, sliding_window_of
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, SENSITIVE_NORM_EPS, shrink_config, write_tiny_checkpoint
 
 

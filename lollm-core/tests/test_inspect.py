@@ -21,7 +21,7 @@ def _inspect(target: Path) -> dict:
 @pytest.mark.real
 def test_real_qwen_gguf_counts_match_models_md():
     """/work/shared/models.md: 291 tensors: F32 121, Q5_0 133, Q8_0 13, Q6_K 12, Q4_K 12."""
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     path = fetch_gguf("qwen2.5-coder-0.5b-instruct")
     data = _inspect(path)
@@ -85,7 +85,7 @@ def test_safetensors_folder_table_matches_the_file(tmp_path):
 @pytest.mark.real
 def test_tokenize_reads_a_gguf_files_tokenizer(qwen25_dir):
     """`lollm tokenize FILE.gguf` builds the tokenizer from the GGUF metadata; ids equal the folder's."""
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     qwen25_gguf = fetch_gguf("qwen2.5-coder-0.5b-instruct")
     text = "def f(x):\n    return x * 2  # 双倍 🤖"

@@ -12,7 +12,7 @@ import pytest
 
 from lollm.testing.schedules import SEQUENCE_LENGTH, chunk_schedules
 from lollm.testing.coverage import CoverageError, check_coverage, layer_kinds
-from lollm.load.hub_configs import available, hub_config, hub_configs_dir
+from lollm.cli.hub_configs import available, hub_config, hub_configs_dir
 from lollm.testing.tiny import SENSITIVE_NORM_EPS, kit_config, shrink_config
 
 

@@ -11,7 +11,7 @@ import torch
 from lollm.load.loader import load_checkpoint
 from lollm.proof.parity import default_reference
 from lollm.testing.conformance import BOUND_FLOOR, NOISE_FACTOR, measure_noise_floor
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 

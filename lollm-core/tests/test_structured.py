@@ -31,7 +31,7 @@ SCHEMAS = {"boolean": BOOLEAN, "enum": ENUM}
 def vocabulary(request):
     """(tokenizer, vocab_size, stop ids) of a real GGUF."""
     from lollm.gguf import GGUFFile
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
     from lollm.tokenizer import load_gguf_tokenizer
 
     path = fetch_gguf(request.param)

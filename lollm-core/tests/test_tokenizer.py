@@ -798,7 +798,7 @@ def test_encode_chat_keeps_message_text_out_of_the_control_tokens(qwen: Tokenize
 
 
 def test_chat_template_reads_tells_which_flags_a_template_uses():
-    from lollm.load.hub_configs import hub_file
+    from lollm.cli.hub_configs import hub_file
     from lollm.tokenizer.chat import ChatTemplate
 
     def template(name: str) -> ChatTemplate:

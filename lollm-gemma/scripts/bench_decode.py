@@ -3,7 +3,7 @@
     python lollm-gemma/scripts/bench_decode.py [FOLDER] [--prompt-tokens 512] [--new-tokens 64] [--threads N] [--rounds R]
 
 FOLDER defaults to the real Gemma 3 270M derived by
-``lollm.load.real_models.derive_safetensors("gemma-3-270m")``. Both engines run
+``lollm.cli.real_models.derive_safetensors("gemma-3-270m")``. Both engines run
 fp32 on the CPU, greedy, batch 1, on the same token ids, one after the other in
 child processes (so they never share memory). Each one: a warm-up generation,
 then the timed one. Prefill = the prompt's forward; decode tok/s = (new_tokens - 1)
@@ -94,7 +94,7 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.folder is None:
-        from lollm.load.real_models import derive_safetensors
+        from lollm.cli.real_models import derive_safetensors
 
         args.folder = str(derive_safetensors("gemma-3-270m"))
     if args.worker:

@@ -2,7 +2,7 @@
 several distributions together never import another distribution's helpers).
 
 Tiny random checkpoints are written by transformers itself from the *real*
-hub config.json files shipped with lollm-core (:mod:`lollm.load.hub_configs`),
+hub config.json files shipped with lollm-core (:mod:`lollm.cli.hub_configs`),
 shrunk to tiny dimensions with a sliding window of a few tokens, so that
 prompts several windows long run in milliseconds. Each checkpoint is written
 once per session (see the ``tiny`` fixture in conftest.py).
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from lollm.load.options import LoadOptions
-from lollm.load.hub_configs import hub_configs_dir
+from lollm.cli.hub_configs import hub_configs_dir
 
 REPO = Path(__file__).resolve().parents[2]
 HUB_CONFIGS = hub_configs_dir()

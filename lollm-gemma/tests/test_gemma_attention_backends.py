@@ -131,7 +131,7 @@ def test_parity_cli_with_triton_attention_in_the_interpreter(tmp_path):
 
     from _gemma_testing import TINY
 
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
     from lollm.testing.tiny import write_tiny_checkpoint
 
     import triton  # noqa: F401  (lollm-core[triton])

@@ -49,14 +49,14 @@ def _lollm(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def gemma3_gguf() -> Path:
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("gemma-3-270m")
 
 
 @pytest.fixture(scope="module")
 def gemma3_dir() -> Path:
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     return derive_safetensors("gemma-3-270m")
 

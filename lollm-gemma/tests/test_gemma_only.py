@@ -43,7 +43,7 @@ def test_gemma_runs_and_qwen2_is_refused_naming_lollm_qwen(tmp_path):
     assert "lollm-qwen" not in _family_distributions(), (
         "lollm-qwen is installed: run this test in the nox 'gemma' session (lollm-core + lollm-gemma only)"
     )
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
     from lollm.testing.tiny import write_tiny_checkpoint
 
     # a tiny random gemma3 with the real Gemma 3 tokenizer (its 262144-piece vocabulary)

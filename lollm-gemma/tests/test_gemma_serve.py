@@ -76,7 +76,7 @@ def test_gemma4_think_is_decided_by_its_template(tiny, tmp_path):
     from typer.testing import CliRunner
 
     from lollm.cli import app
-    from lollm.load.hub_configs import hub_file
+    from lollm.cli.hub_configs import hub_file
     from lollm.testing.tiny import write_tiny_tokenizer
 
     folder = tmp_path / "gemma4"

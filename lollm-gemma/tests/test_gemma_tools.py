@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from lollm.serve.server import ApiError, ModelServer
-from lollm.load.hub_configs import hub_file
+from lollm.cli.hub_configs import hub_file
 from lollm.testing.tiny import write_tiny_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {

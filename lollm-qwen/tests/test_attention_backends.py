@@ -122,7 +122,7 @@ def test_parity_cli_with_triton_attention_in_the_interpreter(tiny_checkpoint, tm
     import subprocess
     import sys
 
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     import triton  # noqa: F401  (lollm-core[triton])
 

@@ -308,7 +308,7 @@ def test_load_and_generate_import_neither_dynamo_nor_triton(tiny_gguf):
 
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return fetch_gguf("qwen2.5-coder-0.5b-instruct")
 

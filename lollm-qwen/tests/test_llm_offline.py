@@ -112,7 +112,7 @@ def test_the_docs_snippet_runs_on_a_tiny_checkpoint(chat_checkpoint, capsys, doc
 @pytest.fixture(scope="module")
 def real_llm():
     from lollm.engine.llm import LLM
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     return LLM(str(fetch_gguf("qwen2.5-coder-0.5b-instruct")))
 
@@ -141,7 +141,7 @@ def test_real_gguf_8_prompts_equal_their_solo_greedy_runs(real_llm):
 
 @pytest.mark.real
 def test_the_docs_snippet_runs_on_the_real_gguf(capsys):
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     namespace = _snippet_namespace(fetch_gguf("qwen2.5-coder-0.5b-instruct"), capsys)
     completions = namespace["completions"]

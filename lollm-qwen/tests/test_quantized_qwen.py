@@ -68,7 +68,7 @@ def test_real_gguf_quantized_agrees_with_float32():
     from lollm import native
     from lollm.load.pipeline import open_model
     from lollm.testing.quantized import EVAL_TEXT, compare, decode_logits_of, logits_of
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     path = str(fetch_gguf("qwen2.5-coder-0.5b-instruct"))
     floats = open_model(path, LoadOptions(device="cpu", weights="float"))

@@ -125,7 +125,7 @@ def test_chat_loads_the_weights_it_is_asked_for(chat_checkpoint, monkeypatch):
     """--quantize/--group-size reach the load as in `lollm run`; a bad combination is refused before it."""
     from typer.testing import CliRunner
 
-    import lollm.generate.conversation as conversation
+    import lollm.cli.chat as chat
     from lollm.cli import app
     from lollm.errors import LollmError
     from lollm.load.quantized import Int4Linear
@@ -136,7 +136,7 @@ def test_chat_loads_the_weights_it_is_asked_for(chat_checkpoint, monkeypatch):
         sessions.append(session)
         session.reply("hello there")
 
-    monkeypatch.setattr(conversation, "repl", one_turn)
+    monkeypatch.setattr(chat, "repl", one_turn)
     result = CliRunner().invoke(app, ["chat", str(chat_checkpoint), "--temperature", "0", "-n", "4", "--threads", "1",
                                       "--quantize", "int4", "--group-size", "32"], input="")
     assert result.exit_code == 0, result.output

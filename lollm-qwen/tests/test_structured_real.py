@@ -21,7 +21,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def real_server():
-    from lollm.load.real_models import fetch_gguf
+    from lollm.cli.real_models import fetch_gguf
 
     with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--model-name", "qwen", "--threads", "2") as url:
         yield url

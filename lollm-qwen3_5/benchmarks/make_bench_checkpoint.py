@@ -4,7 +4,7 @@ No Qwen3.5 weights are reachable from the project's machines, so speed is
 measured on random weights of the real shape: the cost of a forward depends
 on the shapes, not on the values. transformers writes the checkpoint (fp32),
 and the tokenizer files of the real Qwen2.5 checkpoint (fetched through pip by
-lollm.load.real_models) are copied beside it so `lollm bench` can build its
+lollm.cli.real_models) are copied beside it so `lollm bench` can build its
 prompt. Usage::
 
     python lollm-qwen3_5/benchmarks/make_bench_checkpoint.py OUT_FOLDER [HUB_CONFIGS]
@@ -21,7 +21,7 @@ from pathlib import Path
 
 def main() -> None:
     out = Path(sys.argv[1])
-    from lollm.load.hub_configs import hub_configs_dir
+    from lollm.cli.hub_configs import hub_configs_dir
 
     hub = Path(sys.argv[2]) if len(sys.argv) > 2 else hub_configs_dir()
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     raw = json.loads((hub / "Qwen__Qwen3.5-0.8B" / "config.json").read_text())
     text = copy.deepcopy(raw["text_config"])  # the text decoder only

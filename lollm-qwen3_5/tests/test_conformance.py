@@ -16,7 +16,7 @@ import pytest
 
 from lollm.cli.new_family import find_hub_config
 from lollm.testing.conformance import FamilyConformance
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 from lollm_qwen3_5.qwen3_5 import MODEL_TYPES as DENSE_TYPES

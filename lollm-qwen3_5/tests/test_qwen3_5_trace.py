@@ -20,7 +20,7 @@ import torch
 from lollm.load.options import LoadOptions
 from lollm.testing import trace_checks
 from lollm.testing.browser import Browser
-from lollm.load.hub_configs import hub_file
+from lollm.cli.hub_configs import hub_file
 from lollm.testing.tiny import write_tiny_tokenizer
 from lollm.cli.trace.run import run_trace
 

@@ -14,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 #: old module name -> where it lives now
@@ -24,7 +25,7 @@ MOVED = {
     "lollm.build": "lollm.load.build",
     "lollm.weights": "lollm.load.weights",
     "lollm.quantized": "lollm.load.quantized",
-    "lollm.inventory": "lollm.load.inventory",
+    "lollm.inventory": "lollm.cli.inventory",
     "lollm.checks": "lollm.load.checks",
     "lollm.plugins": "lollm.load.plugins",
     "lollm.tensor_parallel": "lollm.load.tensor_parallel",
@@ -54,6 +55,10 @@ MOVED = {
     "lollm.parity": "lollm.proof.parity",
     "lollm.trace.run": "lollm.cli.trace.run",
     "lollm.trace.page": "lollm.cli.trace.page",
+    # moved again in 0.2: not loading, so into the commands layer
+    "lollm.load.real_models": "lollm.cli.real_models",
+    "lollm.load.hub_configs": "lollm.cli.hub_configs",
+    "lollm.load.inventory": "lollm.cli.inventory",
 }
 
 
@@ -73,6 +78,15 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         """Nothing to run: :meth:`create_module` gave the new module, already executed."""
+
+    def get_code(self, fullname: str) -> types.CodeType:
+        """``python -m OLD`` (runpy asks the loader for the code to run): warn, then run the new module as ``__main__``."""
+        new = MOVED[fullname]
+        message = f"{fullname} moved to {new} (core by layers, lollm 0.2); the old name goes in 0.3"
+        source = ("import runpy, warnings\n"
+                  f"warnings.warn({message!r}, DeprecationWarning)\n"
+                  f"runpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n")
+        return compile(source, f"<{fullname}, moved to {new}>", "exec")
 
 
 def install() -> None:

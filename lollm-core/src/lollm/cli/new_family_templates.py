@@ -224,7 +224,7 @@ TESTS = '''\
 """The family ``{name}`` through lollm's conformance kit (lollm.testing.conformance).
 
 The tiny checkpoint: a real hub config.json (``{hub}``, shipped in
-:mod:`lollm.load.hub_configs`) shrunk so that it shows every feature the kit
+:mod:`lollm.cli.hub_configs`) shrunk so that it shows every feature the kit
 checks (``lollm.testing.tiny.kit_config``), random weights written by
 transformers, then relabelled with this family's model type. Parity runs
 against the family's own ``parity_reference`` (``{name}/parity.py``).
@@ -237,7 +237,7 @@ import json
 import pytest
 
 from lollm.testing.conformance import FamilyConformance
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 from {top}.{name} import REFERENCE_MODEL_TYPES

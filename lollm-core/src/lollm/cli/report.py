@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these mo
     from lollm.cli.models import ModelRow
     from lollm.generate.drafting import Drafter
     from lollm.generate.loop import GenerationResult
-    from lollm.load.inventory import Inventory, TensorRow
+    from lollm.cli.inventory import Inventory, TensorRow
     from lollm.load.options import LoadOptions
     from lollm.load.pipeline import LoadedModel
     from lollm.load.registry import Registry
@@ -213,7 +213,7 @@ def models_table(rows: list[ModelRow]) -> None:
 
 def inventory(inv: Inventory, rows: list[TensorRow], pattern: Optional[str], *, tensors: bool) -> None:
     """``lollm inspect``: the summary, the metadata, then (``tensors``) the tensors ``rows`` in natural order."""
-    from lollm.load.inventory import summarize
+    from lollm.cli.inventory import summarize
 
     inventory_summary(inv)
     meta = Table(title="metadata")
@@ -234,7 +234,7 @@ def inventory(inv: Inventory, rows: list[TensorRow], pattern: Optional[str], *, 
 
 def inventory_json(inv: Inventory, rows: list[TensorRow], pattern: Optional[str]) -> dict[str, object]:
     """``lollm inspect --json``: path, format, summary, metadata (arrays summarized), the tensors ``rows``, the totals."""
-    from lollm.load.inventory import summarize
+    from lollm.cli.inventory import summarize
 
     return {
         "path": str(inv.path), "format": inv.fmt, "summary": inv.summary(), "filter": pattern,
@@ -246,7 +246,7 @@ def inventory_json(inv: Inventory, rows: list[TensorRow], pattern: Optional[str]
 
 
 def inventory_summary(inv: Inventory) -> None:
-    """The first table of ``inspect``: the checkpoint at a glance (lollm.load.inventory.Inventory.summary)."""
+    """The first table of ``inspect``: the checkpoint at a glance (lollm.cli.inventory.Inventory.summary)."""
     s = inv.summary()
     table = Table(title=escape(f"{inv.path} ({inv.fmt})"), show_header=False)
     table.add_column("what")

@@ -25,8 +25,9 @@ from lollm.generate.drafting import drafter_from_flags
 from lollm.generate.structured import compile_constraint
 from lollm.load.ranks import finish, silence_followers
 
-# Lazy imports below: lollm.load.pipeline and lollm.generate's loop, sampling and conversation import torch, which
-# waits until every flag is checked (a typo costs nothing); each command imports them after its checks.
+# Lazy imports below: lollm.load.pipeline, lollm.generate's loop, sampling and conversation, and lollm.cli.chat (over
+# the conversation) import torch, which waits until every flag is checked (a typo costs nothing); each command
+# imports them after its checks.
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
     from lollm.generate.drafting import Drafter
@@ -215,7 +216,8 @@ def chat(
     check_family(options.family)
     check_model_exists(model)
 
-    from lollm.generate.conversation import ChatSession, repl
+    from lollm.cli.chat import repl
+    from lollm.generate.conversation import ChatSession
     from lollm.generate.loop import stop_token_ids
     from lollm.load.pipeline import open_model
     from lollm.sampling_params import resolve_sampling

@@ -1,10 +1,11 @@
-"""Layer 2 of core: one request, start to end.
+"""Generation, the layer of core above loading and below the batched engine: one request, start to end.
 
 The shared generate loop (:mod:`lollm.generate.loop`: prefill, then one token per step),
 the sampler (:mod:`~lollm.generate.sampling`), grammar masks for structured output
 (:mod:`~lollm.generate.structured`), speculative drafters (:mod:`~lollm.generate.drafting`),
 prefix reuse across calls (:mod:`~lollm.generate.prompt_cache`), KV-cache sizing
-(:mod:`~lollm.generate.memory`) and a multi-turn chat (:mod:`~lollm.generate.conversation`).
+(:mod:`~lollm.generate.memory`) and a multi-turn chat (:mod:`~lollm.generate.conversation`; its
+terminal, a command's, is :mod:`lollm.cli.chat`). docs/architecture.md draws the layers.
 
 ``from lollm.generate import generate`` (and the loop's other public names) still works:
 they are looked up in :mod:`lollm.generate.loop` on first use, so that importing a

@@ -1,13 +1,12 @@
-"""``lollm chat``: a conversation with one model in the terminal, reusing its cache from turn to turn.
+"""A conversation with one model, reusing its cache from turn to turn: what ``lollm chat`` runs.
 
 ::
 
-    >>> you type a message
+    a user message
         the chat template renders the whole conversation ─► token ids
         the prompt cache keeps what the last turn computed ─► only the new part is prefilled
-        the answer streams out; Ctrl-C stops it (the conversation stays), Ctrl-D quits
-    >>> /stats   tokens reused from the cache vs prefilled, for the last turn
-    >>> /drop N  forget the oldest N turns     /reset   start over     /quit   leave
+        the answer streams out (``should_stop`` ends it early; the conversation keeps what came)
+    then: the answer joins the conversation; drop_oldest(N) and reset() forget turns
 
 A full context does not end the conversation. A turn is a user message and
 its answer; when the next message would leave too little of the context
@@ -18,55 +17,22 @@ message is refused instead, with an error that names ``/drop N`` and
 ``/reset``; a message too long on its own is refused either way.
 
 :class:`ChatSession` holds the conversation (messages, template flags, a
-:class:`~lollm.generate.prompt_cache.PromptCache`); :func:`repl` reads lines and
-prints answers. Line editing and history come from prompt_toolkit (the
-``lollm-core[chat]`` extra) when the terminal is interactive; piped input is
-read line by line without it.
+:class:`~lollm.generate.prompt_cache.PromptCache`). The terminal around it (reading
+lines, ``/stats``, ``/drop N``, ``/reset``, Ctrl-C) is a command's, in :mod:`lollm.cli.chat`.
 """
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
-from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, TextIO
+from typing import Callable, Mapping
 
 from lollm.errors import GenerationError, LollmError
 from lollm.generate.loop import GenerationResult, generate
 from lollm.generate.prompt_cache import PromptCache
 from lollm.generate.sampling import SamplingParams
 from lollm.load.pipeline import LoadedModel
-from lollm.tokenizer import Tokenizer
-
-# Lazy imports below: prompt_toolkit, in _line_reader, the optional ``lollm-core[chat]`` extra
-# (needed only for an interactive terminal).
 
 #: The session context (``--ctx-size``) when none is given, capped by the model's own.
 DEFAULT_CONTEXT = 4096
-
-HELP = """commands:
-  /stats   tokens of the last turn: reused from the cache, prefilled, generated; speed
-  /drop N  forget the oldest N turns (1 when left out); the system message stays
-  /reset   forget the conversation (the system message stays)
-  /quit    leave (Ctrl-D too)
-Ctrl-C stops an answer and keeps the conversation; the text so far stays in it.
-When the context is full, the oldest turns leave by themselves (unless --no-context-shift)."""
-
-
-def thinking_flags(tokenizer: Tokenizer, think: bool | None, model: str) -> dict[str, bool]:
-    """The template keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
-
-    Decided from the chat template itself: a template that does not read
-    ``enable_thinking`` cannot be switched, and asking for it is an error naming the model.
-    """
-    if think is None:
-        return {}
-    if not tokenizer.chat_template_reads("enable_thinking"):
-        raise LollmError(
-            f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
-        )
-    return {"enable_thinking": think}
 
 
 class ChatSession:
@@ -243,139 +209,3 @@ class ChatSession:
             f"cache: {cache.length if cache is not None else 0} of {self.cache.max_tokens} positions, "
             f"{len(self.cache.snapshots)} snapshot(s)"
         )
-
-
-@contextmanager
-def ctrl_c_stops() -> Iterator[threading.Event]:
-    """While inside, the first Ctrl-C sets the yielded event (the answer stops at its next token);
-    a second one raises KeyboardInterrupt as usual."""
-    stop = threading.Event()
-
-    def handler(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-#: The longest line ``lollm chat`` reads from piped input (characters); a longer one ends the chat with an error.
-MAX_LINE_CHARS = 2**20
-
-
-def _line_reader(interactive: bool) -> Callable[[str], str]:
-    """``read(prompt) -> line``; EOFError at the end (Ctrl-D), KeyboardInterrupt on Ctrl-C.
-
-    Piped lines are bounded: one longer than :data:`MAX_LINE_CHARS` (``lollm chat < /dev/zero``)
-    raises LollmError instead of filling the memory.
-    """
-    if not interactive:
-
-        def read_piped(prompt: str) -> str:
-            line = sys.stdin.readline(MAX_LINE_CHARS + 1)
-            if not line:
-                raise EOFError
-            if len(line) > MAX_LINE_CHARS:
-                raise LollmError(f"lollm chat: a line on stdin is longer than {MAX_LINE_CHARS:,} characters")
-            return line.rstrip("\n")
-
-        return read_piped
-    try:
-        from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import InMemoryHistory
-    except ImportError:
-        raise LollmError("lollm chat needs prompt_toolkit for line editing: pip install 'lollm-core[chat]'") from None
-    session = PromptSession(history=InMemoryHistory())
-    return lambda prompt: session.prompt(prompt)
-
-
-def _command(session: ChatSession, text: str, note: Callable[[str], None]) -> bool:
-    """Run the chat command ``text`` (``/stats``, ``/drop N``, ...); False for one that leaves."""
-    words = text.split()
-    command = words[0].lower()
-    if command in ("/quit", "/exit", "/bye"):
-        return False
-    if command == "/reset":
-        session.reset()
-        note("(the conversation is cleared)")
-    elif command == "/drop":
-        count = words[1] if len(words) > 1 else "1"
-        if not count.isdigit() or len(words) > 2:
-            note("usage: /drop N  (forget the oldest N turns; N a whole number, 1 when left out)")
-        else:
-            gone = session.drop_oldest(int(count))
-            note(f"(dropped the oldest {gone} turn(s); {session.turns()} left)")
-    elif command == "/stats":
-        note(session.stats())
-    elif command == "/help":
-        note(HELP)
-    else:
-        note(f"unknown command {command}; /help lists them")
-    return True
-
-
-def _turn_line(session: ChatSession, result: GenerationResult) -> str:
-    """The statistics line after an answer, with a hint when the answer filled the context."""
-    reuse = session.cache.last
-    stopped = " · stopped by Ctrl-C" if result.stop_reason == "cancelled" else f" · stop: {result.stop_reason}"
-    line = (f"[{len(result.new_ids)} tokens · prompt {reuse.prompt_tokens}: {reuse.reused} reused, {reuse.prefilled} "
-            f"prefilled at {result.prefill_tokens_per_second:.1f} tok/s · decode {result.decode_tokens_per_second:.1f} "
-            f"tok/s{stopped}]")
-    if result.stop_reason == "context":
-        then = ("the next message drops the oldest turns to make room" if session.context_shift
-                else "/drop N or /reset makes room for the next message")
-        line += f"\n(the answer reached the end of the context, {session.cache.max_tokens} positions: {then})"
-    return line
-
-
-def repl(session: ChatSession, *, out: TextIO | None = None, note: Callable[[str], None] = print) -> None:
-    """Read messages and commands until /quit or Ctrl-D; stream each answer to ``out`` (default: sys.stdout as it is then).
-
-    ``note`` prints lines that are not part of an answer (statistics, notices). An
-    error in one turn (a message longer than the context, ...) is noted and the chat
-    goes on; one from reading the input (a piped line over :data:`MAX_LINE_CHARS`) ends it.
-    """
-    out = sys.stdout if out is None else out
-    interactive = sys.stdin.isatty() and out.isatty()
-    read = _line_reader(interactive)
-    note("/help for commands, Ctrl-C stops an answer, Ctrl-D quits")
-
-    def show(piece: str) -> None:
-        out.write(piece)
-        out.flush()
-
-    def dropped(n: int) -> None:
-        note(f"(the context is full: the oldest {n} turn(s) leave the conversation; {session.turns() - n} stay)")
-
-    while True:
-        try:
-            line = read(">>> ")
-        except KeyboardInterrupt:
-            continue  # Ctrl-C at the prompt: a fresh line, as in a shell
-        except EOFError:
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text.startswith("/"):
-            if not _command(session, text, note):
-                break
-            continue
-        try:
-            with ctrl_c_stops() as stop:
-                result = session.reply(line, on_text=show, should_stop=stop.is_set, on_drop=dropped)
-        except KeyboardInterrupt:
-            out.write("\n")
-            note("[interrupted: this turn is dropped]")
-            continue
-        except LollmError as error:
-            out.write("\n")
-            note(f"error: {error}")
-            continue
-        out.write("\n")
-        out.flush()
-        note(_turn_line(session, result))

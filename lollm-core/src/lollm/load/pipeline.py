@@ -27,6 +27,7 @@ from lollm.load.registry import InstalledFamily
 from lollm.load.quantized import Quantization
 from lollm.load import process_group
 from lollm.load.threads import apply_threads
+from lollm.tokenizer import Tokenizer
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -192,7 +193,8 @@ def prepare(spec: str | Checkpoint, options: LoadOptions | None = None, *, think
         family=installed.family.name, tensor_parallel=group,
     )
     model = spec if isinstance(spec, str) else str(checkpoint.path)
-    return Prepared(checkpoint, resolved, installed, template_flags(checkpoint, think, model))
+    flags = {} if think is None else template_flags(checkpoint.tokenizer, think, model)  # the tokenizer read only then
+    return Prepared(checkpoint, resolved, installed, flags)
 
 
 def open_checkpoint(model: str | Checkpoint, options: LoadOptions | None = None, *, threads: int | None = None,
@@ -215,16 +217,17 @@ def open_checkpoint(model: str | Checkpoint, options: LoadOptions | None = None,
     return prepared
 
 
-def template_flags(checkpoint: Checkpoint, think: bool | None, model: str) -> dict[str, bool]:
+def template_flags(tokenizer: Tokenizer, think: bool | None, model: str) -> dict[str, bool]:
     """The chat template's keyword for ``--think`` / ``--no-think``: ``{}`` or ``{"enable_thinking": think}``.
 
-    Decided from the checkpoint's chat template itself (its tokenizer is read only when ``think`` is
-    given): a template that does not read ``enable_thinking`` cannot be switched, and asking for it
-    is a LollmError naming the model.
+    Decided from the chat template itself: a template that does not read ``enable_thinking`` cannot be
+    switched, and asking for it is a LollmError naming ``model`` (the spec as the user gave it). The one
+    place this is decided: :func:`prepare` for ``run``, ``chat``, ``serve`` and ``LLM``, and directly
+    ``tokenize --chat`` (a tokenizer without a model) and ``trace`` (:func:`lollm.cli.trace.run.prompt_ids`).
     """
     if think is None:
         return {}
-    if not checkpoint.tokenizer.chat_template_reads("enable_thinking"):
+    if not tokenizer.chat_template_reads("enable_thinking"):
         raise LollmError(
             f"--think/--no-think: the chat template of {model} does not read enable_thinking, so thinking cannot be switched"
         )

@@ -1,5 +1,5 @@
-"""Layer 4 of core: serving. ``lollm serve``'s HTTP server (OpenAI-compatible), its metrics and
-its tool calls, on top of the engine's one driver.
+"""Serving, the layer of core above the engine (beside proof/, below the commands): ``lollm serve``'s
+HTTP server (OpenAI-compatible), its metrics and its tool calls, on top of the engine's one driver.
 
 Reading order: ``server.py`` (the overview, and the public names), ``requests.py`` (a request
 read and checked), ``model_server.py`` (how it runs: the batched engine, or one worker),

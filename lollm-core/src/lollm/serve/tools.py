@@ -27,7 +27,7 @@ two always agree.
 Sources: OpenAI's chat-completions API reference (``tools``, ``tool_choice``,
 ``parallel_tool_calls``, ``message.tool_calls``, streamed ``delta.tool_calls``);
 the formats as the Qwen2.5 / Qwen3 / Qwen3.5 and Gemma 4 chat templates write
-them (lollm.testing's hub_configs hold copies). docs/structured-output.md.
+them (lollm.cli.hub_configs holds copies). docs/structured-output.md.
 """
 
 from __future__ import annotations

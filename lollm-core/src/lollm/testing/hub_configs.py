@@ -1,4 +1,4 @@
-"""Moved to :mod:`lollm.load.hub_configs` (production code reads it, and production never imports ``testing/``).
+"""Moved to :mod:`lollm.cli.hub_configs` (``lollm new-family`` reads it, and production never imports ``testing/``).
 
 This old name stays importable until lollm-core 0.3 (docs/plugins.md, "Names that moved"): importing
 it gives the module at its new place, the same object (so monkeypatching either name patches both),
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 import warnings
 
-from lollm.load import hub_configs as _moved_to
+from lollm.cli import hub_configs as _moved_to
 
-warnings.warn("lollm.testing.hub_configs moved to lollm.load.hub_configs (core by layers, lollm 0.2); the old name goes in 0.3",
+warnings.warn("lollm.testing.hub_configs moved to lollm.cli.hub_configs (core by layers, lollm 0.2); the old name goes in 0.3",
               DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved_to

@@ -51,7 +51,7 @@ from lollm.load.registry import Registry
 from lollm.proof.parity import default_reference
 from lollm.testing.reference import NoiseFloor, measure_noise_floor
 from lollm.testing.schedules import SEQUENCE_LENGTH
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 __all__ = ["BUG_CLASSES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant", "NUMERIC_TESTS", "bf16_softmax_attend",

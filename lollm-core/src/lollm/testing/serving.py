@@ -40,7 +40,7 @@ from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
 from lollm.sampling_params import resolve_sampling
-from lollm.load.hub_configs import hub_config
+from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
 
 # Lazy imports below: uvicorn, openai and prometheus_client (optional extras: lollm-core[serve] and [test]),

@@ -19,7 +19,7 @@ import torch
 import lollm
 from lollm.load.options import LoadOptions
 from lollm.errors import LollmError
-from lollm.load.pipeline import LoadedModel, open_model
+from lollm.load.pipeline import LoadedModel, open_model, template_flags
 from lollm.cli.trace.capture import Trace, capture, check_capture, compare
 from lollm.cli.trace.page import check_output, write_page
 
@@ -49,18 +49,16 @@ def prompt_ids(loaded: LoadedModel, prompt: str, *, system: str | None = None, c
     """The ids of ``prompt`` as ``lollm run`` builds them: through the chat template when the checkpoint has one.
 
     Returns (ids, templated). Raises LollmError for ``think`` when the chat template does
-    not read ``enable_thinking`` (see :func:`lollm.generate.conversation.thinking_flags`), or for
+    not read ``enable_thinking`` (see :func:`lollm.load.pipeline.template_flags`), or for
     ``system`` without a template.
     """
-    from lollm.generate.conversation import thinking_flags
-
     tokenizer = loaded.tokenizer
     if not chat or tokenizer.chat_template is None:
         if system:
             raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
         return tokenizer.encode(prompt), False
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    flags = thinking_flags(tokenizer, think, loaded.checkpoint.spec)
+    flags = template_flags(tokenizer, think, loaded.checkpoint.spec)
     return tokenizer.encode_chat(messages, add_generation_prompt=True, **flags), True
 
 

@@ -3,16 +3,20 @@
 Every first-party family is tested on the *real* config.json of a published
 checkpoint (so every key the real model has is present), shrunk to tiny
 dimensions by :func:`lollm.testing.tiny.shrink_config`. Those files travel
-inside this package (``lollm/load/data/hub_configs/<org>__<model>/``), so the
+inside this package (``lollm/cli/data/hub_configs/<org>__<model>/``), so the
 tests of any distribution, and a plugin author's own tests, run from a clone
 of the repository (or a plain ``pip install lollm-core``) with nothing laid
 beside it. Each folder's SOURCE.md says where its files were found.
 
 ``$LOLLM_HUB_CONFIGS`` points at another folder of the same layout instead.
 
+They live with the commands: ``lollm new-family`` writes its tiny test config from one, and
+the kit (:mod:`lollm.testing`, the layer above) builds its tiny models from them; no checkpoint
+loads through them.
+
 Usage::
 
-    from lollm.load.hub_configs import hub_config, hub_file
+    from lollm.cli.hub_configs import hub_config, hub_file
     raw = hub_config("Qwen__Qwen3-0.6B")                       # config.json as a dict
     template = hub_file("google__gemma-3-270m-it", "chat_template.jinja").read_text()
 """

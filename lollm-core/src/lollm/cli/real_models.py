@@ -13,10 +13,14 @@ the time spent converting.
 
 Usage::
 
-    python -m lollm.load.real_models qwen2.5-coder-0.5b-instruct          # prints the safetensors folder
-    python -m lollm.load.real_models qwen2.5-coder-0.5b-instruct --gguf   # prints the .gguf path
+    python -m lollm.cli.real_models qwen2.5-coder-0.5b-instruct          # prints the safetensors folder
+    python -m lollm.cli.real_models qwen2.5-coder-0.5b-instruct --gguf   # prints the .gguf path
 
 The conversion needs transformers, gguf and accelerate (``lollm-core[parity]``).
+
+It lives with the commands, not with loading: ``lollm list`` reads its cache folder
+(:func:`cache_dir`), and nothing in core loads through it; the tests, the kit
+(:mod:`lollm.testing`, the layer above) and the benchmarks fetch with it.
 """
 
 from __future__ import annotations
@@ -250,7 +254,7 @@ def _convert(gguf: Path, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m lollm.load.real_models", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lollm.cli.real_models", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=sorted(CHECKPOINTS))
     parser.add_argument("--gguf", action="store_true", help="stop at the verified GGUF file")
     args = parser.parse_args(argv)

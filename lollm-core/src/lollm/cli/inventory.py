@@ -5,6 +5,10 @@ checkpoint, so a learner can compare the two: which tensors exist, their
 shapes, how each is stored (``F32``, ``BF16``, ``Q4_K`` …), how many bytes it
 takes, and the totals per storage type. Long metadata arrays (a 150,000-entry
 vocabulary) are summarized, not printed.
+
+It reads the files the way loading does (:func:`lollm.load.loader.load_folder`, the GGUF
+reader) but builds no model, so it lives with the command that prints it (``lollm inspect``,
+and ``lollm list`` for the quantization of each model).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections import Counter
 from fnmatch import fnmatchcase
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from lollm.errors import CheckpointError, LollmError
 
@@ -36,13 +40,24 @@ class TensorRow:
     nbytes: int
 
 
+class Summary(TypedDict):
+    """:meth:`Inventory.summary`: the checkpoint at a glance (the first table of ``lollm inspect``)."""
+
+    format: str  # "gguf" or "safetensors"
+    architecture: str | None  # general.architecture, or config.json's model_type
+    tensors: int
+    parameters: int  # elements, over every tensor
+    bytes: int
+    types: dict[str, int]  # storage type -> number of tensors, most bytes first
+
+
 @dataclass
 class Inventory:
     """Metadata and tensor table of one checkpoint."""
 
     path: Path
     fmt: str
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)  # GGUF key/values, or config.json
     tensors: list[TensorRow] = field(default_factory=list)
 
     def totals(self) -> dict[str, tuple[int, int]]:
@@ -58,7 +73,7 @@ class Inventory:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         """The checkpoint at a glance: format, architecture, tensor count, parameters (elements), bytes, tensors per type.
 
         The architecture is GGUF's ``general.architecture``, or config.json's
@@ -99,7 +114,7 @@ class Inventory:
         return chosen
 
 
-def natural_key(name: str) -> list[Any]:
+def natural_key(name: str) -> list[str | int]:
     """A sort key that orders the numbers inside a name by value: ``blk.2.x`` before ``blk.10.x``.
 
     The name is split into text and runs of digits (``["blk.", 10, ".x"]``); text
@@ -108,7 +123,7 @@ def natural_key(name: str) -> list[Any]:
     return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name))]
 
 
-def summarize(value: Any, max_items: int = 8, max_chars: int = 120) -> str:
+def summarize(value: object, max_items: int = 8, max_chars: int = 120) -> str:
     """A one-line view of a metadata value; long arrays and strings are cut with their length shown."""
     try:
         import numpy as np
