@@ -132,7 +132,7 @@ def summarize(value: object, max_items: int = 8, max_chars: int = 120) -> str:
             value = value.tolist()
     except ImportError:  # pragma: no cover
         pass
-    from lollm.gguf.reader import StringArray
+    from lollm.gguf.metadata import StringArray
 
     if isinstance(value, (list, tuple, StringArray)):
         if len(value) > max_items:

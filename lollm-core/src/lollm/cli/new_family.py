@@ -75,6 +75,9 @@ from lollm.cli.new_family_templates import CI, MANIFEST_TAIL, PACKAGE_INIT, PARI
 from lollm.errors import LollmError
 from lollm.family import CONTRACT_VERSION
 
+# Lazy imports below: the hub configs, the plugin registry and importlib.metadata, only for the command that
+# writes a family (its --help and flag checks stay light).
+
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 

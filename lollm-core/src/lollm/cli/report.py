@@ -16,6 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+# Lazy imports below: torch (the thread count), the plugin registry, the inventory and the benchmark's machine
+# load, each only for the report that shows it, so that the CLI's start-up stays light.
+
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (these modules import torch)
     from lollm.cli.models import ModelRow
     from lollm.generate.drafting import Drafter

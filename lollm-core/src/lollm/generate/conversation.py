@@ -28,7 +28,7 @@ from typing import Callable, Mapping
 from lollm.errors import GenerationError, LollmError
 from lollm.generate.loop import GenerationResult, generate
 from lollm.generate.prompt_cache import PromptCache
-from lollm.generate.sampling import SamplingParams
+from lollm.sampling_params import SamplingParams
 from lollm.load.pipeline import LoadedModel
 
 #: The session context (``--ctx-size``) when none is given, capped by the model's own.

@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from lollm.errors import LollmError
 
+# Lazy imports below: torch, in torch_device and torch_dtype only, so that the CLI builds and checks its
+# LoadOptions without importing torch.
+
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from lollm.load.quantized import Quantization
     from lollm.load.process_group import Group

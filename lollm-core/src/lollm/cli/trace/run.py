@@ -23,6 +23,8 @@ from lollm.load.pipeline import LoadedModel, open_model, template_flags
 from lollm.cli.trace.capture import Trace, capture, check_capture, compare
 from lollm.cli.trace.page import check_output, write_page
 
+# Lazy import below: lollm.proof.parity, only with --compare (it needs the parity extra's transformers).
+
 #: The longest prompt a trace takes unless told otherwise: attention grows with T² per head.
 MAX_TOKENS = 256
 
