@@ -60,3 +60,14 @@ def test_a_named_backend_is_checked_early_and_chosen_once(invoke, ckpt, calls, m
     done = ok(invoke("run", ckpt, "-p", "hello", "--temperature", "0", "-n", "4", *args))
     assert done.stdout.strip()
     assert dict(calls) == {"pick_device": 1, "resolve_backend": 1, "route": 1, "pick_quantization": 1}
+
+
+def test_llm_decides_each_choice_once(toy_site, ckpt, calls, monkeypatch):
+    """``LLM(path)``, the Python entry: the same one decision per choice as ``lollm run``."""
+    import lollm.load.plugins as plugins
+    from lollm.engine.llm import LLM
+
+    monkeypatch.syspath_prepend(str(toy_site))
+    monkeypatch.setattr(plugins, "_REGISTRY", None)
+    LLM(str(ckpt), attn="eager")
+    assert dict(calls) == {"pick_device": 1, "resolve_backend": 1, "route": 1, "pick_quantization": 1}

@@ -169,8 +169,8 @@ class LLM:
         check_threads(threads)
         options = LoadOptions(device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
                               group_size=group_size, family=family)
-        checkpoint, _, template_flags = open_checkpoint(str(model), options, threads=threads, think=think, mtp=False)
-        self._setup(open_model(checkpoint, options), engine, template_flags)
+        prepared = open_checkpoint(str(model), options, threads=threads, think=think, mtp=False)  # every choice, once
+        self._setup(open_model(prepared.checkpoint, prepared.options), engine, prepared.template_flags)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, *, engine: EngineConfig | None = None, template_flags: dict[str, bool] | None = None) -> "LLM":
