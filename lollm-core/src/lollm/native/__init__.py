@@ -43,7 +43,9 @@ ENV = "LOLLM_NATIVE"
 #: The one that turns its AMX tiles off (the same values; block_int8.cpp reads it too, once).
 AMX_ENV = "LOLLM_AMX"
 _OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
-SOURCE = Path(__file__).with_name("block_int8.cpp")
+#: The C++ sources built into the one library (every ``.cpp`` beside this file), and the headers they share.
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op" (the callable or None) and "why" (one line), once decided
@@ -51,7 +53,10 @@ _state: dict[str, object] = {}  # "op" (the callable or None) and "why" (one lin
 
 def _cpu_tag() -> str:
     """A digest of what the build depends on: the source, this CPU's features, torch's version."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(platform.machine().encode())
     try:
@@ -100,8 +105,8 @@ def _cached(name: str) -> Path | None:
 
 
 def _compile(name: str, flags: list[str]) -> None:
-    """Load the cached build of extension ``name`` (its name carries the source's and the CPU's digest,
-    so a library of that name is this source built for this CPU), or compile block_int8.cpp into it.
+    """Load the cached build of extension ``name`` (its name carries the sources' and the CPU's digest,
+    so a library of that name is these sources built for this CPU), or compile :data:`SOURCES` into it.
     Raises what torch raises."""
     from torch.utils import cpp_extension
 
@@ -112,8 +117,9 @@ def _compile(name: str, flags: list[str]) -> None:
     if sys.stderr.isatty():  # on a terminal only: logs and tests stay clean
         print("lollm: compiling the native kernel for this CPU (once, a few seconds to a minute)", file=sys.stderr, flush=True)
     cpp_extension.load(
-        name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+        name=name, sources=[str(path) for path in SOURCES], is_python_module=False, verbose=False,
         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(Path(__file__).parent)],
     )
 
 
