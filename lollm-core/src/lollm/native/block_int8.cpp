@@ -1,41 +1,49 @@
 // lollm's one hand-written CPU kernel: a linear layer over int8 weights kept in
 // blocks, with int8 activations and integer dot products. The same library holds
 // its sibling for Q5_0 weights kept in their 5-bit codes (block_q5_linear, and
-// block_q5_dequantize for the many-rows path), further down.
+// block_q5_dequantize for the opt-in bfloat16 path), further down.
 //
 // Read it next to docs/native-kernel.md. What it computes, for an Int8Linear
-// (lollm/quantized.py) whose weights are w[n, k] = codes[g, n, k % gs] * scale[g, n]:
+// (lollm/load/packed_linear.py) whose weights are w[n, k] = codes[g, n, k % gs] * scale[g, n]:
 //
 //   1. each row of x is cut into blocks of 32 values; a block becomes int8
 //      codes xq and one float scale xd = max|x| / 127 ("Q8_0 activations", the
 //      form llama.cpp multiplies in);
-//   2. for every output channel n and every block of 32 weights, the 32
-//      products codes * xq are summed as integers (exact, int32);
-//   3. that sum is scaled by the two float scales, xd * scale[g, n], and added
-//      to the channel's float32 accumulator. scale is float32, or float16 where
-//      every scale is a float16 value (a Q8_0 file's block scales, kept as the file
-//      has them); either is read as float32 (exactly), so step 3's arithmetic is the
-//      same for both.
+//   2. for every output channel n and every block b of 32 weights, the 32
+//      products codes * xq are summed as integers: isum_b, exact, in int32;
+//   3. those sums are scaled and added in float32, in ONE fixed order, the
+//      "canonical order":
+//          acc = 0
+//          for b = 0, 1, 2, ...:  acc = fmaf(float(isum_b), xd_b * ws_b, acc)
+//          y[m, n] = acc
+//      where ws_b is the weight scale of channel n's block b (scale[g, n] of the
+//      group holding the block) and xd_b * ws_b is rounded to float32 before the
+//      fused multiply-add. scale is float32, or float16 where every scale is a
+//      float16 value (a Q8_0 file's block scales, kept as the file has them);
+//      either is read as float32 (exactly), so step 3 is the same for both.
+//
+// Why one order: integer sums do not depend on the order they are added in, but
+// float32 sums do. Every version below (AMX tiles, AVX-512 VNNI, AVX2, plain C++)
+// computes the same exact isum_b and then exactly the float32 operations above, in
+// that order, so every version gives the same bits as every other one, and a row
+// gives the same bits alone as inside a call of any number of rows: an engine
+// step's output for a request does not depend on what else shares the step
+// ("batch invariance", docs/native-kernel.md, section 3).
 //
 // Why it is faster than torch's _weight_int8pack_mm: a decode step is a
 // matrix-vector product whose cost is reading the weights. Step 2 reads each
 // weight byte once and needs one instruction per 64 of them on a CPU with
-// AVX-512 VNNI (vpdpbusd: 64 u8 x s8 products summed in groups of 4 into 16
-// int32 lanes). Each row of codes, once read, stays in the L1 cache while every
-// row of x (the tokens of a speculative verify, the sequences of an engine step)
-// takes its turn: the weights are read from memory once, and each extra row pays
-// only its own arithmetic (docs/native-kernel.md, section 4, measures it; section 6 is about the Q5_0 loop).
-//
-// Each row of x is computed alone, by the same instructions in the same order
-// whatever rows are beside it, so a batch gives each row what it gives alone.
+// AVX-512 VNNI (vpdpbusd). A task's 16 channels, once read, stay in the L1 and L2
+// caches while every row of x (the tokens of a prefill chunk, of a speculative
+// verify, the sequences of an engine step) takes its turn: the weights are read
+// from memory once per call, and each extra row pays only its own arithmetic.
 //
 // Three versions of steps 2 and 3, chosen when this file is compiled
-// (-march=native on the machine that runs it): AVX-512 VNNI (two blocks per
-// vpdpbusd), AVX2 (one block per vpmaddubsw + vpmaddwd), and plain C++ for every
-// other CPU. All three compute the same integer sums; only the order of the float
-// additions differs. Where the CPU also has AMX tiles, a call of 8 rows or more
-// takes them instead (16 channels by 16 rows per instruction; the section after the
-// AVX-512 loops, and docs/native-kernel.md, section 9).
+// (-march=native on the machine that runs it, or a narrower set for the test
+// builds and LOLLM_ISA, lollm/native/__init__.py): AVX-512 VNNI, AVX2, and plain
+// C++ for every other CPU. Where the CPU also has AMX tiles, a call of 8 rows or
+// more takes them instead (16 channels by 16 rows per instruction; the section
+// after the AVX-512 loops, and docs/native-kernel.md, section 9).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -52,10 +60,19 @@
 #include <string>
 #include <vector>
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define LOLLM_AVX512 1  // the AVX-512 VNNI loops (and, where the CPU has them, the AMX tiles)
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LOLLM_AVX2 1  // the AVX2 loops
+#include <immintrin.h>
+#endif
+
 namespace {
 
-constexpr int64_t kBlock = 32;     // values per activation block (and per weight group, at least)
-constexpr int64_t kChannels = 16;  // output channels one task computes (a task's share of the work)
+constexpr int64_t kBlock = 32;      // values per activation block (and per weight group, at least)
+constexpr int64_t kChannels = 16;   // output channels one task computes (a task's share of the work)
+constexpr int64_t kChunkRows = 64;  // rows of x one pass over a task's weights serves (their float32 sums: 4 KB)
 
 // Step 1: x (M, K) float32 -> codes (M, K) int8 and scales (M, K / 32) float32.
 // Each block: d = max|x| / 127, q = round(x / d) (ties to even); a block of zeros
@@ -96,169 +113,7 @@ inline void unpack_q5_pair(const uint8_t* nibbles, const uint8_t* high, int8_t* 
   }
 }
 
-// ---------------------------------------------------------------------------
-// Steps 2 and 3 on CPUs with AVX-512 VNNI: two blocks of 32 per instruction.
-//
-// vpdpbusd multiplies an *unsigned* byte by a signed one and sums each 4
-// products into an int32 lane. The weights are made unsigned as they are read
-// (w + 128, one xor), and the extra 128 * sum(x) that this adds to each lane
-// depends on the activations only, so it is computed once per call: for layers
-// in groups of 32 it is each lane's starting value (PairedRows::offset), so the
-// instruction leaves exactly sum(w * x); for per-channel layers it is taken off once
-// per row and group, after the scaling (row_surplus), and the inner loop reads
-// nothing but codes, activations and block scales.
-// ---------------------------------------------------------------------------
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define LOLLM_AVX512 1
-#include <immintrin.h>
-
-// Per-channel layers: per row and group, sum_b d[b] * 128 * sum(xq in b), the amount
-// the unsigned weights add to every channel's scaled sum (rows, K / group_size).
-std::vector<float> row_surplus(const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t group_size) {
-  std::vector<float> surplus(rows * (k / group_size), 0.f);
-  for (int64_t b = 0; b < rows * k / kBlock; ++b) {
-    int32_t total = 0;
-    for (int64_t j = 0; j < kBlock; ++j) total += xq[b * kBlock + j];
-    surplus[b * kBlock / group_size] += xd[b] * 128.f * float(total);
-  }
-  return surplus;
-}
-
-// Layers in groups of 32: x in the form their loop reads, every block repeated twice
-// (their one instruction takes two channels against the same block): codes (2K bytes
-// a row), each int32 lane's -128 * (sum of its 4 codes) and each lane's block scale
-// (K / 2 each).
-struct PairedRows {
-  std::vector<int8_t> q;
-  std::vector<int32_t> offset;
-  std::vector<float> d;
-  PairedRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k) : q(2 * rows * k), offset(rows * k / 2), d(rows * k / 2) {
-    for (int64_t b = 0; b < rows * k / kBlock; ++b)
-      for (int64_t copy = 0; copy < 2; ++copy) {
-        const int64_t at = (2 * b + copy) * kBlock;
-        std::copy(xq + b * kBlock, xq + (b + 1) * kBlock, q.begin() + at);
-        for (int64_t lane = 0; lane < 8; ++lane) {
-          const int8_t* four = xq + b * kBlock + 4 * lane;
-          offset[at / 4 + lane] = -128 * (four[0] + four[1] + four[2] + four[3]);
-          d[at / 4 + lane] = xd[b];
-        }
-      }
-  }
-};
-
-// 64 bytes of codes made unsigned (w + 128), or the first 32 (lanes above zero) when
-// only one block is left.
-inline __m512i unsigned_codes(const int8_t* w, bool two) {
-  return _mm512_xor_si512(_mm512_maskz_loadu_epi8(two ? ~0ULL : 0xFFFFFFFFULL, w), _mm512_set1_epi8(char(0x80)));
-}
-
-// Layers with one scale per channel (group_size = K, or another multiple of 32 above it):
-// a channel's codes are contiguous; one instruction takes two neighbouring blocks, and
-// each piece of codes, once read, meets up to 4 rows of x.
-template <int R>
-void channel_rows(const int8_t* w, int64_t group_size, const int8_t* xq, const float* xd, int64_t k, int64_t row,
-                  int64_t col, float* sums) {
-  const int8_t* q[R];
-  const float* d[R];
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) {
-    const int64_t at = (row + i) * k + col;  // the first of this row's codes in this group
-    q[i] = xq + at, d[i] = xd + at / kBlock;
-    acc[i] = _mm512_setzero_ps();
-  }
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 0-7: block 0
-  int64_t p = 0;
-  for (; 64 * p + 64 <= group_size; ++p) {  // whole pairs of blocks
-    const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * p), flip);
-    for (int i = 0; i < R; ++i) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_loadu_si512(q[i] + 64 * p));
-      const __m512 two_d = _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(d[i] + 2 * p))));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(halves, two_d), acc[i]);
-    }
-  }
-  if (64 * p < group_size) {  // a last lone block: lanes 0-7, zeros above
-    const __m512i wu = unsigned_codes(w + 64 * p, false);
-    for (int i = 0; i < R; ++i) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q[i] + 64 * p));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_maskz_mov_ps(0x00FF, _mm512_set1_ps(d[i][2 * p])), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-// Here the 128 * sum(xq) that the unsigned weights add is taken off after the scaling:
-// summed over a group, sum_b d[b] * 128 * sum(xq in b) is the same for every channel, so
-// it is computed once per row and group (row_surplus), and the loop reads no offsets.
-// S, the weight scales' type: float, or at::Half (a Q8_0 file's d; float(s) is exact, one
-// F16C instruction where the CPU has it).
-template <class S>
-void channels_wide(const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size, const int8_t* xq,
-                   const float* xd, const std::vector<float>& surplus, int64_t rows, int64_t n0, int64_t n1, float* out) {
-  const int64_t k = groups * group_size;
-  float sums[4];
-  for (int64_t c = n0; c < n1; ++c) {
-    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* w = codes + (g * n + c) * group_size;
-      for (int64_t r = 0; r < rows; r += 4) {
-        const int64_t take = std::min<int64_t>(4, rows - r), col = g * group_size;
-        if (take == 4) channel_rows<4>(w, group_size, xq, xd, k, r, col, sums);
-        if (take == 3) channel_rows<3>(w, group_size, xq, xd, k, r, col, sums);
-        if (take == 2) channel_rows<2>(w, group_size, xq, xd, k, r, col, sums);
-        if (take == 1) channel_rows<1>(w, group_size, xq, xd, k, r, col, sums);
-        for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] += (sums[i] - surplus[(r + i) * groups + g]) * float(ws[g * n + c]);
-      }
-    }
-  }
-}
-
-// Layers in groups of 32 (the output head: codes (K / 32, N, 32)): block b of channels
-// c and c + 1 lie side by side, so one instruction takes both channels against the
-// same block of x (`paired`); lanes 0-7 sum channel c, lanes 8-15 channel c + 1.
-template <class S>
-void pairs_wide(const int8_t* codes, const S* ws, int64_t blocks, int64_t n, const PairedRows& x,
-                int64_t rows, int64_t n0, int64_t n1, float* out) {
-  const int64_t pairs = (n1 - n0 + 1) / 2;
-  std::vector<__m512> acc(rows * pairs, _mm512_setzero_ps());
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t c = n0 + 2 * p;
-      const bool two = c + 1 < n1;
-      const __m512i wu = unsigned_codes(codes + (b * n + c) * kBlock, two);
-      const __m512 w_scale = _mm512_insertf32x8(_mm512_set1_ps(float(ws[b * n + c])), _mm256_set1_ps(two ? float(ws[b * n + c + 1]) : 0.f), 1);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t at = (r * blocks + b) * 64;  // this row's copy of block b, twice
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), wu, _mm512_loadu_si512(x.q.data() + at));
-        const __m512 scale = _mm512_mul_ps(w_scale, _mm512_loadu_ps(x.d.data() + at / 4));
-        acc[r * pairs + p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r * pairs + p]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512 a = acc[r * pairs + p];
-      const int64_t c = n0 + 2 * p;
-      out[r * n + c] = _mm512_mask_reduce_add_ps(0x00FF, a);
-      if (c + 1 < n1) out[r * n + c + 1] = _mm512_mask_reduce_add_ps(0xFF00, a);
-    }
-}
-
-// Q5_0 layers: x in the form their loop reads: each int32 lane's -16 * (sum of its 4 codes),
-// so that vpdpbusd over the unsigned codes u leaves sum((u - 16) * x), and each lane's block
-// scale (K / 4 of each a row).
-struct LaneRows {
-  std::vector<int32_t> offset;
-  std::vector<float> d;
-  LaneRows(const int8_t* xq, const float* xd, int64_t rows, int64_t k) : offset(rows * k / 4), d(rows * k / 4) {
-    for (int64_t i = 0; i < rows * k / 4; ++i) {
-      const int8_t* four = xq + 4 * i;
-      offset[i] = -16 * (four[0] + four[1] + four[2] + four[3]);
-      d[i] = xd[i / 8];
-    }
-  }
-};
-
+#if defined(LOLLM_AVX512)
 // A pair of Q5_0 blocks as 64 unsigned codes u (0..31): the low 4 bits of block 2p in bytes
 // 0-31, of block 2p + 1 in bytes 32-63, then 16 added where the high bit is set.
 inline __m512i q5_codes(const uint8_t* nibbles, const uint8_t* high) {
@@ -270,44 +125,175 @@ inline __m512i q5_codes(const uint8_t* nibbles, const uint8_t* high) {
   std::memcpy(&bits, high, 8);
   return _mm512_mask_add_epi8(u, _cvtu64_mask64(bits), u, _mm512_set1_epi8(16));
 }
+#endif
 
-// Channel c of a Q5_0 layer against R rows of x: each pair of blocks, unpacked once, meets
-// every row; lanes 0-7 hold block 2p's sums, lanes 8-15 block 2p + 1's.
-template <int R>
-void q5_channel_rows(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t k, const int8_t* xq,
-                     const LaneRows& x, int64_t row, float* sums) {
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t p = 0; p < k / 64; ++p) {
-    const __m512i u = q5_codes(nibbles + 32 * p, high + 8 * p);
-    int32_t two;  // the pair's two float16 scales
-    std::memcpy(&two, scale + 2 * p, 4);
-    const __m512 w_scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
-    for (int i = 0; i < R; ++i) {
-      const int64_t at = (row + i) * k + 64 * p;
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.offset.data() + at / 4), u, _mm512_loadu_si512(xq + at));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(w_scale, _mm512_loadu_ps(x.d.data() + at / 4)), acc[i]);
-    }
+// x after step 1, as every version reads it (rows m, blocks b of 32):
+//   q   (rows, K)      int8: the codes xq
+//   d   (rows, K / 32) float32: the block scales xd
+//   sum (rows, K / 32) int32: each block's sum of codes (the VNNI loops undo their bias with it)
+struct Rows {
+  int64_t rows, k, blocks;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sum;
+  Rows(const float* x, int64_t rows, int64_t k)
+      : rows(rows), k(k), blocks(k / kBlock), q(rows * k), d(rows * blocks), sum(rows * blocks, 0) {
+    quantize_rows(x, rows, k, q.data(), d.data());
+    for (int64_t i = 0; i < rows * blocks; ++i)
+      for (int64_t j = 0; j < kBlock; ++j) sum[i] += q[i * kBlock + j];
   }
-  for (int i = 0; i < R; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+  const int8_t* block(int64_t m, int64_t b) const { return q.data() + m * k + b * kBlock; }
+};
+
+// ---------------------------------------------------------------------------
+// The weights as the loops read them: channel c's blocks a pair (2p, 2p + 1) at a
+// time, and each block's scale as float32. Two layouts, one interface:
+//   signed_pair(c, p, out)  the pair's 64 signed codes w (block 2p, then 2p + 1; zeros
+//                           where the row ends after block 2p)
+//   unsigned_pair(c, p)     (AVX-512) the same 64 codes plus kBias, as unsigned bytes
+//   scale_of(c, b)          the float32 ws of channel c's block b
+// ---------------------------------------------------------------------------
+
+// Int8Linear: codes (groups, N, group_size), scale (groups, N) of type S (float or at::Half).
+// Block b of channel c lies in group 32b / group_size: per channel (one group) a channel's
+// blocks follow each other; in groups of 32 (the head) block b of 16 channels is 512 bytes.
+template <class S>
+struct Int8Weights {
+  static constexpr int32_t kBias = 128;  // w + 128 (0..255): one xor with 0x80
+  const int8_t* codes;
+  const S* scale;
+  int64_t n, group_size, blocks;
+  const int8_t* block(int64_t c, int64_t b) const {
+    return codes + ((b * kBlock / group_size) * n + c) * group_size + b * kBlock % group_size;
+  }
+  float scale_of(int64_t c, int64_t b) const { return float(scale[(b * kBlock / group_size) * n + c]); }
+  void signed_pair(int64_t c, int64_t p, int8_t* out) const {
+    std::memcpy(out, block(c, 2 * p), kBlock);
+    if (2 * p + 1 < blocks)
+      std::memcpy(out + kBlock, block(c, 2 * p + 1), kBlock);
+    else
+      std::memset(out + kBlock, 0, kBlock);
+  }
+#if defined(LOLLM_AVX512)
+  __m512i unsigned_pair(int64_t c, int64_t p) const {
+    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p)));
+    const __m256i second = 2 * p + 1 < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p + 1)))
+                                              : _mm256_setzero_si256();
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), _mm512_set1_epi8(char(0x80)));
+  }
+#endif
+};
+
+// Q5Linear: channel c's pair p is 32 bytes of nibbles and 8 of high bits (layout above
+// unpack_q5_pair); scale (N, K / 32) float16, the file's d.
+struct Q5Weights {
+  static constexpr int32_t kBias = 16;  // u = w + 16 (0..31): the file's own code
+  const uint8_t* nibbles;
+  const uint8_t* high;
+  const at::Half* scale;
+  int64_t k, blocks;
+  float scale_of(int64_t c, int64_t b) const { return float(scale[c * blocks + b]); }
+  void signed_pair(int64_t c, int64_t p, int8_t* out) const {
+    unpack_q5_pair(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p, out);
+  }
+#if defined(LOLLM_AVX512)
+  __m512i unsigned_pair(int64_t c, int64_t p) const { return q5_codes(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p); }
+#endif
+};
+
+// A task: output channels n0 .. n1 (at most 16) of rows r0 .. r0 + count. Its float32
+// accumulators acc[r][c] (row r0 + r, channel n0 + c) and its scales ws[16 b + c] (zeros for
+// channels past n1) are shared by every version; pair_step (one per version, below) adds
+// blocks 2p and 2p + 1 of every row into acc, block 2p first.
+struct Task {
+  int64_t n0, n1, r0, count;
+  const float* ws;
+  float (*acc)[kChannels];
+};
+
+#if defined(LOLLM_AVX512)
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 on CPUs with AVX-512 VNNI.
+//
+// vpdpbusd multiplies 64 *unsigned* bytes by 64 signed ones and adds each 4 products
+// into one of 16 int32 lanes. To get one exact sum per (channel, block) without adding
+// lanes together afterwards, the weights are turned on their side once per task and
+// pair of blocks: column[j] holds, in lane c, bytes 4j .. 4j + 3 of channel c's pair
+// (a 16 x 16 transpose of 4-byte pieces). Then 8 instructions, each against the same 4
+// bytes of x in every lane (a broadcast), leave in lane c channel c's whole block sum:
+//     isum[c] = sum_j vpdpbusd(column[j], x[4j .. 4j + 3])      j = 0..7: block 2p; 8..15: 2p + 1
+// and one fused multiply-add scales 16 channels at once, in the canonical order. The
+// transpose is paid once per task and pair, and every row of the chunk reuses it.
+//
+// The sign problem: the weights are made unsigned, u = w + kBias (int8: xor 0x80, so
+// kBias = 128; Q5_0's codes are unsigned already, kBias = 16). That adds kBias * sum(xq)
+// to each block's sum, the same for every channel; the lanes start from -kBias * sum(xq)
+// (Rows::sum), so the instructions leave exactly sum(w * xq).
+// ---------------------------------------------------------------------------
+
+// 16 vectors of 16 int32 transposed in place: afterwards r[j] lane c = r[c] lane j before.
+inline void transpose16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {  // 4-byte pieces of rows 2i, 2i + 1 interleaved, within each 128 bits
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // b[i + m], 128 bits L: piece 4L + m of rows i .. i + 3
+    b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // the 128-bit pieces: r[4L + m], 128 bits i = b[4i + m], 128 bits L
+    const __m512i t0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), t1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44), t3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+    r[8 + m] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+  }
 }
 
-void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t n, int64_t k,
-                 const int8_t* xq, const float* xd, const LaneRows& x, int64_t rows, int64_t n0, int64_t n1, float* out) {
-  float sums[4];
-  for (int64_t c = n0; c < n1; ++c) {
-    const uint8_t* nib = nibbles + c * k / 2;
-    const uint8_t* hb = high + c * k / 8;
-    const at::Half* sc = scale + c * k / 32;
-    for (int64_t r = 0; r < rows; r += 4) {
-      const int64_t take = std::min<int64_t>(4, rows - r);
-      if (take == 4) q5_channel_rows<4>(nib, hb, sc, k, xq, x, r, sums);
-      if (take == 3) q5_channel_rows<3>(nib, hb, sc, k, xq, x, r, sums);
-      if (take == 2) q5_channel_rows<2>(nib, hb, sc, k, xq, x, r, sums);
-      if (take == 1) q5_channel_rows<1>(nib, hb, sc, k, xq, x, r, sums);
-      for (int64_t i = 0; i < take; ++i) out[(r + i) * n + c] = sums[i];
+inline __m512i four_bytes(const int8_t* x) {  // x[0..3] in every lane
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Block b (its 8 columns) of R rows from row m: 16 channels' exact sums, then acc[i] =
+// fma(float(isum), xd * ws, acc[i]). Two chains of 4 instructions a row (columns 0-3 and
+// 4-7), so that the multiply-adds of R rows overlap.
+template <int R>
+inline void block_rows(const __m512i* column, int32_t bias, const Rows& x, int64_t m, int64_t b, __m512 ws, float (*acc)[kChannels]) {
+  __m512i lo[R], hi[R];
+  for (int i = 0; i < R; ++i) {
+    lo[i] = _mm512_set1_epi32(-bias * x.sum[(m + i) * x.blocks + b]);
+    hi[i] = _mm512_setzero_si512();
+  }
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < R; ++i) {
+      const int8_t* xb = x.block(m + i, b);
+      lo[i] = _mm512_dpbusd_epi32(lo[i], column[j], four_bytes(xb + 4 * j));
+      hi[i] = _mm512_dpbusd_epi32(hi[i], column[4 + j], four_bytes(xb + 16 + 4 * j));
     }
+  for (int i = 0; i < R; ++i) {
+    const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[i], hi[i]));  // exact: |isum| < 2^24
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(x.d[(m + i) * x.blocks + b]), ws);  // xd * ws, rounded
+    _mm512_store_ps(acc[i], _mm512_fmadd_ps(isum, scale, _mm512_load_ps(acc[i])));
+  }
+}
+
+template <class W>
+void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
+  __m512i column[16];  // channel c's pair, then turned: column[j] lane c = its bytes 4j .. 4j + 3
+  for (int64_t c = 0; c < kChannels; ++c) column[c] = t.n0 + c < t.n1 ? w.unsigned_pair(t.n0 + c, p) : _mm512_setzero_si512();
+  transpose16(column);
+  for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+    const __m512 ws = _mm512_loadu_ps(t.ws + kChannels * b);
+    const __m512i* block_columns = column + 8 * (b - 2 * p);
+    int64_t r = 0;
+    for (; r + 4 <= t.count; r += 4) block_rows<4>(block_columns, W::kBias, x, t.r0 + r, b, ws, t.acc + r);
+    for (; r < t.count; ++r) block_rows<1>(block_columns, W::kBias, x, t.r0 + r, b, ws, t.acc + r);
   }
 }
 
@@ -322,14 +308,14 @@ void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* sc
 // one instruction, where vpdpbusd does 64. B is stored four bytes at a time:
 // B[i][4m + j] = xq[m][4i + j] (TileRows). The int32 sums are exact, as in the loops
 // above; each block's sums are then scaled, d[m, b] * scale[n, b], and added in
-// float32 to one 16-lane vector per channel (lane m: row m).
+// float32 to one 16-lane vector per channel (lane m: row m): the canonical order,
+// block after block (scale_blocks), so the tiles give the loops' bits exactly.
 //
 // Rows never mix: a row's outputs come from the same instructions in the same order
 // whatever rows are beside it (rows past the last are zeros). The tiles take calls of
-// kTileMinRows rows or more; fewer rows (a lone decode step) take the loops above, which
-// add the same exact int32 sums in another float32 order, so a row there and here may
-// differ in the last bits. Linux lends the tile registers to a process that asks
-// (arch_prctl); where it refuses, the loops above run.
+// kTileMinRows rows or more; fewer rows (a lone decode step) take the loops above.
+// Linux lends the tile registers to a process that asks (arch_prctl); where it
+// refuses, the loops above run.
 // ---------------------------------------------------------------------------
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define LOLLM_AMX 1
@@ -511,115 +497,108 @@ void over_tile_tasks(const std::vector<int8_t>& xq, const std::vector<float>& xd
 }
 #endif
 
-#else
+#elif defined(LOLLM_AVX2)
 // ---------------------------------------------------------------------------
-// Steps 2 and 3 elsewhere: one block at a time (AVX2), or plain C++.
+// Steps 2 and 3 on CPUs with AVX2 (and FMA): one block of 8 channels at a time.
+//
+// vpmaddubsw multiplies an unsigned byte by a signed one, so the signs move onto x:
+// |w| * (x * sign(w)) = w * x (|-128| = 128 fits an unsigned byte; x is never -128, so
+// x * sign(w) fits a signed one); pairs of products are summed into int16 (at most
+// 2 * 128 * 127: no saturation), then pairs of those into int32 by vpmaddwd.
 // ---------------------------------------------------------------------------
-#if defined(__AVX2__)
-#include <immintrin.h>
 
-// One block: 8 int32 lanes whose sum is sum_j w[j] * x[j]. vpmaddubsw multiplies an
-// unsigned byte by a signed one, so the signs move onto x: |w| * (x * sign(w)) = w * x
-// (|-128| = 128 fits an unsigned byte; x is never -128, so x * sign(w) fits a signed one).
-inline __m256i block_dot(const int8_t* w, const int8_t* x) {
+// One block of one channel: 8 int32 lanes whose sum is sum_j w[j] * x[j].
+inline __m256i block_dot(const int8_t* w, __m256i xv) {
   const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i aw = _mm256_abs_epi8(wv);       // |w| as unsigned bytes
-  const __m256i sx = _mm256_sign_epi8(xv, wv);  // x * sign(w), 0 where w = 0
-  const __m256i pairs = _mm256_maddubs_epi16(aw, sx);  // 16 sums of 2, at most 2 * 128 * 127: no saturation
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-inline float group_dot(const int8_t* w, const int8_t* xq, const float* xd, int64_t blocks, float w_scale) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b)
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(w + b * kBlock, xq + b * kBlock)), _mm256_set1_ps(xd[b] * w_scale), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// 8 channels' lanes added up: lane c of the result = the sum of d[c]'s 8 lanes (exact, int32).
+inline __m256i lane_sums(const __m256i* d) {
+  const __m256i d01 = _mm256_hadd_epi32(d[0], d[1]), d23 = _mm256_hadd_epi32(d[2], d[3]);
+  const __m256i d45 = _mm256_hadd_epi32(d[4], d[5]), d67 = _mm256_hadd_epi32(d[6], d[7]);
+  const __m256i low = _mm256_hadd_epi32(d01, d23), high = _mm256_hadd_epi32(d45, d67);  // per 128 bits: channels 0-3, 4-7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
 }
-#else
-inline float group_dot(const int8_t* w, const int8_t* xq, const float* xd, int64_t blocks, float w_scale) {
-  float acc = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kBlock; ++j) sum += int32_t(w[b * kBlock + j]) * int32_t(xq[b * kBlock + j]);
-    acc += float(sum) * (xd[b] * w_scale);
-  }
-  return acc;
-}
-#endif
 
-// Output channels n0 .. n1 for every row: each channel's group of codes, once read, stays
-// in L1 while every row of x takes its turn.
-template <class S>
-void channels_narrow(const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size,
-                     const int8_t* xq, const float* xd, int64_t rows, int64_t k, int64_t n0, int64_t n1, float* out) {
-  const int64_t group_blocks = group_size / kBlock;
-  for (int64_t c = n0; c < n1; ++c)
-    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t c = n0; c < n1; ++c)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t first = (r * k + g * group_size) / kBlock;
-        out[r * n + c] += group_dot(codes + (g * n + c) * group_size, xq + first * kBlock, xd + first, group_blocks, float(ws[g * n + c]));
-      }
-}
-#endif
-
-#if !defined(LOLLM_AVX512)
-// Q5_0 layers elsewhere: each pair of blocks is unpacked to 64 signed codes once, then
-// every row takes its turn, one block at a time.
-void q5_channels(const uint8_t* nibbles, const uint8_t* high, const at::Half* scale, int64_t n, int64_t k,
-                 const int8_t* xq, const float* xd, int64_t rows, int64_t n0, int64_t n1, float* out) {
-  int8_t codes[64];
-  for (int64_t c = n0; c < n1; ++c) {
-    for (int64_t r = 0; r < rows; ++r) out[r * n + c] = 0.f;
-    for (int64_t p = 0; p < k / 64; ++p) {
-      unpack_q5_pair(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p, codes);
-      const float d0 = float(scale[c * k / 32 + 2 * p]), d1 = float(scale[c * k / 32 + 2 * p + 1]);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t first = (r * k + 64 * p) / kBlock;
-        out[r * n + c] += group_dot(codes, xq + first * kBlock, xd + first, 1, d0) +
-                          group_dot(codes + kBlock, xq + (first + 1) * kBlock, xd + first + 1, 1, d1);
+template <class W>
+void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
+  alignas(32) int8_t codes[kChannels][64] = {};  // channel n0 + c's pair, signed
+  for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
+  for (int64_t r = 0; r < t.count; ++r)
+    for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block(t.r0 + r, b)));
+      const __m256 xd = _mm256_set1_ps(x.d[(t.r0 + r) * x.blocks + b]);
+      for (int64_t half = 0; half < kChannels && t.n0 + half < t.n1; half += 8) {  // channels half .. half + 7
+        __m256i d[8];
+        for (int c = 0; c < 8; ++c) d[c] = block_dot(codes[half + c] + kBlock * (b - 2 * p), xv);
+        const __m256 isum = _mm256_cvtepi32_ps(lane_sums(d));
+        const __m256 scale = _mm256_mul_ps(xd, _mm256_loadu_ps(t.ws + kChannels * b + half));  // xd * ws, rounded
+        _mm256_store_ps(t.acc[r] + half, _mm256_fmadd_ps(isum, scale, _mm256_load_ps(t.acc[r] + half)));
       }
     }
-  }
+}
+
+#else
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 in plain C++, for every other CPU: the canonical order as written.
+// ---------------------------------------------------------------------------
+template <class W>
+void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
+  int8_t codes[kChannels][64];  // channel n0 + c's pair, signed
+  for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
+  for (int64_t r = 0; r < t.count; ++r)
+    for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+      const int8_t* xb = x.block(t.r0 + r, b);
+      const float xd = x.d[(t.r0 + r) * x.blocks + b];
+      for (int64_t c = 0; c < t.n1 - t.n0; ++c) {
+        const int8_t* wb = codes[c] + kBlock * (b - 2 * p);
+        int32_t isum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) isum += int32_t(wb[j]) * int32_t(xb[j]);
+        t.acc[r][c] = std::fmaf(float(isum), xd * t.ws[kChannels * b + c], t.acc[r][c]);
+      }
+    }
 }
 #endif
 
-// Steps 2 and 3 of block_int8_linear: out (M, N) from x's codes xq and block scales xd (step 1)
-// and the weights codes (groups, N, group_size) and scale (groups, N) of type S (float or at::Half).
+// One task of every version: channels n0 .. n1 of every row, kChunkRows rows at a time.
+// For each chunk the accumulators start at zero and the pairs of blocks come in order,
+// so each output is the canonical order's acc, whatever the chunk or the rows beside it.
+template <class W>
+void run_task(const W& w, const Rows& x, int64_t n, int64_t n0, int64_t n1, float* out) {
+  std::vector<float> ws(x.blocks * kChannels, 0.f);
+  for (int64_t b = 0; b < x.blocks; ++b)
+    for (int64_t c = 0; c < n1 - n0; ++c) ws[kChannels * b + c] = w.scale_of(n0 + c, b);
+  alignas(64) float acc[kChunkRows][kChannels];
+  for (int64_t r0 = 0; r0 < x.rows; r0 += kChunkRows) {
+    const Task task{n0, n1, r0, std::min(kChunkRows, x.rows - r0), ws.data(), acc};
+    std::fill(&acc[0][0], &acc[0][0] + kChunkRows * kChannels, 0.f);
+    for (int64_t p = 0; p < (x.blocks + 1) / 2; ++p) pair_step(w, x, p, task);
+    for (int64_t r = 0; r < task.count; ++r) std::copy(acc[r], acc[r] + (n1 - n0), out + (r0 + r) * n + n0);
+  }
+}
+
+// Steps 2 and 3 over torch's threads: tasks of 16 output channels.
+template <class W>
+void vector_tasks(const W& w, const Rows& x, int64_t n, float* out) {
+  at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) run_task(w, x, n, t * kChannels, std::min(n, (t + 1) * kChannels), out);
+  });
+}
+
+// Steps 2 and 3 of block_int8_linear: the tiles from kTileMinRows rows where they run, else the loops.
 template <class S>
-void int8_steps(const std::vector<int8_t>& xq, const std::vector<float>& xd, int64_t rows, int64_t k, const int8_t* w,
-                const S* ws, int64_t groups, int64_t n, int64_t group_size, float* out) {
-  const int64_t tasks = (n + kChannels - 1) / kChannels;  // tasks of 16 channels, over torch's threads
+void int8_steps(const Rows& x, const int8_t* codes, const S* ws, int64_t groups, int64_t n, int64_t group_size, float* out) {
 #if defined(LOLLM_AMX)
-  if (rows >= kTileMinRows && tiles_permitted()) {
-    over_tile_tasks(xq, xd, rows, k, n, [&](const TileRows& x, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
-      int8_tile_task(w, ws, groups, n, group_size, x, rows, n0, n1, spare, out);
+  if (x.rows >= kTileMinRows && tiles_permitted()) {
+    over_tile_tasks(x.q, x.d, x.rows, x.k, n, [&](const TileRows& tiled, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
+      int8_tile_task(codes, ws, groups, n, group_size, tiled, x.rows, n0, n1, spare, out);
     });
     return;
   }
 #endif
-#if defined(LOLLM_AVX512)
-  const bool paired = group_size == kBlock;
-  const PairedRows wide(xq.data(), xd.data(), paired ? rows : 0, k);  // only the grouped loop reads it
-  const std::vector<float> surplus = paired ? std::vector<float>() : row_surplus(xq.data(), xd.data(), rows, k, group_size);
-#endif
-  at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
-#if defined(LOLLM_AVX512)
-      if (paired)
-        pairs_wide(w, ws, groups, n, wide, rows, n0, n1, out);
-      else
-        channels_wide(w, ws, groups, n, group_size, xq.data(), xd.data(), surplus, rows, n0, n1, out);
-#else
-      channels_narrow(w, ws, groups, n, group_size, xq.data(), xd.data(), rows, k, n0, n1, out);
-#endif
-    }
-  });
+  vector_tasks(Int8Weights<S>{codes, ws, n, group_size, x.blocks}, x, n, out);
 }
 
 // y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n]. The scales are float32,
@@ -641,16 +620,13 @@ at::Tensor block_int8_linear(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == groups && scale.size(1) == n && scale.is_contiguous() && scale.device().is_cpu(),
               "block_int8_linear: scale must be contiguous (groups, N) = (", groups, ", ", n, ") on the CPU");
 
-  std::vector<int8_t> xq(rows * k);  // step 1
-  std::vector<float> xd(rows * (k / kBlock));
-  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
-
+  const Rows xr(x.data_ptr<float>(), rows, k);  // step 1
   at::Tensor y = at::empty({rows, n}, x.options());
   const int8_t* w = codes.data_ptr<int8_t>();
   if (half)
-    int8_steps(xq, xd, rows, k, w, scale.data_ptr<at::Half>(), groups, n, group_size, y.data_ptr<float>());
+    int8_steps(xr, w, scale.data_ptr<at::Half>(), groups, n, group_size, y.data_ptr<float>());
   else
-    int8_steps(xq, xd, rows, k, w, scale.data_ptr<float>(), groups, n, group_size, y.data_ptr<float>());
+    int8_steps(xr, w, scale.data_ptr<float>(), groups, n, group_size, y.data_ptr<float>());
   return y;
 }
 
@@ -677,35 +653,19 @@ at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const
   check_q5_weights("block_q5_linear", nibbles, high, scale, k);
   const int64_t n = nibbles.size(0);
 
-  std::vector<int8_t> xq(rows * k);  // step 1, as for int8 weights
-  std::vector<float> xd(rows * (k / kBlock));
-  quantize_rows(x.data_ptr<float>(), rows, k, xq.data(), xd.data());
+  const Rows xr(x.data_ptr<float>(), rows, k);  // step 1, as for int8 weights
   at::Tensor y = at::empty({rows, n}, x.options());
   float* out = y.data_ptr<float>();
-  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
-  const uint8_t* hb = high.data_ptr<uint8_t>();
-  const at::Half* sc = scale.data_ptr<at::Half>();
+  const Q5Weights w{nibbles.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), k, k / kBlock};
 #if defined(LOLLM_AMX)
   if (rows >= kTileMinRows && tiles_permitted()) {
-    over_tile_tasks(xq, xd, rows, k, n, [&](const TileRows& x, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
-      q5_tile_task(nib, hb, sc, k, x, rows, n, n0, n1, spare, out);
+    over_tile_tasks(xr.q, xr.d, rows, k, n, [&](const TileRows& tiled, int64_t n0, int64_t n1, std::vector<int8_t>& spare) {
+      q5_tile_task(w.nibbles, w.high, w.scale, k, tiled, rows, n, n0, n1, spare, out);
     });
     return y;
   }
 #endif
-#if defined(LOLLM_AVX512)
-  const LaneRows lanes(xq.data(), xd.data(), rows, k);
-#endif
-  at::parallel_for(0, (n + kChannels - 1) / kChannels, 1, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t n0 = task * kChannels, n1 = std::min(n, n0 + kChannels);
-#if defined(LOLLM_AVX512)
-      q5_channels(nib, hb, sc, n, k, xq.data(), xd.data(), lanes, rows, n0, n1, out);
-#else
-      q5_channels(nib, hb, sc, n, k, xq.data(), xd.data(), rows, n0, n1, out);
-#endif
-    }
-  });
+  vector_tasks(w, xr, n, out);
   return y;
 }
 
@@ -750,7 +710,7 @@ std::string instruction_set() {
 #endif
 #if defined(LOLLM_AVX512)
   return "AVX-512 VNNI";
-#elif defined(__AVX2__)
+#elif defined(LOLLM_AVX2)
   return "AVX2";
 #else
   return "portable C++";
