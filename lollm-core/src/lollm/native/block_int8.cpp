@@ -58,6 +58,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -152,21 +153,32 @@ struct Rows {
 //                           where the row ends after block 2p)
 //   unsigned_pair(c, p)     (AVX-512) the same 64 codes plus kBias, as unsigned bytes
 //   scale_of(c, b)          the float32 ws of channel c's block b
+//   pair_scales(n0, n1, p, ws)  (AVX-512) ws[i] lane c = scale_of(n0 + c, 2p + i), zeros past n1
+//                           or past the last block
 // ---------------------------------------------------------------------------
 
 // Int8Linear: codes (groups, N, group_size), scale (groups, N) of type S (float or at::Half).
-// Block b of channel c lies in group 32b / group_size: per channel (one group) a channel's
+// Block b of channel c lies in group g = 32b / group_size: per channel (one group) a channel's
 // blocks follow each other; in groups of 32 (the head) block b of 16 channels is 512 bytes.
+// Where each block of channel 0 starts is worked out once (no division in the loops):
+// channel c's block b is at codes + code_at[b] + c * group_size, its scale at scale[scale_at[b] + c].
 template <class S>
 struct Int8Weights {
   static constexpr int32_t kBias = 128;  // w + 128 (0..255): one xor with 0x80
   const int8_t* codes;
   const S* scale;
   int64_t n, group_size, blocks;
-  const int8_t* block(int64_t c, int64_t b) const {
-    return codes + ((b * kBlock / group_size) * n + c) * group_size + b * kBlock % group_size;
+  std::vector<int64_t> code_at, scale_at;
+  Int8Weights(const int8_t* codes, const S* scale, int64_t n, int64_t group_size, int64_t blocks)
+      : codes(codes), scale(scale), n(n), group_size(group_size), blocks(blocks), code_at(blocks), scale_at(blocks) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t g = b * kBlock / group_size;
+      code_at[b] = g * n * group_size + b * kBlock % group_size;
+      scale_at[b] = g * n;
+    }
   }
-  float scale_of(int64_t c, int64_t b) const { return float(scale[(b * kBlock / group_size) * n + c]); }
+  const int8_t* block(int64_t c, int64_t b) const { return codes + code_at[b] + c * group_size; }
+  float scale_of(int64_t c, int64_t b) const { return float(scale[scale_at[b] + c]); }
   void signed_pair(int64_t c, int64_t p, int8_t* out) const {
     std::memcpy(out, block(c, 2 * p), kBlock);
     if (2 * p + 1 < blocks)
@@ -176,10 +188,31 @@ struct Int8Weights {
   }
 #if defined(LOLLM_AVX512)
   __m512i unsigned_pair(int64_t c, int64_t p) const {
-    const __m256i first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p)));
-    const __m256i second = 2 * p + 1 < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p + 1)))
-                                              : _mm256_setzero_si256();
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1), _mm512_set1_epi8(char(0x80)));
+    const int8_t* first = block(c, 2 * p);
+    __m512i pair;
+    if (2 * p + 1 >= blocks)  // a lone last block: zeros above
+      pair = _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, first);
+    else if (block(c, 2 * p + 1) == first + kBlock)  // both in one group: 64 bytes in a row
+      pair = _mm512_loadu_si512(first);
+    else  // groups of 32: the second block lies N * 32 bytes further
+      pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p + 1))), 1);
+    return _mm512_xor_si512(pair, _mm512_set1_epi8(char(0x80)));
+  }
+  void prefetch(int64_t c, int64_t p) const { _mm_prefetch(reinterpret_cast<const char*>(block(c, 2 * p)), _MM_HINT_T1); }
+  void pair_scales(int64_t n0, int64_t n1, int64_t p, __m512* ws) const {  // 16 channels' scales lie side by side
+    const __mmask16 present = static_cast<__mmask16>((1u << (n1 - n0)) - 1);
+    for (int64_t i = 0; i < 2; ++i) {
+      if (2 * p + i >= blocks) {
+        ws[i] = _mm512_setzero_ps();
+        continue;
+      }
+      const S* first = scale + scale_at[2 * p + i] + n0;
+      if constexpr (std::is_same_v<S, float>)
+        ws[i] = _mm512_maskz_loadu_ps(present, first);
+      else
+        ws[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, first));
+    }
   }
 #endif
 };
@@ -188,26 +221,37 @@ struct Int8Weights {
 // unpack_q5_pair); scale (N, K / 32) float16, the file's d.
 struct Q5Weights {
   static constexpr int32_t kBias = 16;  // u = w + 16 (0..31): the file's own code
-  const uint8_t* nibbles;
+  const uint8_t* nibbles;  // channel c's pair p: nibbles + c * K / 2 + 32p, high + c * K / 8 + 8p
   const uint8_t* high;
   const at::Half* scale;
   int64_t k, blocks;
   float scale_of(int64_t c, int64_t b) const { return float(scale[c * blocks + b]); }
   void signed_pair(int64_t c, int64_t p, int8_t* out) const {
-    unpack_q5_pair(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p, out);
+    unpack_q5_pair(nibbles + c * (k / 2) + 32 * p, high + c * (k / 8) + 8 * p, out);
   }
 #if defined(LOLLM_AVX512)
-  __m512i unsigned_pair(int64_t c, int64_t p) const { return q5_codes(nibbles + c * k / 2 + 32 * p, high + c * k / 8 + 8 * p); }
+  __m512i unsigned_pair(int64_t c, int64_t p) const { return q5_codes(nibbles + c * (k / 2) + 32 * p, high + c * (k / 8) + 8 * p); }
+  void prefetch(int64_t c, int64_t p) const {
+    _mm_prefetch(reinterpret_cast<const char*>(nibbles + c * (k / 2) + 32 * p), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(high + c * (k / 8) + 8 * p), _MM_HINT_T1);
+  }
+  void pair_scales(int64_t n0, int64_t n1, int64_t p, __m512* ws) const {  // channel c's d[2p], d[2p + 1]: 4 bytes
+    const __mmask16 present = static_cast<__mmask16>((1u << (n1 - n0)) - 1);
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(int32_t(blocks * 2)));
+    const __m512i two = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, scale + n0 * blocks + 2 * p, 1);
+    ws[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(two));
+    ws[1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(two, 16)));
+  }
 #endif
 };
 
 // A task: output channels n0 .. n1 (at most 16) of rows r0 .. r0 + count. Its float32
-// accumulators acc[r][c] (row r0 + r, channel n0 + c) and its scales ws[16 b + c] (zeros for
-// channels past n1) are shared by every version; pair_step (one per version, below) adds
-// blocks 2p and 2p + 1 of every row into acc, block 2p first.
+// accumulators acc[r][c] (row r0 + r, channel n0 + c) are shared by every version;
+// pair_step (one per version, below) adds blocks 2p and 2p + 1 of every row into acc,
+// block 2p first.
 struct Task {
-  int64_t n0, n1, r0, count;
-  const float* ws;
+  int64_t n0, n1, n, r0, count;
   float (*acc)[kChannels];
 };
 
@@ -254,6 +298,8 @@ inline void transpose16(__m512i* r) {
   }
 }
 
+constexpr int64_t kTurnRows = 2;  // from this many rows a chunk turns the weights (measured: bench_int8_rows.py)
+
 inline __m512i four_bytes(const int8_t* x) {  // x[0..3] in every lane
   int32_t v;
   std::memcpy(&v, x, 4);
@@ -283,17 +329,59 @@ inline void block_rows(const __m512i* column, int32_t bias, const Rows& x, int64
   }
 }
 
+// Few rows (a decode step): the transpose would cost more than it saves. Each channel's pair
+// meets the row's 64 bytes of x in one instruction (lanes 0-7: block 2p, 8-15: block 2p + 1),
+// and the 16 channels' lanes are added up by a network of shuffles into isum[0] (block 2p,
+// lane c: channel c) and isum[1] (block 2p + 1): the same exact sums as the columns give.
+inline void lane_sums(const __m512i* s, __m512i* isum) {
+  __m512i a[8], b[4], e[2];
+  for (int i = 0; i < 8; ++i)  // a[i], 128 bits L: channels 2i, 2i + 1, two partial sums each
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // b[i], 128 bits L: channels 4i .. 4i + 3, the sum of lanes 4L .. 4L + 3
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // e[i]: block 2p of channels 8i .. 8i + 3, block 2p + 1 of them, the same for 8i + 4 .. 8i + 7
+    e[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  isum[0] = _mm512_shuffle_i32x4(e[0], e[1], 0x88);
+  isum[1] = _mm512_shuffle_i32x4(e[0], e[1], 0xDD);
+}
+
+template <class W>
+inline void one_row(const W& w, const Task& t, const Rows& x, int64_t r, int64_t p, const __m512* ws) {
+  const int64_t blocks = std::min<int64_t>(2, x.blocks - 2 * p), m = t.r0 + r;
+  const __m512i xv = _mm512_maskz_loadu_epi8(blocks == 2 ? ~0ULL : 0xFFFFFFFFULL, x.block(m, 2 * p));
+  __m512i s[16], isum[2];
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < kChannels; ++c)  // channels past n1 repeat the last one (never stored)
+    s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.unsigned_pair(std::min(t.n0 + c, t.n1 - 1), p), xv);
+  lane_sums(s, isum);
+  float* acc = t.acc[r];
+  __m512 a = _mm512_load_ps(acc);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const int64_t b = 2 * p + i;
+    const __m512i exact = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(W::kBias * x.sum[m * x.blocks + b]));
+    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(x.d[m * x.blocks + b]), ws[i]), a);
+  }
+  _mm512_store_ps(acc, a);
+}
+
 template <class W>
 void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
-  __m512i column[16];  // channel c's pair, then turned: column[j] lane c = its bytes 4j .. 4j + 3
-  for (int64_t c = 0; c < kChannels; ++c) column[c] = t.n0 + c < t.n1 ? w.unsigned_pair(t.n0 + c, p) : _mm512_setzero_si512();
-  transpose16(column);
+  for (int64_t c = t.n1; c < std::min(t.n1 + kChannels, t.n); ++c) w.prefetch(c, p);  // the next task's pair, on its way meanwhile
+  __m512 ws[2];
+  w.pair_scales(t.n0, t.n1, p, ws);
+  if (t.count < kTurnRows) {
+    for (int64_t r = 0; r < t.count; ++r) one_row(w, t, x, r, p, ws);
+    return;
+  }
+  __m512i u[16];  // channel c's pair, unsigned (past n1: the last one again); then turned: u[j] lane c = its bytes 4j .. 4j + 3
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < kChannels; ++c) u[c] = w.unsigned_pair(std::min(t.n0 + c, t.n1 - 1), p);
+  transpose16(u);
   for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
-    const __m512 ws = _mm512_loadu_ps(t.ws + kChannels * b);
-    const __m512i* block_columns = column + 8 * (b - 2 * p);
+    const __m512i* columns = u + 8 * (b - 2 * p);
     int64_t r = 0;
-    for (; r + 4 <= t.count; r += 4) block_rows<4>(block_columns, W::kBias, x, t.r0 + r, b, ws, t.acc + r);
-    for (; r < t.count; ++r) block_rows<1>(block_columns, W::kBias, x, t.r0 + r, b, ws, t.acc + r);
+    for (; r + 4 <= t.count; r += 4) block_rows<4>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
+    for (; r < t.count; ++r) block_rows<1>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
   }
 }
 
@@ -497,7 +585,16 @@ void over_tile_tasks(const std::vector<int8_t>& xq, const std::vector<float>& xd
 }
 #endif
 
-#elif defined(LOLLM_AVX2)
+#else
+// The pair's scales for the loops below: ws[i][c] = scale_of(n0 + c, 2p + i), zeros past n1 or past the last block.
+template <class W>
+void pair_scales(const W& w, const Task& t, int64_t p, float (*ws)[kChannels]) {
+  for (int64_t i = 0; i < 2; ++i)
+    for (int64_t c = 0; c < kChannels; ++c) ws[i][c] = t.n0 + c < t.n1 && 2 * p + i < w.blocks ? w.scale_of(t.n0 + c, 2 * p + i) : 0.f;
+}
+#endif
+
+#if defined(LOLLM_AVX2)
 // ---------------------------------------------------------------------------
 // Steps 2 and 3 on CPUs with AVX2 (and FMA): one block of 8 channels at a time.
 //
@@ -526,6 +623,8 @@ template <class W>
 void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
   alignas(32) int8_t codes[kChannels][64] = {};  // channel n0 + c's pair, signed
   for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
+  float ws[2][kChannels];
+  pair_scales(w, t, p, ws);
   for (int64_t r = 0; r < t.count; ++r)
     for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block(t.r0 + r, b)));
@@ -534,13 +633,13 @@ void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
         __m256i d[8];
         for (int c = 0; c < 8; ++c) d[c] = block_dot(codes[half + c] + kBlock * (b - 2 * p), xv);
         const __m256 isum = _mm256_cvtepi32_ps(lane_sums(d));
-        const __m256 scale = _mm256_mul_ps(xd, _mm256_loadu_ps(t.ws + kChannels * b + half));  // xd * ws, rounded
+        const __m256 scale = _mm256_mul_ps(xd, _mm256_loadu_ps(ws[b - 2 * p] + half));  // xd * ws, rounded
         _mm256_store_ps(t.acc[r] + half, _mm256_fmadd_ps(isum, scale, _mm256_load_ps(t.acc[r] + half)));
       }
     }
 }
 
-#else
+#elif !defined(LOLLM_AVX512)
 // ---------------------------------------------------------------------------
 // Steps 2 and 3 in plain C++, for every other CPU: the canonical order as written.
 // ---------------------------------------------------------------------------
@@ -548,6 +647,8 @@ template <class W>
 void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
   int8_t codes[kChannels][64];  // channel n0 + c's pair, signed
   for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
+  float ws[2][kChannels];
+  pair_scales(w, t, p, ws);
   for (int64_t r = 0; r < t.count; ++r)
     for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
       const int8_t* xb = x.block(t.r0 + r, b);
@@ -556,7 +657,7 @@ void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
         const int8_t* wb = codes[c] + kBlock * (b - 2 * p);
         int32_t isum = 0;
         for (int64_t j = 0; j < kBlock; ++j) isum += int32_t(wb[j]) * int32_t(xb[j]);
-        t.acc[r][c] = std::fmaf(float(isum), xd * t.ws[kChannels * b + c], t.acc[r][c]);
+        t.acc[r][c] = std::fmaf(float(isum), xd * ws[b - 2 * p][c], t.acc[r][c]);
       }
     }
 }
@@ -567,13 +668,10 @@ void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
 // so each output is the canonical order's acc, whatever the chunk or the rows beside it.
 template <class W>
 void run_task(const W& w, const Rows& x, int64_t n, int64_t n0, int64_t n1, float* out) {
-  std::vector<float> ws(x.blocks * kChannels, 0.f);
-  for (int64_t b = 0; b < x.blocks; ++b)
-    for (int64_t c = 0; c < n1 - n0; ++c) ws[kChannels * b + c] = w.scale_of(n0 + c, b);
   alignas(64) float acc[kChunkRows][kChannels];
   for (int64_t r0 = 0; r0 < x.rows; r0 += kChunkRows) {
-    const Task task{n0, n1, r0, std::min(kChunkRows, x.rows - r0), ws.data(), acc};
-    std::fill(&acc[0][0], &acc[0][0] + kChunkRows * kChannels, 0.f);
+    const Task task{n0, n1, n, r0, std::min(kChunkRows, x.rows - r0), acc};
+    std::fill(&acc[0][0], &acc[task.count][0], 0.f);
     for (int64_t p = 0; p < (x.blocks + 1) / 2; ++p) pair_step(w, x, p, task);
     for (int64_t r = 0; r < task.count; ++r) std::copy(acc[r], acc[r] + (n1 - n0), out + (r0 + r) * n + n0);
   }
@@ -598,7 +696,7 @@ void int8_steps(const Rows& x, const int8_t* codes, const S* ws, int64_t groups,
     return;
   }
 #endif
-  vector_tasks(Int8Weights<S>{codes, ws, n, group_size, x.blocks}, x, n, out);
+  vector_tasks(Int8Weights<S>(codes, ws, n, group_size, x.blocks), x, n, out);
 }
 
 // y (M, N) = x (M, K) @ w.T, w[n, k] = codes[g, n, k % gs] * scale[g, n]. The scales are float32,
