@@ -71,6 +71,10 @@
 
 namespace {
 
+// The small helpers of the inner loops must be inlined for their vectors to stay in registers
+// (the compiler gives up inlining on its own past a size budget).
+#define LOLLM_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kBlock = 32;      // values per activation block (and per weight group, at least)
 constexpr int64_t kChannels = 16;   // output channels one task computes (a task's share of the work)
 constexpr int64_t kChunkRows = 64;  // rows of x one pass over a task's weights serves (their float32 sums: 4 KB)
@@ -117,7 +121,7 @@ inline void unpack_q5_pair(const uint8_t* nibbles, const uint8_t* high, int8_t* 
 #if defined(LOLLM_AVX512)
 // A pair of Q5_0 blocks as 64 unsigned codes u (0..31): the low 4 bits of block 2p in bytes
 // 0-31, of block 2p + 1 in bytes 32-63, then 16 added where the high bit is set.
-inline __m512i q5_codes(const uint8_t* nibbles, const uint8_t* high) {
+LOLLM_INLINE __m512i q5_codes(const uint8_t* nibbles, const uint8_t* high) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i first = _mm256_and_si256(v, low4), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -151,7 +155,10 @@ struct Rows {
 // time, and each block's scale as float32. Two layouts, one interface:
 //   signed_pair(c, p, out)  the pair's 64 signed codes w (block 2p, then 2p + 1; zeros
 //                           where the row ends after block 2p)
-//   unsigned_pair(c, p)     (AVX-512) the same 64 codes plus kBias, as unsigned bytes
+//   with_pair(n0, n1, p, body)  (AVX-512) calls body(load), where load(c) gives channel n0 + c's
+//                           64 codes plus kBias, as unsigned bytes (c past n1 - n0: the last channel
+//                           again, never stored). The layout's choices are made once per pair,
+//                           outside the loops over channels.
 //   scale_of(c, b)          the float32 ws of channel c's block b
 //   pair_scales(n0, n1, p, ws)  (AVX-512) ws[i] lane c = scale_of(n0 + c, 2p + i), zeros past n1
 //                           or past the last block
@@ -187,17 +194,24 @@ struct Int8Weights {
       std::memset(out + kBlock, 0, kBlock);
   }
 #if defined(LOLLM_AVX512)
-  __m512i unsigned_pair(int64_t c, int64_t p) const {
-    const int8_t* first = block(c, 2 * p);
-    __m512i pair;
-    if (2 * p + 1 >= blocks)  // a lone last block: zeros above
-      pair = _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, first);
-    else if (block(c, 2 * p + 1) == first + kBlock)  // both in one group: 64 bytes in a row
-      pair = _mm512_loadu_si512(first);
-    else  // groups of 32: the second block lies N * 32 bytes further
-      pair = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block(c, 2 * p + 1))), 1);
-    return _mm512_xor_si512(pair, _mm512_set1_epi8(char(0x80)));
+  template <class Body>
+  void with_pair(int64_t n0, int64_t n1, int64_t p, Body body) const {
+    const int8_t* first = block(n0, 2 * p);
+    const int64_t stride = group_size, last = n1 - n0 - 1;
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    if (2 * p + 1 >= blocks) {  // a lone last block: zeros above
+      body([=](int64_t c) { return _mm512_xor_si512(_mm512_maskz_loadu_epi8(0xFFFFFFFFULL, first + std::min(c, last) * stride), flip); });
+    } else if (code_at[2 * p + 1] == code_at[2 * p] + kBlock) {  // both in one group: 64 bytes in a row
+      body([=](int64_t c) { return _mm512_xor_si512(_mm512_loadu_si512(first + std::min(c, last) * stride), flip); });
+    } else {  // groups of 32: the second block lies N * 32 bytes further
+      const int8_t* second = block(n0, 2 * p + 1);
+      body([=](int64_t c) {
+        const int64_t at = std::min(c, last) * stride;
+        const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + at));
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + at));
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1), flip);
+      });
+    }
   }
   void prefetch(int64_t c, int64_t p) const { _mm_prefetch(reinterpret_cast<const char*>(block(c, 2 * p)), _MM_HINT_T1); }
   void pair_scales(int64_t n0, int64_t n1, int64_t p, __m512* ws) const {  // 16 channels' scales lie side by side
@@ -230,7 +244,16 @@ struct Q5Weights {
     unpack_q5_pair(nibbles + c * (k / 2) + 32 * p, high + c * (k / 8) + 8 * p, out);
   }
 #if defined(LOLLM_AVX512)
-  __m512i unsigned_pair(int64_t c, int64_t p) const { return q5_codes(nibbles + c * (k / 2) + 32 * p, high + c * (k / 8) + 8 * p); }
+  template <class Body>
+  void with_pair(int64_t n0, int64_t n1, int64_t p, Body body) const {
+    const uint8_t* nib = nibbles + n0 * (k / 2) + 32 * p;
+    const uint8_t* hb = high + n0 * (k / 8) + 8 * p;
+    const int64_t nib_stride = k / 2, high_stride = k / 8, last = n1 - n0 - 1;
+    body([=](int64_t c) {
+      const int64_t at = std::min(c, last);
+      return q5_codes(nib + at * nib_stride, hb + at * high_stride);
+    });
+  }
   void prefetch(int64_t c, int64_t p) const {
     _mm_prefetch(reinterpret_cast<const char*>(nibbles + c * (k / 2) + 32 * p), _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(high + c * (k / 8) + 8 * p), _MM_HINT_T1);
@@ -276,7 +299,7 @@ struct Task {
 // ---------------------------------------------------------------------------
 
 // 16 vectors of 16 int32 transposed in place: afterwards r[j] lane c = r[c] lane j before.
-inline void transpose16(__m512i* r) {
+LOLLM_INLINE void transpose16(__m512i* r) {
   __m512i a[16], b[16];
   for (int i = 0; i < 16; i += 2) {  // 4-byte pieces of rows 2i, 2i + 1 interleaved, within each 128 bits
     a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -300,7 +323,7 @@ inline void transpose16(__m512i* r) {
 
 constexpr int64_t kTurnRows = 2;  // from this many rows a chunk turns the weights (measured: bench_int8_rows.py)
 
-inline __m512i four_bytes(const int8_t* x) {  // x[0..3] in every lane
+LOLLM_INLINE __m512i four_bytes(const int8_t* x) {  // x[0..3] in every lane
   int32_t v;
   std::memcpy(&v, x, 4);
   return _mm512_set1_epi32(v);
@@ -310,7 +333,7 @@ inline __m512i four_bytes(const int8_t* x) {  // x[0..3] in every lane
 // fma(float(isum), xd * ws, acc[i]). Two chains of 4 instructions a row (columns 0-3 and
 // 4-7), so that the multiply-adds of R rows overlap.
 template <int R>
-inline void block_rows(const __m512i* column, int32_t bias, const Rows& x, int64_t m, int64_t b, __m512 ws, float (*acc)[kChannels]) {
+LOLLM_INLINE void block_rows(const __m512i* column, int32_t bias, const Rows& x, int64_t m, int64_t b, __m512 ws, float (*acc)[kChannels]) {
   __m512i lo[R], hi[R];
   for (int i = 0; i < R; ++i) {
     lo[i] = _mm512_set1_epi32(-bias * x.sum[(m + i) * x.blocks + b]);
@@ -333,7 +356,7 @@ inline void block_rows(const __m512i* column, int32_t bias, const Rows& x, int64
 // meets the row's 64 bytes of x in one instruction (lanes 0-7: block 2p, 8-15: block 2p + 1),
 // and the 16 channels' lanes are added up by a network of shuffles into isum[0] (block 2p,
 // lane c: channel c) and isum[1] (block 2p + 1): the same exact sums as the columns give.
-inline void lane_sums(const __m512i* s, __m512i* isum) {
+LOLLM_INLINE void lane_sums(const __m512i* s, __m512i* isum) {
   __m512i a[8], b[4], e[2];
   for (int i = 0; i < 8; ++i)  // a[i], 128 bits L: channels 2i, 2i + 1, two partial sums each
     a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
@@ -345,20 +368,19 @@ inline void lane_sums(const __m512i* s, __m512i* isum) {
   isum[1] = _mm512_shuffle_i32x4(e[0], e[1], 0xDD);
 }
 
-template <class W>
-inline void one_row(const W& w, const Task& t, const Rows& x, int64_t r, int64_t p, const __m512* ws) {
+template <class Load>
+LOLLM_INLINE void one_row(Load load, int32_t bias, const Task& t, const Rows& x, int64_t r, int64_t p, const __m512* ws) {
   const int64_t blocks = std::min<int64_t>(2, x.blocks - 2 * p), m = t.r0 + r;
   const __m512i xv = _mm512_maskz_loadu_epi8(blocks == 2 ? ~0ULL : 0xFFFFFFFFULL, x.block(m, 2 * p));
   __m512i s[16], isum[2];
 #pragma GCC unroll 16
-  for (int64_t c = 0; c < kChannels; ++c)  // channels past n1 repeat the last one (never stored)
-    s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.unsigned_pair(std::min(t.n0 + c, t.n1 - 1), p), xv);
+  for (int64_t c = 0; c < kChannels; ++c) s[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), load(c), xv);
   lane_sums(s, isum);
   float* acc = t.acc[r];
   __m512 a = _mm512_load_ps(acc);
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t b = 2 * p + i;
-    const __m512i exact = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(W::kBias * x.sum[m * x.blocks + b]));
+    const __m512i exact = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(bias * x.sum[m * x.blocks + b]));
     a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(x.d[m * x.blocks + b]), ws[i]), a);
   }
   _mm512_store_ps(acc, a);
@@ -369,20 +391,22 @@ void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
   for (int64_t c = t.n1; c < std::min(t.n1 + kChannels, t.n); ++c) w.prefetch(c, p);  // the next task's pair, on its way meanwhile
   __m512 ws[2];
   w.pair_scales(t.n0, t.n1, p, ws);
-  if (t.count < kTurnRows) {
-    for (int64_t r = 0; r < t.count; ++r) one_row(w, t, x, r, p, ws);
-    return;
-  }
-  __m512i u[16];  // channel c's pair, unsigned (past n1: the last one again); then turned: u[j] lane c = its bytes 4j .. 4j + 3
+  w.with_pair(t.n0, t.n1, p, [&](auto load) {
+    if (t.count < kTurnRows) {
+      for (int64_t r = 0; r < t.count; ++r) one_row(load, W::kBias, t, x, r, p, ws);
+      return;
+    }
+    __m512i u[16];  // channel c's pair, unsigned; then turned: u[j] lane c = its bytes 4j .. 4j + 3
 #pragma GCC unroll 16
-  for (int64_t c = 0; c < kChannels; ++c) u[c] = w.unsigned_pair(std::min(t.n0 + c, t.n1 - 1), p);
-  transpose16(u);
-  for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
-    const __m512i* columns = u + 8 * (b - 2 * p);
-    int64_t r = 0;
-    for (; r + 4 <= t.count; r += 4) block_rows<4>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
-    for (; r < t.count; ++r) block_rows<1>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
-  }
+    for (int64_t c = 0; c < kChannels; ++c) u[c] = load(c);
+    transpose16(u);
+    for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+      const __m512i* columns = u + 8 * (b - 2 * p);
+      int64_t r = 0;
+      for (; r + 4 <= t.count; r += 4) block_rows<4>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
+      for (; r < t.count; ++r) block_rows<1>(columns, W::kBias, x, t.r0 + r, b, ws[b - 2 * p], t.acc + r);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------
