@@ -6,8 +6,6 @@ Each keeps a matrix as small integers with scales and multiplies with a packed k
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -18,48 +16,17 @@ from lollm.errors import WeightsError
 KERNEL_DTYPE = torch.bfloat16
 #: Weights handled per slice when packing, so temporaries stay a few MB.
 _SLICE_WEIGHTS = 1 << 20
-#: Rows (tokens) from which :class:`Int8Linear` stops calling torch's int8 kernel and runs one
-#: bfloat16 matrix multiplication over weights it dequantizes on the fly (see :func:`gemm_rows`).
-#: Per-channel layers (one int8 matrix) and grouped ones (the output head: one kernel call per
-#: group of 32 columns) cross over at different points; measured by benchmarks/bench_int8_rows.py.
-GEMM_MIN_ROWS = 20
-GEMM_MIN_ROWS_GROUPED = 10
-#: The same crossing where lollm's native kernel multiplies with AMX tiles (docs/native-kernel.md,
-#: section 9): the tiles beat dequantize-then-multiply up to about 200 rows, and the two are even
-#: at 256 (benchmarks/bench_tiles.py), so every prefill chunk of 128 tokens stays on the tiles.
-GEMM_MIN_ROWS_TILES = 256
-#: Weights dequantized at a time on that path (2 MB of bfloat16): 1,170 output channels of a matrix
-#: with 896 inputs, 215 of one with 4,864. A fixed 1,024 channels made the widest slices 10 MB.
-_GEMM_SLICE_WEIGHTS = 1 << 20
 
 
-def gemm_slices(out_features: int, in_features: int) -> list[tuple[int, int]]:
-    """The output-channel slices ``(n0, n1)`` the many-rows path dequantizes one at a time."""
-    step = max(1, _GEMM_SLICE_WEIGHTS // in_features)
-    return [(n0, min(n0 + step, out_features)) for n0 in range(0, out_features, step)]
+def native_gemm_rows() -> None:
+    """Kept for the import promise of docs/plugins.md (until lollm-core 0.3); always None.
 
-
-def native_bf16_matmul() -> bool:
-    """True when this CPU multiplies bfloat16 matrices in hardware (AVX-512 BF16 or AMX tiles).
-
-    Without it a bfloat16 matmul is emulated and the dequantize-then-multiply path of
-    :class:`Int8Linear` would not pay off, so it stays on the int8 kernel at every row count.
+    It gave the row count from which a packed layer dequantized its weights to bfloat16 and
+    multiplied once. That path is gone: it rounded differently from the int8 kernel, so a
+    row's output changed with the number of rows beside it, and the kernel's own multi-row
+    loops are now faster (docs/native-kernel.md, section 4). No layer switches by row count.
     """
-    cpu = torch.cpu
-    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
-
-
-_NATIVE_BF16 = native_bf16_matmul()
-
-
-@functools.cache
-def native_gemm_rows() -> int:
-    """From how many rows a layer on lollm's native kernel (:class:`Int8Linear` where ``native``,
-    :class:`Q5Linear`) dequantizes to bfloat16 and multiplies once, on a CPU with native bfloat16
-    matmul: :data:`GEMM_MIN_ROWS_TILES` where the kernel multiplies with AMX tiles
-    (:func:`lollm.native.tile_min_rows`), else :data:`GEMM_MIN_ROWS`. Decided once per process."""
-    return GEMM_MIN_ROWS_TILES if native.tile_min_rows() else GEMM_MIN_ROWS
+    return None
 
 
 def exact_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -187,36 +154,30 @@ class Int8Linear(nn.Module):
                      largest d where that block holds a code ±127, as llama.cpp's quantizer writes), and
                      other requantized layers their float32 scales.
     kernel_scale: the scales in bfloat16, torch's kernel's dtype; None where the native kernel
-                  takes the few-row steps (``native``).
+                  runs (``native``).
     bias: float parameter ``(out_features,)`` or None.
-    native: whether lollm's native kernel takes the few-row steps, decided when the layer is made.
+    native: whether lollm's native kernel runs this layer, decided when the layer is made.
 
-    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed in one
-    of three ways, by the number of rows M (tokens):
+    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype, computed the same
+    way for every number of rows M (tokens), so that a row's output is a function of that row and
+    the weights alone, bit for bit, whatever rows share the call (an engine step's other
+    requests, a prefill chunk's other tokens):
 
-    * few rows (a decode step, a speculative verify, an engine step of up to 19 sequences;
-      with AMX tiles up to 255 rows, prompt chunks included), where lollm's native kernel is
-      built (:mod:`lollm.native`, docs/native-kernel.md): x
+    * where lollm's native kernel is built (:mod:`lollm.native`, docs/native-kernel.md): x
       becomes int8 in blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each
-      block meets 32 codes in integer dot-product instructions, and the sums are scaled in
-      float32 by the exact scales ``scale`` (read as float32 in either dtype: float16 scales give
-      the same outputs, bit for bit, as the same values in float32). A row's output does not depend on the rows
-      beside it (from 8 rows the tiles add the float32 sums in another order than the
-      vector loops below 8: the last bits differ between the two).
-    * few rows where it is not built: ``_weight_int8pack_mm`` with bfloat16 activations.
-      That kernel reads the int8 codes once *per row*, so its time grows with M: 16 rows
-      cost about 7 times one row.
-    * many rows (a prefill, or an engine step of many sequences; at least
-      :func:`native_gemm_rows`, or :data:`GEMM_MIN_ROWS_GROUPED` for grouped layers, on a CPU
-      with native bfloat16 matmul): the codes are dequantized to bfloat16,
-      ``w = q * s``, a slice of output channels at a time, and one matrix multiplication
-      reads each slice once for all M rows. The dequantization costs about as much as the
-      kernel's 16 to 32 rows, and then barely grows with M.
+      block meets 32 codes in integer dot-product instructions (exact int32 sums), and the sums
+      are scaled and added in float32 in one fixed order by the exact scales ``scale`` (read as
+      float32 in either dtype: float16 scales give the same outputs, bit for bit, as the same
+      values in float32). Every route the kernel has (AMX tiles, AVX-512 VNNI, AVX2, portable
+      C++; ``LOLLM_ISA``) gives the same bits, and its multi-row loops reuse each weight block
+      across rows, so a prefill pays the weights once.
+    * where it is not built: ``_weight_int8pack_mm`` with bfloat16 activations, at every row
+      count. That kernel reads the int8 codes once *per row*, so its time grows with M (16 rows
+      cost about 7 times one row).
 
-    All three compute ``x · (q * s)`` from the same codes; they differ in where they round
-    (x to int8 per block in the first; x, the scales and ``q * s`` or the per-group outputs
-    to bfloat16 in the others): a few parts in a thousand of a logit
-    (docs/quantized-execution.md, "Many rows"; docs/native-kernel.md).
+    The two compute ``x · (q * s)`` from the same codes; they differ in where they round (x to
+    int8 per block in the first; x and the scales to bfloat16 in the second): a few parts in a
+    thousand of a logit (docs/quantized-execution.md).
     """
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
@@ -228,35 +189,20 @@ class Int8Linear(nn.Module):
         self.bias = bias
         # Decided (and built, on a first run) while the model loads, not at its first token.
         self.native = self.group_size % 32 == 0 and native.block_int8_op() is not None
-        # torch's kernel reads bfloat16 scales: kept beside the float32 ones only where it runs the
-        # few-row steps (for the head that copy is 8.5 MB; the many-rows path converts a slice at a time).
+        # torch's kernel reads bfloat16 scales: kept beside the exact ones only where it runs
+        # (for the head that copy is 8.5 MB).
         self.register_buffer("kernel_scale", None if self.native else scale.to(KERNEL_DTYPE))
 
-    def gemm_rows(self) -> int | None:
-        """From how many rows forward dequantizes and multiplies once (None: never, on this CPU).
-
-        Where lollm's native kernel runs the fewer rows, both layouts switch at :func:`native_gemm_rows`
-        (:data:`GEMM_MIN_ROWS`, or :data:`GEMM_MIN_ROWS_TILES` with AMX tiles; the kernel beats torch's
-        grouped calls, which switch at :data:`GEMM_MIN_ROWS_GROUPED`)."""
-        if not _NATIVE_BF16:
-            return None
-        if self.native:
-            return native_gemm_rows()
-        return GEMM_MIN_ROWS if self.codes.shape[0] == 1 else GEMM_MIN_ROWS_GROUPED
-
     def uses_native(self) -> bool:
-        """Whether the rows below :meth:`gemm_rows` go through lollm's native kernel (:mod:`lollm.native`):
-        it was built and on when this layer was made (``self.native``: groups of a multiple of 32), and
-        the codes are contiguous CPU tensors."""
+        """Whether forward goes through lollm's native kernel (:mod:`lollm.native`): it was built and
+        on when this layer was made (``self.native``: groups of a multiple of 32), and the codes are
+        contiguous CPU tensors."""
         return self.native and self.codes.is_cpu and self.codes.is_contiguous() and self.scale.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        many = self.gemm_rows()
-        if many is not None and rows.shape[0] >= many:
-            y = self._dequantized_matmul(rows.to(KERNEL_DTYPE))  # (M, N)
-        elif self.uses_native():  # int8 activations in blocks of 32, integer dot products (lollm.native)
-            y = torch.ops.lollm_native.block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
+        if self.uses_native():  # int8 activations in blocks of 32, integer dot products (lollm.native)
+            y = native.ops().block_int8_linear(rows.float().contiguous(), self.codes, self.scale)
         elif self.codes.shape[0] == 1:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(KERNEL_DTYPE), self.codes[0], self._bf16_scale()[0])  # (M, N)
         else:
@@ -272,24 +218,6 @@ class Int8Linear(nn.Module):
         """The scales in bfloat16 for torch's kernel: the kept copy, or made now (a layer that has
         the native kernel but sits where it cannot run, such as a GPU)."""
         return self.kernel_scale if self.kernel_scale is not None else self.scale.to(KERNEL_DTYPE)
-
-    def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (M, K) bfloat16 -> (M, N) float32: ``flat @ (q * s).T``, dequantizing 2 MB of weights at a time (:func:`gemm_slices`).
-
-        The codes become bfloat16 exactly (|q| <= 127 fits its 8 significant bits). One group
-        (per channel): multiply by the codes, then scale each output channel. Groups: scale
-        each group's codes first (``w = q * s``, rounded to bfloat16), then multiply once.
-        """
-        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32, device=flat.device)
-        for n0, n1 in gemm_slices(self.out_features, self.in_features):
-            q = self.codes[:, n0:n1].to(KERNEL_DTYPE)  # (G, n, group_size)
-            s = self.scale[:, n0:n1].to(KERNEL_DTYPE)  # (G, n)
-            if self.codes.shape[0] == 1:
-                y[:, n0:n1] = (flat @ q[0].T) * s[0]
-            else:  # (G, n, group_size) -> the slice's weights laid out (n, K)
-                w = (q * s[:, :, None]).transpose(0, 1).reshape(n1 - n0, self.in_features)
-                y[:, n0:n1] = flat @ w.T
-        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -314,11 +242,10 @@ class Q5Linear(nn.Module):
       scale:   ``(out_features, in_features / 32)`` float16, the file's d.
     bias: float parameter ``(out_features,)`` or None.
 
-    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype. Below
-    :func:`native_gemm_rows` rows (20, or 256 with AMX tiles, on a CPU with native bfloat16
-    matmul; every row count elsewhere) the native kernel computes it, each row alone, as for :class:`Int8Linear`;
-    from there the weights are dequantized to bfloat16 a slice of channels at a time and
-    multiplied once.
+    forward: ``x (..., in_features)`` -> ``(..., out_features)`` in x's dtype: the native
+    kernel at every row count, each row alone and bit for bit the same on every route, as for
+    :class:`Int8Linear`. Raises WeightsError where the kernel is off or not built (the loader
+    makes this layer only where it is built).
     """
 
     def __init__(self, nibbles: torch.Tensor, high: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None):
@@ -360,21 +287,13 @@ class Q5Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)
-        if _NATIVE_BF16 and rows.shape[0] >= native_gemm_rows():
-            y = self._dequantized_matmul(rows.to(KERNEL_DTYPE))  # (M, N)
-        else:  # int8 activations in blocks of 32, integer dot products (lollm.native)
-            y = torch.ops.lollm_native.block_q5_linear(rows.float().contiguous(), self.nibbles, self.high, self.scale)
+        kernel = native.ops()
+        if kernel is None:
+            raise WeightsError(f"Q5Linear ({self.out_features}, {self.in_features}) needs lollm's native kernel: {native.status()}")
+        # int8 activations in blocks of 32, integer dot products (lollm.native)
+        y = kernel.block_q5_linear(rows.float().contiguous(), self.nibbles, self.high, self.scale)  # (M, N)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-    def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat (M, K) bfloat16 -> (M, N) float32: the weights dequantized to bfloat16 2 MB at a time
-        (``(u - 16) * d`` rounded once, by the native ``block_q5_dequantize``), each slice multiplied once."""
-        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        for n0, n1 in gemm_slices(self.out_features, self.in_features):
-            w = torch.ops.lollm_native.block_q5_dequantize(self.nibbles[n0:n1], self.high[n0:n1], self.scale[n0:n1])
-            y[:, n0:n1] = flat @ w.T  # w: (n1 - n0, K) bfloat16
-        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

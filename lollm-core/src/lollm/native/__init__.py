@@ -7,7 +7,16 @@ grows with every row (token) it is given. ``block_int8.cpp`` is our own kernel,
 written to be read (docs/native-kernel.md): the activations become int8 in
 blocks of 32 with one scale each (llama.cpp's Q8_0 activations), each block of 32
 weights meets them in integer dot-product instructions (AVX-512 VNNI's vpdpbusd,
-or AVX2's vpmaddubsw), and the int32 sums are scaled in float32.
+or AVX2's vpmaddubsw), and each block's exact int32 sum is scaled and added in
+float32 in one fixed order. Every route (AMX tiles, AVX-512 VNNI, AVX2, portable
+C++) does the same float32 operations in the same order, so each gives the same
+bits as every other, and a row gives the same bits alone as in any batch.
+
+The route: ``LOLLM_ISA`` picks the build (:data:`ISAS`): ``native`` (the default:
+the best this CPU has, AMX tiles included where Linux lends them), ``avx512``
+(the AVX-512 VNNI loops, no tiles), ``avx2`` or ``portable``. Each is the same
+source compiled for that instruction set; CI forces each one in turn. The layers
+reach the chosen build through :func:`ops`.
 
 It is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler
 and ninja are needed; ninja comes with lollm-core), for this CPU
@@ -42,13 +51,20 @@ from lollm.errors import LollmError
 ENV = "LOLLM_NATIVE"
 #: The one that turns its AMX tiles off (the same values; block_int8.cpp reads it too, once).
 AMX_ENV = "LOLLM_AMX"
+#: The one that picks the instruction set the kernel is built for (the route).
+ISA_ENV = "LOLLM_ISA"
+#: LOLLM_ISA's values -> the build each loads (None: the native one, built with -march=native).
+ISAS = {"native": None, "avx512": "vnni", "avx2": "avx2", "portable": "portable"}
+#: The /proc/cpuinfo flags each forced route needs, and the instruction set its build must then name.
+_NEEDS = {"avx512": (("avx512f", "avx512bw", "avx512dq", "avx512_vnni"), "AVX-512 VNNI"),
+          "avx2": (("avx2", "fma"), "AVX2"), "portable": ((), "portable C++")}
 _OFF, _ON = ("0", "off", "false", "no"), ("", "1", "on", "true", "yes")
 #: The C++ sources built into the one library (every ``.cpp`` beside this file), and the headers they share.
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op" (the callable or None) and "why" (one line), once decided
+_state: dict[str, object] = {}  # "ops" (the namespace or None) and "why" (one line), once decided
 
 
 def _cpu_tag() -> str:
@@ -91,7 +107,8 @@ def _missing_tool() -> str | None:
     return None
 
 
-#: The other versions of steps 2 and 3, built by the tests beside the native one (flags added to -march=native).
+#: The other versions of steps 2 and 3 (flags added to -march=native): built by the tests beside the
+#: native one, and loaded instead of it where LOLLM_ISA asks (:data:`ISAS`).
 VARIANTS = {"vnni": ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"], "avx2": ["-mno-avx512f"],
             "portable": ["-mno-avx2", "-mno-avx512f"]}
 
@@ -124,26 +141,70 @@ def _compile(name: str, flags: list[str]) -> None:
 
 
 def _build():
-    """Load or compile block_int8.cpp; returns (op or None, one line). LollmError for a value of
-    LOLLM_NATIVE or LOLLM_AMX that is neither on nor off."""
+    """Load or compile the sources for the route LOLLM_ISA picks; returns (ops or None, one line).
+    LollmError for a value of LOLLM_NATIVE or LOLLM_AMX that is neither on nor off, and for a
+    LOLLM_ISA that is not one of :data:`ISAS` or names a route this CPU lacks."""
     choice = _switch(ENV)
     if choice == "off":
         return None, f"off ({ENV}={os.environ[ENV]})"
     tiles_off = _switch(AMX_ENV) == "off"
-    name = f"lollm_native_{_cpu_tag()}"
+    isa = isa_choice()
+    variant = ISAS[isa] if _x86() else None  # elsewhere the native build is the portable C++ already
+    namespace = "lollm_native" if variant is None else f"lollm_native_{variant}"
+    name = f"{namespace}_{_cpu_tag()}"
     missing = None if _cached(name) else _missing_tool()
     if missing:
         return None, f"not built: {missing}"
     try:
-        _compile(name, [])
+        _compile(name, [] if variant is None else [*VARIANTS[variant], f"-DLOLLM_NATIVE_NAMESPACE={namespace}"])
     except (RuntimeError, OSError, ImportError, ValueError, subprocess.SubprocessError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower() and line is not lines[0]), lines[0])
         print(f"lollm: the native kernel did not build ({first}); torch's kernels run instead "
               f"({ENV}=0 skips the try)", file=sys.stderr, flush=True)
         return None, f"not built: {first}"
-    ops = torch.ops.lollm_native
-    return ops.block_int8_linear, f"on ({ops.instruction_set()}{f'; AMX tiles off: {AMX_ENV}={os.environ[AMX_ENV]}' if tiles_off else ''})"
+    built = getattr(torch.ops, namespace)
+    named = built.instruction_set()
+    if isa != "native" and not named.startswith(_NEEDS[isa][1]):
+        raise LollmError(f"{ISA_ENV}={os.environ[ISA_ENV]!r}: this CPU has no {_NEEDS[isa][1]} (its build runs {named})")
+    notes = [f"{ISA_ENV}={isa}"] if isa != "native" else []
+    if tiles_off:
+        notes.append(f"AMX tiles off: {AMX_ENV}={os.environ[AMX_ENV]}")
+    return built, f"on ({'; '.join([named, *notes])})"
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo, or None where it cannot be read (not Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def isa_choice() -> str:
+    """The route LOLLM_ISA asks for (unset: ``native``), checked against this CPU.
+
+    Raises LollmError naming the variable and the allowed values for any other value, and saying
+    what is missing where this CPU lacks the instructions of the route asked for.
+    """
+    value = os.environ.get(ISA_ENV, "native")
+    isa = value.strip().lower() or "native"
+    if isa not in ISAS:
+        raise LollmError(f"{ISA_ENV}={value!r}: use one of {', '.join(ISAS)}")
+    if isa in ("avx512", "avx2"):
+        flags = _cpu_flags() if _x86() else set()
+        lacking = [flag for flag in _NEEDS[isa][0] if flags is not None and flag not in flags]
+        if lacking:
+            raise LollmError(f"{ISA_ENV}={value!r}: this CPU ({platform.machine()}) has no {_NEEDS[isa][1]} "
+                             f"(missing: {', '.join(lacking)}); use native or portable")
+    return isa
 
 
 def _switch(name: str) -> str:
@@ -157,14 +218,34 @@ def _switch(name: str) -> str:
 
 
 def build_variant(variant: str):
-    """The ops of another version of steps 2 and 3 (``"avx2"``, ``"portable"``), built for the tests.
+    """The ops of another version of steps 2 and 3 (a key of :data:`VARIANTS`: ``"vnni"``, ``"avx2"``,
+    ``"portable"``), built for the tests and benchmarks beside the route in force.
 
     Returns the namespace ``torch.ops.lollm_native_<variant>`` (``block_int8_linear``,
-    ``instruction_set``). Raises RuntimeError where it cannot be built.
+    ``instruction_set``, ...). Raises RuntimeError where it cannot be built.
     """
     namespace = f"lollm_native_{variant}"
     _compile(f"{namespace}_{_cpu_tag()}", [*VARIANTS[variant], f"-DLOLLM_NATIVE_NAMESPACE={namespace}"])
     return getattr(torch.ops, namespace)
+
+
+def ops():
+    """The built kernel's operators for the route in force (``torch.ops.lollm_native`` or the
+    namespace of the build LOLLM_ISA picked), or None where the kernel is off or cannot be built.
+
+    Its operators: ``block_int8_linear`` (:func:`block_int8_op`), ``block_q5_linear``
+    (:func:`block_q5_op`), ``instruction_set()`` and ``tile_min_rows()``, and those of the other
+    sources beside block_int8.cpp. The layers call this at each forward instead of naming
+    ``torch.ops.lollm_native``, so every layer runs the route LOLLM_ISA chose.
+
+    The first call decides, under a lock, once per process: it compiles or loads the build.
+    LollmError for a bad LOLLM_NATIVE, LOLLM_AMX or LOLLM_ISA (:func:`isa_choice`).
+    """
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"], _state["why"] = _build()
+    return _state["ops"]
 
 
 def block_int8_op():
@@ -175,17 +256,14 @@ def block_int8_op():
     scale is a float16 value, such as a Q8_0 file's block scales, :class:`lollm.load.packed_linear.Int8Linear`
     keeps them so), contiguous. Returns
     ``(M, N)`` float32, ``y[m, n] = sum_k x[m, k] * codes[k // gs, n, k % gs] * scale[k // gs, n]``
-    with x rounded to int8 per block of 32 (scale max|x| / 127). The scales are read as float32
+    with x rounded to int8 per block of 32 (scale max|x| / 127), each block's int32 sum scaled and
+    added in the canonical order (docs/native-kernel.md, section 1): row m of y depends on row m of
+    x and the weights alone, bit for bit, on every route. The scales are read as float32
     either way: float16 ones give the same y, bit for bit, as the same values in float32. Any
     other dtype, shape or layout raises RuntimeError naming the operator (and the dtype).
-
-    The first call decides, under a lock, once per process: it compiles or loads the build.
     """
-    if "op" not in _state:
-        with _lock:
-            if "op" not in _state:
-                _state["op"], _state["why"] = _build()
-    return _state["op"]
+    built = ops()
+    return None if built is None else built.block_int8_linear
 
 
 def block_q5_op():
@@ -197,21 +275,23 @@ def block_q5_op():
     Returns ``(M, N)`` float32, x rounded to int8 per block of 32 as for
     :func:`block_int8_op`. Built with it, in the same library.
     """
-    return None if block_int8_op() is None else torch.ops.lollm_native.block_q5_linear
+    built = ops()
+    return None if built is None else built.block_q5_linear
 
 
 def tile_min_rows() -> int:
     """From how many rows the kernel multiplies with AMX tiles instead of its vector loops; 0 where it never does.
 
     The tiles run on CPUs with AMX-INT8 (Intel Xeon since Sapphire Rapids) where Linux lends
-    them to the process, unless ``LOLLM_AMX=0``. Each route gives a row the same output whatever
-    rows are beside it; the two routes round the float32 sums in a different order
-    (docs/native-kernel.md, section 9). 0 also where the kernel is off or not built.
+    them to the process, unless ``LOLLM_AMX=0`` or ``LOLLM_ISA`` picks another route. The tiles
+    and the loops give the same bits (the canonical order, docs/native-kernel.md, section 9): the
+    count changes the speed, never a result. 0 also where the kernel is off or not built.
     """
-    return 0 if block_int8_op() is None else int(torch.ops.lollm_native.tile_min_rows())
+    built = ops()
+    return 0 if built is None else int(built.tile_min_rows())
 
 
 def status() -> str:
-    """One line: whether the kernel runs, and why not (it decides first, as :func:`block_int8_op` does)."""
-    block_int8_op()
+    """One line: whether the kernel runs and on which route (LOLLM_ISA and LOLLM_AMX named where set), or why not."""
+    ops()
     return f"native kernel: {_state['why']}"

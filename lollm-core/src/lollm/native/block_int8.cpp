@@ -1,7 +1,6 @@
 // lollm's one hand-written CPU kernel: a linear layer over int8 weights kept in
 // blocks, with int8 activations and integer dot products. The same library holds
-// its sibling for Q5_0 weights kept in their 5-bit codes (block_q5_linear, and
-// block_q5_dequantize for the opt-in bfloat16 path), further down.
+// its sibling for Q5_0 weights kept in their 5-bit codes (block_q5_linear), further down.
 //
 // Read it next to docs/native-kernel.md. What it computes, for an Int8Linear
 // (lollm/load/packed_linear.py) whose weights are w[n, k] = codes[g, n, k % gs] * scale[g, n]:
@@ -47,7 +46,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -791,40 +789,6 @@ at::Tensor block_q5_linear(const at::Tensor& x, const at::Tensor& nibbles, const
   return y;
 }
 
-// The weights of a Q5_0 matrix as bfloat16 (N, K): (u - 16) * d, rounded once. The many-rows
-// path (a prefill) multiplies these in one bfloat16 matmul, a slice of channels at a time.
-at::Tensor block_q5_dequantize(const at::Tensor& nibbles, const at::Tensor& high, const at::Tensor& scale) {
-  const int64_t k = nibbles.dim() == 2 ? 2 * nibbles.size(1) : 0;
-  check_q5_weights("block_q5_dequantize", nibbles, high, scale, k);
-  const int64_t n = nibbles.size(0);
-  at::Tensor w = at::empty({n, k}, nibbles.options().dtype(at::kBFloat16));
-  const uint8_t* nib = nibbles.data_ptr<uint8_t>();
-  const uint8_t* hb = high.data_ptr<uint8_t>();
-  const at::Half* sc = scale.data_ptr<at::Half>();
-  c10::BFloat16* out = w.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n * (k / 64), 64, [&](int64_t first, int64_t last) {
-    for (int64_t pair = first; pair < last; ++pair) {  // pair = c * (K / 64) + p: 64 weights of channel c
-#if defined(LOLLM_AVX512) && defined(__AVX512BF16__)
-      const __m512i u = q5_codes(nib + 32 * pair, hb + 8 * pair);
-      for (int b = 0; b < 2; ++b) {
-        const __m512 d = _mm512_set1_ps(float(sc[2 * pair + b]));
-        for (int quarter = 0; quarter < 2; ++quarter) {
-          const __m128i bytes = _mm512_extracti32x4_epi32(u, 2 * b + quarter);
-          const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(16)));
-          const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(v, d));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * pair + 32 * b + 16 * quarter), reinterpret_cast<const __m256i&>(h));
-        }
-      }
-#else
-      int8_t codes[64];
-      unpack_q5_pair(nib + 32 * pair, hb + 8 * pair, codes);
-      for (int j = 0; j < 64; ++j) out[64 * pair + j] = c10::BFloat16(float(codes[j]) * float(sc[2 * pair + j / 32]));
-#endif
-    }
-  });
-  return w;
-}
-
 // Which version of step 2 this build compiled (lollm.native.status names it).
 std::string instruction_set() {
 #if defined(LOLLM_AMX)
@@ -859,7 +823,6 @@ int64_t tile_min_rows() {
 LOLLM_LIBRARY(LOLLM_NATIVE_NAMESPACE, m) {
   m.def("block_int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &block_int8_linear);
   m.def("block_q5_linear(Tensor x, Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_linear);
-  m.def("block_q5_dequantize(Tensor nibbles, Tensor high, Tensor scale) -> Tensor", &block_q5_dequantize);
   m.def("instruction_set() -> str", &instruction_set);
   m.def("tile_min_rows() -> int", &tile_min_rows);
 }
