@@ -1,94 +1,176 @@
-"""Int8Linear by row count: lollm's native kernel, torch's int8 kernel and dequantize-then-multiply, on Qwen2.5-0.5B's shapes.
+"""The packed layers' kernel by row count, route by route, on Qwen2.5-0.5B's shapes.
 
-    python lollm-core/benchmarks/bench_int8_rows.py                # 2 threads, rows 1 .. 256
-    python lollm-core/benchmarks/bench_int8_rows.py --threads 1 --rounds 5
+    python lollm-core/benchmarks/bench_int8_rows.py                          # 2 threads, the route in force
+    python lollm-core/benchmarks/bench_int8_rows.py --threads 1 --routes native,avx2,portable --rows 1,4,16
+    python lollm-core/benchmarks/bench_int8_rows.py --baseline /tmp/old/block_int8.cpp --bf16
+    python lollm-core/benchmarks/bench_int8_rows.py --sweep --baseline /tmp/old/block_int8.cpp --rows 1,4
 
-``_weight_int8pack_mm`` reads the int8 codes once per row of activations, so its
-time grows with the rows: right for a decode step (1 row), wrong for a prefill or
-an engine step of many sequences. The other path dequantizes the codes to
-bfloat16 1024 channels at a time and runs one bfloat16 matrix multiplication for
-all rows (:meth:`lollm.load.quantized.Int8Linear._dequantized_matmul`). lollm's native
-kernel (:mod:`lollm.native`, docs/native-kernel.md) reads the codes once for all rows
-but pays its arithmetic per row. The table gives the three times per matrix (medians
-of rounds that alternate A B C A B C) and the row counts where lollm switches
-(:func:`lollm.load.quantized.native_gemm_rows`: 20, or 256 where the kernel has AMX tiles, and
-``GEMM_MIN_ROWS_GROUPED`` where the native kernel is not built). The native column here is
-the kernel at every row count, tiles from 8 rows included where they run
-(benchmarks/bench_tiles.py sets the two routes side by side).
+Int8Linear and Q5Linear run lollm's native kernel (:mod:`lollm.native`, docs/native-kernel.md)
+at every row count: one row of a decode step, four of a prompt-lookup verify, 128 of a prefill
+chunk, hundreds in an engine step. This script times the kernel on each route asked for
+(``--routes``: ``native``, the route in force, and the test builds ``vnni``, ``avx2``,
+``portable`` of :data:`lollm.native.VARIANTS`) beside two optional references:
 
-Shapes: the MLP's 4864 x 896 (per-channel int8, one kernel call) and the output
-head's 151936 x 896 in groups of 32 (one kernel call per group). Not a test: on a
-shared machine figures are noisy; read the ratios of one run.
+* ``--baseline FILE``: another block_int8.cpp (an earlier commit's, say ``git show
+  main:lollm-core/src/lollm/native/block_int8.cpp > /tmp/old/block_int8.cpp``), built for the
+  same route under its own namespace, timed in the same rounds: "today" against "yours".
+* ``--bf16``: one bfloat16 matmul over weights dequantized beforehand, the path the layers took
+  from 20 rows before the kernel's multi-row loops (it rounded differently, so a row's output
+  depended on the rows beside it). Its dequantization is not timed: the figure is a lower bound.
+
+``--sweep`` times instead a decode-like pass: one call on each of 24 layers' distinct matrices
+(q and o 896 x 896 and gate and up 4864 x 896 in Q5_0, down 896 x 4864 in int8 per channel: 240
+MB, beyond the L3 cache, so the weights come from memory as in a real decode step).
+
+Rounds alternate the columns (A B C A B C) and the medians are printed; with one thread the clock
+is the thread's CPU time, which a busy machine disturbs less. Not a test: read the ratios of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from lollm import native
-from lollm.load.packed_linear import GEMM_MIN_ROWS_GROUPED, Int8Linear, native_bf16_matmul, native_gemm_rows
+
+#: A route's flags for a baseline build (as lollm.native builds the same route from the current source).
+ROUTE_FLAGS = {"native": [], **native.VARIANTS}
 
 
-def timed(fn, repeat: int) -> float:
-    """Milliseconds per call, after one warm-up call."""
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeat):
+def baseline_ops(source: Path, route: str):
+    """``source`` (a block_int8.cpp) built for ``route`` under the namespace ``lollm_baseline_<route>``."""
+    from torch.utils import cpp_extension
+
+    namespace = f"lollm_baseline_{route}"
+    cpp_extension.load(name=f"{namespace}_{abs(hash(source.read_bytes())) % 10**8}", sources=[str(source)],
+                       is_python_module=False, verbose=False, extra_include_paths=[str(source.parent)],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *ROUTE_FLAGS[route], f"-DLOLLM_NATIVE_NAMESPACE={namespace}"],
+                       extra_ldflags=["-fopenmp"])
+    return getattr(torch.ops, namespace)
+
+
+def route_ops(route: str):
+    return native.ops() if route == "native" else native.build_variant(route)
+
+
+def q5(n: int, k: int, g: torch.Generator):
+    """(operator, weights, K) of a random Q5_0 matrix (n, k) in pairs of blocks."""
+    return ("block_q5_linear", (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                                torch.randint(0, 256, (n, k // 8), dtype=torch.uint8, generator=g),
+                                (torch.rand(n, k // 32, generator=g) * 0.02).half()), k)
+
+
+def int8(groups: int, n: int, group_size: int, g: torch.Generator):
+    """(operator, weights, K) of a random int8 matrix: codes (groups, n, group_size), float32 scales."""
+    return ("block_int8_linear", (torch.randint(-127, 128, (groups, n, group_size), dtype=torch.int8, generator=g),
+                                  torch.rand(groups, n, generator=g) * 0.01), groups * group_size)
+
+
+def matrices(g: torch.Generator) -> dict[str, tuple[str, tuple[torch.Tensor, ...], int]]:
+    """name -> (operator, weights, K): Qwen2.5-0.5B's shapes, Q5_0 in pairs of blocks and int8."""
+    return {"Q5_0 896 -> 896 (q, o)": q5(896, 896, g), "Q5_0 896 -> 4864 (gate, up)": q5(4864, 896, g),
+            "Q5_0 4864 -> 896 (down)": q5(896, 4864, g), "int8 896 -> 4864 per channel": int8(1, 4864, 896, g),
+            "int8 4864 -> 896 per channel (down)": int8(1, 896, 4864, g),
+            "int8 head 896 -> 151936, groups of 32": int8(28, 151936, 32, g)}
+
+
+def bf16_weights(op: str, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The matrix (N, K) in bfloat16, as the removed many-rows path multiplied it."""
+    if op == "block_q5_linear":
+        from lollm.load.packed_linear import Q5Linear
+
+        return Q5Linear(*weights).dequantize().bfloat16()
+    codes, scale = weights
+    groups, n, group_size = codes.shape
+    return (codes.float() * scale.float()[..., None]).transpose(0, 1).reshape(n, groups * group_size).bfloat16()
+
+
+def timer(threads: int):
+    clock = time.thread_time if threads == 1 else time.perf_counter
+
+    def timed(fn, repeat: int) -> float:
+        """Milliseconds per call, after one warm-up call."""
         fn()
-    return (time.perf_counter() - start) / repeat * 1e3
+        start = clock()
+        for _ in range(repeat):
+            fn()
+        return (clock() - start) / repeat * 1e3
+
+    return timed
 
 
-def kernel_path(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The int8 kernel whatever the row count (forward's few-rows branch)."""
-    flat = x.to(torch.bfloat16)
-    if layer.codes.shape[0] == 1:
-        return torch.ops.aten._weight_int8pack_mm(flat, layer.codes[0], layer._bf16_scale()[0])
-    pieces = flat.view(flat.shape[0], -1, layer.group_size)
-    y = torch.zeros(flat.shape[0], layer.out_features)  # float32, as forward sums the groups
-    for g in range(layer.codes.shape[0]):
-        y += torch.ops.aten._weight_int8pack_mm(pieces[:, g].contiguous(), layer.codes[g], layer._bf16_scale()[g])
-    return y
+def table(args, timed) -> None:
+    g = torch.Generator().manual_seed(0)
+    print(f"{'matrix':40} {'route':9} {'rows':>5} {'ms':>9} {'baseline ms':>12} {'ms / baseline':>14} {'bf16 matmul ms':>15} {'ms / bf16':>10}")
+    for name, (op, weights, k) in matrices(g).items():
+        dense = bf16_weights(op, weights) if args.bf16 else None
+        for route in args.routes.split(","):
+            ours, theirs = getattr(route_ops(route), op), None
+            if args.baseline:
+                theirs = getattr(baseline_ops(Path(args.baseline), route), op)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=g)
+                repeat = max(1, min(50, int(3e8 / (rows * dense_size(weights)))))
+                a, b, c = [], [], []
+                for _ in range(args.rounds):  # A B C A B C: a noisy machine hits all alike
+                    a.append(timed(lambda: ours(x, *weights), repeat))
+                    if theirs is not None:
+                        b.append(timed(lambda: theirs(x, *weights), repeat))
+                    if dense is not None:
+                        c.append(timed(lambda: x.bfloat16() @ dense.T, repeat))
+                ta = statistics.median(a)
+                tb = f"{statistics.median(b):12.3f} {ta / statistics.median(b):13.2f}×" if b else f"{'':12} {'':14}"
+                tc = f"{statistics.median(c):15.3f} {ta / statistics.median(c):9.2f}×" if c else ""
+                print(f"{name:40} {route:9} {rows:5d} {ta:9.3f} {tb} {tc}", flush=True)
+
+
+def dense_size(weights: tuple[torch.Tensor, ...]) -> int:
+    return weights[0].numel() * (2 if weights[0].dtype == torch.uint8 else 1)  # Q5_0's nibbles hold 2 codes a byte
+
+
+def sweep(args, timed) -> None:
+    g = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(24):  # distinct weights for every layer: 240 MB in all
+        layers += [q5(896, 896, g), q5(896, 896, g), q5(4864, 896, g), q5(4864, 896, g), int8(1, 896, 4864, g)]
+    for route in args.routes.split(","):
+        builds = {"yours": route_ops(route)}
+        if args.baseline:
+            builds["baseline"] = baseline_ops(Path(args.baseline), route)
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(rows, k, generator=g) for k in (896, 4864)}
+            times = {key: [] for key in builds}
+            for _ in range(args.rounds):
+                for key, ops in builds.items():
+                    times[key].append(timed(lambda: [getattr(ops, op)(xs[k], *w) for op, w, k in layers], 1))
+            line = "  ".join(f"{key} {statistics.median(t):8.2f} ms" for key, t in times.items())
+            ratio = f"  yours / baseline {statistics.median(times['yours']) / statistics.median(times['baseline']):.2f}×" if args.baseline else ""
+            print(f"sweep of 120 matrices, {route:9} {rows:4d} rows: {line}{ratio}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--rows", default="1,4,16,64,128,512")
+    parser.add_argument("--routes", default="native", help="comma-separated: native, vnni, avx2, portable (x86 builds)")
+    parser.add_argument("--baseline", help="another block_int8.cpp to time beside this one, route for route")
+    parser.add_argument("--bf16", action="store_true", help="also time one bfloat16 matmul over weights dequantized beforehand")
+    parser.add_argument("--sweep", action="store_true", help="a decode-like pass over 24 layers' distinct matrices instead")
     args = parser.parse_args()
+    if args.routes != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise SystemExit("the vnni, avx2 and portable builds are x86 instruction sets")
     torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(0)
-    layers = {
-        "mlp 4864x896, per channel": Int8Linear(torch.randint(-127, 128, (1, 4864, 896), dtype=torch.int8, generator=g),
-                                                torch.rand(1, 4864, generator=g) * 0.01),
-        "mlp down 896x4864, per channel": Int8Linear(torch.randint(-127, 128, (1, 896, 4864), dtype=torch.int8, generator=g),
-                                                     torch.rand(1, 896, generator=g) * 0.01),
-        "head 151936x896, groups of 32": Int8Linear(torch.randint(-127, 128, (28, 151936, 32), dtype=torch.int8, generator=g),
-                                                    torch.rand(28, 151936, generator=g) * 0.01),
-    }
-    op = native.block_int8_op()
-    print(f"threads {args.threads}; {native.status()}; native bfloat16 matmul: {native_bf16_matmul()}")
-    print(f"lollm dequantizes and multiplies from {native_gemm_rows()} rows; below, the native kernel where it is built, "
-          f"else torch's int8 kernel (the grouped head then dequantizes from {GEMM_MIN_ROWS_GROUPED})")
-    print(f"{'matrix':32} {'rows':>5} {'native ms':>10} {'torch int8 ms':>14} {'dequant+mm ms':>14} {'max |Δ| / max |y|':>18}")
-    for name, layer in layers.items():
-        repeat = 20 if layer.out_features < 10000 else 2
-        for rows in (int(r) for r in args.rows.split(",")):
-            x = torch.randn(rows, layer.in_features, generator=g)
-            a, b, c = [], [], []
-            for _ in range(args.rounds):  # A B C A B C: a noisy machine hits all alike
-                if op is not None:
-                    c.append(timed(lambda: op(x, layer.codes, layer.scale), repeat))
-                a.append(timed(lambda: kernel_path(layer, x), repeat))
-                b.append(timed(lambda: layer._dequantized_matmul(x.to(torch.bfloat16)), repeat))
-            ref = kernel_path(layer, x).float()
-            diff = float((layer._dequantized_matmul(x.to(torch.bfloat16)) - ref).abs().max() / ref.abs().max())
-            kc = f"{statistics.median(c):10.2f}" if c else f"{'-':>10}"
-            print(f"{name:32} {rows:5d} {kc} {statistics.median(a):14.2f} {statistics.median(b):14.2f} {diff:18.1e}")
+    if native.ops() is None:
+        raise SystemExit(native.status())
+    print(f"threads {args.threads}; {native.status()}; ms per call, median of {args.rounds} alternating rounds"
+          f"{'; clock: thread CPU time' if args.threads == 1 else ''}")
+    (sweep if args.sweep else table)(args, timer(args.threads))
 
 
 if __name__ == "__main__":

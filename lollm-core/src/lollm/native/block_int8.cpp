@@ -257,12 +257,11 @@ struct Q5Weights {
     _mm_prefetch(reinterpret_cast<const char*>(high + c * (k / 8) + 8 * p), _MM_HINT_T1);
   }
   void pair_scales(int64_t n0, int64_t n1, int64_t p, __m512* ws) const {  // channel c's d[2p], d[2p + 1]: 4 bytes
-    const __mmask16 present = static_cast<__mmask16>((1u << (n1 - n0)) - 1);
-    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(int32_t(blocks * 2)));
-    const __m512i two = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, at, scale + n0 * blocks + 2 * p, 1);
-    ws[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(two));
-    ws[1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(two, 16)));
+    alignas(64) uint32_t two[kChannels] = {};  // copied one by one: a gather instruction costs more here
+    for (int64_t c = 0; c < n1 - n0; ++c) std::memcpy(&two[c], scale + (n0 + c) * blocks + 2 * p, 4);
+    const __m512i both = _mm512_load_si512(two);
+    ws[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
+    ws[1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
   }
 #endif
 };
