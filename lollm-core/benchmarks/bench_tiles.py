@@ -6,15 +6,15 @@
 On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids) lollm's kernel multiplies from
 ``lollm.native.tile_min_rows()`` rows with tiles, below that with its vector loops
 (docs/native-kernel.md, section 9). This script times both on Qwen2.5-0.5B's shapes: the
-vector loops from the test build without AMX (``lollm.native.build_variant("vnni")``), the
-tiles from the native build, in rounds that alternate A B A B. Below the tiles' row count the
-native build runs its vector loops too, so there the tiles are timed on the rows padded with
-zeros up to that count: a tile instruction takes 16 rows whatever their number, and the
-padding changes no row's output. It also gives the largest difference between the two routes' outputs,
-relative to the largest output (they round the float32 sums in a different order). From 20
-rows it times a third route beside them, the layer's many-rows path (the weights dequantized to
-bfloat16 2 MB at a time, then one matmul each), to which the tiles hand over at
-``lollm.load.quantized.native_gemm_rows()`` rows.
+vector loops from the build without AMX (``lollm.native.build_variant("vnni")``, the route
+``LOLLM_ISA=avx512`` loads), the tiles from the native build, in rounds that alternate A B A B.
+Below the tiles' row count the native build runs its vector loops too, so there the tiles are
+timed on the rows padded with zeros up to that count: a tile instruction takes 16 rows whatever
+their number, and the padding changes no row's output. Both routes add each block's exact int32
+sum in the canonical order, so the "same bits" column must say yes on every line. The last
+columns time one bfloat16 matmul over weights dequantized beforehand (the path the layers took
+for many rows before every route became batch invariant; its dequantization untimed, so a
+lower bound) where ``--bf16`` asks.
 Not a test: on a shared machine figures are noisy; read the ratios of one run.
 """
 
@@ -25,15 +25,8 @@ import statistics
 
 import torch
 
-from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
+from bench_int8_rows import bf16_weights, timer  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
-from lollm.load.quantized import Int8Linear, Q5Linear
-
-
-def many_rows_path(op: str, weights: tuple[torch.Tensor, ...]):
-    """The layer's dequantize-then-multiply path over the same weights: x (M, K) float32 -> (M, N)."""
-    layer = Q5Linear(*weights) if op == "block_q5_linear" else Int8Linear(*weights)
-    return lambda x: layer._dequantized_matmul(x.to(torch.bfloat16))
 
 
 def layers(g: torch.Generator) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
@@ -61,17 +54,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians are printed (default 3)")
     parser.add_argument("--rows", default="1,4,8,16,19,32,64,128,256,512",
                         help="row counts, comma-separated (default 1,4,8,16,19,32,64,128,256,512)")
+    parser.add_argument("--bf16", action="store_true", help="also time one bfloat16 matmul over weights dequantized beforehand")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.tile_min_rows():
         raise SystemExit(f"the tiles do not run here ({native.status()})")
-    tiles, vectors = torch.ops.lollm_native, native.build_variant("vnni")
+    tiles, vectors, timed = native.ops(), native.build_variant("vnni"), timer(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"threads {args.threads}; {native.status()}; ms per call, median of {args.rounds} rounds")
-    print(f"{'matrix':38} {'rows':>5} {'tiles':>9} {'vectors':>9} {'vectors / tiles':>16} {'max |Δ| / max |y|':>18} "
-          f"{'dequant+bf16':>13} {'dequant / tiles':>16}")
+    print(f"{'matrix':38} {'rows':>5} {'tiles':>9} {'vectors':>9} {'vectors / tiles':>16} {'same bits':>10} "
+          f"{'bf16 matmul':>12} {'bf16 / tiles':>13}")
     for name, (op, weights) in layers(g).items():
-        many = many_rows_path(op, weights)
+        dense = bf16_weights(op, weights) if args.bf16 else None
         big = weights[0].shape[-2 if op == "block_int8_linear" else 0] >= 10000
         repeat = 3 if big else 20
         in_features = weights[0].shape[1] * 2 if op == "block_q5_linear" else weights[0].shape[0] * weights[0].shape[2]
@@ -82,13 +76,13 @@ def main() -> None:
             for _ in range(args.rounds):  # A B C A B C: a noisy machine hits all alike
                 a.append(timed(lambda: getattr(tiles, op)(padded, *weights), repeat))
                 b.append(timed(lambda: getattr(vectors, op)(x, *weights), repeat))
-                if rows >= 20:
-                    c.append(timed(lambda: many(x), repeat))
+                if dense is not None and rows >= 16:
+                    c.append(timed(lambda: x.bfloat16() @ dense.T, repeat))
             ya, yb = getattr(tiles, op)(padded, *weights)[:rows], getattr(vectors, op)(x, *weights)
-            diff = float((ya - yb).abs().max() / yb.abs().max())
+            same = "yes" if torch.equal(ya, yb) else "NO"
             ta, tb = statistics.median(a), statistics.median(b)
-            tc = f"{statistics.median(c):13.3f} {statistics.median(c) / ta:15.2f}×" if c else ""
-            print(f"{name:38} {rows:5d} {ta:9.3f} {tb:9.3f} {tb / ta:15.2f}× {diff:18.1e} {tc}")
+            tc = f"{statistics.median(c):12.3f} {statistics.median(c) / ta:12.2f}×" if c else ""
+            print(f"{name:38} {rows:5d} {ta:9.3f} {tb:9.3f} {tb / ta:15.2f}× {same:>10} {tc}")
 
 
 if __name__ == "__main__":
