@@ -151,8 +151,9 @@ struct Rows {
 // ---------------------------------------------------------------------------
 // The weights as the loops read them: channel c's blocks a pair (2p, 2p + 1) at a
 // time, and each block's scale as float32. Two layouts, one interface:
-//   signed_pair(c, p, out)  the pair's 64 signed codes w (block 2p, then 2p + 1; zeros
-//                           where the row ends after block 2p)
+//   with_signed_pair(n0, n1, p, body)  (AVX2, plain C++) calls body(codes), where codes(c, i)
+//                           points to channel n0 + c's 32 signed codes of block 2p + i (int8: the
+//                           weights themselves; Q5_0: the pair unpacked once for the 16 channels)
 //   with_pair(n0, n1, p, body)  (AVX-512) calls body(load), where load(c) gives channel n0 + c's
 //                           64 codes plus kBias, as unsigned bytes (c past n1 - n0: the last channel
 //                           again, never stored). The layout's choices are made once per pair,
@@ -184,12 +185,9 @@ struct Int8Weights {
   }
   const int8_t* block(int64_t c, int64_t b) const { return codes + code_at[b] + c * group_size; }
   float scale_of(int64_t c, int64_t b) const { return float(scale[scale_at[b] + c]); }
-  void signed_pair(int64_t c, int64_t p, int8_t* out) const {
-    std::memcpy(out, block(c, 2 * p), kBlock);
-    if (2 * p + 1 < blocks)
-      std::memcpy(out + kBlock, block(c, 2 * p + 1), kBlock);
-    else
-      std::memset(out + kBlock, 0, kBlock);
+  template <class Body>
+  void with_signed_pair(int64_t n0, int64_t n1, int64_t p, Body body) const {
+    body([&](int64_t c, int64_t i) { return block(std::min(n0 + c, n1 - 1), 2 * p + i); });
   }
 #if defined(LOLLM_AVX512)
   template <class Body>
@@ -238,8 +236,11 @@ struct Q5Weights {
   const at::Half* scale;
   int64_t k, blocks;
   float scale_of(int64_t c, int64_t b) const { return float(scale[c * blocks + b]); }
-  void signed_pair(int64_t c, int64_t p, int8_t* out) const {
-    unpack_q5_pair(nibbles + c * (k / 2) + 32 * p, high + c * (k / 8) + 8 * p, out);
+  template <class Body>
+  void with_signed_pair(int64_t n0, int64_t n1, int64_t p, Body body) const {
+    int8_t codes[kChannels][64];
+    for (int64_t c = 0; c < n1 - n0; ++c) unpack_q5_pair(nibbles + (n0 + c) * (k / 2) + 32 * p, high + (n0 + c) * (k / 8) + 8 * p, codes[c]);
+    body([&](int64_t c, int64_t i) -> const int8_t* { return codes[std::min(c, n1 - n0 - 1)] + kBlock * i; });
   }
 #if defined(LOLLM_AVX512)
   template <class Body>
@@ -610,8 +611,11 @@ void over_tile_tasks(const std::vector<int8_t>& xq, const std::vector<float>& xd
 // The pair's scales for the loops below: ws[i][c] = scale_of(n0 + c, 2p + i), zeros past n1 or past the last block.
 template <class W>
 void pair_scales(const W& w, const Task& t, int64_t p, float (*ws)[kChannels]) {
-  for (int64_t i = 0; i < 2; ++i)
-    for (int64_t c = 0; c < kChannels; ++c) ws[i][c] = t.n0 + c < t.n1 && 2 * p + i < w.blocks ? w.scale_of(t.n0 + c, 2 * p + i) : 0.f;
+  for (int64_t i = 0; i < 2; ++i) {
+    std::fill(ws[i], ws[i] + kChannels, 0.f);
+    if (2 * p + i < w.blocks)  // int8's scales of one block lie side by side: the compiler vectorizes this
+      for (int64_t c = 0; c < t.n1 - t.n0; ++c) ws[i][c] = w.scale_of(t.n0 + c, 2 * p + i);
+  }
 }
 #endif
 
@@ -642,22 +646,22 @@ inline __m256i lane_sums(const __m256i* d) {
 
 template <class W>
 void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
-  alignas(32) int8_t codes[kChannels][64] = {};  // channel n0 + c's pair, signed
-  for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
   float ws[2][kChannels];
   pair_scales(w, t, p, ws);
-  for (int64_t r = 0; r < t.count; ++r)
-    for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block(t.r0 + r, b)));
-      const __m256 xd = _mm256_set1_ps(x.d[(t.r0 + r) * x.blocks + b]);
-      for (int64_t half = 0; half < kChannels && t.n0 + half < t.n1; half += 8) {  // channels half .. half + 7
-        __m256i d[8];
-        for (int c = 0; c < 8; ++c) d[c] = block_dot(codes[half + c] + kBlock * (b - 2 * p), xv);
-        const __m256 isum = _mm256_cvtepi32_ps(lane_sums(d));
-        const __m256 scale = _mm256_mul_ps(xd, _mm256_loadu_ps(ws[b - 2 * p] + half));  // xd * ws, rounded
-        _mm256_store_ps(t.acc[r] + half, _mm256_fmadd_ps(isum, scale, _mm256_load_ps(t.acc[r] + half)));
+  w.with_signed_pair(t.n0, t.n1, p, [&](auto codes) {  // codes(c, i): channel n0 + c's block 2p + i, signed
+    for (int64_t r = 0; r < t.count; ++r)
+      for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.block(t.r0 + r, b)));
+        const __m256 xd = _mm256_set1_ps(x.d[(t.r0 + r) * x.blocks + b]);
+        for (int64_t half = 0; half < kChannels && t.n0 + half < t.n1; half += 8) {  // channels half .. half + 7
+          __m256i d[8];
+          for (int c = 0; c < 8; ++c) d[c] = block_dot(codes(half + c, b - 2 * p), xv);
+          const __m256 isum = _mm256_cvtepi32_ps(lane_sums(d));
+          const __m256 scale = _mm256_mul_ps(xd, _mm256_loadu_ps(ws[b - 2 * p] + half));  // xd * ws, rounded
+          _mm256_store_ps(t.acc[r] + half, _mm256_fmadd_ps(isum, scale, _mm256_load_ps(t.acc[r] + half)));
+        }
       }
-    }
+  });
 }
 
 #elif !defined(LOLLM_AVX512)
@@ -666,21 +670,21 @@ void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
 // ---------------------------------------------------------------------------
 template <class W>
 void pair_step(const W& w, const Rows& x, int64_t p, const Task& t) {
-  int8_t codes[kChannels][64];  // channel n0 + c's pair, signed
-  for (int64_t c = 0; c < t.n1 - t.n0; ++c) w.signed_pair(t.n0 + c, p, codes[c]);
   float ws[2][kChannels];
   pair_scales(w, t, p, ws);
-  for (int64_t r = 0; r < t.count; ++r)
-    for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
-      const int8_t* xb = x.block(t.r0 + r, b);
-      const float xd = x.d[(t.r0 + r) * x.blocks + b];
-      for (int64_t c = 0; c < t.n1 - t.n0; ++c) {
-        const int8_t* wb = codes[c] + kBlock * (b - 2 * p);
-        int32_t isum = 0;
-        for (int64_t j = 0; j < kBlock; ++j) isum += int32_t(wb[j]) * int32_t(xb[j]);
-        t.acc[r][c] = std::fmaf(float(isum), xd * ws[b - 2 * p][c], t.acc[r][c]);
+  w.with_signed_pair(t.n0, t.n1, p, [&](auto codes) {  // codes(c, i): channel n0 + c's block 2p + i, signed
+    for (int64_t r = 0; r < t.count; ++r)
+      for (int64_t b = 2 * p; b < std::min(2 * p + 2, x.blocks); ++b) {
+        const int8_t* xb = x.block(t.r0 + r, b);
+        const float xd = x.d[(t.r0 + r) * x.blocks + b];
+        for (int64_t c = 0; c < t.n1 - t.n0; ++c) {
+          const int8_t* wb = codes(c, b - 2 * p);
+          int32_t isum = 0;
+          for (int64_t j = 0; j < kBlock; ++j) isum += int32_t(wb[j]) * int32_t(xb[j]);
+          t.acc[r][c] = std::fmaf(float(isum), xd * ws[b - 2 * p][c], t.acc[r][c]);
+        }
       }
-    }
+  });
 }
 #endif
 
