@@ -108,6 +108,8 @@ def table(args, timed) -> None:
     g = torch.Generator().manual_seed(0)
     print(f"{'matrix':40} {'route':9} {'rows':>5} {'ms':>9} {'baseline ms':>12} {'ms / baseline':>14} {'bf16 matmul ms':>15} {'ms / bf16':>10}")
     for name, (op, weights, k) in matrices(g).items():
+        if args.matrices and not any(part in name for part in args.matrices.split(",")):
+            continue
         dense = bf16_weights(op, weights) if args.bf16 else None
         for route in args.routes.split(","):
             ours, theirs = getattr(route_ops(route), op), None
@@ -161,6 +163,7 @@ def main() -> None:
     parser.add_argument("--routes", default="native", help="comma-separated: native, vnni, avx2, portable (x86 builds)")
     parser.add_argument("--baseline", help="another block_int8.cpp to time beside this one, route for route")
     parser.add_argument("--bf16", action="store_true", help="also time one bfloat16 matmul over weights dequantized beforehand")
+    parser.add_argument("--matrices", help="comma-separated parts of the names of the matrices to time (default: all)")
     parser.add_argument("--sweep", action="store_true", help="a decode-like pass over 24 layers' distinct matrices instead")
     args = parser.parse_args()
     if args.routes != "native" and platform.machine() not in ("x86_64", "AMD64"):
