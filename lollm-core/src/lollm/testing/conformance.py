@@ -137,6 +137,11 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
                              for each; the sensitivity test perturbs that class.
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
+    batch_invariance_bound:  batch invariance with packed int8 weights (docs/batching.md): 0.0 (the
+                             default) wants every logit of a request equal, bit for bit, alone and
+                             batched. A family whose forward keeps a float matmul over the batch's rows
+                             (torch's float32 GEMM rounds a row differently at another row count) sets
+                             the largest |Δ logit| it allows, and says in a comment which part it is.
     """
 
     reference_available: bool = False
@@ -153,6 +158,7 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     gguf_types: tuple[str, ...] = ()
     reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None
+    batch_invariance_bound: float = 0.0
 
     # -- fixtures the plugin author provides ---------------------------------------
 
