@@ -50,12 +50,20 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+// The vector versions of steps 1 and 4 need AVX2 and FMA (8 floats a vector; an AVX-512 CPU has
+// both); every other CPU runs the plain C++ versions, which give the same bits.
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LOLLM_ATTENTION_VECTORS 1
+#endif
 
 namespace {
 
-constexpr int64_t kLanes = 16;    // query heads a task computes side by side (one vector of 16 floats)
-constexpr int64_t kKeyTile = 8;   // keys whose dot products run side by side (8 independent chains)
+constexpr int64_t kLanes = 8;    // query heads a task computes side by side (one vector of 8 floats)
+constexpr int64_t kKeyTile = 8;  // keys whose dot products run side by side (8 independent chains)
 
 // Step 3's e^x for x <= 0 (a score minus its row's maximum), by float32 operations only
 // (no library call, whose vector and scalar versions may differ in the last bit):
@@ -85,91 +93,126 @@ inline float exp_nonpositive(float x) {
   return x >= -87.f ? e : (x < -87.f ? 0.f : x);
 }
 
-// What one task needs to know about the call: the pool's shape, the scores' factors, and
-// where in the pool position j of a sequence lives.
+// Where a task's keys and values lie: the n rows of key/value head g from its first visible
+// position on, as float32 pointers. A float32 pool is read in place; a bfloat16 or float16
+// one is widened (exactly) into `scratch` (2 n D floats) first.
+inline const float* widen(const float* row, int64_t, float*) { return row; }
+template <typename T>
+inline const float* widen(const T* row, int64_t dim, float* into) {
+  for (int64_t d = 0; d < dim; ++d) into[d] = static_cast<float>(row[d]);
+  return into;
+}
+
 template <typename T>
 struct Pool {
   const T* k;
   const T* v;
   int64_t block_size, kv_heads, dim;
-  // The D values of key/value head g at position j, for a sequence whose block table is `table`.
-  const T* row(const T* base, const int64_t* table, int64_t j, int64_t g) const {
-    const int64_t block = table[j / block_size];
-    return base + ((block * block_size + j % block_size) * kv_heads + g) * dim;
+
+  void rows(const int64_t* table, int64_t g, int64_t first, int64_t n, const float** krow, const float** vrow,
+            float* scratch) const {
+    for (int64_t j = 0; j < n;) {  // a block at a time: one division per block, not per key
+      const int64_t position = first + j, block = table[position / block_size];
+      for (int64_t slot = position % block_size; slot < block_size && j < n; ++slot, ++j) {
+        const int64_t at = ((block * block_size + slot) * kv_heads + g) * dim;
+        krow[j] = widen(k + at, dim, scratch + 2 * j * dim);
+        vrow[j] = widen(v + at, dim, scratch + (2 * j + 1) * dim);
+      }
+    }
   }
 };
 
-// A row of the pool as float32: float32 pools are read in place, bfloat16 and float16 ones
-// are widened (exactly) into `scratch` first.
-inline const float* as_float(const float* row, int64_t, float*) { return row; }
-template <typename T>
-inline const float* as_float(const T* row, int64_t dim, float* scratch) {
-  for (int64_t d = 0; d < dim; ++d) scratch[d] = static_cast<float>(row[d]);
-  return scratch;
-}
-
-// Step 1 for up to kKeyTile keys at once, every lane one query head:
-// q_t (D, kLanes): the task's queries transposed, zero in the lanes past its R heads;
-// keys[t] (D,): key t's values; scores (kKeyTile, kLanes) out. Key t's chain over d is
-// the same whatever t is and whatever else shares the tile.
-inline void dot_tile(const float* q_t, const float* const* keys, int64_t dim, float* scores) {
-  float acc[kKeyTile][kLanes] = {};
-  for (int64_t d = 0; d < dim; ++d) {
-    const float* qd = q_t + d * kLanes;
-    for (int64_t t = 0; t < kKeyTile; ++t) {
-      const float kd = keys[t][d];
-      for (int64_t h = 0; h < kLanes; ++h) acc[t][h] = std::fma(qd[h], kd, acc[t][h]);
-    }
-  }
-  std::memcpy(scores, acc, sizeof acc);
-}
-
-// Steps 1 and 2 for one task: s (n, kLanes) the scores of its n keys, and their maximum
-// m (kLanes,) per head. `first` is the task's first visible position.
-template <typename T>
-void scores_of(const Pool<T>& pool, const int64_t* table, int64_t g, int64_t first, int64_t n, const float* q_t,
-               float scale, std::optional<double> softcap, float* s, float* m, std::vector<float>& scratch) {
-  const int64_t dim = pool.dim;
-  const float* keys[kKeyTile];
-  float tile[kKeyTile * kLanes];
+// Step 1: s (n, kLanes) = the dot products of the task's queries with its n keys.
+// q_t (D, kLanes): the queries transposed, zero in the lanes past its heads. Every lane of
+// every key runs the chain s = fma(q[d], k[d], s), d = 0 .. D-1, whatever key shares its tile.
+#if defined(LOLLM_ATTENTION_VECTORS)
+void dot_products(const float* q_t, const float* const* krow, int64_t n, int64_t dim, float* s) {
   for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
-    const int64_t count = std::min(kKeyTile, n - j0);
-    for (int64_t t = 0; t < kKeyTile; ++t) {  // a short last tile repeats its last key; the copies are dropped
-      const int64_t j = first + j0 + std::min(t, count - 1);
-      keys[t] = as_float(pool.row(pool.k, table, j, g), dim, scratch.data() + t * dim);
+    const float* k[kKeyTile];
+    for (int64_t t = 0; t < kKeyTile; ++t) k[t] = krow[std::min(j0 + t, n - 1)];  // a short tile repeats its last key
+    __m256 acc[kKeyTile];
+    for (int64_t t = 0; t < kKeyTile; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      const __m256 qd = _mm256_loadu_ps(q_t + d * kLanes);  // the heads' q[d], one per lane
+      for (int64_t t = 0; t < kKeyTile; ++t) acc[t] = _mm256_fmadd_ps(qd, _mm256_set1_ps(k[t][d]), acc[t]);
     }
-    dot_tile(q_t, keys, dim, tile);
-    std::memcpy(s + j0 * kLanes, tile, count * kLanes * sizeof(float));
+    for (int64_t t = 0; t < std::min(kKeyTile, n - j0); ++t) _mm256_storeu_ps(s + (j0 + t) * kLanes, acc[t]);
   }
+}
+#else
+void dot_products(const float* q_t, const float* const* krow, int64_t n, int64_t dim, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    float acc[kLanes] = {};
+    for (int64_t d = 0; d < dim; ++d)
+      for (int64_t h = 0; h < kLanes; ++h) acc[h] = std::fma(q_t[d * kLanes + h], krow[j][d], acc[h]);
+    std::memcpy(s + j * kLanes, acc, sizeof acc);
+  }
+}
+#endif
+
+// Steps 1 (the factors), 2 and 3 over s (n, kLanes): s = s * scale, the soft-cap, the
+// maximum m per head, then e = exp(s - m) in place.
+void softmax_numerators(float* s, int64_t n, float scale, std::optional<double> softcap) {
   for (int64_t i = 0; i < n * kLanes; ++i) s[i] = s[i] * scale;
   if (softcap) {
     const float cap = static_cast<float>(*softcap);
     for (int64_t i = 0; i < n * kLanes; ++i) s[i] = cap * std::tanh(s[i] / cap);
   }
+  float m[kLanes];
   std::fill(m, m + kLanes, -INFINITY);
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t h = 0; h < kLanes; ++h) m[h] = std::max(m[h], s[j * kLanes + h]);
-}
-
-// Steps 3 to 5 for one task: e_j in place of s, then l and o summed in ascending j, then
-// out (R, D) float32 = o / l for its `heads` = R query heads.
-template <typename T>
-void weigh_values(const Pool<T>& pool, const int64_t* table, int64_t g, int64_t first, int64_t n, int64_t heads,
-                  float* s, const float* m, float* o, float* out, std::vector<float>& scratch) {
-  const int64_t dim = pool.dim;
+    for (int64_t h = 0; h < kLanes; ++h) m[h] = s[j * kLanes + h] > m[h] ? s[j * kLanes + h] : m[h];
   for (int64_t j = 0; j < n; ++j)
     for (int64_t h = 0; h < kLanes; ++h) s[j * kLanes + h] = exp_nonpositive(s[j * kLanes + h] - m[h]);
-  float l[kLanes] = {};
-  std::fill(o, o + heads * dim, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* e = s + j * kLanes;
-    for (int64_t h = 0; h < kLanes; ++h) l[h] = l[h] + e[h];
-    const float* v = as_float(pool.row(pool.v, table, first + j, g), dim, scratch.data());
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = std::fma(e[h], v[d], o[h * dim + d]);
+}
+
+// Steps 4 and 5: l = sum of e_j, o = sum of e_j v_j, both in ascending j, and out (heads, D)
+// = o / l. e (n, kLanes) from softmax_numerators; vrow the n value rows.
+#if defined(LOLLM_ATTENTION_VECTORS)
+void weighted_values(const float* e, const float* const* vrow, int64_t n, int64_t heads, int64_t dim, float* out) {
+  __m256 l = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) l = _mm256_add_ps(l, _mm256_loadu_ps(e + j * kLanes));
+  float total[kLanes];
+  _mm256_storeu_ps(total, l);
+  for (int64_t h = 0; h < heads; ++h) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= dim; d0 += 32) {  // 32 of the D outputs at a time, four vectors held over the j loop
+      __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 w = _mm256_set1_ps(e[j * kLanes + h]);
+        const float* v = vrow[j] + d0;
+        o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), o0);
+        o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), o1);
+        o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), o2);
+        o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), o3);
+      }
+      const __m256 lh = _mm256_set1_ps(total[h]);
+      _mm256_storeu_ps(out + h * dim + d0, _mm256_div_ps(o0, lh));
+      _mm256_storeu_ps(out + h * dim + d0 + 8, _mm256_div_ps(o1, lh));
+      _mm256_storeu_ps(out + h * dim + d0 + 16, _mm256_div_ps(o2, lh));
+      _mm256_storeu_ps(out + h * dim + d0 + 24, _mm256_div_ps(o3, lh));
+    }
+    for (; d0 < dim; d0 += 8) {  // D a multiple of 8 (run_tasks checks): the rest, a vector at a time
+      __m256 o = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) o = _mm256_fmadd_ps(_mm256_set1_ps(e[j * kLanes + h]), _mm256_loadu_ps(vrow[j] + d0), o);
+      _mm256_storeu_ps(out + h * dim + d0, _mm256_div_ps(o, _mm256_set1_ps(total[h])));
+    }
   }
+}
+#endif
+
+// The same in plain C++ (the build without AVX2, and head widths that are no multiple of 8).
+void weighted_values_plain(const float* e, const float* const* vrow, int64_t n, int64_t heads, int64_t dim,
+                           float* out) {
+  float l[kLanes] = {};
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < kLanes; ++h) l[h] = l[h] + e[j * kLanes + h];
+  std::fill(out, out + heads * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = std::fma(e[j * kLanes + h], vrow[j][d], out[h * dim + d]);
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = o[h * dim + d] / l[h];
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = out[h * dim + d] / l[h];
 }
 
 // The call's layout: which sequence each query row belongs to, and where it sits.
@@ -225,22 +268,32 @@ void run_tasks(const Pool<T>& pool, const at::Tensor& q, const at::Tensor& table
   const int64_t per = (tasks + kDeal - 1) / kDeal;  // dealt task k is task (k % per) * kDeal + k / per
   const float* qs = q.data_ptr<float>();
   const int64_t* table = tables.data_ptr<int64_t>();
+  const bool widened = !std::is_same_v<T, float>;
   at::parallel_for(0, per * kDeal, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_t(dim * kLanes), s(layout.longest * kLanes), m(kLanes), o(kLanes * dim);
-    std::vector<float> scratch(kKeyTile * dim), results(kLanes * dim);
+    std::vector<float> q_t(dim * kLanes), s(layout.longest * kLanes), results(kLanes * dim);
+    std::vector<float> scratch(widened ? 2 * layout.longest * dim : 0);
+    std::vector<const float*> krow(layout.longest), vrow(layout.longest);
     for (int64_t k = begin; k < end; ++k) {
       const int64_t index = (k % per) * kDeal + k / per;
       if (index >= tasks) continue;
-      const int64_t row = index / pool.kv_heads, g = index % pool.kv_heads;
+      const int64_t row = index / pool.kv_heads, g = index % pool.kv_heads;  // task (row, g)
       const int64_t b = layout.seq[row], p = layout.position[row];
       const int64_t first = window ? std::max<int64_t>(0, p - *window + 1) : 0, n = p + 1 - first;
-      for (int64_t h0 = 0; h0 < group; h0 += kLanes) {  // R > 16 query heads per K/V head: 16 at a time
+      pool.rows(table + b * width, g, first, n, krow.data(), vrow.data(), scratch.data());
+      for (int64_t h0 = 0; h0 < group; h0 += kLanes) {  // more than 8 query heads per K/V head: 8 at a time
         const int64_t lanes = std::min(kLanes, group - h0);
+        const float* qh = qs + (row * heads + g * group + h0) * dim;  // (lanes, D)
         std::fill(q_t.begin(), q_t.end(), 0.f);
         for (int64_t h = 0; h < lanes; ++h)
-          for (int64_t d = 0; d < dim; ++d) q_t[d * kLanes + h] = qs[(row * heads + g * group + h0 + h) * dim + d];
-        scores_of(pool, table + b * width, g, first, n, q_t.data(), scale, softcap, s.data(), m.data(), scratch);
-        weigh_values(pool, table + b * width, g, first, n, lanes, s.data(), m.data(), o.data(), results.data(), scratch);
+          for (int64_t d = 0; d < dim; ++d) q_t[d * kLanes + h] = qh[h * dim + d];
+        dot_products(q_t.data(), krow.data(), n, dim, s.data());
+        softmax_numerators(s.data(), n, scale, softcap);
+#if defined(LOLLM_ATTENTION_VECTORS)
+        if (dim % 8 == 0)
+          weighted_values(s.data(), vrow.data(), n, lanes, dim, results.data());
+        else
+#endif
+          weighted_values_plain(s.data(), vrow.data(), n, lanes, dim, results.data());
         std::memcpy(out + (row * heads + g * group + h0) * dim, results.data(), lanes * dim * sizeof(float));
       }
     }
