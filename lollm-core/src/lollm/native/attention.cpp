@@ -323,7 +323,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
               " (H must be a multiple of K, D the same)");
   for (const at::Tensor* t : {&tables, &starts, &counts})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
-                "paged_attention: tables, starts and counts must be contiguous int64 CPU tensors, got ", t->scalar_type());
+                "paged_attention: tables, starts and counts must be contiguous int64 CPU tensors, got one of ",
+                t->scalar_type(), " ", t->sizes(), t->is_contiguous() ? "" : " not contiguous", " on ", t->device());
   TORCH_CHECK(tables.dim() == 2 && starts.dim() == 1 && counts.dim() == 1 && starts.size(0) == tables.size(0) &&
               counts.size(0) == tables.size(0),
               "paged_attention: want tables (B, max_blocks), starts and counts (B,), got ", tables.sizes(), ", ",
