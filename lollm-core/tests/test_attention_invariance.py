@@ -240,3 +240,71 @@ def test_every_build_gives_the_same_bits(variant):
         got = other(q[0].transpose(0, 1).contiguous(), k_pool, v_pool, tables, torch.tensor(batch.starts),
                     torch.tensor(batch.counts), None, softcap, D**-0.5)
         assert torch.equal(got.transpose(0, 1).unsqueeze(0), want), (variant, H, K, D)
+
+
+# -- the engine: requests alone and together ----------------------------------------------------
+
+class RowByRow(torch.nn.Module):
+    """A float32 linear computed one row at a time, as a lone decode step computes it.
+
+    torch's float32 GEMM gives a row other last bits at M rows than at one (its blocking follows
+    M; measured in docs/batching.md, section 9), so the toy model's layers are made row-independent
+    here, to hold everything else of an engine step to bit-for-bit equality: attention, the KV
+    writes, positions, the recurrent state, the greedy pick."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):  # (1, T, C) -> (1, T, out)
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([self.linear(rows[i:i + 1]) for i in range(rows.shape[0])]).view(*x.shape[:-1], -1)
+
+
+def logits_by_position(model, prompts, arrivals, max_new_tokens):
+    """Run ``prompts`` through one engine (prompt i joins at step ``arrivals[i]``): {(i, position): logits row}
+    for every row the engine computed, a request's logits after ``position`` tokens."""
+    from lollm.engine import Engine, EngineConfig
+    from lollm.generate.sampling import SamplingParams
+
+    engine = Engine(model, EngineConfig(kv_blocks=256, block_size=4, max_sequences=8, max_batch_tokens=12))
+    seen, real = {}, engine._forward
+
+    def forward(plan):
+        logits = real(plan)
+        for b, (req, count) in enumerate(plan):
+            seen[(req.request_id, req.computed + count)] = logits[b].clone()
+        return logits
+
+    engine._forward = forward
+    ids, step, pending = {}, 0, sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    while pending or engine.has_unfinished():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            ids[engine.add_request(prompts[i], sampling=SamplingParams(temperature=0), max_new_tokens=max_new_tokens)] = i
+        engine.step()
+        step += 1
+    return {(ids[rid], position): row for (rid, position), row in seen.items()}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_requests_alone_and_eight_together_give_equal_logits(window, recurrent):
+    """Eight greedy requests of mixed lengths, four arriving mid-decode, through one engine with a token
+    budget that chunks the prompts beside decode rows: every logits row the engine computes for a request
+    is torch.equal to that row when the request runs alone (with the toy's linears row by row)."""
+    from _toy_batched import ToyLM
+
+    model = ToyLM(recurrent=recurrent, window=window, max_context=128)
+    model.qkv, model.out, model.head = RowByRow(model.qkv), RowByRow(model.out), RowByRow(model.head)
+    base = [(7 * i + 3) % 40 for i in range(40)]
+    prompts = [base] + [base[i:i + n] for i, n in enumerate([3, 20, 17, 35, 9, 2, 26], start=1)]
+    with torch.inference_mode():
+        together = logits_by_position(model, prompts, [0, 0, 0, 3, 5, 5, 8, 9], 8)
+        alone = {}
+        for i, prompt in enumerate(prompts):
+            alone.update({(i, position): row for (_, position), row in logits_by_position(model, [prompt], [0], 8).items()})
+    common = [key for key in together if key in alone]
+    assert len(common) >= 8 * 8  # every sampled row at least (prompt chunks end elsewhere alone)
+    unequal = [key for key in common if not torch.equal(together[key], alone[key])]
+    assert not unequal, f"{len(unequal)} of {len(common)} logits rows differ, first (request, position) {unequal[:3]}"
