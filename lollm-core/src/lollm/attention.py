@@ -25,7 +25,8 @@ name (:data:`BACKENDS`):
   ``scaled_dot_product_attention``, called exactly as the families called it
   before this seam existed, so the parity figures against transformers are
   unchanged. SDPA has no hook between the scores and the softmax, so a
-  soft-capped call (gemma2) takes the ``eager`` arithmetic.
+  soft-capped call (gemma2) takes the ``eager`` arithmetic. An engine step on a
+  CPU takes lollm's native paged kernel instead, batch invariant (:func:`_attend_batch`).
 * ``eager``: the scores and the softmax written out as matrix products; the
   readable reference, and the path that can hand out the probabilities.
 * ``triton``: FlashAttention-2 (prefill) and split-K (decode) kernels written
@@ -71,6 +72,8 @@ from lollm.trace.attention import AttentionRecord, active_recording
 from lollm.trace.attention import AttentionRecording, recording  # noqa: F401
 
 DEFAULT_BACKEND = "sdpa"
+#: The pool dtypes of the CPU's batch-invariant paged kernel (lollm.native.paged), which sums in float32.
+PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENV_VAR = "LOLLM_ATTN"
 
 
@@ -493,8 +496,8 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
        the keys still end at the newest query, as :func:`key_positions` expects;
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
-    **On a CPU with the ``sdpa`` backend** (the default) and lollm's native library built, none
-    of this runs: the whole step goes to :func:`lollm.native.paged.paged_attention`, which reads
+    **On a CPU with the ``sdpa`` backend** (the default), lollm's native library built and pools
+    in float32, bfloat16 or float16 (float64 is the tests' reference), none of this runs: the whole step goes to :func:`lollm.native.paged.paged_attention`, which reads
     the pool in place and computes each query by one fixed float32 order, so a request's rows are
     the same bits alone, in any batch and in prompt chunks of any size (docs/batching.md,
     section 9). The steps above are the path without it (``LOLLM_NATIVE=0``, no compiler, a GPU),
@@ -515,7 +518,7 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
                          f"of K, got q {tuple(q.shape)} and pools {tuple(k_pool.shape)}")
     name = _selected.get()
     backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
-    if backend.name == "sdpa" and q.device.type == "cpu" and paged_attention_op() is not None:
+    if backend.name == "sdpa" and q.device.type == "cpu" and k_pool.dtype in PAGED_DTYPES and paged_attention_op():
         return paged_attention(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
     K, D = k_pool.shape[2], k_pool.shape[3]
     if backend.attend_paged is not None:
