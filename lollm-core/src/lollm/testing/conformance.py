@@ -137,11 +137,14 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
                              for each; the sensitivity test perturbs that class.
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
-    batch_invariance_bound:  batch invariance with packed int8 weights (docs/batching.md): 0.0 (the
-                             default) wants every logit of a request equal, bit for bit, alone and
-                             batched. A family whose forward keeps a float matmul over the batch's rows
-                             (torch's float32 GEMM rounds a row differently at another row count) sets
-                             the largest |Δ logit| it allows, and says in a comment which part it is.
+    batch_invariance_weights, batch_invariance_bound: batch invariance (docs/batching.md): with
+                             ``"int8"`` weights (the default: every matmul the family packs runs in
+                             lollm's native kernel) and a bound of 0.0 (the default), every logit of a
+                             request must be equal, bit for bit, alone and batched. A family whose forward
+                             keeps float matmuls over the step's rows (torch's float32 GEMM rounds a row
+                             differently beside other rows) runs the check on ``"float"`` weights, where
+                             int8 activations cannot magnify that rounding, within the largest |Δ logit|
+                             it states, and says in a comment which parts they are.
     """
 
     reference_available: bool = False
@@ -158,6 +161,7 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     gguf_types: tuple[str, ...] = ()
     reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None
+    batch_invariance_weights: str = "int8"
     batch_invariance_bound: float = 0.0
 
     # -- fixtures the plugin author provides ---------------------------------------

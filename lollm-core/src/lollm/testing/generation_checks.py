@@ -155,12 +155,15 @@ class GenerationChecks:
     def test_engine_is_batch_invariant(self, installed, checkpoint, prompt_ids):
         """With packed int8 weights (lollm's native kernel), every logit a request samples from is the same alone
         and batched, bit for bit: five requests of mixed lengths, two arriving mid-decode, prompts cut into
-        chunks by the token budget (lollm.testing.batching.check_batch_invariance)."""
+        chunks by the token budget (lollm.testing.batching.check_batch_invariance). A family that keeps float
+        matmuls over the step's rows runs it on ``batch_invariance_weights`` within ``batch_invariance_bound``."""
         from lollm import native
 
         if native.block_int8_op() is None:
             pytest.fail(f"batch invariance needs lollm's native kernel: {native.status()}")
-        options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="quantized", quantization=Quantization("int8"))
+        packed = self.batch_invariance_weights == "int8"
+        options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="quantized" if packed else "float",
+                              quantization=Quantization(self.batch_invariance_weights))
         model = installed.family.resolve("load")(checkpoint, options)
         prompts = mixed_prompts(prompt_ids[0].tolist())
         n = max(1, min(6, int(model.max_context) - max(len(p) for p in prompts) - 1))
