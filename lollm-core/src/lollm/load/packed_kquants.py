@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lollm import native
 from lollm.errors import WeightsError
 from lollm.gguf.bits import crumbs, nibbles
 from lollm.gguf.kquants import k4_scales_mins
@@ -123,6 +124,8 @@ class PanelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, parts: dict[str, torch.Tensor], bias: nn.Parameter | None = None):
         super().__init__()
+        if native.block_int8_op() is None:  # loads the library (its first call builds it), or says why not
+            raise WeightsError(f"{type(self).__name__} runs on lollm's native kernel only: {native.status()}")
         self.in_features, self.out_features = in_features, out_features
         panels = -(-out_features // PANEL)
         for name, dtype, share in self.PARTS:
@@ -269,3 +272,7 @@ class Q6_KLinear(PanelLinear):
         q = (codes_of(self.nibbles)[:n] | (top_bits_of(self.high)[:n] << 4)).float().view(n, -1, 16)
         scale = channels_of(self.d)[:n].float().repeat_interleave(16, dim=1) * channels_of(self.sc)[:n].float()  # (n, K / 16)
         return (scale[..., None] * (q - 32)).view(n, self.in_features)
+
+
+#: The layer for each GGUF type these panels hold.
+PANEL_LAYERS: dict[str, type[PanelLinear]] = {"Q4_0": Q4_0Linear, "Q4_K": Q4_KLinear, "Q6_K": Q6_KLinear}
