@@ -70,6 +70,10 @@
 #include <immintrin.h>
 #endif
 
+// The small per-format helpers below are called once a block inside the hot loops: always
+// inlined, so that their vectors stay in registers (a call would pass them through memory).
+#define LOLLM_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 using lollm_blocks::kBlock;
@@ -77,7 +81,7 @@ using lollm_blocks::quantize_rows;
 
 constexpr int64_t kPanel = 16;     // output channels a panel holds (the 16 int32 lanes of a 512-bit vector)
 constexpr int64_t kSuper = 8;      // blocks of 32 in a K-quant super-block of 256
-constexpr int64_t kRowTile = 4;    // rows of x that meet each unpacked block of weights
+constexpr int64_t kRowTile = 8;    // rows of x that meet each unpacked block of weights
 
 // ---------------------------------------------------------------------------
 // Step 1, and the sums of x's codes that the formats' offsets need.
@@ -180,14 +184,14 @@ struct Q6_KPanels {
 // ---------------------------------------------------------------------------
 
 // 4 activation codes as one int32, to be broadcast to every lane.
-inline __m512i four(const int8_t* xq) {
+LOLLM_INLINE __m512i four(const int8_t* xq) {
   int32_t word;
   std::memcpy(&word, xq, 4);
   return _mm512_set1_epi32(word);
 }
 
 // A block of nibbles (256 bytes) -> u[v], v = 0..7: lane c holds channel c's codes for inputs 4v .. 4v + 3.
-inline void unpack_nibbles(const uint8_t* block, __m512i* u) {
+LOLLM_INLINE void unpack_nibbles(const uint8_t* block, __m512i* u) {
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int h = 0; h < 4; ++h) {
     const __m512i v = _mm512_loadu_si512(block + 64 * h);
@@ -197,49 +201,50 @@ inline void unpack_nibbles(const uint8_t* block, __m512i* u) {
 }
 
 // 16 float16 values (one per channel) as float32: exact.
-inline __m512 halves(const at::Half* h) {
+LOLLM_INLINE __m512 halves(const at::Half* h) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 }
 // 16 unsigned bytes as float32.
-inline __m512 bytes_as_float(const uint8_t* v) {
+LOLLM_INLINE __m512 bytes_as_float(const uint8_t* v) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
 }
 
-void unpack(const Q4_0Panels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
-void unpack(const Q4_KPanels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
+LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
+LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
 // Q6_K: the nibbles, then each code's 2 high bits moved to bits 4 and 5 and added in: crumb s of
 // chunk h belongs to u[4h + s] (inputs 16h + 4s ..). Shifting 16-bit lanes and keeping bits 4-5
 // of each byte (0x30) leaves nothing of the neighbouring byte.
-void unpack(const Q6_KPanels& w, int64_t p, int64_t b, __m512i* u) {
+LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, __m512i* u) {
   unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u);
   const __m512i bits45 = _mm512_set1_epi8(0x30);
   const uint8_t* block = w.high + (p * w.blocks + b) * 128;
   for (int h = 0; h < 2; ++h) {
     const __m512i v = _mm512_loadu_si512(block + 64 * h);
-    u[4 * h + 0] = _mm512_or_si512(u[4 * h + 0], _mm512_and_si512(_mm512_slli_epi16(v, 4), bits45));
-    u[4 * h + 1] = _mm512_or_si512(u[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), bits45));
-    u[4 * h + 2] = _mm512_or_si512(u[4 * h + 2], _mm512_and_si512(v, bits45));
-    u[4 * h + 3] = _mm512_or_si512(u[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), bits45));
+    // u | (shifted & 0x30) in one instruction: vpternlogd's truth table 0xF8 is A | (B & C).
+    u[4 * h + 0] = _mm512_ternarylogic_epi32(u[4 * h + 0], _mm512_slli_epi16(v, 4), bits45, 0xF8);
+    u[4 * h + 1] = _mm512_ternarylogic_epi32(u[4 * h + 1], _mm512_slli_epi16(v, 2), bits45, 0xF8);
+    u[4 * h + 2] = _mm512_ternarylogic_epi32(u[4 * h + 2], v, bits45, 0xF8);
+    u[4 * h + 3] = _mm512_ternarylogic_epi32(u[4 * h + 3], _mm512_srli_epi16(v, 2), bits45, 0xF8);
   }
 }
 
-__m512 ws(const Q4_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
-__m512 ws(const Q4_KPanels& w, int64_t p, int64_t b) {
+LOLLM_INLINE __m512 ws(const Q4_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
+LOLLM_INLINE __m512 ws(const Q4_KPanels& w, int64_t p, int64_t b) {
   return _mm512_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel), bytes_as_float(w.sc + (p * w.blocks + b) * kPanel));
 }
-__m512 ws(const Q6_KPanels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel); }
+LOLLM_INLINE __m512 ws(const Q6_KPanels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel); }
 
 // Q4_K's -(dmin * m_j): the product, its sign flipped (as the scalar unary minus does).
-__m512 wo(const Q4_KPanels& w, int64_t p, int64_t b) {
+LOLLM_INLINE __m512 wo(const Q4_KPanels& w, int64_t p, int64_t b) {
   const __m512 product = _mm512_mul_ps(halves(w.dmin + (p * w.blocks / kSuper + b / kSuper) * kPanel), bytes_as_float(w.m + (p * w.blocks + b) * kPanel));
   return _mm512_xor_ps(product, _mm512_set1_ps(-0.f));
 }
 template <class F>
-__m512 wo(const F&, int64_t, int64_t) { return _mm512_setzero_ps(); }
+LOLLM_INLINE __m512 wo(const F&, int64_t, int64_t) { return _mm512_setzero_ps(); }
 
-__m512i isum(const Q4_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
-__m512i isum(const Q4_KPanels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
-__m512i isum(const Q6_KPanels& w, int64_t p, int64_t b, __m512i lo, __m512i hi) {
+LOLLM_INLINE __m512i isum(const Q4_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
+LOLLM_INLINE __m512i isum(const Q4_KPanels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
+LOLLM_INLINE __m512i isum(const Q6_KPanels& w, int64_t p, int64_t b, __m512i lo, __m512i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel;
   const __m512i sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
   const __m512i sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kPanel)));
@@ -278,6 +283,10 @@ void panel_rows(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t n, flo
 
 template <class F>
 void panel_tile(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t take, int64_t n, float* out) {
+  if (take == 8) panel_rows<F, 8>(w, p, x, r0, n, out);
+  if (take == 7) panel_rows<F, 7>(w, p, x, r0, n, out);
+  if (take == 6) panel_rows<F, 6>(w, p, x, r0, n, out);
+  if (take == 5) panel_rows<F, 5>(w, p, x, r0, n, out);
   if (take == 4) panel_rows<F, 4>(w, p, x, r0, n, out);
   if (take == 3) panel_rows<F, 3>(w, p, x, r0, n, out);
   if (take == 2) panel_rows<F, 2>(w, p, x, r0, n, out);
@@ -292,17 +301,17 @@ void panel_tile(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t take, 
 // most 2 * 63 * 127: no saturation), vpmaddwd adds those pairs into the int32 lanes.
 // ---------------------------------------------------------------------------
 
-inline __m256i four(const int8_t* xq) {
+LOLLM_INLINE __m256i four(const int8_t* xq) {
   int32_t word;
   std::memcpy(&word, xq, 4);
   return _mm256_set1_epi32(word);
 }
 
-inline __m256i dot4(__m256i u, __m256i x4) {
+LOLLM_INLINE __m256i dot4(__m256i u, __m256i x4) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1));
 }
 
-inline void unpack_nibbles(const uint8_t* block, int half, __m256i* u) {
+LOLLM_INLINE void unpack_nibbles(const uint8_t* block, int half, __m256i* u) {
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int h = 0; h < 4; ++h) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32 * half));
@@ -311,12 +320,12 @@ inline void unpack_nibbles(const uint8_t* block, int half, __m256i* u) {
   }
 }
 
-inline __m256 halves(const at::Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
-inline __m256i bytes8(const uint8_t* v) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))); }
+LOLLM_INLINE __m256 halves(const at::Half* h) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))); }
+LOLLM_INLINE __m256i bytes8(const uint8_t* v) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))); }
 
-void unpack(const Q4_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
-void unpack(const Q4_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
-void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) {
+LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
+LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
+LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) {
   unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u);
   const __m256i bits45 = _mm256_set1_epi8(0x30);
   const uint8_t* block = w.high + (p * w.blocks + b) * 128;
@@ -329,24 +338,24 @@ void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) {
   }
 }
 
-__m256 ws(const Q4_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
-__m256 ws(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
+LOLLM_INLINE __m256 ws(const Q4_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
+LOLLM_INLINE __m256 ws(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
   return _mm256_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half),
                        _mm256_cvtepi32_ps(bytes8(w.sc + (p * w.blocks + b) * kPanel + 8 * half)));
 }
-__m256 ws(const Q6_KPanels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half); }
+LOLLM_INLINE __m256 ws(const Q6_KPanels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half); }
 
-__m256 wo(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
+LOLLM_INLINE __m256 wo(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
   const __m256 product = _mm256_mul_ps(halves(w.dmin + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half),
                                        _mm256_cvtepi32_ps(bytes8(w.m + (p * w.blocks + b) * kPanel + 8 * half)));
   return _mm256_xor_ps(product, _mm256_set1_ps(-0.f));
 }
 template <class F>
-__m256 wo(const F&, int64_t, int64_t, int) { return _mm256_setzero_ps(); }
+LOLLM_INLINE __m256 wo(const F&, int64_t, int64_t, int) { return _mm256_setzero_ps(); }
 
-__m256i isum(const Q4_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
-__m256i isum(const Q4_KPanels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
-__m256i isum(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i lo, __m256i hi) {
+LOLLM_INLINE __m256i isum(const Q4_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
+LOLLM_INLINE __m256i isum(const Q4_KPanels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
+LOLLM_INLINE __m256i isum(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i lo, __m256i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel + 8 * half;
   const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
   const __m256i sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + kPanel)));
@@ -382,14 +391,17 @@ void half_rows(const F& w, int64_t p, int half, const Rows& x, int64_t r0, int64
   for (int i = 0; i < R; ++i) _mm256_maskstore_ps(out + (r0 + i) * n + c0, mask, acc[i]);
 }
 
+// AVX2 has 16 vector registers: a tile of up to 8 rows is done in pieces of up to 4.
 template <class F>
 void panel_tile(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t take, int64_t n, float* out) {
-  for (int half = 0; half < 2; ++half) {
-    if (take == 4) half_rows<F, 4>(w, p, half, x, r0, n, out);
-    if (take == 3) half_rows<F, 3>(w, p, half, x, r0, n, out);
-    if (take == 2) half_rows<F, 2>(w, p, half, x, r0, n, out);
-    if (take == 1) half_rows<F, 1>(w, p, half, x, r0, n, out);
-  }
+  for (int half = 0; half < 2; ++half)
+    for (int64_t r = r0; r < r0 + take; r += 4) {
+      const int64_t piece = std::min<int64_t>(4, r0 + take - r);
+      if (piece == 4) half_rows<F, 4>(w, p, half, x, r, n, out);
+      if (piece == 3) half_rows<F, 3>(w, p, half, x, r, n, out);
+      if (piece == 2) half_rows<F, 2>(w, p, half, x, r, n, out);
+      if (piece == 1) half_rows<F, 1>(w, p, half, x, r, n, out);
+    }
 }
 
 #else
