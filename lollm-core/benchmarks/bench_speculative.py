@@ -124,6 +124,7 @@ def run_prompt(name: str, loaded, llama, ids: list[int], args, drafters: dict) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="qwen")
+    parser.add_argument("--gguf", default=None, help="a .gguf file instead of --model's (e.g. a Q4_K_M made by llama.cpp's quantizer)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--skip-llama", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = str(fetch_gguf(MODELS[args.model]))
+    path = args.gguf or str(fetch_gguf(MODELS[args.model]))
     loaded = open_model(path, LoadOptions(device="cpu", dtype="float32", weights="quantized"))
     llama = None
     if not args.skip_llama and llama_cpp_available():

@@ -131,3 +131,21 @@ def test_gemma4_passes_the_kits_engine_checks(tiny, name):
     assert req.cached_tokens > 0
     check_preemption_and_abort(model, prompt)
     assert check_window_blocks_released(model, prompt) is not None  # its shared layers read the window pool too
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_engine_logits_are_batch_invariant_on_packed_weights(tiny, name):
+    """Batch invariance (docs/batching.md): with int8 weights (lollm's native kernel) and the native paged
+    attention, each request's every logit is the same, bit for bit, beside the others (prompts past the window,
+    chunked by a budget of 7, one arriving mid-decode) as alone: gemma2's soft-caps, gemma4's per-layer
+    embeddings and KV-sharing layers included."""
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.testing.batching import check_batch_invariance
+
+    model = open_model(str(tiny(name, "transformers5")), LoadOptions(device="cpu", dtype="float32", quantize="int8")).model
+    assert model.weights_summary.packed > 0
+    prompts = [prompt_ids(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
+    arrivals = [(0, prompts[0], 6), (0, prompts[1], 6), (0, prompts[2], 6), (LATE, prompts[3], 6)]
+    check_batch_invariance(model, arrivals, EngineConfig(kv_blocks=128, block_size=BLOCK_SIZE, max_sequences=4,
+                                                         max_batch_tokens=BUDGET))

@@ -25,7 +25,8 @@ name (:data:`BACKENDS`):
   ``scaled_dot_product_attention``, called exactly as the families called it
   before this seam existed, so the parity figures against transformers are
   unchanged. SDPA has no hook between the scores and the softmax, so a
-  soft-capped call (gemma2) takes the ``eager`` arithmetic.
+  soft-capped call (gemma2) takes the ``eager`` arithmetic. An engine step on a
+  CPU takes lollm's native paged kernel instead, batch invariant (:func:`_attend_batch`).
 * ``eager``: the scores and the softmax written out as matrix products; the
   readable reference, and the path that can hand out the probabilities.
 * ``triton``: FlashAttention-2 (prefill) and split-K (decode) kernels written
@@ -64,11 +65,15 @@ import torch.nn.functional as F
 # Lazy imports below: triton and lollm.kernels (which imports Triton), the optional extra lollm-core[triton].
 from lollm.batch import Batch
 from lollm.errors import AttentionBackendError
+from lollm.native import paged_attention_op
+from lollm.native.paged import paged_attention
 from lollm.trace.attention import AttentionRecord, active_recording
 # The recording lives in lollm.trace.attention; a family may still import these from here (docs/plugins.md, 10).
 from lollm.trace.attention import AttentionRecording, recording  # noqa: F401
 
 DEFAULT_BACKEND = "sdpa"
+#: The pool dtypes of the CPU's batch-invariant paged kernel (lollm.native.paged), which sums in float32.
+PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ENV_VAR = "LOLLM_ATTN"
 
 
@@ -491,12 +496,17 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
        the keys still end at the newest query, as :func:`key_positions` expects;
     3. the picked backend runs exactly the single-sequence call, with ``start=starts[b]``.
 
-    With the ``sdpa`` backend and no soft-cap, the sequences that bring one query each (the
-    decode rows of the step, when there are several) skip the loop: :func:`_attend_decode_rows`
-    runs them in one SDPA call, keys padded to the longest. On a CPU the loop's small calls cost
-    more than its arithmetic (at 16 sequences, about a fifth of a Qwen2.5-0.5B step); on a
-    GPU the gather copies and the B launches are the cost, hence step 0
-    (docs/flash-attention.md, "Paged attention"; docs/batching.md, section 7).
+    **On a CPU with the ``sdpa`` backend** (the default), lollm's native library built and pools
+    in float32, bfloat16 or float16 (float64 is the tests' reference), none of this runs: the whole step goes to :func:`lollm.native.paged.paged_attention`, which reads
+    the pool in place and computes each query by one fixed float32 order, so a request's rows are
+    the same bits alone, in any batch and in prompt chunks of any size (docs/batching.md,
+    section 9). The steps above are the path without it (``LOLLM_NATIVE=0``, no compiler, a GPU),
+    and they are **not batch invariant**: SDPA's sums follow its call's shape (how many queries,
+    how many keys), which the other sequences of the step and the scheduler's token budget decide.
+    There, with no soft-cap, the sequences that bring one query each skip the loop:
+    :func:`_attend_decode_rows` runs them in one SDPA call, keys padded to the longest (on a CPU
+    the loop's small calls cost more than its arithmetic; on a GPU the gather copies and the B
+    launches are the cost, hence step 0; docs/flash-attention.md, "Paged attention").
     """
     if active_recording() is not None:
         raise AttentionBackendError("lollm trace records one sequence at a time: it cannot record an engine step")
@@ -508,6 +518,8 @@ def _attend_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, b
                          f"of K, got q {tuple(q.shape)} and pools {tuple(k_pool.shape)}")
     name = _selected.get()
     backend = BACKENDS[name] if name else _lookup(os.environ.get(ENV_VAR) or DEFAULT_BACKEND, ENV_VAR)
+    if backend.name == "sdpa" and q.device.type == "cpu" and k_pool.dtype in PAGED_DTYPES and paged_attention_op():
+        return paged_attention(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
     K, D = k_pool.shape[2], k_pool.shape[3]
     if backend.attend_paged is not None:
         out, covered = backend.attend_paged(q, k_pool, v_pool, batch, window=window, softcap=softcap, scale=scale)
@@ -552,7 +564,8 @@ def _attend_decode_rows(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
        as its mask -> (B, K, n_rep, D).
 
     SDPA pads nothing itself: a masked key adds exp(-inf) = 0. The sums run over other lengths
-    than one sequence's call, so a row may differ from it in the last bits (docs/batching.md).
+    than one sequence's call, so a row may differ from it in the last bits: this path is not
+    batch invariant, and runs only where the native kernel does not (:func:`_attend_batch`).
     """
     B, H, D = len(rows), q.shape[1], q.shape[3]
     K, size = k_pool.shape[2], batch.block_size

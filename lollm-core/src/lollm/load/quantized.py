@@ -4,31 +4,41 @@ A GGUF file stores most matrices as blocks of small integers with a few
 scales (lollm.gguf.quants draws every layout). The float path dequantizes each
 block to float32 at load: simple and exact, but a 4-bit matrix then takes 8
 times its file size, and every decode step reads all those bytes. This module
-keeps the integers instead and multiplies with torch's packed CPU kernels:
+keeps the integers instead, in one of these layers:
 
+* :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`
+  (:mod:`lollm.load.packed_kquants`) -- the file's own bits (4.5, 4.625 and
+  6.5625 bits a weight), rearranged at load into panels of 16 output channels,
+  multiplied by lollm's native kernel with int8 activations (docs/native-kernel.md,
+  sections 10 to 13). Nothing is rounded: whatever the file holds is what runs, and
+  a row's output is the same bits alone or in any batch. Made where the native
+  kernel is built and K is whole blocks (256 for the K-quants, 32 for Q4_0).
+* :class:`Q5Linear` -- a Q5_0 matrix in its 5-bit codes, on the native kernel.
 * :class:`Int4Linear` -- 4-bit codes in groups of 32 (or 64, 128, 256) with a
   scale and a zero per group: ``w = (q - 8) * s + z``. Q4_0, Q4_1 and Q4_K are
   exactly such groups (their codes are kept bit for bit; the scale and zero are
   rounded to bfloat16, the kernel's dtype). Kernel:
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu``.
-* :class:`Int8Linear` -- 8-bit codes with one scale per output channel (row):
-  ``w = q * s``. Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 have one scale per 16 or 32
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu``. Q4_1 always; Q4_0 and Q4_K
+  where the native kernel is not built.
+* :class:`Int8Linear` -- 8-bit codes with a scale per group of each row:
+  ``w = q * s``. A Q8_0 matrix keeps its own codes and float16 scales in groups
+  of 32 where the native kernel is built (exact). Q5_1, Q5_K (and Q6_K, Q5_0,
+  Q8_0 where the native kernel is not built) have one scale per 16 or 32
   weights, which torch's int8 kernel cannot take, so their weights are
   *requantized* row by row to int8 (error at most half a step of the row's
-  scale, measured in docs/quantized-execution.md). Kernel:
-  ``torch.ops.aten._weight_int8pack_mm``.
+  scale, measured in docs/quantized-execution.md). Kernel: lollm's native
+  ``block_int8_linear``, or ``torch.ops.aten._weight_int8pack_mm``.
 * :class:`BlockEmbedding` -- an embedding that keeps a GGUF tensor's blocks as
   they are in the file and dequantizes only the rows it looks up (exact: the
   same kernels as the float path). :class:`Int8Embedding` looks rows up in
   int8 codes, and can share them with an :class:`Int8Linear` (tied embeddings).
 
-Both torch kernels take their activations in bfloat16 (they are slow with
-float32 ones): each layer rounds its input to bfloat16, multiplies, and gives
-its output back in the input's dtype, so the rest of the model (norms,
-attention, the residual stream) stays float32. For a decode step,
-:class:`Int8Linear` calls lollm's own kernel instead where it could be built
-(:mod:`lollm.native`, docs/native-kernel.md): int8 activations in blocks of 32,
-as llama.cpp multiplies, through integer dot-product instructions.
+torch's two kernels take their activations in bfloat16 (they are slow with
+float32 ones): those layers round their input to bfloat16, multiply, and give
+the output back in the input's dtype, so the rest of the model (norms,
+attention, the residual stream) stays float32. lollm's own kernel (:mod:`lollm.native`,
+docs/native-kernel.md) takes float32 and rounds it to int8 in blocks of 32, as
+llama.cpp multiplies, through integer dot-product instructions.
 
 Nothing here ever holds a float copy of a whole matrix: packing works through
 a matrix a slice of rows at a time.
@@ -50,6 +60,7 @@ from lollm import native
 from lollm.errors import LollmError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
 from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
+from lollm.load.packed_kquants import PANEL_LAYERS, PanelLinear, Q4_0Linear, Q4_KLinear, Q6_KLinear  # noqa: F401
 from lollm.load.packed_linear import Int4Linear, Int8Linear, Q5Linear, row_slices
 # Moved to lollm.load.packed_linear; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
 from lollm.load.packed_linear import exact_scale, native_gemm_rows  # noqa: F401
@@ -74,8 +85,10 @@ class Quantization:
     mode:
       ``"float"``  every tensor is dequantized (GGUF) or converted to the model's
                    dtype: the reference path, and the parity gate's standard;
-      ``"gguf"``   GGUF tensors keep their blocks: Q4_0/Q4_1/Q4_K as int4 groups,
-                   Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8, embeddings as the file's blocks;
+      ``"gguf"``   GGUF tensors keep their blocks: Q4_0/Q4_K/Q6_K/Q5_0 in the file's bits
+                   and Q8_0 in its own int8 groups where lollm's native kernel is built,
+                   Q4_1 (and Q4_0/Q4_K elsewhere) as int4 groups, the other types as int8
+                   (:func:`linear_from_gguf`), embeddings as the file's blocks;
                    float and other types are dequantized (the load summary says which);
       ``"int8"``   float weights (safetensors, or F32/F16/BF16 GGUF tensors) are
                    quantized at load to int8 with one scale per output channel;
@@ -190,14 +203,20 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
 
     raw: the tensor's bytes (1-D uint8), or a function ``(start_row, stop_row) ->``
     the bytes of those rows, so that a big matrix is read a slice at a time;
-    shape: ``(out_features, in_features)``.
-    Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with the file's codes (groups of 32);
-    Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes, where lollm's native kernel is
-    built (and K is a multiple of 64; not for ``grouped``);
-    Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`, requantized per row, or with
-    ``grouped`` in groups of 32 (exact for Q8_0 and Q5_0; used for the output
-    head). A 4-bit matrix whose row count the int4 kernel cannot tile (not a
-    multiple of 16) becomes int8 too. Returns None for every other type.
+    shape: ``(out_features, in_features)``. Where lollm's native kernel is built:
+
+    * Q4_0, Q4_K, Q6_K -> :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`,
+      the file's own bits (K a multiple of 32 for Q4_0, 256 for the K-quants); a Q6_K
+      matrix with ``grouped`` (the output head, whose int8 codes a tied embedding
+      shares) stays an :class:`Int8Linear` in groups of 32;
+    * Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes (K a multiple of 64; not for ``grouped``);
+    * Q8_0 -> :class:`Int8Linear` in groups of 32, the file's codes and float16 scales.
+
+    Elsewhere, and for the other types: Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with
+    the file's codes (groups of 32); Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`,
+    requantized per row, or with ``grouped`` in groups of 32 (exact for Q8_0 and
+    Q5_0; used for the output head). A 4-bit matrix whose row count the int4 kernel
+    cannot tile (not a multiple of 16) becomes int8 too. Returns None for every other type.
     """
     n, k = shape
     t = GGML_TYPES_BY_NAME[ggml_type]
@@ -209,6 +228,9 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
         def read_rows(start: int, stop: int) -> np.ndarray:
             return blocks[start:stop].reshape(-1)
 
+    panels = PANEL_LAYERS.get(ggml_type)
+    if panels is not None and k % panels.K_MULTIPLE == 0 and not (grouped and ggml_type == "Q6_K") and _native():
+        return panels.from_blocks(read_rows, shape, bias)
     if ggml_type in INT4_TYPES and n % 16 == 0:
         layer = Int4Linear(k, n, 32, bias)
         for start, stop in row_slices(n, k):
@@ -217,7 +239,7 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
         return layer
     if ggml_type == "Q5_0" and not grouped and k % 64 == 0 and _native_q5():
         return Q5Linear.from_blocks(read_rows, shape, bias)
-    if ggml_type in INT8_TYPES and grouped:
+    if ggml_type in INT8_TYPES and (grouped or ggml_type == "Q8_0" and _native()):
         return Int8Linear(*int8_groups_from_gguf(read_rows, ggml_type, shape, HEAD_GROUP_SIZE), bias)
     if ggml_type in INT8_TYPES or ggml_type in INT4_TYPES:
         def rows(start: int, stop: int) -> torch.Tensor:
@@ -225,6 +247,11 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
 
         return Int8Linear(*int8_from_float_rows(n, k, rows), bias)
     return None
+
+
+def _native() -> bool:
+    """Whether lollm's native kernel is built and on (its first call builds it)."""
+    return native.block_int8_op() is not None
 
 
 def _native_q5() -> bool:
@@ -250,6 +277,8 @@ def describe(module: nn.Module) -> str:
     """How a packed module stores its matrix, for the load summary (``"int4 groups of 32"`` …)."""
     if isinstance(module, Int4Linear):
         return f"int4 groups of {module.group_size}"
+    if isinstance(module, PanelLinear):
+        return f"{module.GGML_TYPE} blocks (the file's bits, panels of 16 channels)"
     if isinstance(module, Q5Linear):
         return "Q5_0 blocks (5-bit codes)"
     if isinstance(module, Int8Linear):
@@ -282,10 +311,10 @@ class WeightsSummary:
         return sum(n for (_, kept), n in self.counts.items() if not kept.startswith(("float", "bfloat16")))
 
     def line(self) -> str:
-        """The summary; where int8 layers were kept, it also says whether lollm's native kernel runs them (lollm.native)."""
+        """The summary; where int8 or file-block layers were kept, it also says whether lollm's native kernel runs them (lollm.native)."""
         parts = [f"{stored}→{kept} ×{n}" for (stored, kept), n in sorted(self.counts.items()) if n]
         text = f"weights ({self.requested}): " + ", ".join(parts) + f"; {self.model_bytes / 1e6:.0f} MB in memory"
-        if any(kept.startswith("int8") for _, kept in self.counts):
+        if any(kept.startswith(("int8", "Q")) for _, kept in self.counts):  # layers lollm's native kernel may run
             text += f"; {native.status()}"
         if self.dequantized:
             shown = ", ".join(self.dequantized[:3]) + (f" and {len(self.dequantized) - 3} more" if len(self.dequantized) > 3 else "")

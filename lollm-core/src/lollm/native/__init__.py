@@ -279,6 +279,20 @@ def block_q5_op():
     return None if built is None else built.block_q5_linear
 
 
+def paged_attention_op():
+    """The CPU paged attention kernel (``attention.cpp``), or None where the native build is off or missing.
+
+    ``(q, k_pool, v_pool, tables, starts, counts, window, softcap, scale) -> out``: q ``(N, H, D)``
+    float32; the pools ``(blocks, block_size, K, D)`` float32, bfloat16 or float16; tables
+    ``(B, max_blocks)`` int64 (-1: no block), starts and counts ``(B,)`` int64; window an int or
+    None, softcap a float or None, scale a float. Returns ``(N, H, D)`` float32, each query's row
+    computed alone (docs/batching.md, section 9). :func:`lollm.native.paged.paged_attention` calls
+    it for an engine step. Built with :func:`block_int8_op`, in the same library.
+    """
+    built = ops()
+    return None if built is None else built.paged_attention
+
+
 def tile_min_rows() -> int:
     """From how many rows the kernel multiplies with AMX tiles instead of its vector loops; 0 where it never does.
 

@@ -59,6 +59,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "blocks.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define LOLLM_AVX512 1  // the AVX-512 VNNI loops (and, where the CPU has them, the AMX tiles)
 #include <immintrin.h>
@@ -77,27 +79,8 @@ constexpr int64_t kBlock = 32;      // values per activation block (and per weig
 constexpr int64_t kChannels = 16;   // output channels one task computes (a task's share of the work)
 constexpr int64_t kChunkRows = 64;  // rows of x one pass over a task's weights serves (their float32 sums: 4 KB)
 
-// Step 1: x (M, K) float32 -> codes (M, K) int8 and scales (M, K / 32) float32.
-// Each block: d = max|x| / 127, q = round(x / d) (ties to even); a block of zeros
-// gets d = 0 and q = 0; a block holding a NaN or an infinity gets d = NaN, so that
-// the outputs it touches are NaN (as a float product's would be), never a number.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* q, float* d) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t i = 0; i < rows * blocks; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      finite = finite && std::isfinite(xb[j]);
-    }
-    const float scale = finite ? amax / 127.f : NAN;
-    if (!finite) amax = 0.f;
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    d[i] = scale;
-    for (int64_t j = 0; j < kBlock; ++j) q[i * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inverse));
-  }
-}
+// Step 1 (x -> int8 codes and scales per block of 32) is in blocks.h, shared with block_kquants.cpp.
+using lollm_blocks::quantize_rows;
 
 // Q5_0 weights kept as the file's 5-bit codes (block_q5_linear, Q5Linear in lollm/quantized.py).
 // A Q5_0 block holds 32 weights w = (u - 16) * d, u a 5-bit code (0..31), d a float16

@@ -189,8 +189,13 @@ class LlamaCppEngine:
                          n_batch=min(self.n_ctx, 512), verbose=False)
 
     def _next(self) -> int:
-        """The greedy next id: the argmax of llama.cpp's logits at the last position it ran."""
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        """The greedy next id: the argmax of llama.cpp's logits at the last position it ran.
+
+        Read from the context (``llama_get_logits``: the last token's row when, as here, ``logits_all`` is off);
+        llama-cpp-python 0.3.36 no longer copies them into ``Llama.scores``, whose rows past ``n_batch`` do not exist.
+        """
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(logits))
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()

@@ -209,3 +209,73 @@ def check_window_blocks_released(model: CausalLM, prompt: list[int], *, max_new_
     assert_same_greedy(model, prompt, run.result.new_ids, solo(model, prompt, n), "a prompt of several windows")
     pool_is_full(engine)
     return run.request
+
+
+# ---------------------------------------------------------------------------
+# Batch invariance: the logits themselves, bit for bit
+# ---------------------------------------------------------------------------
+
+
+def run_engine_logits(engine: Engine, arrivals: list[tuple[int, list[int], int]]) -> list[list[torch.Tensor]]:
+    """:func:`run_engine`, keeping the logits row (V,) the engine sampled each request's every token from.
+
+    Returns one list per arrival, in the order given (not by arrival step): its rows, in order.
+    """
+    rows: dict[str, list[torch.Tensor]] = {}
+    choose = engine._choose  # noqa: SLF001 -- the one place every sampled row passes
+
+    def keep(req: Request, logits_row: torch.Tensor, greedy_pick: int | None):
+        rows.setdefault(req.request_id, []).append(logits_row.detach().clone())
+        return choose(req, logits_row, greedy_pick)
+
+    engine._choose = keep  # noqa: SLF001
+    try:
+        records = run_engine(engine, arrivals)
+    finally:
+        del engine._choose  # back to the class's method
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])  # run_engine adds them by arrival step
+    by_arrival = list(records)
+    out: list[list[torch.Tensor]] = [[] for _ in arrivals]
+    for position, i in enumerate(order):
+        out[i] = rows.get(by_arrival[position], [])
+    return out
+
+
+def check_batch_invariance(model: CausalLM, arrivals: list[tuple[int, list[int], int]], config: EngineConfig,
+                           *, bound: float = 0.0) -> float:
+    """Each request's logits in a batch equal its logits alone, through the same engine: bit for bit.
+
+    arrivals: (engine step at which it arrives, prompt ids, max_new_tokens). The requests run together
+    through one :class:`~lollm.engine.engine.Engine` of ``config`` (their prompts chunked by the token
+    budget among the others' decode rows, late arrivals joining mid-decode), then each alone through a
+    fresh engine of the same config. Greedy: equal logits give equal tokens, so the two runs follow the
+    same path to the end.
+
+    bound: 0 (the default) asks ``torch.equal`` of every row: batch invariance. A float path that cannot
+    be made bitwise (torch's float32 GEMM rounds a row differently at another row count) passes the
+    largest |Δ logit| it allows instead; the runs must then still give the same tokens.
+    Returns the largest |Δ logit| seen (0.0 when bitwise). AssertionError names the request and step.
+    """
+    together = run_engine_logits(Engine(model, config), arrivals)
+    worst = 0.0
+    for i, (_, prompt, n) in enumerate(arrivals):
+        alone = run_engine_logits(Engine(model, config), [(0, prompt, n)])[0]
+        assert len(together[i]) == len(alone), f"request {i}: {len(together[i])} tokens batched, {len(alone)} alone"
+        for step, (a, b) in enumerate(zip(together[i], alone)):
+            if bound == 0.0:
+                assert torch.equal(a, b), (
+                    f"request {i} ({len(prompt)} prompt tokens), token {step}: batched logits differ from the lone "
+                    f"run's by up to {float((a.double() - b.double()).abs().max()):.3g} (batch invariance wants 0)")
+            else:
+                gap = float((a.double() - b.double()).abs().max())
+                worst = max(worst, gap)
+                assert gap <= bound, f"request {i}, token {step}: |Δ logit| {gap:.3g} over the bound {bound:g}"
+                assert int(a.argmax()) == int(b.argmax()), f"request {i}, token {step}: another token batched"
+    return worst
+
+
+def invariance_arrivals(prompts: list[list[int]], max_new_tokens: int, *, late_every: int = 3) -> list[tuple[int, list[int], int]]:
+    """Arrivals for :func:`check_batch_invariance`: most requests at step 0, every ``late_every``-th one
+    arriving mid-decode (at step 2, 4, ...), so its prefill chunks share steps with the others' decode rows."""
+    return [((i // late_every) * 2 if i % late_every == late_every - 1 else 0, p, max_new_tokens)
+            for i, p in enumerate(prompts)]

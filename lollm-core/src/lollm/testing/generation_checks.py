@@ -24,8 +24,12 @@ from lollm.generate.prompt_cache import CacheReuse, PromptCache
 from lollm.load.loader import load_checkpoint
 from lollm.model import Cache, CausalLM
 from lollm.sampling_params import SamplingParams
-from lollm.testing.batching import (check_engine_equals_solo, check_preemption_and_abort, check_prefix_cache_hit,
-                                    check_window_blocks_released)
+from lollm.engine.engine import EngineConfig
+from lollm.load.options import LoadOptions
+from lollm.load.quantized import Quantization
+from lollm.testing.batching import (check_batch_invariance, check_engine_equals_solo, check_preemption_and_abort,
+                                    check_prefix_cache_hit, check_window_blocks_released, invariance_arrivals,
+                                    mixed_prompts)
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 
 
@@ -147,6 +151,24 @@ class GenerationChecks:
         """Requests of different lengths, some arriving mid-decode, chunked prefill mixed with decode:
         each one's greedy tokens equal its run alone; the block pool is full again afterwards."""
         check_engine_equals_solo(model, prompt_ids[0].tolist(), tie_bound=self.self_consistency_max_abs_diff)
+
+    def test_engine_is_batch_invariant(self, installed, checkpoint, prompt_ids):
+        """With packed int8 weights (lollm's native kernel), every logit a request samples from is the same alone
+        and batched, bit for bit: five requests of mixed lengths, two arriving mid-decode, prompts cut into
+        chunks by the token budget (lollm.testing.batching.check_batch_invariance). A family that keeps float
+        matmuls over the step's rows runs it on ``batch_invariance_weights`` within ``batch_invariance_bound``."""
+        from lollm import native
+
+        if native.block_int8_op() is None:
+            pytest.fail(f"batch invariance needs lollm's native kernel: {native.status()}")
+        packed = self.batch_invariance_weights == "int8"
+        options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="quantized" if packed else "float",
+                              quantization=Quantization(self.batch_invariance_weights))
+        model = installed.family.resolve("load")(checkpoint, options)
+        prompts = mixed_prompts(prompt_ids[0].tolist())
+        n = max(1, min(6, int(model.max_context) - max(len(p) for p in prompts) - 1))
+        config = EngineConfig(kv_blocks=256, block_size=4, max_sequences=8, max_batch_tokens=12)
+        check_batch_invariance(model, invariance_arrivals(prompts, n, late_every=2), config, bound=self.batch_invariance_bound)
 
     def test_engine_releases_sliding_window_blocks(self, model, prompt_ids):
         """Sliding-window layers keep their keys in the engine's second pool and give back the blocks that
