@@ -99,6 +99,32 @@ inline void unpack_q5_pair(const uint8_t* nibbles, const uint8_t* high, int8_t* 
   }
 }
 
+#if defined(LOLLM_AVX2)
+// The same unpacking in AVX2 vectors (the scalar loop above costs an AVX2 decode step most of
+// its time): 32 bits of a qh word -> 32 bytes, byte j = 16 where bit j is set, else 0.
+// vpshufb copies byte j / 8 of the word into byte j (within each 128-bit half, which holds the
+// word four times), and each byte keeps only its own bit, 1 << (j % 8).
+LOLLM_INLINE __m256i fifth_bits(uint32_t word) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(word)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));  // byte j: 1 << (j % 8)
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// unpack_q5_pair with vectors: the same 64 signed codes u - 16, bit for bit.
+LOLLM_INLINE void unpack_q5_pair_avx2(const uint8_t* nibbles, const uint8_t* high, int8_t* codes) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
+  const __m256i low4 = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
+  uint32_t words[2];
+  std::memcpy(words, high, 8);  // little-endian: words[0] = block 2p's fifth bits, words[1] = block 2p + 1's
+  const __m256i first = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits(words[0]));
+  const __m256i second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits(words[1]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_sub_epi8(first, sixteen));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32), _mm256_sub_epi8(second, sixteen));
+}
+#endif
+
 #if defined(LOLLM_AVX512)
 // A pair of Q5_0 blocks as 64 unsigned codes u (0..31): the low 4 bits of block 2p in bytes
 // 0-31, of block 2p + 1 in bytes 32-63, then 16 added where the high bit is set.
@@ -222,7 +248,13 @@ struct Q5Weights {
   template <class Body>
   void with_signed_pair(int64_t n0, int64_t n1, int64_t p, Body body) const {
     int8_t codes[kChannels][64];
-    for (int64_t c = 0; c < n1 - n0; ++c) unpack_q5_pair(nibbles + (n0 + c) * (k / 2) + 32 * p, high + (n0 + c) * (k / 8) + 8 * p, codes[c]);
+    for (int64_t c = 0; c < n1 - n0; ++c) {
+#if defined(LOLLM_AVX2)
+      unpack_q5_pair_avx2(nibbles + (n0 + c) * (k / 2) + 32 * p, high + (n0 + c) * (k / 8) + 8 * p, codes[c]);
+#else
+      unpack_q5_pair(nibbles + (n0 + c) * (k / 2) + 32 * p, high + (n0 + c) * (k / 8) + 8 * p, codes[c]);
+#endif
+    }
     body([&](int64_t c, int64_t i) -> const int8_t* { return codes[std::min(c, n1 - n0 - 1)] + kBlock * i; });
   }
 #if defined(LOLLM_AVX512)
