@@ -147,6 +147,9 @@ from lollm.testing.conformance import FamilyConformance
 
 class TestToyConformance(FamilyConformance):
     reference_available = False
+    # nothing of the toy stays packed: its float32 linears round a row differently beside other rows
+    batch_invariance_weights = "float"
+    batch_invariance_bound = 1e-4
 
     @pytest.fixture
     def family_name(self):

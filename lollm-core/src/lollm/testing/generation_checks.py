@@ -26,7 +26,7 @@ from lollm.model import Cache, CausalLM
 from lollm.sampling_params import SamplingParams
 from lollm.engine.engine import EngineConfig
 from lollm.load.options import LoadOptions
-from lollm.load.quantized import Quantization
+from lollm.load.quantized import Quantization, describe
 from lollm.testing.batching import (check_batch_invariance, check_engine_equals_solo, check_preemption_and_abort,
                                     check_prefix_cache_hit, check_window_blocks_released, invariance_arrivals,
                                     mixed_prompts)
@@ -165,6 +165,9 @@ class GenerationChecks:
         options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="quantized" if packed else "float",
                               quantization=Quantization(self.batch_invariance_weights))
         model = installed.family.resolve("load")(checkpoint, options)
+        if packed and all(describe(module) == "float" for module in model.modules()):
+            pytest.fail("nothing of this family stays packed with int8 weights: set batch_invariance_weights = 'float' "
+                        "and the batch_invariance_bound its float32 matmuls need (lollm.testing.conformance)")
         prompts = mixed_prompts(prompt_ids[0].tolist())
         n = max(1, min(6, int(model.max_context) - max(len(p) for p in prompts) - 1))
         config = EngineConfig(kv_blocks=256, block_size=4, max_sequences=8, max_batch_tokens=12)
