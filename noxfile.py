@@ -19,6 +19,7 @@
     nox -s schemathesis    schemathesis against a live `lollm serve` on a tiny model, from its /openapi.json
     nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
                            llama.cpp side by side (accuracy, memory, alternating speed rounds)
+    nox -s bench_routes    the speed goals per CPU route (default, LOLLM_AMX=0, LOLLM_ISA=avx2) beside llama.cpp
 
 Each session builds its own virtual environment (with uv where it is installed, from one cache).
 torch is installed first, pinned to the CPU build this project is tested with, so that no later
@@ -383,6 +384,20 @@ def bench_quant(session: nox.Session) -> None:
     """
     _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
     session.run("python", "lollm-core/benchmarks/bench_quant.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def bench_routes(session: nox.Session) -> None:
+    """The speed goals on every CPU route (default, LOLLM_AMX=0, LOLLM_ISA=avx2): prefill and decode beside llama.cpp,
+    16 requests at once, prompt lookup (docs/native-kernel.md, section 8). Args: a .gguf path (default: the real
+    Qwen2.5-Coder GGUF), then bench_routes.py's options. Installs llama-cpp-python (the "bench" extra: a long compile)."""
+    _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
+    args = list(session.posargs)
+    if not args or args[0].startswith("-"):
+        gguf = session.run("python", "-m", "lollm.cli.real_models", "qwen2.5-coder-0.5b-instruct", "--gguf", silent=True,
+                           env=OFFLINE).strip().splitlines()[-1]
+        args = [gguf, *args]
+    session.run("python", "lollm-core/benchmarks/bench_routes.py", *args, env=OFFLINE)
 
 
 @nox.session
