@@ -205,6 +205,11 @@ def test_bad_inputs_are_refused_naming_the_operator_and_the_tensor():
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles[:, :, :128].contiguous(), high, sc, d, 20)
     with pytest.raises(RuntimeError, match=r"block_q6_k_linear: sc must be contiguous Char \(2, 16, 16\)"):
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles, high, sc.view(torch.uint8), d, 20)
+    q8, _ = layer_of("Q8_0", 20, 64)
+    with pytest.raises(RuntimeError, match=r"block_q8_0_linear: codes must be contiguous Char \(2, 2, 512\)"):
+        torch.ops.lollm_native.block_q8_0_linear(torch.randn(1, 64), q8.codes.view(torch.uint8), q8.d, 20)
+    with pytest.raises(RuntimeError, match="block_q8_0_linear: 33 output channels do not fill 2 panels"):
+        torch.ops.lollm_native.block_q8_0_linear(torch.randn(1, 64), q8.codes, q8.d, 33)
 
 
 # -- the real file and the loader --------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ struct Rows {
 };
 
 // ---------------------------------------------------------------------------
-// The three layouts: pointers into the layers' tensors, and each weight read one at a time
+// The four layouts: pointers into the layers' tensors, and each weight read one at a time
 // (the plain C++ version reads them so; the vector versions below unpack 16 channels at once).
 // Codes are unsigned (0..15, 0..63, Q8_0's 0..255); kCodeOffset is what the format subtracts from them.
 // ---------------------------------------------------------------------------
