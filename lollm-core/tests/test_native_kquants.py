@@ -1,4 +1,4 @@
-"""Q4_0, Q4_K and Q6_K multiplied from the file's bits (block_kquants.cpp, lollm.load.packed_kquants).
+"""Q4_0, Q4_K, Q6_K and Q8_0 multiplied from the file's bits (block_kquants.cpp, lollm.load.packed_kquants).
 
 Three promises, each checked on every build of the kernel this CPU runs (the native one, and the
 test builds for AVX2 and plain C++, lollm.native.build_variant):
@@ -24,7 +24,7 @@ from torch import nn
 
 from lollm import native
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, dequantize
-from lollm.load.packed_kquants import PANEL_LAYERS, Q4_0Linear, Q4_KLinear, Q6_KLinear
+from lollm.load.packed_kquants import PANEL_LAYERS, Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear
 from lollm.load.packed_linear import Int4Linear, Int8Linear
 from lollm.load.quantized import WeightsSummary, describe, linear_from_gguf
 
@@ -98,7 +98,7 @@ def test_the_panels_hold_the_file_bit_for_bit(type_name, n):
     assert torch.equal(layer.dequantize(), reference)
     bits = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() * 8 for name, _, _ in layer.PARTS)
     panels = -(-n // 16)
-    assert bits / (16 * panels * k) == {"Q4_0": 4.5, "Q4_K": 4.625, "Q6_K": 6.5625}[type_name]  # about the file's size
+    assert bits / (16 * panels * k) == {"Q4_0": 4.5, "Q4_K": 4.625, "Q6_K": 6.5625, "Q8_0": 8.5}[type_name]  # about the file's size
 
 
 # -- batch invariance and the routes --------------------------------------------------------------------------
@@ -140,6 +140,25 @@ def test_it_computes_int8_activations_times_the_exact_weights(type_name):
     reference, size = xq @ w.T, xq.abs() @ w.abs().T
     for name, ops in builds():
         assert ((call(ops, layer, x).double() - reference).abs() <= (2 * 768 // 32 + 2) * 2.0**-24 * size + 1e-30).all(), name
+
+
+def test_q8_0_extreme_codes_are_exact_on_every_route():
+    """Q8_0's codes -128 and 127 against x at +-127: the AVX-512 route reads q + 128 (up to 255, then takes
+    128 * sum(xq) off), the AVX2 route |q| * (x with q's sign) so that no int16 pair saturates. Each block's
+    sum must be exact: against float64 (every product and sum here is an integer times a power of two)."""
+    kernel()
+    n, k = 16, 64
+    block = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    block[..., 0:2] = np.array([1.0], dtype="<f2").view(np.uint8)
+    codes = np.where(np.arange(32) % 3 == 0, -128, 127).astype(np.int8)
+    block[..., 2:34] = np.roll(codes, 1)[None, None, :].repeat(n, 0).repeat(k // 32, 1).view(np.uint8)
+    block[1::2, :, 2:34] = np.full(32, -128, np.int8).view(np.uint8)  # odd channels: every code -128
+    raw = block.reshape(n, -1)
+    layer = Q8_0Linear.from_blocks(lambda a, b: raw[a:b].reshape(-1), (n, k))
+    x = torch.tensor([[127.0, -127.0] * (k // 2), [-127.0] * k, [127.0] * k])  # xq = +-127, xd = 1
+    reference = x.double() @ layer.dequantize().double().T
+    for name, ops in builds():
+        assert torch.equal(call(ops, layer, x).double(), reference), name
 
 
 def test_the_largest_block_sums_stay_exact():
@@ -186,6 +205,11 @@ def test_bad_inputs_are_refused_naming_the_operator_and_the_tensor():
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles[:, :, :128].contiguous(), high, sc, d, 20)
     with pytest.raises(RuntimeError, match=r"block_q6_k_linear: sc must be contiguous Char \(2, 16, 16\)"):
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles, high, sc.view(torch.uint8), d, 20)
+    q8, _ = layer_of("Q8_0", 20, 64)
+    with pytest.raises(RuntimeError, match=r"block_q8_0_linear: codes must be contiguous Char \(2, 2, 512\)"):
+        torch.ops.lollm_native.block_q8_0_linear(torch.randn(1, 64), q8.codes.view(torch.uint8), q8.d, 20)
+    with pytest.raises(RuntimeError, match="block_q8_0_linear: 33 output channels do not fill 2 panels"):
+        torch.ops.lollm_native.block_q8_0_linear(torch.randn(1, 64), q8.codes, q8.d, 33)
 
 
 # -- the real file and the loader --------------------------------------------------------------------------------
@@ -214,7 +238,7 @@ def test_the_real_qwen_ffn_down_runs_from_its_bits(tensor):
         assert torch.equal(layer(batch)[:1], y[:1])
 
 
-def test_the_loader_routes_q4_0_q4_k_q6_k_to_the_panels_and_q8_0_to_its_own_groups(monkeypatch):
+def test_the_loader_routes_q4_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_head_to_int8_groups(monkeypatch):
     kernel()
     made = {t: linear_from_gguf(random_matrix(t, 32, 256).reshape(-1), t, (32, 256), None) for t in TYPES + ("Q8_0",)}
     assert type(made["Q4_0"]) is Q4_0Linear and type(made["Q4_K"]) is Q4_KLinear and type(made["Q6_K"]) is Q6_KLinear
@@ -222,8 +246,11 @@ def test_the_loader_routes_q4_0_q4_k_q6_k_to_the_panels_and_q8_0_to_its_own_grou
     summary = WeightsSummary(requested="gguf")
     summary.add("Q4_K", describe(made["Q4_K"]))
     assert "Q4_K→Q4_K blocks (the file's bits, panels of 16 channels) ×1" in summary.line() and native.status() in summary.line()
-    q8 = made["Q8_0"]
-    assert isinstance(q8, Int8Linear) and q8.group_size == 32 and q8.scale.dtype == torch.float16  # the file's d
+    assert type(made["Q8_0"]) is Q8_0Linear
+    untied = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None, grouped=True)
+    assert type(untied) is Q8_0Linear  # an output head of its own: the panels
+    q8 = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None, grouped=True, tied=True)
+    assert isinstance(q8, Int8Linear) and q8.group_size == 32 and q8.scale.dtype == torch.float16  # shared codes, the file's d
     bias = nn.Parameter(torch.randn(32), requires_grad=False)
     q4 = linear_from_gguf(random_matrix("Q4_0", 32, 256).reshape(-1), "Q4_0", (32, 256), bias, grouped=True)
     assert type(q4) is Q4_0Linear and torch.equal(q4(torch.zeros(1, 256))[0], bias)  # a 4-bit head; the bias added

@@ -1,9 +1,9 @@
-"""Linear layers over Q4_0, Q4_K and Q6_K matrices, multiplied from the file's own bits.
+"""Linear layers over Q4_0, Q4_K, Q6_K and Q8_0 matrices, multiplied from the file's own bits.
 
 A Q4_K_M file, the GGUF people download most, is mostly Q4_K and Q6_K tensors. These
-layers keep such a matrix in the bits the file has (4.5, 4.625 and 6.5625 bits a weight),
+layers keep such a matrix in the bits the file has (4.5, 4.625, 6.5625 and 8.5 bits a weight),
 rearranged once at load so that lollm's native kernel reads 16 output channels at a time
-(``block_kquants.cpp``; docs/native-kernel.md, sections 10 to 13, draw each layout with a
+(``block_kquants.cpp``; docs/native-kernel.md, sections 10 to 14, draw each layout with a
 worked block). Nothing is rounded on the way: :meth:`PanelLinear.dequantize` gives back
 what :func:`lollm.gguf.quants.dequantize` gives for the file's bytes, bit for bit.
 
@@ -17,13 +17,15 @@ The panel layout (P = ceil(N / 16) panels; channels past N are zeros):
 * ``nibbles (P, K / 32, 256)`` uint8: panel p, block b: 4 chunks of 64 bytes; in chunk h,
   byte ``4c + j`` holds channel ``16p + c``'s 4-bit code for input ``32b + 8h + j`` (low
   bits) and for input ``32b + 8h + 4 + j`` (high bits);
+* ``codes (P, K / 32, 512)`` int8 (Q8_0): panel p, block b: 8 chunks of 64 bytes; in chunk v,
+  byte ``4c + j`` holds channel ``16p + c``'s code for input ``32b + 4v + j``, as the file has it;
 * ``high (P, K / 32, 128)`` uint8 (Q6_K): the codes' top 2 bits; in chunk h (0, 1), bits
   ``2s, 2s + 1`` of byte ``4c + j`` belong to input ``32b + 16h + 4s + j``;
 * scales ``(P, count, 16)``: one per channel and block (or sub-block, super-block), the
   16 channels of a panel side by side.
 
 These layers are made only where the native kernel is built (:mod:`lollm.load.quantized`
-decides); elsewhere a Q4_0 or Q4_K matrix becomes an Int4Linear and a Q6_K one an Int8Linear.
+decides); elsewhere a Q4_0 or Q4_K matrix becomes an Int4Linear and a Q6_K or Q8_0 one an Int8Linear.
 """
 
 from __future__ import annotations
@@ -62,6 +64,20 @@ def panel_nibbles(codes: torch.Tensor) -> torch.Tensor:
     c = codes.view(n // PANEL, PANEL, k // 32, 4, 2, 4)  # (panel, channel c, block b, chunk h, half, j): input 32b + 8h + 4 half + j
     c = c.permute(0, 2, 3, 1, 5, 4)  # (panel, b, h, c, j, half)
     return (c[..., 0] | (c[..., 1] << 4)).reshape(n // PANEL, k // 32, 256)
+
+
+def panel_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``(n, K)`` int8 -> ``(P, K / 32, 512)`` int8, Q8_0's codes in the panel layout (no packing: a byte a code)."""
+    codes = pad_channels(codes)
+    n, k = codes.shape
+    c = codes.view(n // PANEL, PANEL, k // 32, 8, 4)  # (panel, channel c, block b, chunk v, j): input 32b + 4v + j
+    return c.permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 32, 512)  # (panel, b, v, c, j)
+
+
+def bytes_of(panels: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`panel_bytes`: ``(P, K / 32, 512)`` -> codes ``(16 P, K)`` int8."""
+    p, blocks, _ = panels.shape
+    return panels.view(p, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * 32)
 
 
 def panel_crumbs(top: torch.Tensor) -> torch.Tensor:
@@ -106,7 +122,7 @@ def channels_of(panels: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear(nn.Module):
-    """What the three layers share: buffers in the panel layout, one native operator, a bias.
+    """What the four layers share: buffers in the panel layout, one native operator, a bias.
 
     Subclasses name the operator (``OP``, in the build :func:`lollm.native.ops` gives), its weight tensors in
     the order it takes them (``PARTS``: name, dtype, and the shape of one panel's share for K
@@ -274,5 +290,30 @@ class Q6_KLinear(PanelLinear):
         return (scale[..., None] * (q - 32)).view(n, self.in_features)
 
 
+class Q8_0Linear(PanelLinear):
+    """A Q8_0 matrix: ``w[n, k] = q * d``, q an int8 code, d float16 per block of 32 (8.5 bits a weight, as in the file).
+
+    Buffers: ``codes (P, K / 32, 512)`` int8 (the panel layout), ``d (P, K / 32, 16)`` float16, the file's d.
+    Kernel: ``block_q8_0_linear`` (isum = sum(q * xq), ws = d). Unlike an :class:`Int8Linear` in groups of 32
+    (the same numbers), a lone row needs no sums across a vector's lanes: decode reads it faster.
+    """
+
+    OP, GGML_TYPE, K_MULTIPLE = "block_q8_0_linear", "Q8_0", 32
+    PARTS = (("codes", torch.int8, lambda k: (k // 32, 512)), ("d", torch.float16, _per_block))
+
+    @staticmethod
+    def _panels(raw: np.ndarray, k: int) -> dict[str, torch.Tensor]:
+        rows = raw.shape[0]
+        blocks = raw.reshape(rows * k // 32, 34)  # d (2 bytes), qs (32 int8): weight j = qs[j] * d
+        d = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16)).view(rows, k // 32)
+        q = torch.from_numpy(blocks[:, 2:34].copy().view(np.int8)).reshape(rows, k)
+        return {"codes": panel_bytes(q), "d": panel_channels(d)}
+
+    def dequantize(self) -> torch.Tensor:
+        q = bytes_of(self.codes)[: self.out_features].float().view(self.out_features, -1, 32)
+        d = channels_of(self.d)[: self.out_features].float()
+        return (q * d[..., None]).view(self.out_features, self.in_features)
+
+
 #: The layer for each GGUF type these panels hold.
-PANEL_LAYERS: dict[str, type[PanelLinear]] = {"Q4_0": Q4_0Linear, "Q4_K": Q4_KLinear, "Q6_K": Q6_KLinear}
+PANEL_LAYERS: dict[str, type[PanelLinear]] = {"Q4_0": Q4_0Linear, "Q4_K": Q4_KLinear, "Q6_K": Q6_KLinear, "Q8_0": Q8_0Linear}

@@ -6,13 +6,13 @@ block to float32 at load: simple and exact, but a 4-bit matrix then takes 8
 times its file size, and every decode step reads all those bytes. This module
 keeps the integers instead, in one of these layers:
 
-* :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`
-  (:mod:`lollm.load.packed_kquants`) -- the file's own bits (4.5, 4.625 and
-  6.5625 bits a weight), rearranged at load into panels of 16 output channels,
+* :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`, :class:`Q8_0Linear`
+  (:mod:`lollm.load.packed_kquants`) -- the file's own bits (4.5, 4.625,
+  6.5625 and 8.5 bits a weight), rearranged at load into panels of 16 output channels,
   multiplied by lollm's native kernel with int8 activations (docs/native-kernel.md,
-  sections 10 to 13). Nothing is rounded: whatever the file holds is what runs, and
+  sections 10 to 14). Nothing is rounded: whatever the file holds is what runs, and
   a row's output is the same bits alone or in any batch. Made where the native
-  kernel is built and K is whole blocks (256 for the K-quants, 32 for Q4_0).
+  kernel is built and K is whole blocks (256 for the K-quants, 32 for Q4_0 and Q8_0).
 * :class:`Q5Linear` -- a Q5_0 matrix in its 5-bit codes, on the native kernel.
 * :class:`Int4Linear` -- 4-bit codes in groups of 32 (or 64, 128, 256) with a
   scale and a zero per group: ``w = (q - 8) * s + z``. Q4_0, Q4_1 and Q4_K are
@@ -21,8 +21,9 @@ keeps the integers instead, in one of these layers:
   ``torch.ops.aten._weight_int4pack_mm_for_cpu``. Q4_1 always; Q4_0 and Q4_K
   where the native kernel is not built.
 * :class:`Int8Linear` -- 8-bit codes with a scale per group of each row:
-  ``w = q * s``. A Q8_0 matrix keeps its own codes and float16 scales in groups
-  of 32 where the native kernel is built (exact). Q5_1, Q5_K (and Q6_K, Q5_0,
+  ``w = q * s``. A tied output head over a Q8_0 embedding keeps the file's codes
+  and float16 scales in groups of 32 where the native kernel is built (exact), shared
+  with the :class:`Int8Embedding`. Q5_1, Q5_K (and Q6_K, Q5_0,
   Q8_0 where the native kernel is not built) have one scale per 16 or 32
   weights, which torch's int8 kernel cannot take, so their weights are
   *requantized* row by row to int8 (error at most half a step of the row's
@@ -60,7 +61,7 @@ from lollm import native
 from lollm.errors import LollmError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
 from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
-from lollm.load.packed_kquants import PANEL_LAYERS, PanelLinear, Q4_0Linear, Q4_KLinear, Q6_KLinear  # noqa: F401
+from lollm.load.packed_kquants import PANEL_LAYERS, PanelLinear, Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear  # noqa: F401
 from lollm.load.packed_linear import Int4Linear, Int8Linear, Q5Linear, row_slices
 # Moved to lollm.load.packed_linear; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
 from lollm.load.packed_linear import exact_scale, native_gemm_rows  # noqa: F401
@@ -85,8 +86,8 @@ class Quantization:
     mode:
       ``"float"``  every tensor is dequantized (GGUF) or converted to the model's
                    dtype: the reference path, and the parity gate's standard;
-      ``"gguf"``   GGUF tensors keep their blocks: Q4_0/Q4_K/Q6_K/Q5_0 in the file's bits
-                   and Q8_0 in its own int8 groups where lollm's native kernel is built,
+      ``"gguf"``   GGUF tensors keep their blocks: Q4_0/Q4_K/Q6_K/Q8_0/Q5_0 in the file's bits
+                   where lollm's native kernel is built (a tied Q8_0 head in its own int8 groups),
                    Q4_1 (and Q4_0/Q4_K elsewhere) as int4 groups, the other types as int8
                    (:func:`linear_from_gguf`), embeddings as the file's blocks;
                    float and other types are dequantized (the load summary says which);
@@ -198,19 +199,21 @@ def int8_groups_from_gguf(read_rows, ggml_type: str, shape: tuple[int, int], gro
 
 
 def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Parameter | None,
-                     *, grouped: bool = False) -> nn.Module | None:
+                     *, grouped: bool = False, tied: bool = False) -> nn.Module | None:
     """A packed linear layer from a GGUF matrix's bytes, or None when its type stays float.
 
     raw: the tensor's bytes (1-D uint8), or a function ``(start_row, stop_row) ->``
     the bytes of those rows, so that a big matrix is read a slice at a time;
     shape: ``(out_features, in_features)``. Where lollm's native kernel is built:
 
-    * Q4_0, Q4_K, Q6_K -> :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`,
-      the file's own bits (K a multiple of 32 for Q4_0, 256 for the K-quants); a Q6_K
-      matrix with ``grouped`` (the output head, whose int8 codes a tied embedding
-      shares) stays an :class:`Int8Linear` in groups of 32;
-    * Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes (K a multiple of 64; not for ``grouped``);
-    * Q8_0 -> :class:`Int8Linear` in groups of 32, the file's codes and float16 scales.
+    * Q4_0, Q4_K, Q6_K, Q8_0 -> :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`,
+      :class:`Q8_0Linear`, the file's own bits (K a multiple of 32 for Q4_0 and Q8_0, 256 for
+      the K-quants); a Q6_K matrix with ``grouped`` (the output head) stays an :class:`Int8Linear`
+      in groups of 32;
+    * a Q8_0 matrix with ``tied`` (a head whose int8 codes an :class:`Int8Embedding` will share:
+      the caller takes ``.codes`` and ``.scale`` from the layer) -> :class:`Int8Linear` in groups
+      of 32, the file's codes and float16 scales; an untied head is a :class:`Q8_0Linear`;
+    * Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes (K a multiple of 64; not for ``grouped``).
 
     Elsewhere, and for the other types: Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with
     the file's codes (groups of 32); Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`,
@@ -229,7 +232,8 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
             return blocks[start:stop].reshape(-1)
 
     panels = PANEL_LAYERS.get(ggml_type)
-    if panels is not None and k % panels.K_MULTIPLE == 0 and not (grouped and ggml_type == "Q6_K") and _native():
+    kept_int8 = grouped and ggml_type == "Q6_K" or tied and ggml_type == "Q8_0"  # heads that stay Int8Linear (above)
+    if panels is not None and k % panels.K_MULTIPLE == 0 and not kept_int8 and _native():
         return panels.from_blocks(read_rows, shape, bias)
     if ggml_type in INT4_TYPES and n % 16 == 0:
         layer = Int4Linear(k, n, 32, bias)

@@ -179,13 +179,13 @@ def _tie_packed(model: nn.Module, target: str, src: str, dtype: torch.dtype, sum
         def read_rows(start: int, stop: int):
             return source.read_raw(src_file, start, stop)
 
-        new = linear_from_gguf(read_rows, ggml_type, shape, head.bias, grouped=True)
+        new = linear_from_gguf(read_rows, ggml_type, shape, head.bias, grouped=True, tied=True)  # an Int8Linear: its codes shared
         _replace_module(model, src_name, Int8Embedding(new.codes, new.scale, out_dtype))
         summary.counts[(ggml_type, "file blocks, rows dequantized on lookup")] -= 1
         summary.add(ggml_type, describe(new) + " (embedding, shared with the head)")
     else:
         blocks = embedding.blocks.numpy().reshape(-1)
-        new = linear_from_gguf(blocks, ggml_type, shape, head.bias, grouped=True)
+        new = linear_from_gguf(blocks, ggml_type, shape, head.bias, grouped=True, tied=True)
         if new is None:  # a type with no packed form: the head is a float copy
             head.weight = nn.Parameter(torch.from_numpy(dequantize(blocks, ggml_type)).view(shape).to(dtype), requires_grad=False)
             summary.dequantized.append(f"{target} (tied, {ggml_type})")

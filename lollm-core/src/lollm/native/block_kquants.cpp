@@ -1,7 +1,7 @@
-// lollm's kernels for the 4- and 6-bit GGUF formats that Q4_K_M files are made of: Q4_0,
-// Q4_K and Q6_K weights multiplied from their own bits by int8 activations
-// (Q4_0Linear, Q4_KLinear, Q6_KLinear in lollm/load/packed_kquants.py). Read it next to
-// docs/native-kernel.md, sections 10 to 13 (a worked block for each layout).
+// lollm's kernels for the GGUF formats that Q4_K_M files are made of: Q4_0, Q4_K and Q6_K
+// weights multiplied from their own bits by int8 activations, and Q8_0 on the same footing
+// (Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear in lollm/load/packed_kquants.py). Read it
+// next to docs/native-kernel.md, sections 10 to 14 (a worked block for each layout).
 //
 // What every operator here computes, for row m of x and output channel n (the
 // "canonical order"):
@@ -15,7 +15,8 @@
 //        acc = fma(float(isum_b), xd_b * ws_b, acc)      (xd_b * ws_b rounded to float32 first)
 //        Q4_K only: acc = fma(float(xsum_b), xd_b * wo_b, acc), xsum_b the sum of the block's xq
 //      and y[m, n] = acc.
-//      ws_b, the block's weight scale: Q4_0 the file's d; Q4_K d * sc_j; Q6_K the super-block's d.
+//      ws_b, the block's weight scale: Q4_0 and Q8_0 the file's d; Q4_K d * sc_j; Q6_K the
+//      super-block's d.
 //      wo_b, Q4_K's block offset: -(dmin * m_j). Both products are exact in float32.
 //
 // Integer sums do not depend on the order they are added in, and step 3 is the same float32
@@ -40,6 +41,9 @@
 //   high (Q6_K only) (P, K / 32, 128) uint8: the codes' top 2 bits. In chunk h (0, 1),
 //     bits 2s and 2s + 1 of byte 4c + j are those of channel c's code for input
 //     32b + 16h + 4s + j.
+//   codes (Q8_0 only) (P, K / 32, 512) int8, the file's codes: in chunk v (0..7) of 64 bytes,
+//     byte 4c + j holds channel 16p + c's code for input 32b + 4v + j. No unpacking: a chunk
+//     is the 16 lanes of 4 codes for inputs 4v .. 4v + 3 as they are.
 //   scales, one per channel and block (or sub-block, or super-block): (P, count, 16),
 //     the 16 channels of a panel side by side, as a vector loads them.
 //
@@ -110,9 +114,9 @@ struct Rows {
 };
 
 // ---------------------------------------------------------------------------
-// The three layouts: pointers into the layers' tensors, and each weight read one at a time
+// The four layouts: pointers into the layers' tensors, and each weight read one at a time
 // (the plain C++ version reads them so; the vector versions below unpack 16 channels at once).
-// Codes are unsigned (0..15, 0..63); kCodeOffset is what the format subtracts from them.
+// Codes are unsigned (0..15, 0..63, Q8_0's 0..255); kCodeOffset is what the format subtracts from them.
 // ---------------------------------------------------------------------------
 
 // Channel c's code for input i (0..31) of a block of nibbles (256 bytes, the layout above).
@@ -178,6 +182,22 @@ struct Q6_KPanels {
   float wo(int64_t, int64_t, int) const { return 0.f; }
 };
 
+// Q8_0: w = q * d, q an int8 code (-128..127), d float16 per block of 32. The instructions
+// below multiply unsigned bytes by signed ones, so a code is read as the unsigned q + 128
+// (q xor 0x80: the same bits with the top one flipped) and kCodeOffset = 128 takes
+// 128 * sum(xq) back off: sum((q + 128) * xq) - 128 * sum(xq) = sum(q * xq), exactly.
+struct Q8_0Panels {
+  static constexpr int kCodeOffset = 128;
+  static constexpr bool kBlockOffset = false;
+  const int8_t* codes;  // (P, K / 32, 512)
+  const at::Half* d;    // (P, K / 32, 16)
+  int64_t blocks;
+  int code(int64_t p, int64_t b, int c, int i) const { return codes[(p * blocks + b) * 512 + 64 * (i / 4) + 4 * c + i % 4] + 128; }
+  int32_t isum(int64_t, int64_t, int, int32_t lo, int32_t hi) const { return lo + hi; }
+  float ws(int64_t p, int64_t b, int c) const { return float(d[(p * blocks + b) * kPanel + c]); }
+  float wo(int64_t, int64_t, int) const { return 0.f; }
+};
+
 #if defined(LOLLM_AVX512)
 // ---------------------------------------------------------------------------
 // Steps 2 and 3 with AVX-512 VNNI: a panel's 16 channels in the 16 lanes of each vector.
@@ -211,6 +231,12 @@ LOLLM_INLINE __m512 bytes_as_float(const uint8_t* v) {
 
 LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
 LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
+// Q8_0: the 8 chunks as they are, each code made unsigned (xor 0x80 = q + 128, kCodeOffset).
+LOLLM_INLINE void unpack(const Q8_0Panels& w, int64_t p, int64_t b, __m512i* u) {
+  const __m512i top = _mm512_set1_epi8(char(0x80));
+  const int8_t* block = w.codes + (p * w.blocks + b) * 512;
+  for (int v = 0; v < 8; ++v) u[v] = _mm512_xor_si512(_mm512_loadu_si512(block + 64 * v), top);
+}
 // Q6_K: the nibbles, then each code's 2 high bits moved to bits 4 and 5 and added in: crumb s of
 // chunk h belongs to u[4h + s] (inputs 16h + 4s ..). Shifting 16-bit lanes and keeping bits 4-5
 // of each byte (0x30) leaves nothing of the neighbouring byte.
@@ -229,6 +255,7 @@ LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, __m512i* u) 
 }
 
 LOLLM_INLINE __m512 ws(const Q4_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
+LOLLM_INLINE __m512 ws(const Q8_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
 LOLLM_INLINE __m512 ws(const Q4_KPanels& w, int64_t p, int64_t b) {
   return _mm512_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel), bytes_as_float(w.sc + (p * w.blocks + b) * kPanel));
 }
@@ -243,6 +270,7 @@ template <class F>
 LOLLM_INLINE __m512 wo(const F&, int64_t, int64_t) { return _mm512_setzero_ps(); }
 
 LOLLM_INLINE __m512i isum(const Q4_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
+LOLLM_INLINE __m512i isum(const Q8_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 LOLLM_INLINE __m512i isum(const Q4_KPanels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 LOLLM_INLINE __m512i isum(const Q6_KPanels& w, int64_t p, int64_t b, __m512i lo, __m512i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel;
@@ -311,6 +339,20 @@ LOLLM_INLINE __m256i dot4(__m256i u, __m256i x4) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x4), _mm256_set1_epi16(1));
 }
 
+// Q8_0 is the exception on this route: its unsigned codes q + 128 reach 255, and a pair of
+// 255 * 127 does not fit vpmaddubsw's int16 (it would saturate). So here Q8_0 keeps its signed
+// codes (unpack below leaves them as they are, and nothing is taken off: kAvx2Offset = 0), and
+// each product q * x is made as |q| * (x with q's sign) (vpsignb): |q| <= 128 as an unsigned
+// byte, |x| <= 127, a pair at most 32512. The same exact int32 sums as every other route.
+template <class F>
+constexpr int kAvx2Offset = F::kCodeOffset;
+template <>
+constexpr int kAvx2Offset<Q8_0Panels> = 0;
+
+template <class F>
+LOLLM_INLINE __m256i dot(const F&, __m256i u, __m256i x4) { return dot4(u, x4); }
+LOLLM_INLINE __m256i dot(const Q8_0Panels&, __m256i q, __m256i x4) { return dot4(_mm256_abs_epi8(q), _mm256_sign_epi8(x4, q)); }
+
 LOLLM_INLINE void unpack_nibbles(const uint8_t* block, int half, __m256i* u) {
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int h = 0; h < 4; ++h) {
@@ -325,6 +367,11 @@ LOLLM_INLINE __m256i bytes8(const uint8_t* v) { return _mm256_cvtepu8_epi32(_mm_
 
 LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
 LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
+// Q8_0: the signed codes as they are (see dot above), chunk v's half for 8 channels.
+LOLLM_INLINE void unpack(const Q8_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) {
+  const int8_t* block = w.codes + (p * w.blocks + b) * 512;
+  for (int v = 0; v < 8; ++v) u[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * v + 32 * half));
+}
 LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) {
   unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u);
   const __m256i bits45 = _mm256_set1_epi8(0x30);
@@ -339,6 +386,7 @@ LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __
 }
 
 LOLLM_INLINE __m256 ws(const Q4_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
+LOLLM_INLINE __m256 ws(const Q8_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
 LOLLM_INLINE __m256 ws(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
   return _mm256_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half),
                        _mm256_cvtepi32_ps(bytes8(w.sc + (p * w.blocks + b) * kPanel + 8 * half)));
@@ -354,6 +402,7 @@ template <class F>
 LOLLM_INLINE __m256 wo(const F&, int64_t, int64_t, int) { return _mm256_setzero_ps(); }
 
 LOLLM_INLINE __m256i isum(const Q4_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
+LOLLM_INLINE __m256i isum(const Q8_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
 LOLLM_INLINE __m256i isum(const Q4_KPanels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
 LOLLM_INLINE __m256i isum(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i lo, __m256i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel + 8 * half;
@@ -374,10 +423,10 @@ void half_rows(const F& w, int64_t p, int half, const Rows& x, int64_t r0, int64
     for (int i = 0; i < R; ++i) {
       const int8_t* xq = x.codes(r0 + i, b);
       const int32_t* xs = x.sums(r0 + i, b);
-      __m256i lo = _mm256_set1_epi32(-F::kCodeOffset * xs[0]), hi = _mm256_set1_epi32(-F::kCodeOffset * xs[1]);
+      __m256i lo = _mm256_set1_epi32(-kAvx2Offset<F> * xs[0]), hi = _mm256_set1_epi32(-kAvx2Offset<F> * xs[1]);
       for (int v = 0; v < 4; ++v) {
-        lo = _mm256_add_epi32(lo, dot4(u[v], four(xq + 4 * v)));
-        hi = _mm256_add_epi32(hi, dot4(u[4 + v], four(xq + 16 + 4 * v)));
+        lo = _mm256_add_epi32(lo, dot(w, u[v], four(xq + 4 * v)));
+        hi = _mm256_add_epi32(hi, dot(w, u[4 + v], four(xq + 16 + 4 * v)));
       }
       const __m256 xd = _mm256_set1_ps(x.scale(r0 + i, b));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(w, p, b, half, lo, hi)), _mm256_mul_ps(xd, w_scale), acc[i]);
@@ -469,10 +518,12 @@ void check_part(const char* op, const char* name, const at::Tensor& t, at::Scala
               t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-// The panels' count from the nibbles, and n checked against it: the last panel holds 1 to 16 channels.
-int64_t check_panels(const char* op, const at::Tensor& nibbles, int64_t k, int64_t n) {
-  const int64_t panels = nibbles.dim() == 3 ? nibbles.size(0) : -1;
-  check_part(op, "nibbles", nibbles, at::kByte, panels, k / kBlock, 256);
+// The panels' count from the codes' tensor (`name`: the nibbles, or Q8_0's codes, `width` bytes a
+// panel and block), and n checked against it: the last panel holds 1 to 16 channels.
+int64_t check_panels(const char* op, const char* name, const at::Tensor& codes, at::ScalarType dtype, int64_t width,
+                     int64_t k, int64_t n) {
+  const int64_t panels = codes.dim() == 3 ? codes.size(0) : -1;
+  check_part(op, name, codes, dtype, panels, k / kBlock, width);
   TORCH_CHECK(panels > 0 && n > kPanel * (panels - 1) && n <= kPanel * panels,
               op, ": ", n, " output channels do not fill ", panels, " panels of 16 (the last one 1 to 16 of them)");
   return panels;
@@ -482,7 +533,7 @@ int64_t check_panels(const char* op, const at::Tensor& nibbles, int64_t k, int64
 at::Tensor block_q4_0_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& d, int64_t n) {
   const char* op = "block_q4_0_linear";
   check_x(op, x, kBlock);
-  const int64_t k = x.size(1), panels = check_panels(op, nibbles, k, n);
+  const int64_t k = x.size(1), panels = check_panels(op, "nibbles", nibbles, at::kByte, 256, k, n);
   check_part(op, "d", d, at::kHalf, panels, k / kBlock, kPanel);
   const Q4_0Panels w{nibbles.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), k / kBlock};
   return run_panels(w, x, panels, n);
@@ -493,7 +544,7 @@ at::Tensor block_q4_k_linear(const at::Tensor& x, const at::Tensor& nibbles, con
                              const at::Tensor& d, const at::Tensor& dmin, int64_t n) {
   const char* op = "block_q4_k_linear";
   check_x(op, x, kBlock * kSuper);
-  const int64_t k = x.size(1), panels = check_panels(op, nibbles, k, n);
+  const int64_t k = x.size(1), panels = check_panels(op, "nibbles", nibbles, at::kByte, 256, k, n);
   check_part(op, "sc", sc, at::kByte, panels, k / kBlock, kPanel);
   check_part(op, "m", m, at::kByte, panels, k / kBlock, kPanel);
   check_part(op, "d", d, at::kHalf, panels, k / (kBlock * kSuper), kPanel);
@@ -508,11 +559,21 @@ at::Tensor block_q6_k_linear(const at::Tensor& x, const at::Tensor& nibbles, con
                              const at::Tensor& d, int64_t n) {
   const char* op = "block_q6_k_linear";
   check_x(op, x, kBlock * kSuper);
-  const int64_t k = x.size(1), panels = check_panels(op, nibbles, k, n);
+  const int64_t k = x.size(1), panels = check_panels(op, "nibbles", nibbles, at::kByte, 256, k, n);
   check_part(op, "high", high, at::kByte, panels, k / kBlock, 128);
   check_part(op, "sc", sc, at::kChar, panels, k / 16, kPanel);
   check_part(op, "d", d, at::kHalf, panels, k / (kBlock * kSuper), kPanel);
   const Q6_KPanels w{nibbles.data_ptr<uint8_t>(), high.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<at::Half>(), k / kBlock};
+  return run_panels(w, x, panels, n);
+}
+
+// y (M, n) = x (M, K) @ w.T for a Q8_0 matrix in panels: w = q * d.
+at::Tensor block_q8_0_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, int64_t n) {
+  const char* op = "block_q8_0_linear";
+  check_x(op, x, kBlock);
+  const int64_t k = x.size(1), panels = check_panels(op, "codes", codes, at::kChar, 512, k, n);
+  check_part(op, "d", d, at::kHalf, panels, k / kBlock, kPanel);
+  const Q8_0Panels w{codes.data_ptr<int8_t>(), d.data_ptr<at::Half>(), k / kBlock};
   return run_panels(w, x, panels, n);
 }
 
@@ -540,5 +601,6 @@ LOLLM_FRAGMENT(LOLLM_NATIVE_NAMESPACE, m) {
   m.def("block_q4_0_linear(Tensor x, Tensor nibbles, Tensor d, int n) -> Tensor", &block_q4_0_linear);
   m.def("block_q4_k_linear(Tensor x, Tensor nibbles, Tensor sc, Tensor m, Tensor d, Tensor dmin, int n) -> Tensor", &block_q4_k_linear);
   m.def("block_q6_k_linear(Tensor x, Tensor nibbles, Tensor high, Tensor sc, Tensor d, int n) -> Tensor", &block_q6_k_linear);
+  m.def("block_q8_0_linear(Tensor x, Tensor codes, Tensor d, int n) -> Tensor", &block_q8_0_linear);
   m.def("kquants_instruction_set() -> str", &kquants_instruction_set);
 }
