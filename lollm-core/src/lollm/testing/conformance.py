@@ -138,13 +138,15 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     tensor_to_drop:          the tensor the "missing tensor" test removes (default: the first
                              one, in sorted order, that is not an embedding or an lm_head).
     batch_invariance_weights, batch_invariance_bound: batch invariance (docs/batching.md): with
-                             ``"int8"`` weights (the default: every matmul the family packs runs in
-                             lollm's native kernel) and a bound of 0.0 (the default), every logit of a
-                             request must be equal, bit for bit, alone and batched. A family whose forward
-                             keeps float matmuls over the step's rows (torch's float32 GEMM rounds a row
-                             differently beside other rows) runs the check on ``"float"`` weights, where
-                             int8 activations cannot magnify that rounding, within the largest |Δ logit|
-                             it states, and says in a comment which parts they are.
+                             ``"int8"`` weights (every matmul the family packs runs in lollm's native
+                             kernel) and a bound of 0.0, every logit of a request must be equal, bit for
+                             bit, alone and batched. A family whose forward keeps float matmuls over the
+                             step's rows (torch's float32 GEMM rounds a row differently beside other rows)
+                             runs the check on ``"float"`` weights, where int8 activations cannot magnify
+                             that rounding, within the largest |Δ logit| it allows. None (the defaults):
+                             int8 and 0.0 where an int8 load leaves no ``nn.Linear`` and no 3-D weight
+                             (:func:`lollm.testing.generation_checks.float_matmuls`), else float weights
+                             within ``self_consistency_max_abs_diff``. Set them to state your own.
     """
 
     reference_available: bool = False
@@ -161,8 +163,8 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     gguf_types: tuple[str, ...] = ()
     reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None
-    batch_invariance_weights: str = "int8"
-    batch_invariance_bound: float = 0.0
+    batch_invariance_weights: str | None = None
+    batch_invariance_bound: float | None = None
 
     # -- fixtures the plugin author provides ---------------------------------------
 
