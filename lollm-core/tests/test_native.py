@@ -336,10 +336,13 @@ def test_q5_a_non_finite_activation_makes_its_row_nan_and_bad_arguments_name_the
         op(x, layer.nibbles.to(torch.int8), layer.high, layer.scale)
 
 
-def test_gguf_q5_0_matrices_become_q5linear_where_the_kernel_runs(monkeypatch):
+def test_gguf_q5_0_matrices_become_q5linear_where_the_tiles_run(monkeypatch):
+    """Where the AMX tiles run, Q5_0 becomes Q5Linear (the tiles multiply its many-row calls); elsewhere
+    Q5_0Linear in panels (tests/test_native_kquants.py), which gives the same bits."""
     import lollm.load.quantized as quantized
 
     kernel()
+    monkeypatch.setattr(native, "tile_min_rows", lambda: 8)
     rows = random_q5_rows(32, 128, torch.Generator().manual_seed(14))
     raw = rows.reshape(-1)
     assert isinstance(linear_from_gguf(raw, "Q5_0", (32, 128), None), Q5Linear)

@@ -1,4 +1,4 @@
-"""Q4_0, Q4_K, Q6_K and Q8_0 multiplied from the file's bits (block_kquants.cpp, lollm.load.packed_kquants).
+"""Q4_0, Q5_0, Q4_K, Q6_K and Q8_0 multiplied from the file's bits (block_kquants.cpp, lollm.load.packed_kquants).
 
 Three promises, each checked on every build of the kernel this CPU runs (the native one, and the
 test builds for AVX2 and plain C++, lollm.native.build_variant):
@@ -24,13 +24,13 @@ from torch import nn
 
 from lollm import native
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, dequantize
-from lollm.load.packed_kquants import PANEL_LAYERS, Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear
+from lollm.load.packed_kquants import PANEL_LAYERS, Q4_0Linear, Q4_KLinear, Q5_0Linear, Q6_KLinear, Q8_0Linear
 from lollm.load.packed_linear import Int4Linear, Int8Linear
-from lollm.load.quantized import WeightsSummary, describe, linear_from_gguf
+from lollm.load.quantized import Q5Linear, WeightsSummary, describe, linear_from_gguf
 
 TYPES = tuple(PANEL_LAYERS)
 #: The float16 fields of each type's block (byte offsets): made small and finite in random blocks.
-F16_FIELDS = {"Q4_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
+F16_FIELDS = {"Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,)}
 #: The row counts a lone row is compared inside (the issue's list): tiles of 4 rows, odd tails, many rows.
 BATCHES = (2, 7, 8, 19, 20, 64, 255, 300)
 QWEN = Path.home() / ".cache/lollm/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct.gguf"
@@ -98,7 +98,7 @@ def test_the_panels_hold_the_file_bit_for_bit(type_name, n):
     assert torch.equal(layer.dequantize(), reference)
     bits = sum(getattr(layer, name).numel() * getattr(layer, name).element_size() * 8 for name, _, _ in layer.PARTS)
     panels = -(-n // 16)
-    assert bits / (16 * panels * k) == {"Q4_0": 4.5, "Q4_K": 4.625, "Q6_K": 6.5625, "Q8_0": 8.5}[type_name]  # about the file's size
+    assert bits / (16 * panels * k) == {"Q4_0": 4.5, "Q5_0": 5.5, "Q4_K": 4.625, "Q6_K": 6.5625, "Q8_0": 8.5}[type_name]  # about the file's size
 
 
 # -- batch invariance and the routes --------------------------------------------------------------------------
@@ -140,6 +140,22 @@ def test_it_computes_int8_activations_times_the_exact_weights(type_name):
     reference, size = xq @ w.T, xq.abs() @ w.abs().T
     for name, ops in builds():
         assert ((call(ops, layer, x).double() - reference).abs() <= (2 * 768 // 32 + 2) * 2.0**-24 * size + 1e-30).all(), name
+
+
+def test_q5_0_panels_give_the_bits_of_q5linear_on_every_route():
+    """Q5_0Linear (panels, no sums across lanes) and Q5Linear (channel by channel, the layer the AMX tiles
+    take) hold the same file and compute the same canonical order: the same bits, at 1 row and at many."""
+    n, k = 37, 768
+    raw = random_matrix("Q5_0", n, k, seed=7)
+    panels = Q5_0Linear.from_blocks(lambda a, b: raw[a:b].reshape(-1), (n, k))
+    channels = Q5Linear.from_blocks(lambda a, b: raw[a:b].reshape(-1), (n, k))
+    assert torch.equal(panels.dequantize(), torch.from_numpy(dequantize(raw.reshape(-1), "Q5_0")).view(n, k))
+    g = torch.Generator().manual_seed(8)
+    for name, ops in builds():
+        for rows in (1, 16, 70):
+            x = torch.randn(rows, k, generator=g)
+            want = getattr(ops, "block_q5_linear")(x, channels.nibbles, channels.high, channels.scale)
+            assert torch.equal(call(ops, panels, x), want), (name, rows)
 
 
 def test_q8_0_extreme_codes_are_exact_on_every_route():
@@ -205,6 +221,9 @@ def test_bad_inputs_are_refused_naming_the_operator_and_the_tensor():
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles[:, :, :128].contiguous(), high, sc, d, 20)
     with pytest.raises(RuntimeError, match=r"block_q6_k_linear: sc must be contiguous Char \(2, 16, 16\)"):
         torch.ops.lollm_native.block_q6_k_linear(torch.randn(1, 256), nibbles, high, sc.view(torch.uint8), d, 20)
+    q5, _ = layer_of("Q5_0", 20, 64)
+    with pytest.raises(RuntimeError, match=r"block_q5_0_linear: fifth must be contiguous Byte \(2, 2, 64\)"):
+        torch.ops.lollm_native.block_q5_0_linear(torch.randn(1, 64), q5.nibbles, q5.fifth[:, :, :32].contiguous(), q5.d, 20)
     q8, _ = layer_of("Q8_0", 20, 64)
     with pytest.raises(RuntimeError, match=r"block_q8_0_linear: codes must be contiguous Char \(2, 2, 512\)"):
         torch.ops.lollm_native.block_q8_0_linear(torch.randn(1, 64), q8.codes.view(torch.uint8), q8.d, 20)
@@ -238,7 +257,7 @@ def test_the_real_qwen_ffn_down_runs_from_its_bits(tensor):
         assert torch.equal(layer(batch)[:1], y[:1])
 
 
-def test_the_loader_routes_q4_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_head_to_int8_groups(monkeypatch):
+def test_the_loader_routes_q4_0_q5_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_head_to_int8_groups(monkeypatch):
     kernel()
     made = {t: linear_from_gguf(random_matrix(t, 32, 256).reshape(-1), t, (32, 256), None) for t in TYPES + ("Q8_0",)}
     assert type(made["Q4_0"]) is Q4_0Linear and type(made["Q4_K"]) is Q4_KLinear and type(made["Q6_K"]) is Q6_KLinear
@@ -256,6 +275,13 @@ def test_the_loader_routes_q4_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_hea
     assert type(q4) is Q4_0Linear and torch.equal(q4(torch.zeros(1, 256))[0], bias)  # a 4-bit head; the bias added
     head = linear_from_gguf(random_matrix("Q6_K", 32, 256).reshape(-1), "Q6_K", (32, 256), None, grouped=True)
     assert isinstance(head, Int8Linear) and head.group_size == 32  # a head's int8 codes can be shared with its embedding
+    assert type(made["Q5_0"]) is (Q5Linear if native.tile_min_rows() else Q5_0Linear)
+    monkeypatch.setattr(native, "tile_min_rows", lambda: 0)  # no AMX tiles: Q5_0 in panels
+    assert type(linear_from_gguf(random_matrix("Q5_0", 32, 256).reshape(-1), "Q5_0", (32, 256), None)) is Q5_0Linear
+    monkeypatch.setattr(native, "tile_min_rows", lambda: 8)  # tiles from 8 rows: the layer they multiply
+    assert type(linear_from_gguf(random_matrix("Q5_0", 32, 256).reshape(-1), "Q5_0", (32, 256), None)) is Q5Linear
+    head = linear_from_gguf(random_matrix("Q5_0", 32, 256).reshape(-1), "Q5_0", (32, 256), None, grouped=True)
+    assert isinstance(head, Int8Linear) and head.group_size == 32  # a Q5_0 head: exact codes in groups of 32
     monkeypatch.setattr(native, "_state", {"ops": None, "why": "off (test)"})  # no native kernel: today's layers
     assert isinstance(linear_from_gguf(random_matrix("Q4_K", 32, 256).reshape(-1), "Q4_K", (32, 256), None), Int4Linear)
     per_channel = linear_from_gguf(random_matrix("Q6_K", 32, 256).reshape(-1), "Q6_K", (32, 256), None)

@@ -1,10 +1,10 @@
-"""Linear layers over Q4_0, Q4_K, Q6_K and Q8_0 matrices, multiplied from the file's own bits.
+"""Linear layers over Q4_0, Q5_0, Q4_K, Q6_K and Q8_0 matrices, multiplied from the file's own bits.
 
 A Q4_K_M file, the GGUF people download most, is mostly Q4_K and Q6_K tensors. These
-layers keep such a matrix in the bits the file has (4.5, 4.625, 6.5625 and 8.5 bits a weight),
+layers keep such a matrix in the bits the file has (4.5, 5.5, 4.625, 6.5625 and 8.5 bits a weight),
 rearranged once at load so that lollm's native kernel reads 16 output channels at a time
 (``block_kquants.cpp``; docs/native-kernel.md, sections 10 to 14, draw each layout with a
-worked block). Nothing is rounded on the way: :meth:`PanelLinear.dequantize` gives back
+worked block; section 15 Q5_0). Nothing is rounded on the way: :meth:`PanelLinear.dequantize` gives back
 what :func:`lollm.gguf.quants.dequantize` gives for the file's bytes, bit for bit.
 
 Each forward rounds x to int8 per block of 32 (as every packed layer of lollm does), sums
@@ -19,13 +19,16 @@ The panel layout (P = ceil(N / 16) panels; channels past N are zeros):
   bits) and for input ``32b + 8h + 4 + j`` (high bits);
 * ``codes (P, K / 32, 512)`` int8 (Q8_0): panel p, block b: 8 chunks of 64 bytes; in chunk v,
   byte ``4c + j`` holds channel ``16p + c``'s code for input ``32b + 4v + j``, as the file has it;
+* ``fifth (P, K / 32, 64)`` uint8 (Q5_0): the codes' fifth bits; for inputs ``4v .. 4v + 3`` of
+  block b, 8 bytes (one little-endian 64-bit word), whose bit ``4c + j`` belongs to channel ``16p + c``,
+  input ``32b + 4v + j``;
 * ``high (P, K / 32, 128)`` uint8 (Q6_K): the codes' top 2 bits; in chunk h (0, 1), bits
   ``2s, 2s + 1`` of byte ``4c + j`` belong to input ``32b + 16h + 4s + j``;
 * scales ``(P, count, 16)``: one per channel and block (or sub-block, super-block), the
   16 channels of a panel side by side.
 
 These layers are made only where the native kernel is built (:mod:`lollm.load.quantized`
-decides); elsewhere a Q4_0 or Q4_K matrix becomes an Int4Linear and a Q6_K or Q8_0 one an Int8Linear.
+decides); elsewhere a Q4_0 or Q4_K matrix becomes an Int4Linear and a Q5_0, Q6_K or Q8_0 one an Int8Linear.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch import nn
 
 from lollm import native
 from lollm.errors import WeightsError
-from lollm.gguf.bits import crumbs, nibbles
+from lollm.gguf.bits import crumbs, nibbles, single_bits
 from lollm.gguf.kquants import k4_scales_mins
 from lollm.load.packed_linear import row_slices
 
@@ -87,6 +90,26 @@ def panel_crumbs(top: torch.Tensor) -> torch.Tensor:
     c = top.view(n // PANEL, PANEL, k // 32, 2, 4, 4)  # (panel, c, b, chunk h, s, j): input 32b + 16h + 4s + j
     c = c.permute(0, 2, 3, 1, 5, 4)  # (panel, b, h, c, j, s)
     return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).reshape(n // PANEL, k // 32, 128)
+
+
+def panel_fifth(bits: torch.Tensor) -> torch.Tensor:
+    """Fifth bits ``(n, K)`` uint8 0..1 -> ``(P, K / 32, 64)`` uint8, Q5_0's ``fifth`` in the panel layout."""
+    bits = pad_channels(bits)
+    n, k = bits.shape
+    c = bits.view(n // PANEL, PANEL, k // 32, 8, 4)  # (panel, channel c, block b, v, j): input 32b + 4v + j
+    c = c.permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // 32, 8, 8, 8)  # (panel, b, v, byte t, bit i): 4c + j = 8t + i
+    packed = torch.zeros(c.shape[:-1], dtype=torch.uint8)
+    for i in range(8):
+        packed |= c[..., i] << i
+    return packed.reshape(n // PANEL, k // 32, 64)
+
+
+def fifth_of(fifth: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`panel_fifth`: ``(P, K / 32, 64)`` -> fifth bits ``(16 P, K)`` uint8 0..1."""
+    p, blocks, _ = fifth.shape
+    v = fifth.view(p, blocks, 8, 8)  # (panel, b, v, byte t)
+    bits = torch.stack([(v >> i) & 1 for i in range(8)], dim=-1)  # (panel, b, v, t, i)
+    return bits.view(p, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * 32)
 
 
 def panel_channels(values: torch.Tensor) -> torch.Tensor:
@@ -225,6 +248,36 @@ class Q4_0Linear(PanelLinear):
         return ((q - 8) * d[..., None]).view(self.out_features, self.in_features)
 
 
+class Q5_0Linear(PanelLinear):
+    """A Q5_0 matrix: ``w[n, k] = (q - 16) * d``, q a 5-bit code (0..31), d float16 per block of 32 (5.5 bits a weight).
+
+    Buffers: ``nibbles (P, K / 32, 256)`` uint8, q's low 4 bits; ``fifth (P, K / 32, 64)`` uint8, its fifth
+    bit; ``d (P, K / 32, 16)`` float16, the file's d. Kernel: ``block_q5_0_linear`` (isum = sum((q - 16) * xq),
+    ws = d). The same numbers in the same order as :class:`Q5Linear` (so the same bits), but a lone row needs
+    no sums across a vector's lanes: decode reads it faster.
+    """
+
+    OP, GGML_TYPE, K_MULTIPLE = "block_q5_0_linear", "Q5_0", 32
+    PARTS = (("nibbles", torch.uint8, _blocks), ("fifth", torch.uint8, lambda k: (k // 32, 64)), ("d", torch.float16, _per_block))
+
+    @staticmethod
+    def _panels(raw: np.ndarray, k: int) -> dict[str, torch.Tensor]:
+        rows = raw.shape[0]
+        blocks = raw.reshape(rows * k // 32, 22)  # d (2 bytes), qh (4: bit j = weight j's fifth bit), qs (16, as Q4_0)
+        d = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16)).view(rows, k // 32)
+        high = single_bits(blocks[:, 2:6])  # (., bit b, byte l): weight 8l + b
+        high = high.transpose(0, 2, 1).reshape(rows, k)
+        low = torch.from_numpy(nibbles(blocks[:, 6:22])).reshape(rows, k)
+        return {"nibbles": panel_nibbles(low), "fifth": panel_fifth(torch.from_numpy(np.ascontiguousarray(high))),
+                "d": panel_channels(d)}
+
+    def dequantize(self) -> torch.Tensor:
+        n = self.out_features
+        q = (codes_of(self.nibbles)[:n] | (fifth_of(self.fifth)[:n] << 4)).float().view(n, -1, 32)
+        d = channels_of(self.d)[:n].float()
+        return ((q - 16) * d[..., None]).view(n, self.in_features)
+
+
 class Q4_KLinear(PanelLinear):
     """A Q4_K matrix: ``w = (d * sc_j) * q - (dmin * m_j)``, q 4-bit, sc_j and m_j 6-bit per block of 32,
     d and dmin float16 per super-block of 256 (4.625 bits a weight here; the file's 4.5 packs the 6-bit values).
@@ -316,4 +369,5 @@ class Q8_0Linear(PanelLinear):
 
 
 #: The layer for each GGUF type these panels hold.
-PANEL_LAYERS: dict[str, type[PanelLinear]] = {"Q4_0": Q4_0Linear, "Q4_K": Q4_KLinear, "Q6_K": Q6_KLinear, "Q8_0": Q8_0Linear}
+PANEL_LAYERS: dict[str, type[PanelLinear]] = {"Q4_0": Q4_0Linear, "Q5_0": Q5_0Linear, "Q4_K": Q4_KLinear,
+                                               "Q6_K": Q6_KLinear, "Q8_0": Q8_0Linear}

@@ -6,14 +6,15 @@ block to float32 at load: simple and exact, but a 4-bit matrix then takes 8
 times its file size, and every decode step reads all those bytes. This module
 keeps the integers instead, in one of these layers:
 
-* :class:`Q4_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`, :class:`Q8_0Linear`
-  (:mod:`lollm.load.packed_kquants`) -- the file's own bits (4.5, 4.625,
-  6.5625 and 8.5 bits a weight), rearranged at load into panels of 16 output channels,
+* :class:`Q4_0Linear`, :class:`Q5_0Linear`, :class:`Q4_KLinear`, :class:`Q6_KLinear`,
+  :class:`Q8_0Linear` (:mod:`lollm.load.packed_kquants`) -- the file's own bits (4.5, 5.5,
+  4.625, 6.5625 and 8.5 bits a weight), rearranged at load into panels of 16 output channels,
   multiplied by lollm's native kernel with int8 activations (docs/native-kernel.md,
-  sections 10 to 14). Nothing is rounded: whatever the file holds is what runs, and
+  sections 10 to 15). Nothing is rounded: whatever the file holds is what runs, and
   a row's output is the same bits alone or in any batch. Made where the native
-  kernel is built and K is whole blocks (256 for the K-quants, 32 for Q4_0 and Q8_0).
-* :class:`Q5Linear` -- a Q5_0 matrix in its 5-bit codes, on the native kernel.
+  kernel is built and K is whole blocks (256 for the K-quants, 32 for the others).
+* :class:`Q5Linear` -- a Q5_0 matrix in its 5-bit codes, channel by channel, on the native
+  kernel: where the CPU's AMX tiles run, which multiply its many-row calls.
 * :class:`Int4Linear` -- 4-bit codes in groups of 32 (or 64, 128, 256) with a
   scale and a zero per group: ``w = (q - 8) * s + z``. Q4_0, Q4_1 and Q4_K are
   exactly such groups (their codes are kept bit for bit; the scale and zero are
@@ -213,7 +214,9 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
     * a Q8_0 matrix with ``tied`` (a head whose int8 codes an :class:`Int8Embedding` will share:
       the caller takes ``.codes`` and ``.scale`` from the layer) -> :class:`Int8Linear` in groups
       of 32, the file's codes and float16 scales; an untied head is a :class:`Q8_0Linear`;
-    * Q5_0 -> :class:`Q5Linear`, the file's 5-bit codes (K a multiple of 64; not for ``grouped``).
+    * Q5_0 -> :class:`Q5_0Linear`, the file's bits in panels (not for ``grouped``); where the CPU's
+      AMX tiles run (:func:`lollm.native.tile_min_rows`), :class:`Q5Linear` instead (K a multiple of
+      64), whose tiles multiply many rows at once; both give the same bits.
 
     Elsewhere, and for the other types: Q4_0/Q4_1/Q4_K -> :class:`Int4Linear` with
     the file's codes (groups of 32); Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 -> :class:`Int8Linear`,
@@ -232,8 +235,9 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
             return blocks[start:stop].reshape(-1)
 
     panels = PANEL_LAYERS.get(ggml_type)
-    kept_int8 = grouped and ggml_type == "Q6_K" or tied and ggml_type == "Q8_0"  # heads that stay Int8Linear (above)
-    if panels is not None and k % panels.K_MULTIPLE == 0 and not kept_int8 and _native():
+    kept_int8 = grouped and ggml_type in ("Q6_K", "Q5_0") or tied and ggml_type == "Q8_0"  # heads that stay Int8Linear (above)
+    tiled_q5 = ggml_type == "Q5_0" and native.tile_min_rows() > 0  # AMX tiles take Q5Linear's many-row calls (below)
+    if panels is not None and k % panels.K_MULTIPLE == 0 and not kept_int8 and not tiled_q5 and _native():
         return panels.from_blocks(read_rows, shape, bias)
     if ggml_type in INT4_TYPES and n % 16 == 0:
         layer = Int4Linear(k, n, 32, bias)

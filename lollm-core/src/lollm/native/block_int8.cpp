@@ -100,26 +100,15 @@ inline void unpack_q5_pair(const uint8_t* nibbles, const uint8_t* high, int8_t* 
 }
 
 #if defined(LOLLM_AVX2)
-// The same unpacking in AVX2 vectors (the scalar loop above costs an AVX2 decode step most of
-// its time): 32 bits of a qh word -> 32 bytes, byte j = 16 where bit j is set, else 0.
-// vpshufb copies byte j / 8 of the word into byte j (within each 128-bit half, which holds the
-// word four times), and each byte keeps only its own bit, 1 << (j % 8).
-LOLLM_INLINE __m256i fifth_bits(uint32_t word) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(word)),
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ULL));  // byte j: 1 << (j % 8)
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-
+// (The fifth bits become bytes of 16 with lollm_blocks::fifth_bits, blocks.h.)
 // unpack_q5_pair with vectors: the same 64 signed codes u - 16, bit for bit.
 LOLLM_INLINE void unpack_q5_pair_avx2(const uint8_t* nibbles, const uint8_t* high, int8_t* codes) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
   const __m256i low4 = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
   uint32_t words[2];
   std::memcpy(words, high, 8);  // little-endian: words[0] = block 2p's fifth bits, words[1] = block 2p + 1's
-  const __m256i first = _mm256_or_si256(_mm256_and_si256(v, low4), fifth_bits(words[0]));
-  const __m256i second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), fifth_bits(words[1]));
+  const __m256i first = _mm256_or_si256(_mm256_and_si256(v, low4), lollm_blocks::fifth_bits(words[0]));
+  const __m256i second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), lollm_blocks::fifth_bits(words[1]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_sub_epi8(first, sixteen));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32), _mm256_sub_epi8(second, sixteen));
 }

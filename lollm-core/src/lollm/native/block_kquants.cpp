@@ -1,7 +1,7 @@
-// lollm's kernels for the GGUF formats that Q4_K_M files are made of: Q4_0, Q4_K and Q6_K
+// lollm's kernels for the GGUF formats that Q4_K_M files are made of: Q4_0, Q5_0, Q4_K and Q6_K
 // weights multiplied from their own bits by int8 activations, and Q8_0 on the same footing
-// (Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear in lollm/load/packed_kquants.py). Read it
-// next to docs/native-kernel.md, sections 10 to 14 (a worked block for each layout).
+// (Q4_0Linear, Q5_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear in lollm/load/packed_kquants.py).
+// Read it next to docs/native-kernel.md, sections 10 to 15 (a worked block for each layout).
 //
 // What every operator here computes, for row m of x and output channel n (the
 // "canonical order"):
@@ -15,7 +15,7 @@
 //        acc = fma(float(isum_b), xd_b * ws_b, acc)      (xd_b * ws_b rounded to float32 first)
 //        Q4_K only: acc = fma(float(xsum_b), xd_b * wo_b, acc), xsum_b the sum of the block's xq
 //      and y[m, n] = acc.
-//      ws_b, the block's weight scale: Q4_0 and Q8_0 the file's d; Q4_K d * sc_j; Q6_K the
+//      ws_b, the block's weight scale: Q4_0, Q5_0 and Q8_0 the file's d; Q4_K d * sc_j; Q6_K the
 //      super-block's d.
 //      wo_b, Q4_K's block offset: -(dmin * m_j). Both products are exact in float32.
 //
@@ -41,6 +41,8 @@
 //   high (Q6_K only) (P, K / 32, 128) uint8: the codes' top 2 bits. In chunk h (0, 1),
 //     bits 2s and 2s + 1 of byte 4c + j are those of channel c's code for input
 //     32b + 16h + 4s + j.
+//   fifth (Q5_0 only) (P, K / 32, 64) uint8: the codes' fifth bits, 8 bytes for each group of 4
+//     inputs 4v .. 4v + 3: bit 4c + j of little-endian word v is channel c's, input 32b + 4v + j.
 //   codes (Q8_0 only) (P, K / 32, 512) int8, the file's codes: in chunk v (0..7) of 64 bytes,
 //     byte 4c + j holds channel 16p + c's code for input 32b + 4v + j. No unpacking: a chunk
 //     is the 16 lanes of 4 codes for inputs 4v .. 4v + 3 as they are.
@@ -116,7 +118,7 @@ struct Rows {
 // ---------------------------------------------------------------------------
 // The four layouts: pointers into the layers' tensors, and each weight read one at a time
 // (the plain C++ version reads them so; the vector versions below unpack 16 channels at once).
-// Codes are unsigned (0..15, 0..63, Q8_0's 0..255); kCodeOffset is what the format subtracts from them.
+// Codes are unsigned (0..15, 0..31, 0..63, Q8_0's 0..255); kCodeOffset is what the format subtracts from them.
 // ---------------------------------------------------------------------------
 
 // Channel c's code for input i (0..31) of a block of nibbles (256 bytes, the layout above).
@@ -133,6 +135,27 @@ struct Q4_0Panels {
   const at::Half* d;       // (P, K / 32, 16)
   int64_t blocks;          // K / 32
   int code(int64_t p, int64_t b, int c, int i) const { return nibble_code(nibbles + (p * blocks + b) * 256, c, i); }
+  int32_t isum(int64_t, int64_t, int, int32_t lo, int32_t hi) const { return lo + hi; }
+  float ws(int64_t p, int64_t b, int c) const { return float(d[(p * blocks + b) * kPanel + c]); }
+  float wo(int64_t, int64_t, int) const { return 0.f; }
+};
+
+// Q5_0: w = (q - 16) * d, q a 5-bit code (0..31): its low 4 bits in the nibbles, its fifth bit in
+// `fifth` (P, K / 32, 64): for each of the 8 vectors u[v] of a block (inputs 4v .. 4v + 3), one
+// little-endian 64-bit word whose bit 4c + j is the fifth bit of channel c's code for input 4v + j,
+// the byte of u[v] it belongs to. d float16 per block of 32, the file's.
+struct Q5_0Panels {
+  static constexpr int kCodeOffset = 16;
+  static constexpr bool kBlockOffset = false;
+  const uint8_t* nibbles;  // (P, K / 32, 256)
+  const uint8_t* fifth;    // (P, K / 32, 64)
+  const at::Half* d;       // (P, K / 32, 16)
+  int64_t blocks;
+  int code(int64_t p, int64_t b, int c, int i) const {
+    const int bit = 4 * c + i % 4;
+    const uint8_t byte = fifth[(p * blocks + b) * 64 + 8 * (i / 4) + bit / 8];
+    return nibble_code(nibbles + (p * blocks + b) * 256, c, i) | ((byte >> (bit % 8)) & 1) << 4;
+  }
   int32_t isum(int64_t, int64_t, int, int32_t lo, int32_t hi) const { return lo + hi; }
   float ws(int64_t p, int64_t b, int c) const { return float(d[(p * blocks + b) * kPanel + c]); }
   float wo(int64_t, int64_t, int) const { return 0.f; }
@@ -231,6 +254,18 @@ LOLLM_INLINE __m512 bytes_as_float(const uint8_t* v) {
 
 LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
 LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, __m512i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u); }
+// Q5_0: the nibbles, then 16 added to each byte whose fifth bit is set: the block's 8 words of
+// `fifth` are the masks, one per vector, bit 4c + j for byte 4c + j (one masked add each).
+LOLLM_INLINE void unpack(const Q5_0Panels& w, int64_t p, int64_t b, __m512i* u) {
+  unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, u);
+  const uint8_t* block = w.fifth + (p * w.blocks + b) * 64;
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  for (int v = 0; v < 8; ++v) {
+    uint64_t bits;
+    std::memcpy(&bits, block + 8 * v, 8);
+    u[v] = _mm512_mask_add_epi8(u[v], __mmask64(bits), u[v], sixteen);
+  }
+}
 // Q8_0: the 8 chunks as they are, each code made unsigned (xor 0x80 = q + 128, kCodeOffset).
 LOLLM_INLINE void unpack(const Q8_0Panels& w, int64_t p, int64_t b, __m512i* u) {
   const __m512i top = _mm512_set1_epi8(char(0x80));
@@ -256,6 +291,7 @@ LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, __m512i* u) 
 
 LOLLM_INLINE __m512 ws(const Q4_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
 LOLLM_INLINE __m512 ws(const Q8_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
+LOLLM_INLINE __m512 ws(const Q5_0Panels& w, int64_t p, int64_t b) { return halves(w.d + (p * w.blocks + b) * kPanel); }
 LOLLM_INLINE __m512 ws(const Q4_KPanels& w, int64_t p, int64_t b) {
   return _mm512_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel), bytes_as_float(w.sc + (p * w.blocks + b) * kPanel));
 }
@@ -271,6 +307,7 @@ LOLLM_INLINE __m512 wo(const F&, int64_t, int64_t) { return _mm512_setzero_ps();
 
 LOLLM_INLINE __m512i isum(const Q4_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 LOLLM_INLINE __m512i isum(const Q8_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
+LOLLM_INLINE __m512i isum(const Q5_0Panels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 LOLLM_INLINE __m512i isum(const Q4_KPanels&, int64_t, int64_t, __m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 LOLLM_INLINE __m512i isum(const Q6_KPanels& w, int64_t p, int64_t b, __m512i lo, __m512i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel;
@@ -367,6 +404,17 @@ LOLLM_INLINE __m256i bytes8(const uint8_t* v) { return _mm256_cvtepu8_epi32(_mm_
 
 LOLLM_INLINE void unpack(const Q4_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
 LOLLM_INLINE void unpack(const Q4_KPanels& w, int64_t p, int64_t b, int half, __m256i* u) { unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u); }
+// Q5_0: the nibbles, then the fifth bits of this half's 8 channels (bytes 0-31 of each vector:
+// the low 32 bits of each mask word, or the high 32 for channels 8-15) added in as 16.
+LOLLM_INLINE void unpack(const Q5_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) {
+  unpack_nibbles(w.nibbles + (p * w.blocks + b) * 256, half, u);
+  const uint8_t* block = w.fifth + (p * w.blocks + b) * 64;
+  for (int v = 0; v < 8; ++v) {
+    uint32_t bits;
+    std::memcpy(&bits, block + 8 * v + 4 * half, 4);
+    u[v] = _mm256_or_si256(u[v], lollm_blocks::fifth_bits(bits));
+  }
+}
 // Q8_0: the signed codes as they are (see dot above), chunk v's half for 8 channels.
 LOLLM_INLINE void unpack(const Q8_0Panels& w, int64_t p, int64_t b, int half, __m256i* u) {
   const int8_t* block = w.codes + (p * w.blocks + b) * 512;
@@ -387,6 +435,7 @@ LOLLM_INLINE void unpack(const Q6_KPanels& w, int64_t p, int64_t b, int half, __
 
 LOLLM_INLINE __m256 ws(const Q4_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
 LOLLM_INLINE __m256 ws(const Q8_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
+LOLLM_INLINE __m256 ws(const Q5_0Panels& w, int64_t p, int64_t b, int half) { return halves(w.d + (p * w.blocks + b) * kPanel + 8 * half); }
 LOLLM_INLINE __m256 ws(const Q4_KPanels& w, int64_t p, int64_t b, int half) {
   return _mm256_mul_ps(halves(w.d + (p * w.blocks / kSuper + b / kSuper) * kPanel + 8 * half),
                        _mm256_cvtepi32_ps(bytes8(w.sc + (p * w.blocks + b) * kPanel + 8 * half)));
@@ -403,6 +452,7 @@ LOLLM_INLINE __m256 wo(const F&, int64_t, int64_t, int) { return _mm256_setzero_
 
 LOLLM_INLINE __m256i isum(const Q4_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
 LOLLM_INLINE __m256i isum(const Q8_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
+LOLLM_INLINE __m256i isum(const Q5_0Panels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
 LOLLM_INLINE __m256i isum(const Q4_KPanels&, int64_t, int64_t, int, __m256i lo, __m256i hi) { return _mm256_add_epi32(lo, hi); }
 LOLLM_INLINE __m256i isum(const Q6_KPanels& w, int64_t p, int64_t b, int half, __m256i lo, __m256i hi) {
   const int8_t* s = w.sc + (p * 2 * w.blocks + 2 * b) * kPanel + 8 * half;
@@ -539,6 +589,17 @@ at::Tensor block_q4_0_linear(const at::Tensor& x, const at::Tensor& nibbles, con
   return run_panels(w, x, panels, n);
 }
 
+// y (M, n) = x (M, K) @ w.T for a Q5_0 matrix in panels: w = (q - 16) * d.
+at::Tensor block_q5_0_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& fifth, const at::Tensor& d, int64_t n) {
+  const char* op = "block_q5_0_linear";
+  check_x(op, x, kBlock);
+  const int64_t k = x.size(1), panels = check_panels(op, "nibbles", nibbles, at::kByte, 256, k, n);
+  check_part(op, "fifth", fifth, at::kByte, panels, k / kBlock, 64);
+  check_part(op, "d", d, at::kHalf, panels, k / kBlock, kPanel);
+  const Q5_0Panels w{nibbles.data_ptr<uint8_t>(), fifth.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), k / kBlock};
+  return run_panels(w, x, panels, n);
+}
+
 // y (M, n) = x (M, K) @ w.T for a Q4_K matrix in panels: w = (d * sc) * q - (dmin * m).
 at::Tensor block_q4_k_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& sc, const at::Tensor& m,
                              const at::Tensor& d, const at::Tensor& dmin, int64_t n) {
@@ -599,6 +660,7 @@ std::string kquants_instruction_set() {
 
 LOLLM_FRAGMENT(LOLLM_NATIVE_NAMESPACE, m) {
   m.def("block_q4_0_linear(Tensor x, Tensor nibbles, Tensor d, int n) -> Tensor", &block_q4_0_linear);
+  m.def("block_q5_0_linear(Tensor x, Tensor nibbles, Tensor fifth, Tensor d, int n) -> Tensor", &block_q5_0_linear);
   m.def("block_q4_k_linear(Tensor x, Tensor nibbles, Tensor sc, Tensor m, Tensor d, Tensor dmin, int n) -> Tensor", &block_q4_k_linear);
   m.def("block_q6_k_linear(Tensor x, Tensor nibbles, Tensor high, Tensor sc, Tensor d, int n) -> Tensor", &block_q6_k_linear);
   m.def("block_q8_0_linear(Tensor x, Tensor codes, Tensor d, int n) -> Tensor", &block_q8_0_linear);
