@@ -31,6 +31,8 @@ the metadata is read by :func:`.config.config_from_gguf`, and the tensors throug
 ``+1``, ``-exp(A_log)``, the squeezed conv, the value-head order), stacks each layer's
 ``ffn_gate_exps`` and ``ffn_up_exps`` into ``experts.gate_up_proj`` and maps the names
 (:func:`.gguf_weights.gguf_name_map`, MTP block included). docs/qwen3_5_moe.md, "From GGUF".
+A packed load (``--weights auto``) of a GGUF whose experts are quantized keeps each
+expert's blocks: :mod:`.packed_experts`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from lollm.load.tensor_parallel import Colwise, Reduce, Rowwise, Vocab
 
 from .config import Qwen3_5MoeConfig, config_from_gguf
 from .fused_experts import FusedExpertsSource
-from .gguf_weights import ConvertedGGUF, gguf_name_map
+from .gguf_weights import FUSED, ConvertedGGUF, gguf_name_map
+from .packed_experts import fill_experts, packable, with_expert_slots
 from .modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 #: Every tensor name of a text-only qwen3_5_moe checkpoint, experts fused (``{i}``: a layer index). Identity map.
@@ -231,5 +234,24 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5MoeForCausalLM:
     # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), with the MTP head when
     #    the checkpoint has one; compute RoPE's frequencies; stream the tensors in through the name
     #    map (packed where QUANTIZABLE and the options allow); lm_head shares the embedding when tied.
+    #    A packed GGUF load with quantized experts: each expert's blocks go into PackedExperts
+    #    slots after the stream, which skips the expert tensors.
+    blocks = config.num_hidden_layers + (config.mtp_num_hidden_layers if with_mtp else 0)
+    if fmt == "gguf" and options.quantization is not None and options.quantization.mode == "gguf" and packable(weights, blocks):
+        layout = dataclasses.replace(layout, name_maps={"gguf": _skipping_experts(layout.name_map(fmt))})
+        model = build_model(with_expert_slots(Qwen3_5MoeForCausalLM), config, weights, fmt, options, layout,
+                            tie=config.tie_word_embeddings, with_mtp=with_mtp)
+        fill_experts(model, weights, config)
+        return model
     return build_model(Qwen3_5MoeForCausalLM, config, weights, fmt, options, layout,
                        tie=config.tie_word_embeddings, with_mtp=with_mtp)
+
+
+def _skipping_experts(name_map):
+    """``name_map`` with the routed experts' tensors skipped (None): PackedExperts reads them itself."""
+    fused, down = FUSED.removeprefix("blk.{i}."), "ffn_down_exps.weight"
+
+    def skip(gguf_name: str):
+        return None if gguf_name.endswith((fused, down)) else name_map(gguf_name)
+
+    return skip
