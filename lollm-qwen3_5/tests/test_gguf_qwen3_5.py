@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,28 +60,47 @@ ROUNDED = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory, qwen_tokenizer_files):
-    """family -> folder: the tiny multimodal checkpoint (transformers' init, the reference checkpoint's
-    tie: 0.8B tied, 35B-A3B not) with an MTP head and the Qwen2.5 tokenizer."""
-    out = {}
-    for family in FAMILIES:
-        folder = tiny.write_tiny(family, "multimodal", tmp_path_factory.mktemp(f"{family}-src"), mtp=True, vocab_size=VOCAB)
-        for path in qwen_tokenizer_files[:2]:  # tokenizer.json, tokenizer_config.json
-            shutil.copy(path, folder / path.name)
-        out[family] = folder
-    return out
+def shared(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (the parent of the workers' temp folders),
+    so each checkpoint is written and each file converted once per run, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "qwen3_5-gguf"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _once(path: Path, make) -> Path:
+    """``make(tmp)`` then rename to ``path``, under a file lock, unless a worker already made it."""
+    from filelock import FileLock
+
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            tmp = path.with_name(path.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            make(tmp)
+            tmp.rename(path)
+    return path
 
 
 @pytest.fixture(scope="module")
-def gguf_file(sources, tmp_path_factory):
-    """``gguf_file(family, outtype)`` -> the converter's file (converted once per module)."""
-    made = {}
-    folder = tmp_path_factory.mktemp("converted")
+def sources(shared, qwen_tokenizer_files):
+    """family -> folder: the tiny multimodal checkpoint (transformers' init, the reference checkpoint's
+    tie: 0.8B tied, 35B-A3B not) with an MTP head and the Qwen2.5 tokenizer."""
 
-    def get(family: str, outtype: str):
-        if (family, outtype) not in made:
-            made[family, outtype] = convert_to_gguf(sources[family], folder / f"{family}-{outtype}.gguf", outtype)
-        return made[family, outtype]
+    def write(family: str, folder: Path) -> None:
+        tiny.write_tiny(family, "multimodal", folder, mtp=True, vocab_size=VOCAB)
+        for path in qwen_tokenizer_files[:2]:  # tokenizer.json, tokenizer_config.json
+            shutil.copy(path, folder / path.name)
+
+    return {family: _once(shared / f"{family}-src", lambda tmp, family=family: write(family, tmp)) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(sources, shared):
+    """``gguf_file(family, outtype)`` -> the converter's file (converted once per run)."""
+
+    def get(family: str, outtype: str) -> Path:
+        return _once(shared / f"{family}-{outtype}.gguf", lambda tmp: convert_to_gguf(sources[family], tmp, outtype))
 
     return get
 
