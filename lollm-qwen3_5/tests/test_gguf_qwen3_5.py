@@ -238,8 +238,9 @@ def test_f32_gguf_loads_the_safetensors_parameters(family, sources, gguf_file):
 
 @pytest.fixture(scope="module")
 def broken_moe_gguf(gguf_file, tmp_path_factory):
-    """``broken_moe_gguf(drop=..., cut=...)``: the converter's qwen3_5_moe f32 file, read by gguf-py and
-    written again without tensor ``drop`` or with the last expert of tensor ``cut`` removed.
+    """``broken_moe_gguf(drop=..., cut=..., flat=...)``: the converter's qwen3_5_moe f32 file, read by gguf-py
+    and written again without tensor ``drop``, with the last expert of tensor ``cut`` removed, or with
+    tensor ``flat`` flattened to 1-D.
 
     The tokenizer's keys are left out (gguf-py writes their 151,936 strings slowly, and the family's
     ``load`` does not read them); everything else is copied as it is.
@@ -249,8 +250,8 @@ def broken_moe_gguf(gguf_file, tmp_path_factory):
     reader = gguf.GGUFReader(str(gguf_file("qwen3_5_moe", "f32")))
     folder = tmp_path_factory.mktemp("broken")
 
-    def write(*, drop: str | None = None, cut: str | None = None):
-        path = folder / f"{drop or cut}.gguf"
+    def write(*, drop: str | None = None, cut: str | None = None, flat: str | None = None):
+        path = folder / f"{drop or cut or flat}.gguf"
         writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
         for field in reader.fields.values():
             if field.name.startswith(("GGUF.", "tokenizer.")) or field.name == "general.architecture":
@@ -259,7 +260,8 @@ def broken_moe_gguf(gguf_file, tmp_path_factory):
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
         for t in reader.tensors:
             if t.name != drop:
-                writer.add_tensor(t.name, (t.data[:-1] if t.name == cut else t.data).copy())  # numpy order: experts first
+                data = t.data[:-1] if t.name == cut else t.data.reshape(-1) if t.name == flat else t.data  # numpy order
+                writer.add_tensor(t.name, data.copy())
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -327,3 +329,17 @@ def test_packed_experts_keep_their_blocks_and_only_the_routed_ones_run(gguf_file
     print(f"\nqwen3_5_moe q8_0 packed experts vs float load: argmax {agree:.3f}, min cosine {cos:.6f}", end="")
     assert cos >= 0.999
     assert bool((got.argmax(-1) == want.argmax(-1))[margin > 0.05].all())
+
+
+def test_a_flat_shared_expert_gate_loads(broken_moe_gguf, gguf_file):
+    """llama-quantize writes ``ffn_gate_inp_shexp`` (ggml ne (C, 1)) as (C,): the same numbers, accepted."""
+    from lollm.gguf.reader import GGUFTensorSource
+    from lollm.testing.loading import load_with
+    from lollm_qwen3_5.qwen3_5_moe.weights import load
+
+    name = "blk.0.ffn_gate_inp_shexp.weight"
+    flat = GGUFTensorSource(broken_moe_gguf(flat=name))
+    assert flat.shape(name) == (64,)
+    model = load_with(load, flat.metadata, flat, "gguf")
+    whole = GGUFTensorSource(gguf_file("qwen3_5_moe", "f32"))
+    assert torch.equal(model.model.layers[0].mlp.shared_expert_gate.weight, whole.read(name))

@@ -21,7 +21,8 @@ value heads, when Hv != Hk      in_proj_qkv (v rows), in_proj_z,      reordered 
 ``blk.N.ffn_gate_exps``,          ``mlp.experts.gate_up_proj``          stacked (E, I, C) each, split from transformers'
 ``blk.N.ffn_up_exps``                                                 fused (E, 2I, C) -> concatenated again
 ``blk.N.ffn_down_exps``           ``mlp.experts.down_proj``             (E, C, I), as it is
-``blk.N.ffn_*_shexp``             ``mlp.shared_expert.*``, its gate     renamed only
+``blk.N.ffn_*_shexp``             ``mlp.shared_expert.*``, its gate     renamed only (llama-quantize writes the
+                                                                      gate (1, C) as (C,): unsqueezed)
 ``blk.L.*`` (L = layers)        ``mtp.layers.0.*``                    the MTP layer as one more block;
 ``blk.L.nextn.eh_proj`` ...     ``mtp.fc``, ``pre_fc_norm_*``,        ``nextn.*`` names (:data:`GGUF_MTP_NAMES`)
                                 ``mtp.norm``
@@ -232,6 +233,8 @@ class ConvertedGGUF:
             E, I, C = self._source.shape(self._parts(name)[0])
             return (E, 2 * I, C)
         shape = tuple(self._source.shape(name))
+        if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+            return (1, shape[0])  # llama-quantize drops ggml's trailing 1: (C,) for (1, C)
         return (shape[0], 1, shape[1]) if name.endswith("ssm_conv1d.weight") and len(shape) == 2 else shape
 
     def _rows(self, name: str) -> torch.Tensor | None:
@@ -261,6 +264,8 @@ class ConvertedGGUF:
             return torch.log(-tensor)  # ssm_a = -exp(A_log)
         if leaf == "ssm_conv1d.weight":
             return tensor.unsqueeze(1)  # (C, W) -> (C, 1, W)
+        if leaf == "ffn_gate_inp_shexp.weight" and tensor.dim() == 1:
+            return tensor.unsqueeze(0)  # llama-quantize writes the (1, C) shared-expert gate as (C,)
         if leaf.endswith("norm.weight") and leaf != "ssm_norm.weight":
             return tensor - 1.0  # stored 1 + w
         return tensor
