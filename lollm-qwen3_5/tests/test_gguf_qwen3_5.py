@@ -343,3 +343,45 @@ def test_a_flat_shared_expert_gate_loads(broken_moe_gguf, gguf_file):
     model = load_with(load, flat.metadata, flat, "gguf")
     whole = GGUFTensorSource(gguf_file("qwen3_5_moe", "f32"))
     assert torch.equal(model.model.layers[0].mlp.shared_expert_gate.weight, whole.read(name))
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"{arch}.rope.scaling.type": "yarn"}, "{arch}.rope.scaling.type"),  # a key the family does not implement
+    ({"{arch}.ssm.inner_size": 98}, "{arch}.ssm.inner_size"),  # not a multiple of Hv
+    ({"{arch}.full_attention_interval": 3}, "{arch}.full_attention_interval"),  # contradicts recurrent_layers
+    ({"{arch}.attention.recurrent_layers": [True] * 9}, "{arch}.attention.recurrent_layers"),  # an MTP block recurrent
+    ({"{arch}.block_count": None}, "{arch}.block_count"),  # missing
+])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bad_gguf_metadata_is_named(family, change, key, gguf_file):
+    """The converter's metadata with one key changed: ConfigError naming that key."""
+    import importlib
+
+    from lollm.errors import ConfigError
+    from lollm.gguf.reader import GGUFTensorSource
+
+    arch = ARCH[family]
+    source = GGUFTensorSource(gguf_file(family, "f32"))
+    metadata = dict(source.metadata)
+    for name, value in change.items():
+        name = name.format(arch=arch)
+        if value is None:
+            del metadata[name]
+        else:
+            metadata[name] = value
+    config_from_gguf = importlib.import_module(f"lollm_qwen3_5.{family}.config").config_from_gguf
+    with pytest.raises(ConfigError, match=re.escape(key.format(arch=arch))):
+        config_from_gguf(metadata, {n: source.shape(n) for n in source.names()})
+
+
+def test_two_mtp_layers_are_refused(gguf_file):
+    from lollm.errors import ConfigError
+    from lollm.gguf.reader import GGUFTensorSource
+    from lollm.testing.loading import load_with
+    from lollm_qwen3_5.qwen3_5.weights import load
+
+    source = GGUFTensorSource(gguf_file("qwen3_5", "f32"))
+    metadata = {**source.metadata, "qwen35.nextn_predict_layers": 2, "qwen35.block_count": 10,
+                "qwen35.attention.recurrent_layers": source.metadata["qwen35.attention.recurrent_layers"] + [False]}
+    with pytest.raises(ConfigError, match="nextn_predict_layers is 2"):
+        load_with(load, metadata, source, "gguf")

@@ -187,6 +187,9 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5ForCausalLM:
     #    model. GGUF: the tensors as transformers holds them (ConvertedGGUF), named per file.
     if fmt == "gguf":
         config = config_from_gguf(checkpoint.config, {name: weights.shape(name) for name in weights.names()})
+        if config.mtp_num_hidden_layers > 1:
+            raise ConfigError(f"qwen3_5: GGUF qwen35.nextn_predict_layers is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
         weights = ConvertedGGUF(weights, config)
         layout = dataclasses.replace(LAYOUT, name_maps={"gguf": gguf_name_map(config)},
                                      quantizable=weights.quantizable(QUANTIZABLE))
@@ -194,9 +197,9 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5ForCausalLM:
     else:
         config = Qwen3_5Config.from_hf(checkpoint.config)
         with_mtp = any(name.startswith("mtp.") for name in weights.names())
-    if with_mtp and config.mtp_num_hidden_layers != 1:
-        where = "GGUF qwen35.nextn_predict_layers" if fmt == "gguf" else "config.json 'mtp_num_hidden_layers'"
-        raise ConfigError(f"qwen3_5: {where} is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented")
+        if with_mtp and config.mtp_num_hidden_layers != 1:
+            raise ConfigError(f"qwen3_5: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.

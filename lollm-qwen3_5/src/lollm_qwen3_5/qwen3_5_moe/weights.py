@@ -215,6 +215,9 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5MoeForCausalLM:
     if fmt == "gguf":
         source = checkpoint.weights
         config = config_from_gguf(checkpoint.config, {name: source.shape(name) for name in source.names()})
+        if config.mtp_num_hidden_layers > 1:
+            raise ConfigError(f"qwen3_5_moe: GGUF qwen35moe.nextn_predict_layers is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
         weights = ConvertedGGUF(source, config)
         layout = dataclasses.replace(LAYOUT, name_maps={"gguf": gguf_name_map(config)},
                                      quantizable=weights.quantizable(QUANTIZABLE))
@@ -223,9 +226,9 @@ def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5MoeForCausalLM:
         config = Qwen3_5MoeConfig.from_hf(checkpoint.config)
         weights = FusedExpertsSource(checkpoint.weights, config.num_experts)
         with_mtp = any(name.startswith("mtp.") for name in weights.names())
-    if with_mtp and config.mtp_num_hidden_layers != 1:
-        where = "GGUF qwen35moe.nextn_predict_layers" if fmt == "gguf" else "config.json 'mtp_num_hidden_layers'"
-        raise ConfigError(f"qwen3_5_moe: {where} is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented")
+        if with_mtp and config.mtp_num_hidden_layers != 1:
+            raise ConfigError(f"qwen3_5_moe: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
