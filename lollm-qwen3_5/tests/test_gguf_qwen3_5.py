@@ -385,3 +385,20 @@ def test_two_mtp_layers_are_refused(gguf_file):
                 "qwen35.attention.recurrent_layers": source.metadata["qwen35.attention.recurrent_layers"] + [False]}
     with pytest.raises(ConfigError, match="nextn_predict_layers is 2"):
         load_with(load, metadata, source, "gguf")
+
+
+def test_packed_load_of_the_dense_q8_0_file(gguf_file):
+    """qwen3_5 with ``weights="auto"``: the projections keep the file's blocks, in_proj_qkv's and in_proj_z's rows
+    put back in transformers' order on the blocks (ConvertedGGUF.read_raw), out_proj float (its columns
+    were reordered). Bound as for the packed experts: cosine >= 0.999 against the float load of the file."""
+    path = gguf_file("qwen3_5", "q8_0")
+    floats = _ours(path)
+    packed = open_model(str(path), LoadOptions(device="cpu", dtype="float32", weights="auto")).model
+    mixer = packed.model.layers[0].linear_attn
+    assert not isinstance(mixer.in_proj_qkv, torch.nn.Linear) and not isinstance(mixer.in_proj_z, torch.nn.Linear)
+    assert isinstance(mixer.out_proj, torch.nn.Linear)
+    got, want = _logits(packed, PROMPT), _logits(floats, PROMPT)
+    agree, cos, margin = _compare(got, want)
+    print(f"\nqwen3_5 q8_0 packed vs float load: argmax {agree:.3f}, min cosine {cos:.6f}", end="")
+    assert cos >= 0.999
+    assert bool((got.argmax(-1) == want.argmax(-1))[margin > 0.05].all())

@@ -165,7 +165,7 @@ class ConvertedGGUF:
     fmt = "gguf"
 
     def __init__(self, source, config: Qwen3_5Config):
-        self._source, self._config = source, config
+        self._source = source
         present, expected = set(source.names()), expected_names(config)
         for name in sorted(expected - present, key=_natural):
             raise WeightsError(f"qwen3_5: the GGUF file has no tensor {name!r}")

@@ -182,7 +182,7 @@ class ConvertedGGUF:
     fmt = "gguf"
 
     def __init__(self, source, config: Qwen3_5MoeConfig):
-        self._source, self._config = source, config
+        self._source = source
         present, expected = set(source.names()), expected_names(config)
         for name in sorted(expected - present, key=_natural):
             raise WeightsError(f"qwen3_5_moe: the GGUF file has no tensor {name!r}")
