@@ -45,6 +45,7 @@ import torch
 
 import qwen3_5_tiny as tiny
 from conftest import convert_to_gguf
+from qwen3_5_tiny import REPO
 from lollm.errors import WeightsError
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
@@ -402,3 +403,18 @@ def test_packed_load_of_the_dense_q8_0_file(gguf_file):
     print(f"\nqwen3_5 q8_0 packed vs float load: argmax {agree:.3f}, min cosine {cos:.6f}", end="")
     assert cos >= 0.999
     assert bool((got.argmax(-1) == want.argmax(-1))[margin > 0.05].all())
+
+
+def test_the_files_tokenizer_gives_the_checkpoints_ids(sources, gguf_file):
+    """The tokenizer the converter wrote into the file (``tokenizer.ggml.*``, pre-tokenizer "qwen2") gives
+    the ids of the checkpoint's tokenizer.json (the tokenizers library) on lollm-core's held-in strings."""
+    import tokenizers
+
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    strings = json.loads((REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
+    ours = load_gguf_tokenizer(str(gguf_file("qwen3_5", "f32")))
+    theirs = tokenizers.Tokenizer.from_file(str(sources["qwen3_5"] / "tokenizer.json"))
+    assert len(strings) >= 20
+    for text in strings:
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False).ids, text
