@@ -109,7 +109,7 @@ def converter_script() -> Path:
     return script
 
 
-def convert_to_gguf(checkpoint: Path, out: Path, outtype: str) -> Path:
+def convert_with_llama_cpp(checkpoint: Path, out: Path, outtype: str) -> Path:
     """Run llama.cpp's converter on ``checkpoint`` (``--outtype`` f32 / f16 / bf16 / q8_0) into ``out``.
 
     A subprocess with the vendored gguf-py first on PYTHONPATH (and no ``NO_LOCAL_GGUF``, which
@@ -126,3 +126,9 @@ def convert_to_gguf(checkpoint: Path, out: Path, outtype: str) -> Path:
     if run.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py {checkpoint} --outtype {outtype} failed:\n{(run.stdout + run.stderr)[-3000:]}")
     return out
+
+
+@pytest.fixture(scope="session")
+def convert_to_gguf():
+    """``convert_to_gguf(checkpoint, out, outtype)``: :func:`convert_with_llama_cpp` (llama.cpp's own converter)."""
+    return convert_with_llama_cpp

