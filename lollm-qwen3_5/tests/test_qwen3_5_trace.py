@@ -5,7 +5,7 @@ byte-level tokenizer and the real Qwen3.5 chat template beside them). Besides wh
 every family gets, the Gated DeltaNet layers record their decay and write-strength
 gates and the size of their state, and the MoE layers the experts their router
 picked. The checks live in lollm.testing.trace_checks (shared by every family).
-(Neither family reads GGUF files, so there is no GGUF trace here: see test_weights.py.)
+(A GGUF loads the same parameters as safetensors, test_gguf_qwen3_5.py, so its trace is this one.)
 """
 
 from __future__ import annotations

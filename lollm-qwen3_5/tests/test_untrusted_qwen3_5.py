@@ -10,7 +10,7 @@ Two parts:
   added keys, at any depth, ``text_config`` and ``rope_parameters`` included), loads it against
   that checkpoint's real tensors and generates two tokens; :func:`lollm.testing.fuzz.check_clean`
   bounds each run's CPU time (5 s) and memory (4 GiB) and fails on any exception that is not a
-  LollmError. These families read no GGUF yet (a GGUF is refused by name). CI runs a fixed,
+  LollmError. (GGUF metadata: test_weights.py and test_gguf_qwen3_5.py.) CI runs a fixed,
   derandomized budget; ``nox -s fuzz`` runs many more random examples.
 """
 

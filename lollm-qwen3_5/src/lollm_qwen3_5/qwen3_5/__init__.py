@@ -14,8 +14,8 @@ shape it), then ``blocks.py`` (the layers the model calls), ``kv.py``,
 #: and the text-only decoder (``Qwen3_5ForCausalLM``).
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
-#: GGUF ``general.architecture`` llama.cpp writes for Qwen3.5 dense. Routed here
-#: only to say clearly that it is not supported yet (``weights.load`` raises).
+#: GGUF ``general.architecture`` llama.cpp's converter writes for Qwen3.5 dense (metadata:
+#: config.py ``config_from_gguf``; tensors: gguf_weights.py).
 GGUF_ARCHITECTURES = ("qwen35",)
 
 #: No generation_config.json of a Qwen3.5 checkpoint was available when this

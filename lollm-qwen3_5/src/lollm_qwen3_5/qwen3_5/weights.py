@@ -20,11 +20,16 @@ The family's declarations (name map, tied head, :data:`TP_PLAN`, :data:`QUANTIZA
 are data in :data:`LAYOUT`, read by :func:`lollm.load.build.build_model` (plugin contract 2,
 docs/plugins.md); :func:`load` parses the config, checks it and hands over.
 
-GGUF (llama.cpp's ``general.architecture = "qwen35"``) is not supported yet:
-``load`` refuses it with a ConfigError naming the architecture.
+GGUF (llama.cpp's ``general.architecture = "qwen35"``, as its converter writes it):
+the metadata is read by :func:`.config.config_from_gguf`, and the tensors through
+:class:`.gguf_weights.ConvertedGGUF`, which undoes the converter's changes (norms
+``+1``, ``-exp(A_log)``, the squeezed conv, the value-head order) and maps the names
+(:func:`.gguf_weights.gguf_name_map`, MTP block included). docs/qwen3_5.md, "From GGUF".
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from lollm.load.build import NameMap, WeightLayout, build_model
 from lollm.load.checks import tensor_table
@@ -33,7 +38,8 @@ from lollm.load.loader import Checkpoint
 from lollm.load.options import LoadOptions
 from lollm.load.tensor_parallel import Colwise, Rowwise, Vocab
 
-from .config import Qwen3_5Config
+from .config import Qwen3_5Config, config_from_gguf
+from .gguf_weights import ConvertedGGUF, gguf_name_map
 from .modeling_qwen3_5 import Qwen3_5ForCausalLM
 
 #: Every tensor name of a text-only qwen3_5 checkpoint (``{i}``: a layer index). Identity map.
@@ -150,7 +156,8 @@ TP_PLAN = {
 }
 
 
-#: Everything above, as the data lollm.load.build.build_model reads (safetensors only: GGUF is refused).
+#: Everything above, as the data lollm.load.build.build_model reads. A GGUF's name map depends on
+#: the number of layers (the MTP block follows them): :func:`load` adds it per file.
 LAYOUT = WeightLayout(
     name_maps={
         "safetensors": NameMap("qwen3_5", "safetensors", {**HF_NAMES, **LANGUAGE_MODEL_NAMES},
@@ -165,38 +172,41 @@ LAYOUT = WeightLayout(
 def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5ForCausalLM:
     """Build a qwen3_5 model from a checkpoint (the ``load`` of the qwen3_5 Family, plugin contract 2).
 
-    checkpoint: its ``config`` is config.json as a dict, its ``weights`` a TensorSource
-    keyed by the file's names, its ``fmt`` "safetensors" ("gguf" is refused).
-    options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this
-    rank's tensor-parallel group). Returns the model in eval mode, with the MTP head
-    when the checkpoint has ``mtp.*`` tensors.
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata), its
+    ``weights`` a TensorSource keyed by the file's names, its ``fmt`` "safetensors" or "gguf".
+    options: resolved :class:`LoadOptions` (device, dtype, what stays packed, this rank's
+    tensor-parallel group). Returns the model in eval mode, with the MTP head when the
+    checkpoint has one (``mtp.*`` tensors; GGUF: ``qwen35.nextn_predict_layers``).
 
-    Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
+    Raises ConfigError (config.json / GGUF metadata) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape), each naming the key or tensor.
     """
-    weights, fmt = checkpoint.weights, checkpoint.fmt
-    if fmt == "gguf":
-        arch = checkpoint.config.get("general.architecture", "qwen35")
-        raise ConfigError(
-            f"qwen3_5: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
-            f"tensor conversions are not written); use a safetensors checkpoint"
-        )
-    name_map = LAYOUT.name_map(fmt, "qwen3_5")
+    weights, fmt, layout = checkpoint.weights, checkpoint.fmt, LAYOUT
 
-    # 1. Parse config.json (either layout) into the numbers that shape the model.
-    config = Qwen3_5Config.from_hf(checkpoint.config)
-    with_mtp = any(name.startswith("mtp.") for name in weights.names())
-    if with_mtp and config.mtp_num_hidden_layers != 1:
-        raise ConfigError(
-            f"qwen3_5: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented"
-        )
+    # 1. Parse config.json (either layout) or the GGUF metadata into the numbers that shape the
+    #    model. GGUF: the tensors as transformers holds them (ConvertedGGUF), named per file.
+    if fmt == "gguf":
+        config = config_from_gguf(checkpoint.config, {name: weights.shape(name) for name in weights.names()})
+        if config.mtp_num_hidden_layers > 1:
+            raise ConfigError(f"qwen3_5: GGUF qwen35.nextn_predict_layers is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
+        weights = ConvertedGGUF(weights, config)
+        layout = dataclasses.replace(LAYOUT, name_maps={"gguf": gguf_name_map(config)},
+                                     quantizable=weights.quantizable(QUANTIZABLE))
+        with_mtp = config.mtp_num_hidden_layers > 0
+    else:
+        config = Qwen3_5Config.from_hf(checkpoint.config)
+        with_mtp = any(name.startswith("mtp.") for name in weights.names())
+        if with_mtp and config.mtp_num_hidden_layers != 1:
+            raise ConfigError(f"qwen3_5: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map))
+    config.check_weights(tensor_table(weights, layout.name_map(fmt, "qwen3_5")), fmt)
 
     # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), with the MTP head when
     #    the checkpoint has one; compute RoPE's frequencies; stream the tensors in through the name
     #    map (packed where QUANTIZABLE and the options allow); lm_head shares the embedding when tied.
-    return build_model(Qwen3_5ForCausalLM, config, weights, fmt, options, LAYOUT,
+    return build_model(Qwen3_5ForCausalLM, config, weights, fmt, options, layout,
                        tie=config.tie_word_embeddings, with_mtp=with_mtp)

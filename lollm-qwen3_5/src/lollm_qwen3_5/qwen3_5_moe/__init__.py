@@ -14,8 +14,8 @@ docs/qwen3_5_moe.md (the backbone is explained in docs/qwen3_5.md).
 #: wrapper (``Qwen3_5MoeForConditionalGeneration``) and the text-only decoder.
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
-#: GGUF ``general.architecture`` llama.cpp writes for Qwen3.5 MoE. Routed here
-#: only to say clearly that it is not supported yet (``weights.load`` raises).
+#: GGUF ``general.architecture`` llama.cpp's converter writes for Qwen3.5 MoE (metadata:
+#: config.py ``config_from_gguf``; tensors: gguf_weights.py).
 GGUF_ARCHITECTURES = ("qwen35moe",)
 
 #: No generation_config.json of a Qwen3.5 checkpoint was available when this

@@ -1,4 +1,4 @@
-"""Qwen3_5MoeConfig: the numbers that shape a qwen3_5_moe model, read from config.json.
+"""Qwen3_5MoeConfig: the numbers that shape a qwen3_5_moe model, read from config.json or GGUF metadata.
 
 A Qwen3.5 MoE config.json comes in two layouts, and both must load:
 
@@ -47,6 +47,10 @@ boolean), and an error names the file, the key and the value.
 :meth:`Qwen3_5MoeConfig.check_weights` then compares the sizes with the
 checkpoint's tensor table, so nothing is built that the weights do not back.
 
+A GGUF file written by llama.cpp's converter carries the same numbers as
+``qwen35moe.*`` metadata keys: :func:`config_from_gguf` reads them under the same
+rule (the table in its docstring; docs/qwen3_5_moe.md, "From GGUF").
+
 No torch here: a config is plain numbers.
 """
 
@@ -58,9 +62,9 @@ from typing import Any, Mapping
 from lollm.load.checks import (
     MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, ConfigReader, WeightTable, show,
 )
-from lollm.errors import WeightsError
+from lollm.errors import ConfigError, WeightsError
 
-from . import MODEL_TYPES
+from . import GGUF_ARCHITECTURES, MODEL_TYPES
 
 #: Keys a ``rope_parameters`` (or hub ``rope_scaling``) dict may hold.
 #: ``mrope_*`` only matter for image/video positions (see the module docstring).
@@ -213,15 +217,17 @@ class Qwen3_5MoeConfig:
             mtp_num_hidden_layers=read.integer("mtp_num_hidden_layers", default=1, at_most=MAX_LAYERS),
         )
 
-    def check_weights(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
         """Check the sizes against the checkpoint's tensor table, before any module is built.
 
         shapes: model tensor name -> shape (:func:`lollm.load.checks.tensor_table`; names and shapes
-        come from the file headers, no data is read). Raises ConfigError naming the key, its
-        value and what the weights hold; WeightsError naming a tensor the check needs that is
-        absent (an untied model without ``lm_head.weight`` included).
+        come from the file headers, no data is read); fmt: "safetensors" or "gguf", to name the
+        key as that file spells it. Raises ConfigError naming the key, its value and what the
+        weights hold; WeightsError naming a tensor the check needs that is absent (an untied
+        model without ``lm_head.weight`` included).
         """
-        table = WeightTable(shapes, "qwen3_5_moe: config.json")
+        gguf = fmt == "gguf"
+        table = WeightTable(shapes, f"qwen3_5_moe: {'GGUF metadata' if gguf else 'config.json'}", GGUF_FIELD_KEYS if gguf else None)
         table.layers("num_hidden_layers", self.num_hidden_layers, "model.layers.")
         table.size("vocab_size", self.vocab_size, "model.embed_tokens.weight", 0)
         table.size("hidden_size", self.hidden_size, "model.embed_tokens.weight", 1)
@@ -241,7 +247,7 @@ class Qwen3_5MoeConfig:
             table.size("linear_conv_kernel_dim", self.linear_conv_kernel_dim, f"model.layers.{i}.linear_attn.conv1d.weight", 2)
         if not self.tie_word_embeddings and "lm_head.weight" not in shapes:
             raise WeightsError(
-                "qwen3_5_moe: config.json says the output head is not tied to the embedding "
+                f"qwen3_5_moe: {'the GGUF file' if gguf else 'config.json'} says the output head is not tied to the embedding "
                 "('tie_word_embeddings' false), but the checkpoint has no tensor for 'lm_head.weight'"
             )
 
@@ -309,3 +315,203 @@ def _read_rope(read: ConfigReader) -> tuple[float, float]:
                f"'partial_rotary_factor' is {outer} at the top level but {inner} in {where!r}; cannot tell which one holds")
     factor = inner if inner is not None else outer if outer is not None else 0.25
     return (read.rope_theta("rope_theta") if theta is None else theta), factor
+
+
+# ---------------------------------------------------------------------------
+# GGUF: the same numbers, read from llama.cpp's metadata keys
+# ---------------------------------------------------------------------------
+
+#: The ``{arch}.*`` keys :func:`config_from_gguf` reads (``{arch}`` is ``general.architecture``,
+#: "qwen35moe"). Names as gguf-py spells them in ``gguf/constants.py`` (class ``Keys``); the converter
+#: writes them in ``conversion/qwen.py`` (``Qwen3NextModel.set_gguf_parameters``, ``Qwen2MoeModel``,
+#: ``_QwenMtpMixin``, ``_Qwen35MRopeMixin``) on top of ``conversion/base.py`` ``TextModel.set_gguf_parameters``.
+GGUF_ARCH_KEYS_READ = (
+    "block_count",                      # Keys.LLM.BLOCK_COUNT: decoder layers + MTP layers
+    "nextn_predict_layers",             # Keys.LLM.NEXTN_PREDICT_LAYERS: MTP layers (absent: 0)
+    "context_length",                   # -> max_position_embeddings
+    "embedding_length",                 # -> hidden_size
+    "expert_count",                     # -> num_experts
+    "expert_used_count",                # -> num_experts_per_tok
+    "expert_feed_forward_length",       # -> moe_intermediate_size
+    "expert_shared_feed_forward_length",  # -> shared_expert_intermediate_size
+    "vocab_size",                       # optional; checked against token_embd.weight
+    "attention.head_count",             # -> num_attention_heads
+    "attention.head_count_kv",          # -> num_key_value_heads (absent: = head_count)
+    "attention.key_length",             # -> head_dim
+    "attention.value_length",           # must equal head_dim
+    "attention.layer_norm_rms_epsilon", # -> rms_norm_eps
+    "attention.recurrent_layers",       # per block, True for a Gated DeltaNet layer -> layer_types
+    "full_attention_interval",          # must agree with recurrent_layers
+    "rope.freq_base",                   # -> rope_theta
+    "rope.dimension_count",             # -> rotary_dim (head_dim * partial_rotary_factor)
+    "rope.dimension_sections",          # M-RoPE sections: text-only, so read and ignored (module docstring)
+    "ssm.conv_kernel",                  # -> linear_conv_kernel_dim
+    "ssm.state_size",                   # -> linear_key_head_dim
+    "ssm.group_count",                  # -> linear_num_key_heads
+    "ssm.time_step_rank",               # -> linear_num_value_heads
+    "ssm.inner_size",                   # -> linear_num_value_heads * linear_value_head_dim
+)
+
+#: Config fields -> the GGUF keys they come from, for error messages.
+GGUF_FIELD_KEYS = {
+    "num_hidden_layers": "qwen35moe.block_count - qwen35moe.nextn_predict_layers",
+    "vocab_size": "token_embd.weight rows",
+    "hidden_size": "qwen35moe.embedding_length",
+    "num_experts": "qwen35moe.expert_count",
+    "moe_intermediate_size": "qwen35moe.expert_feed_forward_length",
+    "shared_expert_intermediate_size": "qwen35moe.expert_shared_feed_forward_length",
+    "num_attention_heads": "qwen35moe.attention.head_count",
+    "num_key_value_heads": "qwen35moe.attention.head_count_kv",
+    "head_dim": "qwen35moe.attention.key_length",
+    "linear_num_value_heads": "qwen35moe.ssm.time_step_rank",
+    "linear_value_head_dim": "qwen35moe.ssm.inner_size / qwen35moe.ssm.time_step_rank",
+    "linear_conv_kernel_dim": "qwen35moe.ssm.conv_kernel",
+}
+
+
+def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]]) -> Qwen3_5MoeConfig:
+    """Build a :class:`Qwen3_5MoeConfig` from a GGUF file's metadata (llama.cpp's keys, ``{arch}`` = ``qwen35moe``).
+
+    ====================================  =================================================
+    GGUF key                              Qwen3_5MoeConfig field
+    ====================================  =================================================
+    {arch}.block_count                    num_hidden_layers + the MTP layers
+    {arch}.nextn_predict_layers           mtp_num_hidden_layers (absent: 0, no MTP head)
+    {arch}.context_length                 max_position_embeddings
+    {arch}.embedding_length               hidden_size
+    {arch}.expert_count                   num_experts
+    {arch}.expert_used_count              num_experts_per_tok
+    {arch}.expert_feed_forward_length     moe_intermediate_size
+    {arch}.expert_shared_feed_forward_length  shared_expert_intermediate_size
+    {arch}.attention.head_count(_kv)      num_attention_heads, num_key_value_heads
+    {arch}.attention.key_length           head_dim (value_length must be equal)
+    {arch}.attention.layer_norm_rms_epsilon  rms_norm_eps (stored as a float32)
+    {arch}.attention.recurrent_layers     layer_types (True: "linear_attention")
+    {arch}.full_attention_interval        must agree with recurrent_layers
+    {arch}.rope.freq_base                 rope_theta
+    {arch}.rope.dimension_count           rotary_dim
+    {arch}.rope.dimension_sections        M-RoPE sections: ignored for text
+    {arch}.ssm.conv_kernel                linear_conv_kernel_dim
+    {arch}.ssm.state_size                 linear_key_head_dim
+    {arch}.ssm.group_count                linear_num_key_heads
+    {arch}.ssm.time_step_rank             linear_num_value_heads
+    {arch}.ssm.inner_size                 linear_num_value_heads * linear_value_head_dim
+    tokenizer.ggml.eos_token_id           eos_token_ids
+    ====================================  =================================================
+
+    The converter writes no key for ``norm_topk_prob``: every Qwen3.5 MoE release and
+    transformers' Qwen3.5 MoE normalise the picked experts' weights, and so does llama.cpp's
+    qwen35moe graph, so it is True.
+
+    ``tensor_shapes`` (GGUF tensor name -> shape in PyTorch order) gives what the metadata
+    does not: the vocabulary (rows of ``token_embd.weight``), tied embeddings (no
+    ``output.weight``) and ``attention_bias`` (``attn_q.bias`` present). Hard-fail: a required
+    key missing, or any other ``{arch}.*`` key (it could change the math), raises ConfigError
+    naming it; ``general.*`` and ``tokenizer.*`` (read by :mod:`lollm.tokenizer`) are not ours.
+    """
+    read, key = _gguf_reader(metadata, "qwen3_5_moe")
+    blocks = read.positive_int(key("block_count"), at_most=MAX_LAYERS)
+    mtp = read.integer(key("nextn_predict_layers"), default=0, at_most=MAX_LAYERS)
+    read.check(mtp < blocks, f"{key('nextn_predict_layers')!r} ({mtp}) leaves no decoder layer of {key('block_count')!r} ({blocks})")
+    num_layers = blocks - mtp
+    hidden = read.positive_int(key("embedding_length"), at_most=MAX_WIDTH)
+    heads = read.positive_int(key("attention.head_count"), at_most=MAX_HEADS)
+    kv_heads = read.positive_int(key("attention.head_count_kv"), default=heads, at_most=heads)
+    read.check(heads % kv_heads == 0, f"{key('attention.head_count')!r} ({heads}) is not a multiple of {key('attention.head_count_kv')!r} ({kv_heads})")
+    head_dim = read.positive_int(key("attention.key_length"), at_most=MAX_WIDTH)
+    value_length = read.positive_int(key("attention.value_length"), default=head_dim, at_most=MAX_WIDTH)
+    read.check(value_length == head_dim, f"{key('attention.value_length')!r} ({value_length}) differs from {key('attention.key_length')!r} ({head_dim})")
+    rotary_dim = read.positive_int(key("rope.dimension_count"), at_most=head_dim)
+    read.check(rotary_dim % 2 == 0, f"{key('rope.dimension_count')!r} is {rotary_dim}; RoPE needs an even number of channels")
+    read.value(key("rope.dimension_sections"), None)  # M-RoPE's sections: for text every section turns alike
+    k_heads, v_heads, v_dim = _gguf_delta_net(read, key)
+    layer_types = _gguf_layer_types(read, key, blocks, num_layers)
+    experts = read.positive_int(key("expert_count"), at_most=MAX_HEADS)
+    first_full = layer_types.index("full_attention") if "full_attention" in layer_types else num_layers
+    return Qwen3_5MoeConfig(
+        vocab_size=_gguf_vocab(read, key, metadata, tensor_shapes, "qwen3_5_moe"),
+        hidden_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=read.positive_int(key("expert_used_count"), at_most=experts),
+        moe_intermediate_size=read.positive_int(key("expert_feed_forward_length"), at_most=MAX_WIDTH),
+        shared_expert_intermediate_size=read.positive_int(key("expert_shared_feed_forward_length"), at_most=MAX_WIDTH),
+        norm_topk_prob=True,
+        num_hidden_layers=num_layers,
+        layer_types=layer_types,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        attention_bias=f"blk.{first_full}.attn_q.bias" in tensor_shapes,  # the converter keeps biases when there are any
+        rotary_dim=rotary_dim,
+        rope_theta=read.rope_theta(key("rope.freq_base")),
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=read.positive_int(key("ssm.state_size"), at_most=MAX_WIDTH),
+        linear_value_head_dim=v_dim,
+        linear_conv_kernel_dim=read.positive_int(key("ssm.conv_kernel"), at_most=MAX_WIDTH),
+        max_position_embeddings=read.positive_int(key("context_length"), at_most=MAX_CONTEXT),
+        rms_norm_eps=read.number(key("attention.layer_norm_rms_epsilon"), above=0.0, at_most=1.0),
+        # llama.cpp's converter writes no output.weight when lm_head is tied to the embedding
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        eos_token_ids=read.token_ids("tokenizer.ggml.eos_token_id"),
+        mtp_num_hidden_layers=mtp,
+    )
+
+
+def _gguf_reader(metadata: dict[str, Any], family: str):
+    """A reader of the metadata and ``key(name) -> "{arch}.name"``; ConfigError for another
+    architecture or for any ``{arch}.*`` key not in :data:`GGUF_ARCH_KEYS_READ`."""
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{family}: GGUF general.architecture is {show(arch)}, expected one of {GGUF_ARCHITECTURES}")
+    known = {f"{arch}.{k}" for k in GGUF_ARCH_KEYS_READ}
+    unknown = sorted(k for k in metadata if k.startswith(f"{arch}.") and k not in known)
+    if unknown:
+        raise ConfigError(f"{family}: the GGUF metadata has {unknown[0]!r}, which this family does not implement"
+                          + (f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""))
+    return ConfigReader(metadata, f"{family}: GGUF metadata"), lambda name: f"{arch}.{name}"
+
+
+def _gguf_delta_net(read: ConfigReader, key) -> tuple[int, int, int]:
+    """(linear_num_key_heads, linear_num_value_heads, linear_value_head_dim) from the ``ssm.*`` keys."""
+    k_heads = read.positive_int(key("ssm.group_count"), at_most=MAX_HEADS)
+    v_heads = read.positive_int(key("ssm.time_step_rank"), at_most=MAX_HEADS)
+    read.check(v_heads % k_heads == 0, f"{key('ssm.time_step_rank')!r} ({v_heads}) is not a multiple of {key('ssm.group_count')!r} ({k_heads})")
+    inner = read.positive_int(key("ssm.inner_size"), at_most=MAX_WIDTH * MAX_HEADS)
+    read.check(inner % v_heads == 0, f"{key('ssm.inner_size')!r} ({inner}) is not a multiple of {key('ssm.time_step_rank')!r} ({v_heads})")
+    return k_heads, v_heads, inner // v_heads
+
+
+def _gguf_layer_types(read: ConfigReader, key, blocks: int, num_layers: int) -> tuple[str, ...]:
+    """``layer_types`` from ``attention.recurrent_layers`` (one bool per block, MTP blocks included).
+
+    The converter writes the list from config.json's ``layer_types`` and pads the MTP
+    blocks with False (full attention); without the list, ``full_attention_interval``
+    says it as in config.json (layer i is full when (i + 1) % n == 0).
+    """
+    interval = read.positive_int(key("full_attention_interval"), default=None, at_most=MAX_LAYERS)
+    recurrent = read.value(key("attention.recurrent_layers"), None)
+    if recurrent is None:
+        read.check(interval is not None, f"has neither {key('attention.recurrent_layers')!r} nor {key('full_attention_interval')!r}")
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+    read.check(isinstance(recurrent, list) and len(recurrent) == blocks and all(isinstance(r, bool) for r in recurrent),
+               f"{key('attention.recurrent_layers')!r} is {show(recurrent)}; expected {blocks} booleans (one per block)")
+    read.check(not any(recurrent[num_layers:]), f"{key('attention.recurrent_layers')!r} marks an MTP block as recurrent")
+    types = tuple("linear_attention" if r else "full_attention" for r in recurrent[:num_layers])
+    from_interval = tuple("full_attention" if (i + 1) % (interval or 1) == 0 else "linear_attention" for i in range(num_layers))
+    read.check(interval is None or types == from_interval,
+               f"{key('attention.recurrent_layers')!r} does not match {key('full_attention_interval')!r} ({interval})")
+    return types
+
+
+def _gguf_vocab(read: ConfigReader, key, metadata: dict[str, Any], shapes: Mapping[str, tuple[int, ...]], family: str) -> int:
+    """The vocabulary: the embedding's rows (a converter may pad them), checked against the metadata."""
+    if "token_embd.weight" not in shapes:
+        raise WeightsError(f"{family}: the GGUF file has no tensor 'token_embd.weight'")
+    vocab = shapes["token_embd.weight"][0]
+    declared = read.positive_int(key("vocab_size"), default=None, at_most=MAX_VOCAB)
+    read.check(declared is None or declared == vocab, f"{key('vocab_size')!r} is {declared}, but token_embd.weight has {vocab} rows")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    read.check(not isinstance(tokens, list) or len(tokens) <= vocab,
+               f"has {len(tokens) if isinstance(tokens, list) else 0} tokenizer tokens, more than the {vocab} embedding rows")
+    return vocab

@@ -25,11 +25,19 @@ The family's declarations (name map, tied head, :data:`TP_PLAN`, :data:`QUANTIZA
 are data in :data:`LAYOUT`, read by :func:`lollm.load.build.build_model` (plugin contract 2,
 docs/plugins.md); :func:`load` parses the config, checks it and hands over.
 
-GGUF (llama.cpp's ``general.architecture = "qwen35moe"``) is not supported yet:
-``load`` refuses it with a ConfigError naming the architecture.
+GGUF (llama.cpp's ``general.architecture = "qwen35moe"``, as its converter writes it):
+the metadata is read by :func:`.config.config_from_gguf`, and the tensors through
+:class:`.gguf_weights.ConvertedGGUF`, which undoes the converter's changes (norms
+``+1``, ``-exp(A_log)``, the squeezed conv, the value-head order), stacks each layer's
+``ffn_gate_exps`` and ``ffn_up_exps`` into ``experts.gate_up_proj`` and maps the names
+(:func:`.gguf_weights.gguf_name_map`, MTP block included). docs/qwen3_5_moe.md, "From GGUF".
+A packed load (``--weights auto``) of a GGUF whose experts are quantized keeps each
+expert's blocks: :mod:`.packed_experts`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from lollm.load.build import NameMap, WeightLayout, build_model
 from lollm.load.checks import tensor_table
@@ -38,8 +46,10 @@ from lollm.load.loader import Checkpoint
 from lollm.load.options import LoadOptions
 from lollm.load.tensor_parallel import Colwise, Reduce, Rowwise, Vocab
 
-from .config import Qwen3_5MoeConfig
+from .config import Qwen3_5MoeConfig, config_from_gguf
 from .fused_experts import FusedExpertsSource
+from .gguf_weights import FUSED, ConvertedGGUF, gguf_name_map
+from .packed_experts import fill_experts, packable, with_expert_slots
 from .modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 #: Every tensor name of a text-only qwen3_5_moe checkpoint, experts fused (``{i}``: a layer index). Identity map.
@@ -171,7 +181,8 @@ TP_PLAN = {
 }
 
 
-#: Everything above, as the data lollm.load.build.build_model reads (safetensors only: GGUF is refused).
+#: Everything above, as the data lollm.load.build.build_model reads. A GGUF's name map depends on
+#: the number of layers (the MTP block follows them): :func:`load` adds it per file.
 LAYOUT = WeightLayout(
     name_maps={
         "safetensors": NameMap("qwen3_5_moe", "safetensors", {**HF_NAMES, **LANGUAGE_MODEL_NAMES},
@@ -186,40 +197,64 @@ LAYOUT = WeightLayout(
 def load(checkpoint: Checkpoint, options: LoadOptions) -> Qwen3_5MoeForCausalLM:
     """Build a qwen3_5_moe model from a checkpoint (the ``load`` of the qwen3_5_moe Family, plugin contract 2).
 
-    checkpoint: its ``config`` is config.json as a dict, its ``weights`` a TensorSource
-    keyed by the file's names (experts per expert or fused), its ``fmt`` "safetensors"
-    ("gguf" is refused). options: resolved :class:`LoadOptions` (device, dtype, what
-    stays packed, this rank's tensor-parallel group). Returns the model in eval mode,
-    with the MTP head when the checkpoint has ``mtp.*`` tensors.
+    checkpoint: its ``config`` is config.json as a dict (for "gguf": the file's metadata), its
+    ``weights`` a TensorSource keyed by the file's names (experts per expert or fused), its
+    ``fmt`` "safetensors" or "gguf". options: resolved :class:`LoadOptions` (device, dtype,
+    what stays packed, this rank's tensor-parallel group). Returns the model in eval mode,
+    with the MTP head when the checkpoint has one (``mtp.*`` tensors; GGUF:
+    ``qwen35moe.nextn_predict_layers``).
 
-    Raises ConfigError (config.json, GGUF) and WeightsError (a tensor missing,
+    Raises ConfigError (config.json / GGUF metadata) and WeightsError (a tensor missing,
     unexpected, or of the wrong shape, an expert missing), each naming the key or tensor.
     """
-    fmt = checkpoint.fmt
-    if fmt == "gguf":
-        arch = checkpoint.config.get("general.architecture", "qwen35moe")
-        raise ConfigError(
-            f"qwen3_5_moe: GGUF architecture {arch!r} is not supported yet (the GGUF name map and the DeltaNet "
-            f"tensor conversions are not written); use a safetensors checkpoint"
-        )
-    name_map = LAYOUT.name_map(fmt, "qwen3_5_moe")
+    fmt, layout = checkpoint.fmt, LAYOUT
 
-    # 1. Parse config.json (either layout) into the numbers that shape the model;
-    #    present per-expert tensors as the fused ones the model holds.
-    config = Qwen3_5MoeConfig.from_hf(checkpoint.config)
-    weights = FusedExpertsSource(checkpoint.weights, config.num_experts)
-    with_mtp = any(name.startswith("mtp.") for name in weights.names())
-    if with_mtp and config.mtp_num_hidden_layers != 1:
-        raise ConfigError(
-            f"qwen3_5_moe: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; an MTP head of one layer is implemented"
-        )
+    # 1. Parse config.json (either layout) or the GGUF metadata into the numbers that shape the
+    #    model; present the experts as the fused tensors the model holds. GGUF: the tensors as
+    #    transformers holds them (ConvertedGGUF), named per file.
+    if fmt == "gguf":
+        source = checkpoint.weights
+        config = config_from_gguf(checkpoint.config, {name: source.shape(name) for name in source.names()})
+        if config.mtp_num_hidden_layers > 1:
+            raise ConfigError(f"qwen3_5_moe: GGUF qwen35moe.nextn_predict_layers is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
+        weights = ConvertedGGUF(source, config)
+        layout = dataclasses.replace(LAYOUT, name_maps={"gguf": gguf_name_map(config)},
+                                     quantizable=weights.quantizable(QUANTIZABLE))
+        with_mtp = config.mtp_num_hidden_layers > 0
+    else:
+        config = Qwen3_5MoeConfig.from_hf(checkpoint.config)
+        weights = FusedExpertsSource(checkpoint.weights, config.num_experts)
+        with_mtp = any(name.startswith("mtp.") for name in weights.names())
+        if with_mtp and config.mtp_num_hidden_layers != 1:
+            raise ConfigError(f"qwen3_5_moe: config.json 'mtp_num_hidden_layers' is {config.mtp_num_hidden_layers}; "
+                              f"an MTP head of one layer is implemented")
 
     # 2. Check those numbers against the tensor table (names and shapes from the file headers,
     #    no data read): nothing is built that the weight files do not back.
-    config.check_weights(tensor_table(weights, name_map))
+    config.check_weights(tensor_table(weights, layout.name_map(fmt, "qwen3_5_moe")), fmt)
 
     # 3. Build on the meta device (this rank's share under --tp: TP_PLAN), with the MTP head when
     #    the checkpoint has one; compute RoPE's frequencies; stream the tensors in through the name
     #    map (packed where QUANTIZABLE and the options allow); lm_head shares the embedding when tied.
-    return build_model(Qwen3_5MoeForCausalLM, config, weights, fmt, options, LAYOUT,
+    #    A packed GGUF load with quantized experts: each expert's blocks go into PackedExperts
+    #    slots after the stream, which skips the expert tensors.
+    blocks = config.num_hidden_layers + (config.mtp_num_hidden_layers if with_mtp else 0)
+    if fmt == "gguf" and options.quantization is not None and options.quantization.mode == "gguf" and packable(weights, blocks):
+        layout = dataclasses.replace(layout, name_maps={"gguf": _skipping_experts(layout.name_map(fmt))})
+        model = build_model(with_expert_slots(Qwen3_5MoeForCausalLM), config, weights, fmt, options, layout,
+                            tie=config.tie_word_embeddings, with_mtp=with_mtp)
+        fill_experts(model, weights, config)
+        return model
+    return build_model(Qwen3_5MoeForCausalLM, config, weights, fmt, options, layout,
                        tie=config.tie_word_embeddings, with_mtp=with_mtp)
+
+
+def _skipping_experts(name_map):
+    """``name_map`` with the routed experts' tensors skipped (None): PackedExperts reads them itself."""
+    fused, down = FUSED.removeprefix("blk.{i}."), "ffn_down_exps.weight"
+
+    def skip(gguf_name: str):
+        return None if gguf_name.endswith((fused, down)) else name_map(gguf_name)
+
+    return skip
