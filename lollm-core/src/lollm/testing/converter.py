@@ -1,0 +1,357 @@
+"""llama.cpp's own converter and runtime, as a reference for lollm's GGUF readers.
+
+A GGUF test that writes its own files "the converter's way" proves little: a
+misread tensor name or transform sits in the writer and the reader alike. This
+module runs the real thing instead:
+
+* :func:`converter_source` finds llama.cpp's sources, vendored in the pinned
+  llama-cpp-python source distribution (:data:`LLAMA_CPP_PYTHON`): the folder in
+  ``$LOLLM_LLAMA_CPP_SRC``, else ``pip download`` fetches the sdist once into the
+  cache (``$LOLLM_CACHE`` or ``~/.cache/lollm``, folder ``llama-cpp-src``) and the
+  converter, its ``conversion/`` package and gguf-py are unpacked from it;
+* :func:`convert` runs ``convert_hf_to_gguf.py`` on a checkpoint folder as a
+  child process (pure Python: torch, numpy, transformers, sentencepiece), with the
+  vendored gguf-py first on PYTHONPATH so that the converter and its gguf-py are
+  of the same commit;
+* :func:`quantize` makes K-quant files (Q4_K_M, Q6_K) with the *compiled*
+  llama.cpp: llama-cpp-python's ``llama_model_quantize``, or the ``llama-quantize``
+  program; :func:`llama_cpp_logits` runs a file in llama.cpp's runtime through
+  llama-cpp-python (``logits_all``). Both need the long compile of the ``bench``
+  extra; they raise :class:`ConverterError` naming what is missing.
+
+The comparisons (:func:`agreement`) are position by position, as the parity gate's:
+argmax agreement, the smallest cosine (computed in float64), the largest |difference|.
+docs/gguf.md, "Proven by llama.cpp's converter and runtime", lists the figures.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+#: The pinned source distribution that vendors llama.cpp (converter, gguf-py, C++ sources).
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+#: ``--outtype`` values of convert_hf_to_gguf.py that the pure-Python converter writes.
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+#: K-quant file types that only the compiled llama.cpp writes (:func:`quantize`).
+KQUANTS = ("Q4_K_M", "Q6_K")
+#: What :func:`converter_source` unpacks from the sdist (below ``vendor/llama.cpp/``).
+_UNPACKED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+class ConverterError(RuntimeError):
+    """llama.cpp's converter, quantizer or runtime failed or is missing; the message says which and why."""
+
+
+def converter_source() -> Path:
+    """The root of the unpacked pinned sdist (it holds ``vendor/llama.cpp/convert_hf_to_gguf.py``).
+
+    ``$LOLLM_LLAMA_CPP_SRC`` when set (a folder, e.g. a full unpacked sdist), else
+    ``<cache>/llama-cpp-src/llama_cpp_python-<version>/``, fetched and unpacked on first use.
+    """
+    given = os.environ.get("LOLLM_LLAMA_CPP_SRC")
+    if given:
+        root = Path(given)
+        if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+            raise ConverterError(f"LOLLM_LLAMA_CPP_SRC={given}: no vendor/llama.cpp/convert_hf_to_gguf.py there")
+        return root
+    from lollm.cli.real_models import _one_writer, cache_dir
+
+    folder = cache_dir() / "llama-cpp-src"
+    name, version = LLAMA_CPP_PYTHON.split("==")
+    root = folder / f"{name.replace('-', '_')}-{version}"
+    done = root / ".unpacked"
+    if not done.exists():
+        with _one_writer(folder, "sdist"):  # parallel test workers wait for the first one
+            if not done.exists():
+                _fetch_and_unpack(folder, root)
+                done.write_text(LLAMA_CPP_PYTHON + "\n", encoding="utf-8")
+    return root
+
+
+def _fetch_and_unpack(folder: Path, root: Path) -> None:
+    """``pip download`` the sdist into ``folder``; unpack the converter, conversion/ and gguf-py to ``root``."""
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+               "-d", tmp, LLAMA_CPP_PYTHON]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = list(Path(tmp).glob("*.tar.gz"))
+        if done.returncode or len(sdists) != 1:
+            raise ConverterError(f"could not fetch the {LLAMA_CPP_PYTHON} sdist ({' '.join(cmd)}): {_tail(done.stderr)}")
+        prefix = f"{root.name}/vendor/llama.cpp/"
+        with tarfile.open(sdists[0]) as sdist:
+            members = [m for m in sdist.getmembers()
+                       if m.name.startswith(prefix) and m.name[len(prefix):].startswith(_UNPACKED)]
+            if not any(m.name == prefix + "convert_hf_to_gguf.py" for m in members):
+                raise ConverterError(f"{sdists[0].name} has no {prefix}convert_hf_to_gguf.py")
+            shutil.rmtree(root, ignore_errors=True)
+            sdist.extractall(folder, members=members, filter="data")
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str) -> Path:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` on ``checkpoint_dir`` (config.json, safetensors, tokenizer files).
+
+    outtype: one of :data:`OUTTYPES`. Returns ``out_path``. ConverterError, with the tail
+    of the converter's stderr, when it fails.
+    """
+    if outtype not in OUTTYPES:
+        raise ConverterError(f"outtype {outtype!r}: the converter writes {', '.join(OUTTYPES)} (K-quants: quantize())")
+    llama = converter_source() / "vendor" / "llama.cpp"
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NO_LOCAL_GGUF", None)  # the converter then puts its own gguf-py first as well
+    cmd = [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint_dir), "--outfile", str(out_path),
+           "--outtype", outtype]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode or not out_path.is_file():
+        raise ConverterError(f"convert_hf_to_gguf.py --outtype {outtype} failed on {checkpoint_dir} "
+                             f"(exit {done.returncode}):\n{_tail(done.stderr)}")
+    return out_path
+
+
+def _llama_cpp():
+    """llama-cpp-python, or ConverterError saying how to get it."""
+    try:
+        import llama_cpp
+    except (ImportError, OSError) as exc:
+        raise ConverterError(f"llama-cpp-python is not importable ({type(exc).__name__}: {exc}); install the compiled "
+                             f"llama.cpp with pip install 'lollm-core[bench]' ({LLAMA_CPP_PYTHON}, a long compile), or "
+                             "point PYTHONPATH and LLAMA_CPP_LIB_PATH at a build") from None
+    return llama_cpp
+
+
+def _quantize_program() -> str | None:
+    """The ``llama-quantize`` program: in $LLAMA_CPP_LIB_PATH (a llama.cpp build/bin) or on PATH."""
+    lib = os.environ.get("LLAMA_CPP_LIB_PATH")
+    if lib and (Path(lib) / "llama-quantize").is_file():
+        return str(Path(lib) / "llama-quantize")
+    return shutil.which("llama-quantize")
+
+
+def quantize(src_gguf: str | Path, out: str | Path, kind: str) -> Path:
+    """``src_gguf`` (an F32/F16/BF16 file) quantized by the compiled llama.cpp to ``kind`` (:data:`KQUANTS`).
+
+    Through llama-cpp-python's ``llama_model_quantize`` when it imports, else the
+    ``llama-quantize`` program; ConverterError naming both when neither is there.
+    """
+    if kind not in KQUANTS:
+        raise ConverterError(f"quantize kind {kind!r}: one of {', '.join(KQUANTS)}")
+    out = Path(out)
+    try:
+        llama_cpp = _llama_cpp()
+    except ConverterError as missing:
+        program = _quantize_program()
+        if program is None:
+            raise ConverterError(f"cannot quantize to {kind}: {missing}; and no llama-quantize program "
+                                 "(not in $LLAMA_CPP_LIB_PATH, not on PATH)") from None
+        done = subprocess.run([program, str(src_gguf), str(out), kind], capture_output=True, text=True)
+        if done.returncode:
+            raise ConverterError(f"{program} {src_gguf} {kind} failed:\n{_tail(done.stderr)}") from None
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    code = llama_cpp.llama_model_quantize(str(src_gguf).encode(), str(out).encode(), ctypes.byref(params))
+    if code != 0 or not out.is_file():
+        raise ConverterError(f"llama_model_quantize({src_gguf}, {kind}) returned {code}")
+    return out
+
+
+def llama_cpp_logits(gguf: str | Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits on ``gguf`` for every position of ``ids``: ``(T, vocab)`` float32.
+
+    One ``eval`` of the whole prompt by llama-cpp-python with ``logits_all=True``, on the CPU.
+    """
+    llama_cpp = _llama_cpp()
+    model = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(64, len(ids)), n_batch=max(64, len(ids)),
+                            logits_all=True, n_gpu_layers=0, n_threads=1, verbose=False)
+    try:
+        model.eval(ids)
+        return torch.from_numpy(model.scores[: len(ids)].copy()).float()
+    finally:
+        model.close()
+
+
+# --------------------------------------------------------------------- comparisons
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Two ``(T, vocab)`` logit tensors, position by position."""
+
+    positions: int
+    argmax_agree: int
+    min_cosine: float
+    max_abs_diff: float
+
+    def line(self) -> str:
+        return (f"argmax {self.argmax_agree}/{self.positions}, min cosine {self.min_cosine:.6f}, "
+                f"max |diff| {self.max_abs_diff:.3g}")
+
+
+def agreement(ours: torch.Tensor, ref: torch.Tensor) -> Agreement:
+    """Argmax agreement, smallest cosine (float64: float32 rounding alone moves a long dot product) and
+    largest |difference| of ``ours`` and ``ref``, both ``(T, vocab)``."""
+    if ours.shape != ref.shape:
+        raise ConverterError(f"logit shapes differ: {tuple(ours.shape)} against {tuple(ref.shape)}")
+    a, b = ours.double(), ref.double()
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    agree = int((a.argmax(-1) == b.argmax(-1)).sum())
+    return Agreement(a.shape[0], agree, float(cosine.min()), float((a - b).abs().max()))
+
+
+def lollm_logits(gguf: str | Path, ids: list[int]) -> torch.Tensor:
+    """lollm's logits on ``gguf`` (loaded by the family that claims it, float32, CPU): ``(T, vocab)``."""
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.testing.quantized import logits_of
+
+    model = open_model(str(gguf), LoadOptions(device="cpu", dtype="float32")).model
+    return logits_of(model, ids)
+
+
+def transformers_logits(checkpoint_dir: str | Path, ids: list[int]) -> torch.Tensor:
+    """transformers' logits on the safetensors checkpoint ``checkpoint_dir`` in float32: ``(T, vocab)``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def round_to_bfloat16(checkpoint_dir: str | Path) -> Path:
+    """Make the weights of ``checkpoint_dir/model.safetensors`` exactly representable in bfloat16 and float16.
+
+    Released checkpoints are published in bfloat16, so converting them to f16, bf16 or f32
+    changes no weight; a tiny random float32 checkpoint would lose bits at f16/bf16 and
+    its logits move by rounding, not by a misread tensor. Each weight is rounded to
+    bfloat16, and values below 2**-17 (where a float16 subnormal cannot hold all of
+    bfloat16's 8 significant bits) become 0. Stored as float32; returns the folder.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = Path(checkpoint_dir) / "model.safetensors"
+    tensors = load_file(str(path))
+    rounded = {}
+    for name, value in tensors.items():
+        if value.is_floating_point():
+            value = value.to(torch.bfloat16).float()
+            value = torch.where(value.abs() < 2.0 ** -17, torch.zeros_like(value), value)
+        rounded[name] = value.contiguous()
+    save_file(rounded, str(path), metadata={"format": "pt"})
+    return Path(checkpoint_dir)
+
+
+#: Q8_0: blocks of 32 consecutive values of a row share one float16 scale; each value is a signed 8-bit integer.
+Q8_0_BLOCK = 32
+
+
+def q8_0_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (rows of a multiple of 32 values) as a Q8_0 file stores it, dequantized: float32, same shape.
+
+    Per block of 32: scale ``d = max|w| / 127``, codes ``round(w / d)`` (halves away from zero, as
+    gguf-py rounds), values ``float16(d) * code``. The rounding error of a value is at most half a
+    step, ``d / 2``, and about ``d / sqrt(12)`` on average: for Gaussian weights (a block's max
+    about 2.6 sigma) 0.6% of the weights' RMS.
+    """
+    blocks = weight.float().reshape(-1, Q8_0_BLOCK)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inverse
+    codes = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)
+    return (d.half().float() * codes).reshape(weight.shape)
+
+
+def q8_0_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of ``checkpoint_dir`` whose weights hold what ``convert_hf_to_gguf.py --outtype q8_0`` keeps of them.
+
+    The converter stores as Q8_0 every tensor of 2+ dimensions named ``*.weight`` whose rows
+    split into blocks of 32 (norms, biases and 1-D tensors stay float32); each such tensor
+    goes through :func:`q8_0_round_trip` here. transformers on this copy is the reference
+    the Q8_0 file is held to: its distance from the source is the quantization error itself.
+    """
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(checkpoint_dir), Path(out_dir)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, value in tensors.items():
+        if (value.is_floating_point() and value.dim() >= 2 and name.endswith(".weight") and "norm" not in name
+                and value.shape[-1] % Q8_0_BLOCK == 0):
+            tensors[name] = q8_0_round_trip(value).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# --------------------------------------------------------------------- the converter check of one file
+
+
+@dataclass(frozen=True)
+class ConvertedCheck:
+    """One checkpoint converted at one outtype and loaded by lollm.
+
+    gguf: the file; vs_reference: lollm on the file against transformers on the weights the
+    file holds (the source itself for f32/f16/bf16, :func:`q8_0_checkpoint` for q8_0);
+    reference_vs_source: that reference against the source (the quantization error alone;
+    exact for f32/f16/bf16); vs_source: lollm on the file against transformers on the source.
+    """
+
+    gguf: Path
+    vs_reference: Agreement
+    reference_vs_source: Agreement
+    vs_source: Agreement
+
+
+def check_converted(checkpoint_dir: str | Path, workdir: str | Path, outtype: str, ids: list[int],
+                    source_logits: torch.Tensor | None = None) -> ConvertedCheck:
+    """Convert ``checkpoint_dir`` at ``outtype`` into ``workdir`` and compare lollm's logits on ``ids`` with transformers'.
+
+    ``checkpoint_dir`` should hold bfloat16-exact weights (:func:`round_to_bfloat16`), so that
+    f16 and bf16 files hold the source's weights exactly. ``source_logits``: transformers' logits
+    on the source for ``ids``, when the caller has them already ``(T, vocab)``.
+    """
+    # 1. llama.cpp's converter writes the file.
+    workdir = Path(workdir)
+    gguf = convert(checkpoint_dir, workdir / f"{Path(checkpoint_dir).name}-{outtype}.gguf", outtype)
+    # 2. The references: transformers on the source, and on the weights the file holds.
+    if source_logits is None:
+        source_logits = transformers_logits(checkpoint_dir, ids)
+    if outtype == "q8_0":
+        held = q8_0_checkpoint(checkpoint_dir, workdir / f"{Path(checkpoint_dir).name}-q8_0-weights")
+        reference = transformers_logits(held, ids)
+    else:
+        reference = source_logits
+    # 3. lollm reads the file.
+    ours = lollm_logits(gguf, ids)
+    return ConvertedCheck(gguf, agreement(ours, reference), agreement(reference, source_logits),
+                          agreement(ours, source_logits))
+
+
+def tokenizer_mismatches(gguf: str | Path, tokenizer_json: str | Path, texts: list[str]) -> list[tuple[str, list, list]]:
+    """The texts whose ids differ between lollm's tokenizer of ``gguf`` (the metadata the converter wrote) and the
+    ``tokenizers`` library on ``tokenizer_json`` (the checkpoint's): ``[(text, ours, expected), ...]``.
+    Both add their special tokens (a BOS where the tokenizer asks for one)."""
+    import tokenizers
+
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    ours, reference = load_gguf_tokenizer(gguf), tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    wrong = []
+    for text in texts:
+        got, expected = ours.encode(text), reference.encode(text).ids
+        if got != expected:
+            wrong.append((text, got, expected))
+    return wrong

