@@ -355,3 +355,69 @@ def tokenizer_mismatches(gguf: str | Path, tokenizer_json: str | Path, texts: li
         if got != expected:
             wrong.append((text, got, expected))
     return wrong
+
+
+# --------------------------------------------------------------------- a tokenizer the converter accepts
+
+#: How :func:`write_sentencepiece_tokenizer` trains: Gemma's settings (no dummy prefix, <pad> 0, <eos> 1,
+#: <bos> 2, <unk> 3, two turn markers) or Llama 2's (dummy prefix, unk 0, bos 1, eos 2, no pad).
+SENTENCEPIECE_STYLES = {
+    "gemma": dict(add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                  bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"]),
+    "llama": dict(add_dummy_prefix=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1),
+}
+
+
+def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style: str, vocab_size: int = 1024) -> Path:
+    """A SentencePiece BPE tokenizer.model of exactly ``vocab_size`` pieces trained on ``texts``, in ``folder``.
+
+    The converter reads a byte-level BPE tokenizer.json only when it knows the hash of its ids
+    on a fixed text (``get_vocab_base_pre``), which no tiny trained tokenizer has; a
+    tokenizer.model it reads as it is (``_set_vocab_sentencepiece``), the way Gemma and Llama 2
+    checkpoints are published. Byte fallback, identity normalization, split digits.
+
+    style "gemma" also writes tokenizer.json and tokenizer_config.json, built by transformers'
+    GemmaTokenizer from the pieces (transformers' own ``generate_merges``): Gemma 4's converter
+    reads tokenizer.json only (``LlamaHfVocab``). Returns ``folder``.
+    """
+    import io
+
+    import sentencepiece as spm
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([t for t in texts if t.strip()] * 2), model_writer=buffer, model_type="bpe",
+        vocab_size=vocab_size, byte_fallback=True, normalization_rule_name="identity", character_coverage=0.98,
+        hard_vocab_limit=True, split_digits=True, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        num_threads=1, minloglevel=2, **SENTENCEPIECE_STYLES[style])
+    (folder / "tokenizer.model").write_bytes(buffer.getvalue())
+    if style == "gemma":
+        import transformers
+        from transformers.convert_slow_tokenizer import generate_merges
+
+        sp = spm.SentencePieceProcessor(model_proto=buffer.getvalue())
+        vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+        tokenizer = transformers.GemmaTokenizer(vocab=vocab, merges=generate_merges(vocab), pad_token="<pad>",
+                                                eos_token="<eos>", bos_token="<bos>", unk_token="<unk>", mask_token=None,
+                                                add_bos_token=True)  # as Gemma's tokenizer.json: <bos> first
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def sentencepiece_mismatches(gguf: str | Path, tokenizer_model: str | Path, texts: list[str]) -> list[tuple[str, list, list]]:
+    """As :func:`tokenizer_mismatches`, against the ``sentencepiece`` library on ``tokenizer_model`` (BOS first
+    when the file's tokenizer adds one, as llama.cpp does)."""
+    import sentencepiece as spm
+
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    ours, reference = load_gguf_tokenizer(gguf), spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+    wrong = []
+    for text in texts:
+        expected = ([reference.bos_id()] if ours.add_bos else []) + reference.encode(text)
+        got = ours.encode(text)
+        if got != expected:
+            wrong.append((text, got, expected))
+    return wrong

