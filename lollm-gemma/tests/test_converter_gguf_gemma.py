@@ -44,16 +44,18 @@ CHECKPOINTS = {"gemma2": ("gemma2-gguf", "hub"), "gemma3": ("gemma3-270m", "hub"
 WEIGHT_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 
 
-def _write(name: str, schema: str, folder: Path) -> Path:
+def _write(name: str, schema: str, folder: Path, init_std: float | None, **dims) -> Path:
     """The tiny checkpoint ``name`` with a vocabulary of VOCAB, bfloat16-exact weights, the Gemma tokenizer."""
-    from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+    from lollm.testing.tiny import write_tiny_checkpoint
 
-    raw = {**TINY[name](), "vocab_size": VOCAB}
+    raw = {**TINY[name](), "vocab_size": VOCAB, **dims}
+    if "head_dim" in raw and "hidden_size" in dims:
+        raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
     if "query_pre_attn_scalar" in raw:  # a GGUF file does not carry it: llama.cpp (and lollm) take head_dim
         raw["query_pre_attn_scalar"] = raw["head_dim"]
     if "vocab_size_per_layer_input" in raw:
         raw["vocab_size_per_layer_input"] = VOCAB
-    write_tiny_checkpoint(raw, folder, schema="transformers5", init_std=SENSITIVE_INIT_STD)
+    write_tiny_checkpoint(raw, folder, schema="transformers5", init_std=init_std)
     if schema == "hub":  # the gemma hub files are in hub form already: write them verbatim (+ the class to convert)
         written = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         (folder / "config.json").write_text(json.dumps({**raw, "architectures": written["architectures"]}, indent=2))
@@ -61,14 +63,20 @@ def _write(name: str, schema: str, folder: Path) -> Path:
     return write_sentencepiece_tokenizer(folder, CORPUS, style="gemma", vocab_size=VOCAB)
 
 
+def _prompt() -> list[int]:
+    """<bos>, then 63 ids past the four special ones."""
+    return [2] + torch.randint(4, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (folder, prompt ids, transformers' logits on them), written once per module."""
+    from lollm.testing.tiny import SENSITIVE_INIT_STD
+
     made = {}
     for family, (name, schema) in CHECKPOINTS.items():
-        folder = _write(name, schema, tmp_path_factory.mktemp(f"convert-{family}"))
-        ids = [2] + torch.randint(4, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
-        made[family] = (folder, ids, transformers_logits(folder, ids))
+        folder = _write(name, schema, tmp_path_factory.mktemp(f"convert-{family}"), SENSITIVE_INIT_STD)
+        made[family] = (folder, _prompt(), transformers_logits(folder, _prompt()))
     return made
 
 
@@ -121,3 +129,63 @@ def test_converter_tokenizer_gives_the_checkpoint_ids(converted, checkpoints, fa
     for outtype in OUTTYPES:
         wrong = tokenizer_mismatches(converted(family, outtype).gguf, folder / "tokenizer.json", CORPUS)
         assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
+
+
+# ============================================================ with llama.cpp's compiled runtime (nox -s llama_cpp)
+
+#: K-quants quantize rows in super-blocks of 256: the cross-runtime checkpoints are 256 wide (head_dim 64), with
+#: transformers' own initialisation (std 0.02), whose moderate activations are closer to a trained model's.
+WIDE = {"hidden_size": 256, "intermediate_size": 512}
+_RUNTIME: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """family -> {file type: RuntimeCheck}: every file type read by lollm and by llama.cpp, made once."""
+    from lollm.testing.converter import runtime_checks
+
+    def get(family: str) -> dict:
+        if family not in _RUNTIME:
+            name, schema = CHECKPOINTS[family]
+            folder = _write(name, schema, tmp_path_factory.mktemp(f"wide-{family}"), None, **WIDE)
+            _RUNTIME[family] = runtime_checks(folder, tmp_path_factory.mktemp("wide-gguf"), _prompt())
+        return _RUNTIME[family]
+    return get
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_llama_cpp_runtime_agrees(runtime, family, kind):
+    """lollm against llama.cpp on the same file, and both against transformers on the source
+    (lollm.testing.converter.assert_runtime_check states the bounds)."""
+    from lollm.testing.converter import assert_runtime_check
+
+    check = runtime(family)[kind]
+    print(f"FIGURES {family} {kind} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_file_weights.line()} | "
+          f"llama.cpp~source {check.llama_cpp_vs_source.line()} | llama.cpp~file weights {check.llama_cpp_vs_file_weights.line()} | "
+          f"lollm~llama.cpp {check.vs_llama_cpp.line()}")
+    assert_runtime_check(check, kind)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.real
+def test_llama_cpp_runtime_agrees_on_the_real_gemma3_gguf():
+    """The real Gemma 3 270M Q4_K_M GGUF: lollm and llama.cpp on the first 64 tokens of a prose text,
+    each against transformers on the same weights (lollm.testing.converter.assert_beside_llama_cpp)."""
+    from lollm.cli.real_models import derive_safetensors, fetch_gguf
+    from lollm.testing.converter import (
+        agreement, assert_beside_llama_cpp, llama_cpp_logits, lollm_logits, transformers_logits,
+    )
+    from lollm.testing.quantized import EVAL_TEXT
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    gguf = fetch_gguf("gemma-3-270m")
+    ids = load_gguf_tokenizer(gguf).encode(EVAL_TEXT)[:PROMPT_LENGTH]
+    ours, theirs = lollm_logits(gguf, ids), llama_cpp_logits(gguf, ids)
+    # the reference: transformers on the file's weights (the safetensors it derives from the GGUF, float32)
+    reference = transformers_logits(derive_safetensors("gemma-3-270m"), ids)
+    mine, cpp, between = agreement(ours, reference), agreement(theirs, reference), agreement(ours, theirs)
+    print(f"FIGURES real Gemma 3 270M | lollm~transformers {mine.line()} | llama.cpp~transformers {cpp.line()} | "
+          f"lollm~llama.cpp {between.line()}")
+    assert_beside_llama_cpp(mine, cpp, between, 0.999)

@@ -58,21 +58,31 @@ def qwen_tokenizer_dir() -> Path:
     return derive_safetensors("qwen2.5-coder-0.5b-instruct")
 
 
+def _write(family: str, folder: Path, tokenizer_dir: Path, init_std: float | None, **dims) -> Path:
+    """The tiny checkpoint of ``family`` (bfloat16-exact weights, the real Qwen2.5 tokenizer) in ``folder``."""
+    from lollm.testing.tiny import shrink_config, write_tiny_checkpoint
+
+    raw = shrink_config(real_config(family), vocab_size=QWEN_VOCAB, **CHECKPOINTS[family], **dims)
+    write_tiny_checkpoint(raw, folder, schema="hub", init_std=init_std)
+    round_to_bfloat16(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def _prompt() -> list[int]:
+    return torch.randint(0, 151643, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, qwen_tokenizer_dir):
     """family -> (folder, prompt ids, transformers' logits on them), written once per module."""
-    from lollm.testing.tiny import SENSITIVE_INIT_STD, shrink_config, write_tiny_checkpoint
+    from lollm.testing.tiny import SENSITIVE_INIT_STD
 
     made = {}
-    for family, overrides in CHECKPOINTS.items():
-        raw = shrink_config(real_config(family), vocab_size=QWEN_VOCAB, **overrides)
-        folder = write_tiny_checkpoint(raw, tmp_path_factory.mktemp(f"convert-{family}"), schema="hub",
-                                       init_std=SENSITIVE_INIT_STD)
-        round_to_bfloat16(folder)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(qwen_tokenizer_dir / name, folder / name)
-        ids = torch.randint(0, 151643, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1)).tolist()
-        made[family] = (folder, ids, transformers_logits(folder, ids))
+    for family in CHECKPOINTS:
+        folder = _write(family, tmp_path_factory.mktemp(f"convert-{family}"), qwen_tokenizer_dir, SENSITIVE_INIT_STD)
+        made[family] = (folder, _prompt(), transformers_logits(folder, _prompt()))
     return made
 
 
@@ -119,3 +129,62 @@ def test_converter_tokenizer_gives_the_checkpoint_ids(converted, checkpoints, fa
     for outtype in OUTTYPES:
         wrong = tokenizer_mismatches(converted(family, outtype).gguf, folder / "tokenizer.json", CORPUS)
         assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
+
+
+# ============================================================ with llama.cpp's compiled runtime (nox -s llama_cpp)
+
+#: K-quants quantize rows in super-blocks of 256: the cross-runtime checkpoints are 256 wide, with
+#: transformers' own initialisation (std 0.02), whose moderate activations are closer to a trained model's.
+WIDE = {"hidden_size": 256, "intermediate_size": 512}
+_RUNTIME: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory, qwen_tokenizer_dir):
+    """family -> {file type: RuntimeCheck}: every file type read by lollm and by llama.cpp, made once."""
+    from lollm.testing.converter import runtime_checks
+
+    def get(family: str) -> dict:
+        if family not in _RUNTIME:
+            folder = _write(family, tmp_path_factory.mktemp(f"wide-{family}"), qwen_tokenizer_dir, None, **WIDE)
+            _RUNTIME[family] = runtime_checks(folder, tmp_path_factory.mktemp("wide-gguf"), _prompt())
+        return _RUNTIME[family]
+    return get
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "q8_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("family", sorted(CHECKPOINTS))
+def test_llama_cpp_runtime_agrees(runtime, family, kind):
+    """lollm against llama.cpp on the same file, and both against transformers on the source
+    (lollm.testing.converter.assert_runtime_check states the bounds)."""
+    from lollm.testing.converter import assert_runtime_check
+
+    check = runtime(family)[kind]
+    print(f"FIGURES {family} {kind} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_file_weights.line()} | "
+          f"llama.cpp~source {check.llama_cpp_vs_source.line()} | llama.cpp~file weights {check.llama_cpp_vs_file_weights.line()} | "
+          f"lollm~llama.cpp {check.vs_llama_cpp.line()}")
+    assert_runtime_check(check, kind)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.real
+def test_llama_cpp_runtime_agrees_on_the_real_qwen25_gguf():
+    """The real Qwen2.5-Coder-0.5B-Instruct GGUF: lollm and llama.cpp on the first 64 tokens of a prose text,
+    each against transformers on the same weights (lollm.testing.converter.assert_beside_llama_cpp)."""
+    from lollm.cli.real_models import derive_safetensors, fetch_gguf
+    from lollm.testing.converter import (
+        agreement, assert_beside_llama_cpp, llama_cpp_logits, lollm_logits, transformers_logits,
+    )
+    from lollm.testing.quantized import EVAL_TEXT
+    from lollm.tokenizer import load_gguf_tokenizer
+
+    gguf = fetch_gguf("qwen2.5-coder-0.5b-instruct")
+    ids = load_gguf_tokenizer(gguf).encode(EVAL_TEXT)[:PROMPT_LENGTH]
+    ours, theirs = lollm_logits(gguf, ids), llama_cpp_logits(gguf, ids)
+    # the reference: transformers on the file's weights (the safetensors it derives from the GGUF, float32)
+    reference = transformers_logits(derive_safetensors("qwen2.5-coder-0.5b-instruct"), ids)
+    mine, cpp, between = agreement(ours, reference), agreement(theirs, reference), agreement(ours, theirs)
+    print(f"FIGURES real Qwen2.5 | lollm~transformers {mine.line()} | llama.cpp~transformers {cpp.line()} | "
+          f"lollm~llama.cpp {between.line()}")
+    assert_beside_llama_cpp(mine, cpp, between, 0.999)

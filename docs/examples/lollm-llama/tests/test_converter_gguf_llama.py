@@ -44,19 +44,28 @@ CHECKPOINTS = ("llama2", "llama3")
 WEIGHT_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 
 
+def _write(kind: str, folder: Path, **overrides) -> Path:
+    """The tiny checkpoint ``kind`` (bfloat16-exact weights, the Llama 2 style tokenizer) in ``folder``."""
+    from lollm.testing.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tiny_config(kind, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **overrides), folder,
+                          schema="hub")
+    round_to_bfloat16(folder)
+    return write_sentencepiece_tokenizer(folder, CORPUS, style="llama", vocab_size=VOCAB)
+
+
+def _prompt() -> list[int]:
+    """<s>, then 63 ids past the three special ones."""
+    return [1] + torch.randint(3, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """kind -> (folder, prompt ids, transformers' logits on them), written once per module."""
-    from lollm.testing.tiny import write_tiny_checkpoint
-
     made = {}
     for kind in CHECKPOINTS:
-        folder = tmp_path_factory.mktemp(f"convert-{kind}")
-        write_tiny_checkpoint(tiny_config(kind, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2), folder, schema="hub")
-        round_to_bfloat16(folder)
-        write_sentencepiece_tokenizer(folder, CORPUS, style="llama", vocab_size=VOCAB)
-        ids = [1] + torch.randint(3, VOCAB, (PROMPT_LENGTH - 1,), generator=torch.Generator().manual_seed(1)).tolist()
-        made[kind] = (folder, ids, transformers_logits(folder, ids))
+        folder = _write(kind, tmp_path_factory.mktemp(f"convert-{kind}"))
+        made[kind] = (folder, _prompt(), transformers_logits(folder, _prompt()))
     return made
 
 
@@ -101,3 +110,39 @@ def test_converter_tokenizer_gives_sentencepiece_ids(converted, checkpoints, kin
     for outtype in OUTTYPES:
         wrong = sentencepiece_mismatches(converted(kind, outtype).gguf, folder / "tokenizer.model", CORPUS)
         assert not wrong, f"{outtype}: {len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
+
+
+# ============================================================ with llama.cpp's compiled runtime (nox -s llama_cpp)
+
+#: K-quants quantize rows in super-blocks of 256: the cross-runtime checkpoints are 256 wide (head_dim 64), with
+#: transformers' usual initialisation (std 0.02), whose moderate activations are closer to a trained model's.
+WIDE = {"hidden_size": 256, "intermediate_size": 512, "initializer_range": 0.02}
+_RUNTIME: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """kind -> {file type: RuntimeCheck}: every file type read by lollm and by llama.cpp, made once."""
+    from lollm.testing.converter import runtime_checks
+
+    def get(kind: str) -> dict:
+        if kind not in _RUNTIME:
+            folder = _write(kind, tmp_path_factory.mktemp(f"wide-{kind}"), **WIDE)
+            _RUNTIME[kind] = runtime_checks(folder, tmp_path_factory.mktemp("wide-gguf"), _prompt())
+        return _RUNTIME[kind]
+    return get
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("file_type", ["f32", "f16", "bf16", "q8_0", "Q4_K_M", "Q6_K"])
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_llama_cpp_runtime_agrees(runtime, kind, file_type):
+    """lollm against llama.cpp on the same file, and both against transformers on the source
+    (lollm.testing.converter.assert_runtime_check states the bounds)."""
+    from lollm.testing.converter import assert_runtime_check
+
+    check = runtime(kind)[file_type]
+    print(f"FIGURES {kind} {file_type} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_file_weights.line()} | "
+          f"llama.cpp~source {check.llama_cpp_vs_source.line()} | llama.cpp~file weights {check.llama_cpp_vs_file_weights.line()} | "
+          f"lollm~llama.cpp {check.vs_llama_cpp.line()}")
+    assert_runtime_check(check, file_type)

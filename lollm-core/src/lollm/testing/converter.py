@@ -27,6 +27,7 @@ docs/gguf.md, "Proven by llama.cpp's converter and runtime", lists the figures.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -173,11 +174,13 @@ def quantize(src_gguf: str | Path, out: str | Path, kind: str) -> Path:
 def llama_cpp_logits(gguf: str | Path, ids: list[int]) -> torch.Tensor:
     """llama.cpp's logits on ``gguf`` for every position of ``ids``: ``(T, vocab)`` float32.
 
-    One ``eval`` of the whole prompt by llama-cpp-python with ``logits_all=True``, on the CPU.
+    One ``eval`` of the whole prompt by llama-cpp-python with ``logits_all=True``, on the CPU, with a
+    float32 KV cache (llama.cpp's default stores keys and values as f16: a rounding lollm does not do).
     """
     llama_cpp = _llama_cpp()
+    f32 = llama_cpp.GGML_TYPE_F32
     model = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(64, len(ids)), n_batch=max(64, len(ids)),
-                            logits_all=True, n_gpu_layers=0, n_threads=1, verbose=False)
+                            logits_all=True, n_gpu_layers=0, n_threads=1, type_k=f32, type_v=f32, verbose=False)
     try:
         model.eval(ids)
         return torch.from_numpy(model.scores[: len(ids)].copy()).float()
@@ -292,6 +295,53 @@ def q8_0_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
         if (value.is_floating_point() and value.dim() >= 2 and name.endswith(".weight") and "norm" not in name
                 and value.shape[-1] % Q8_0_BLOCK == 0):
             tensors[name] = q8_0_round_trip(value).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Llama Q/K row order: inside each head the converter stores rows (2, D/2) as (D/2, 2)."""
+    return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of ``checkpoint_dir`` whose matrices are the ones the quantized file ``gguf_path`` holds.
+
+    Each tensor of 2+ dimensions of the source is found in the file by gguf-py's ``TensorNameMap``
+    (the converter's own table, not lollm's), dequantized by gguf-py where the file quantized it,
+    and put back (Llama's Q/K rows back in transformers' order); float tensors stay the source's,
+    which the file holds exactly. transformers on this copy is the reference a K-quant file is held to.
+    ConverterError names a source tensor the file does not have.
+    """
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch_name = bytes(reader.get_field("general.architecture").parts[-1]).decode()
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
+    src, out = Path(checkpoint_dir), Path(out_dir)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    in_file = {t.name: t for t in reader.tensors}
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, value in tensors.items():
+        mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if value.dim() < 2 or (mapped is None and name == "lm_head.weight"):  # a tied head is not in the file
+            continue
+        if mapped not in in_file:
+            raise ConverterError(f"{gguf_path}: no tensor for {name} (gguf-py's name {mapped})")
+        tensor = in_file[mapped]
+        if tensor.tensor_type in float_types:
+            continue
+        weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float().reshape(value.shape)
+        if arch_name == "llama" and mapped.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads"] if "attn_q" in mapped else config["num_key_value_heads"]
+            weight = _unpermute(weight, heads)
+        tensors[name] = weight.contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -421,3 +471,72 @@ def sentencepiece_mismatches(gguf: str | Path, tokenizer_model: str | Path, text
         if got != expected:
             wrong.append((text, got, expected))
     return wrong
+
+
+# --------------------------------------------------------------------- llama.cpp's runtime beside lollm
+
+#: Every file type of the cross-runtime check: the converter's, then the compiled quantizer's (from the f32 file).
+FILE_TYPES = OUTTYPES + KQUANTS
+
+
+@dataclass(frozen=True)
+class RuntimeCheck:
+    """One file read by lollm and by llama.cpp's runtime, each against transformers on the source and on the
+    weights the file holds (:func:`file_weights_checkpoint`; the source itself for float files), and each other."""
+
+    gguf: Path
+    vs_source: Agreement
+    vs_file_weights: Agreement
+    llama_cpp_vs_source: Agreement
+    llama_cpp_vs_file_weights: Agreement
+    vs_llama_cpp: Agreement
+    ours: torch.Tensor  # lollm's logits (T, vocab)
+    theirs: torch.Tensor  # llama.cpp's logits (T, vocab)
+
+
+def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[int]) -> dict[str, RuntimeCheck]:
+    """Every :data:`FILE_TYPES` file of ``checkpoint_dir`` (the converter's, then Q4_K_M and Q6_K quantized by the
+    compiled llama.cpp from the f32 file), each run by lollm and by llama.cpp on ``ids``. Needs llama-cpp-python."""
+    # 1. The files: llama.cpp's converter, then its quantizer.
+    workdir, name = Path(workdir), Path(checkpoint_dir).name
+    files = {outtype: convert(checkpoint_dir, workdir / f"{name}-{outtype}.gguf", outtype) for outtype in OUTTYPES}
+    files.update({kind: quantize(files["f32"], workdir / f"{name}-{kind}.gguf", kind) for kind in KQUANTS})
+    # 2. Each file: lollm, llama.cpp, and transformers on the source and on the weights the file holds.
+    source = transformers_logits(checkpoint_dir, ids)
+    checks = {}
+    for kind, gguf in files.items():
+        ours, theirs = lollm_logits(gguf, ids), llama_cpp_logits(gguf, ids)
+        held = transformers_logits(file_weights_checkpoint(gguf, checkpoint_dir, workdir / f"{name}-{kind}-weights"), ids)
+        checks[kind] = RuntimeCheck(gguf, agreement(ours, source), agreement(ours, held), agreement(theirs, source),
+                                    agreement(theirs, held), agreement(ours, theirs), ours, theirs)
+    return checks
+
+
+#: lollm against llama.cpp on the same file: float files differ by summation order and by llama.cpp casting
+#: activations to f16/bf16 for f16/bf16 weights; on quantized files llama.cpp also rounds each activation row
+#: to 8 bits (Q8_0 / Q8_K) before its dot products, where lollm multiplies float32 activations.
+RUNTIME_COSINE_MIN = {"f32": 0.99999, "f16": 0.99999, "bf16": 0.9999, "q8_0": 0.999, "Q4_K_M": 0.999, "Q6_K": 0.999}
+def assert_beside_llama_cpp(vs_reference: Agreement, llama_cpp_vs_reference: Agreement, vs_llama_cpp: Agreement,
+                            cosine_min: float) -> None:
+    """lollm and llama.cpp on one file, each against transformers on the weights the file holds (the reference).
+
+    * lollm against the reference: exact argmax, cosine >= 0.9999 (lollm reads the file exactly);
+    * lollm against llama.cpp: cosine >= ``cosine_min``, unless llama.cpp is itself further than that from the
+      reference (its rounding of activations: a finding, and the issue sides with transformers), in which
+      case no further from lollm than from the reference (1e-3); argmax agreement no lower than
+      llama.cpp's with the reference, less 2 (random tiny models have near-ties that rounding flips).
+    """
+    assert vs_reference.argmax_agree == vs_reference.positions and vs_reference.min_cosine >= 0.9999, \
+        f"lollm vs transformers on the file's weights: {vs_reference.line()}"
+    floor = min(cosine_min, llama_cpp_vs_reference.min_cosine - 1e-3)
+    assert vs_llama_cpp.min_cosine >= floor, f"lollm vs llama.cpp {vs_llama_cpp.line()} | llama.cpp vs transformers " \
+                                             f"{llama_cpp_vs_reference.line()}"
+    assert vs_llama_cpp.argmax_agree >= llama_cpp_vs_reference.argmax_agree - 2, \
+        f"lollm vs llama.cpp {vs_llama_cpp.line()} | llama.cpp vs transformers {llama_cpp_vs_reference.line()}"
+
+
+def assert_runtime_check(check: RuntimeCheck, kind: str) -> None:
+    """:func:`assert_beside_llama_cpp` on one :class:`RuntimeCheck` with :data:`RUNTIME_COSINE_MIN` (docs/gguf.md,
+    "Proven by llama.cpp's converter and runtime")."""
+    assert_beside_llama_cpp(check.vs_file_weights, check.llama_cpp_vs_file_weights, check.vs_llama_cpp,
+                            RUNTIME_COSINE_MIN[kind])
