@@ -100,6 +100,7 @@ def test_converter_file_matches_transformers(converted, family, outtype):
     from lollm.gguf import GGUFFile
 
     check = converted(family, outtype)
+    print(f"FIGURES {family} {outtype} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_reference.line()}")
     with GGUFFile(check.gguf) as gguf:
         assert gguf.metadata["general.architecture"] == family
         types = {name: t.ggml_type for name, t in gguf.tensors.items()}

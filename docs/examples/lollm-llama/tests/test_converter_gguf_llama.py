@@ -89,6 +89,7 @@ def test_converter_file_matches_transformers(converted, kind, outtype):
     from lollm.gguf import GGUFFile
 
     check = converted(kind, outtype)
+    print(f"FIGURES {kind} {outtype} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_reference.line()}")
     with GGUFFile(check.gguf) as gguf:
         assert gguf.metadata["general.architecture"] == "llama"
         types = {name: t.ggml_type for name, t in gguf.tensors.items()}
