@@ -164,7 +164,8 @@ def test_llama_cpp_runtime_agrees(runtime, family, kind):
     check = runtime(family)[kind]
     print(f"FIGURES {family} {kind} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_file_weights.line()} | "
           f"llama.cpp~source {check.llama_cpp_vs_source.line()} | llama.cpp~file weights {check.llama_cpp_vs_file_weights.line()} | "
-          f"lollm~llama.cpp {check.vs_llama_cpp.line()}")
+          f"lollm~llama.cpp {check.vs_llama_cpp.line()} | packed~file weights {check.packed_vs_file_weights.line()} | "
+          f"packed~llama.cpp {check.packed_vs_llama_cpp.line()}")
     assert_runtime_check(check, kind)
 
 
@@ -186,6 +187,8 @@ def test_llama_cpp_runtime_agrees_on_the_real_qwen25_gguf():
     # the reference: transformers on the file's weights (the safetensors it derives from the GGUF, float32)
     reference = transformers_logits(derive_safetensors("qwen2.5-coder-0.5b-instruct"), ids)
     mine, cpp, between = agreement(ours, reference), agreement(theirs, reference), agreement(ours, theirs)
+    packed = agreement(lollm_logits(gguf, ids, "auto"), reference)  # the file's blocks kept packed, as lollm run does
     print(f"FIGURES real Qwen2.5 | lollm~transformers {mine.line()} | llama.cpp~transformers {cpp.line()} | "
-          f"lollm~llama.cpp {between.line()}")
+          f"lollm~llama.cpp {between.line()} | packed~transformers {packed.line()}")
     assert_beside_llama_cpp(mine, cpp, between, 0.999)
+    assert packed.min_cosine >= min(0.999, cpp.min_cosine) - 1e-3, f"packed {packed.line()} | llama.cpp {cpp.line()}"

@@ -145,5 +145,6 @@ def test_llama_cpp_runtime_agrees(runtime, kind, file_type):
     check = runtime(kind)[file_type]
     print(f"FIGURES {kind} {file_type} | lollm~source {check.vs_source.line()} | lollm~file weights {check.vs_file_weights.line()} | "
           f"llama.cpp~source {check.llama_cpp_vs_source.line()} | llama.cpp~file weights {check.llama_cpp_vs_file_weights.line()} | "
-          f"lollm~llama.cpp {check.vs_llama_cpp.line()}")
+          f"lollm~llama.cpp {check.vs_llama_cpp.line()} | packed~file weights {check.packed_vs_file_weights.line()} | "
+          f"packed~llama.cpp {check.packed_vs_llama_cpp.line()}")
     assert_runtime_check(check, file_type)

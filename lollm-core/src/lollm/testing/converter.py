@@ -216,13 +216,17 @@ def agreement(ours: torch.Tensor, ref: torch.Tensor) -> Agreement:
     return Agreement(a.shape[0], agree, float(cosine.min()), float((a - b).abs().max()))
 
 
-def lollm_logits(gguf: str | Path, ids: list[int]) -> torch.Tensor:
-    """lollm's logits on ``gguf`` (loaded by the family that claims it, float32, CPU): ``(T, vocab)``."""
+def lollm_logits(gguf: str | Path, ids: list[int], weights: str = "float") -> torch.Tensor:
+    """lollm's logits on ``gguf`` (loaded by the family that claims it, float32, CPU): ``(T, vocab)``.
+
+    weights: "float" dequantizes every tensor (the reference path); "auto" keeps the file's
+    quantized blocks packed and runs lollm's kernels on them, as ``lollm run`` does.
+    """
     from lollm.load.options import LoadOptions
     from lollm.load.pipeline import open_model
     from lollm.testing.quantized import logits_of
 
-    model = open_model(str(gguf), LoadOptions(device="cpu", dtype="float32")).model
+    model = open_model(str(gguf), LoadOptions(device="cpu", dtype="float32", weights=weights)).model
     return logits_of(model, ids)
 
 
@@ -481,8 +485,9 @@ FILE_TYPES = OUTTYPES + KQUANTS
 
 @dataclass(frozen=True)
 class RuntimeCheck:
-    """One file read by lollm and by llama.cpp's runtime, each against transformers on the source and on the
-    weights the file holds (:func:`file_weights_checkpoint`; the source itself for float files), and each other."""
+    """One file read by lollm (dequantized, and packed) and by llama.cpp's runtime, each against transformers on the
+    source and on the weights the file holds (:func:`file_weights_checkpoint`; the source itself for float files),
+    and each other."""
 
     gguf: Path
     vs_source: Agreement
@@ -490,8 +495,8 @@ class RuntimeCheck:
     llama_cpp_vs_source: Agreement
     llama_cpp_vs_file_weights: Agreement
     vs_llama_cpp: Agreement
-    ours: torch.Tensor  # lollm's logits (T, vocab)
-    theirs: torch.Tensor  # llama.cpp's logits (T, vocab)
+    packed_vs_file_weights: Agreement  # lollm with the file's blocks kept packed (``lollm run``'s way)
+    packed_vs_llama_cpp: Agreement
 
 
 def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[int]) -> dict[str, RuntimeCheck]:
@@ -505,10 +510,11 @@ def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[in
     source = transformers_logits(checkpoint_dir, ids)
     checks = {}
     for kind, gguf in files.items():
-        ours, theirs = lollm_logits(gguf, ids), llama_cpp_logits(gguf, ids)
+        ours, packed, theirs = lollm_logits(gguf, ids), lollm_logits(gguf, ids, "auto"), llama_cpp_logits(gguf, ids)
         held = transformers_logits(file_weights_checkpoint(gguf, checkpoint_dir, workdir / f"{name}-{kind}-weights"), ids)
         checks[kind] = RuntimeCheck(gguf, agreement(ours, source), agreement(ours, held), agreement(theirs, source),
-                                    agreement(theirs, held), agreement(ours, theirs), ours, theirs)
+                                    agreement(theirs, held), agreement(ours, theirs), agreement(packed, held),
+                                    agreement(packed, theirs))
     return checks
 
 
@@ -537,6 +543,14 @@ def assert_beside_llama_cpp(vs_reference: Agreement, llama_cpp_vs_reference: Agr
 
 def assert_runtime_check(check: RuntimeCheck, kind: str) -> None:
     """:func:`assert_beside_llama_cpp` on one :class:`RuntimeCheck` with :data:`RUNTIME_COSINE_MIN` (docs/gguf.md,
-    "Proven by llama.cpp's converter and runtime")."""
+    "Proven by llama.cpp's converter and runtime"); then lollm's packed path, which rounds activations for its
+    integer kernels as llama.cpp does: its error of the same class as llama.cpp's. Its cosine to transformers on
+    the file's weights, and to llama.cpp, is at least the smaller of :data:`RUNTIME_COSINE_MIN` and llama.cpp's
+    own cosine to transformers, less the larger of 1e-3 and llama.cpp's own distance (1 - that cosine)."""
     assert_beside_llama_cpp(check.vs_file_weights, check.llama_cpp_vs_file_weights, check.vs_llama_cpp,
                             RUNTIME_COSINE_MIN[kind])
+    cpp, packed = check.llama_cpp_vs_file_weights, check.packed_vs_file_weights
+    floor = min(RUNTIME_COSINE_MIN[kind], cpp.min_cosine) - max(1e-3, 1 - cpp.min_cosine)
+    assert packed.min_cosine >= floor, f"lollm packed vs transformers {packed.line()} | llama.cpp {cpp.line()}"
+    assert check.packed_vs_llama_cpp.min_cosine >= floor, \
+        f"lollm packed vs llama.cpp {check.packed_vs_llama_cpp.line()} | llama.cpp vs transformers {cpp.line()}"
