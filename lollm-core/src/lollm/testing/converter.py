@@ -545,12 +545,14 @@ def assert_runtime_check(check: RuntimeCheck, kind: str) -> None:
     """:func:`assert_beside_llama_cpp` on one :class:`RuntimeCheck` with :data:`RUNTIME_COSINE_MIN` (docs/gguf.md,
     "Proven by llama.cpp's converter and runtime"); then lollm's packed path, which rounds activations for its
     integer kernels as llama.cpp does: its error of the same class as llama.cpp's. Its cosine to transformers on
-    the file's weights, and to llama.cpp, is at least the smaller of :data:`RUNTIME_COSINE_MIN` and llama.cpp's
-    own cosine to transformers, less the larger of 1e-3 and llama.cpp's own distance (1 - that cosine)."""
+    the file's weights is at least the smaller of :data:`RUNTIME_COSINE_MIN` and llama.cpp's own cosine to
+    transformers, less the larger of 1e-3 and llama.cpp's own distance d = 1 - that cosine; its cosine to
+    llama.cpp (two errors of that size, in different directions) at least that smaller value less max(1e-3, 2d)."""
     assert_beside_llama_cpp(check.vs_file_weights, check.llama_cpp_vs_file_weights, check.vs_llama_cpp,
                             RUNTIME_COSINE_MIN[kind])
     cpp, packed = check.llama_cpp_vs_file_weights, check.packed_vs_file_weights
-    floor = min(RUNTIME_COSINE_MIN[kind], cpp.min_cosine) - max(1e-3, 1 - cpp.min_cosine)
-    assert packed.min_cosine >= floor, f"lollm packed vs transformers {packed.line()} | llama.cpp {cpp.line()}"
-    assert check.packed_vs_llama_cpp.min_cosine >= floor, \
+    bound, distance = min(RUNTIME_COSINE_MIN[kind], cpp.min_cosine), 1 - cpp.min_cosine
+    assert packed.min_cosine >= bound - max(1e-3, distance), \
+        f"lollm packed vs transformers {packed.line()} | llama.cpp {cpp.line()}"
+    assert check.packed_vs_llama_cpp.min_cosine >= bound - max(1e-3, 2 * distance), \
         f"lollm packed vs llama.cpp {check.packed_vs_llama_cpp.line()} | llama.cpp vs transformers {cpp.line()}"
