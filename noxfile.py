@@ -20,6 +20,10 @@
     nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
                            llama.cpp side by side (accuracy, memory, alternating speed rounds)
     nox -s bench_routes    the speed goals per CPU route (default, LOLLM_AMX=0, LOLLM_ISA=avx2) beside llama.cpp
+    nox -s llama_cpp   the GGUF tests that need the compiled llama.cpp (the "bench" extra, a long compile on first
+                       install): Q4_K_M and Q6_K files from llama.cpp's quantizer, lollm's logits beside llama.cpp's
+                       runtime on every converter-written file and on the two real GGUFs (tests marked llama_cpp;
+                       the -t tests sessions deselect them and run the pure-Python converter tests)
 
 Each session builds its own virtual environment (with uv where it is installed, from one cache).
 torch is installed first, pinned to the CPU build this project is tested with, so that no later
@@ -67,6 +71,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_T
 BROWSER = {key: path for key, path in (("LOLLM_CHROMIUM", shutil.which("chromium")),
                                        ("LOLLM_CHROMEDRIVER", shutil.which("chromedriver"))) if path}
 TESTS_ENV = {**OFFLINE, **BROWSER}
+#: The tests that need the compiled llama.cpp (llama-cpp-python, the "bench" extra: a long compile) run in the
+#: llama_cpp session only; the -t tests sessions deselect them (and run the pure-Python converter tests).
+NOT_LLAMA_CPP = "not llama_cpp"
 
 
 #: Where each test session leaves its record for .ci/run's closing table (.ci/report.py):
@@ -161,7 +168,7 @@ def core_only(session: nox.Session) -> None:
 def qwen(session: nox.Session) -> None:
     """lollm-core with lollm-qwen only: qwen2/qwen3 on tiny random checkpoints and the real Qwen2.5 weights."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN)
-    _pytest(session, "lollm-qwen/tests", serial=True, env=TESTS_ENV)
+    _pytest(session, "lollm-qwen/tests", marks=NOT_LLAMA_CPP, serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -169,7 +176,7 @@ def qwen(session: nox.Session) -> None:
 def gemma(session: nox.Session) -> None:
     """lollm-core with lollm-gemma only: gemma2/3/4 on tiny checkpoints and the real Gemma 3 270M (GGUF and derived)."""
     _install(session, "-e", CORE_TRITON, "-e", GEMMA)
-    _pytest(session, "lollm-gemma/tests", serial=True, env=TESTS_ENV)
+    _pytest(session, "lollm-gemma/tests", marks=NOT_LLAMA_CPP, serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -185,7 +192,7 @@ def qwen3_5(session: nox.Session) -> None:
 def llama(session: nox.Session) -> None:
     """lollm-core with the worked example lollm-llama only: the kit on Llama 2/3.2, GGUF (F32, Q8_0), the parity gate."""
     _install(session, "-e", CORE_TRITON, "-e", LLAMA)
-    _pytest(session, f"{LLAMA}/tests", parallel=False, env=TESTS_ENV)  # 13 s of tests: workers would not pay
+    _pytest(session, f"{LLAMA}/tests", marks=NOT_LLAMA_CPP, parallel=False, env=TESTS_ENV)  # 50 s of tests, mostly the converter's
 
 
 @nox.session(tags=["tests"])
@@ -398,6 +405,19 @@ def bench_routes(session: nox.Session) -> None:
                            env=OFFLINE).strip().splitlines()[-1]
         args = [gguf, *args]
     session.run("python", "lollm-core/benchmarks/bench_routes.py", *args, env=OFFLINE)
+
+
+@nox.session
+@_reported
+def llama_cpp(session: nox.Session) -> None:
+    """The tests marked llama_cpp: K-quant files from llama.cpp's quantizer and lollm beside llama.cpp's runtime on every
+    file llama.cpp's converter writes, per family, and on the two real GGUFs (docs/gguf.md, "Proven by llama.cpp's
+    converter and runtime"). Installs llama-cpp-python (the "bench" extra: 10-20 minutes of compile on first install);
+    not tagged "tests". One pytest process per distribution (their test folders share module names)."""
+    _install(session, "-e", f"{CORE}[parity,test,bench]", "-e", QWEN, "-e", GEMMA, "-e", LLAMA)
+    for tests in ("lollm-qwen/tests", "lollm-gemma/tests", f"{LLAMA}/tests"):
+        session.run("pytest", tests, "-m", "llama_cpp", "-q", "-rs", DURATIONS, *session.posargs,
+                    env={**TESTS_ENV, "OMP_NUM_THREADS": "1"})
 
 
 @nox.session
