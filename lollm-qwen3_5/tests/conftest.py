@@ -72,63 +72,10 @@ def pytest_configure(config):
                                        "after the parallel pass of pytest-xdist")
 
 
-# ---------------------------------------------------------------------------
-# llama.cpp's own converter (the pinned llama-cpp-python sdist vendors it), for the GGUF tests
-# ---------------------------------------------------------------------------
-
-#: The pinned source distribution whose vendor/llama.cpp holds convert_hf_to_gguf.py and gguf-py.
-LLAMA_CPP_PYTHON = ("llama-cpp-python", "0.3.36")
-
-
-def converter_script() -> Path:
-    """The path of llama.cpp's ``convert_hf_to_gguf.py`` in the pinned llama-cpp-python sdist.
-
-    ``LOLLM_LLAMA_CPP_SRC``: a folder holding the unpacked sdist; else it is fetched once with
-    ``pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36`` into
-    ``~/.cache/lollm/llama-cpp-src/`` and unpacked there (pure Python is all we use: no compile).
-    """
-    import subprocess
-    import tarfile
-
-    name, version = LLAMA_CPP_PYTHON
-    folder = f"{name.replace('-', '_')}-{version}"
-    if os.environ.get("LOLLM_LLAMA_CPP_SRC"):
-        root = Path(os.environ["LOLLM_LLAMA_CPP_SRC"])
-    else:
-        cache = Path.home() / ".cache" / "lollm" / "llama-cpp-src"
-        root = cache / folder
-        if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
-            cache.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                            f"{name}=={version}", "-d", str(cache)], check=True)
-            with tarfile.open(cache / f"{folder}.tar.gz") as tar:
-                tar.extractall(cache, filter="data")
-    script = root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        raise FileNotFoundError(f"no convert_hf_to_gguf.py under {root} (LOLLM_LLAMA_CPP_SRC: the unpacked {folder} sdist)")
-    return script
-
-
-def convert_with_llama_cpp(checkpoint: Path, out: Path, outtype: str) -> Path:
-    """Run llama.cpp's converter on ``checkpoint`` (``--outtype`` f32 / f16 / bf16 / q8_0) into ``out``.
-
-    A subprocess with the vendored gguf-py first on PYTHONPATH (and no ``NO_LOCAL_GGUF``, which
-    would make the converter skip it), so the converter uses its own gguf-py, not an installed
-    one. RuntimeError with the tail of its output when it fails.
-    """
-    import subprocess
-
-    script = converter_script()
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    env.update(PYTHONPATH=str(script.parent / "gguf-py"), HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, str(script), str(checkpoint), "--outtype", outtype, "--outfile", str(out)],
-                         env=env, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py {checkpoint} --outtype {outtype} failed:\n{(run.stdout + run.stderr)[-3000:]}")
-    return out
-
-
 @pytest.fixture(scope="session")
 def convert_to_gguf():
-    """``convert_to_gguf(checkpoint, out, outtype)``: :func:`convert_with_llama_cpp` (llama.cpp's own converter)."""
-    return convert_with_llama_cpp
+    """``convert_to_gguf(checkpoint, out, outtype)``: llama.cpp's own converter from the pinned sdist
+    (:func:`lollm.testing.converter.convert`; fetched by pip on first use, or ``LOLLM_LLAMA_CPP_SRC``)."""
+    from lollm.testing.converter import convert
+
+    return lambda checkpoint, out, outtype: convert(checkpoint, out, outtype)

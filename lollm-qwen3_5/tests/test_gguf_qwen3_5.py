@@ -2,7 +2,7 @@
 
 The chain: a tiny random checkpoint in the published (multimodal) layout, written by
 transformers with an MTP head -> llama.cpp's ``convert_hf_to_gguf.py`` (the pinned sdist,
-conftest.py: converter_script, the convert_to_gguf fixture) at ``--outtype`` f32, f16, bf16 and q8_0 -> lollm loads the file ->
+conftest.py: the convert_to_gguf fixture, lollm.testing.converter.convert) at ``--outtype`` f32, f16, bf16 and q8_0 -> lollm loads the file ->
 its logits are compared with transformers' on the source checkpoint. The converter, not a
 writer of ours, decides every name and transform (norms +1, -exp(A_log), the squeezed conv,
 the value heads reordered for ggml), so a misreading of ours cannot hide in a writer too.
