@@ -485,3 +485,30 @@ def test_bad_llama_metadata_is_refused(sentencepiece_model):
             load_gguf_tokenizer({**base, **change})
     with pytest.raises(TypeError):
         load_gguf_tokenizer(42)
+
+
+# ================================ 4. gemma4: BPE by rank over SentencePiece-style pieces
+
+
+def test_gemma4_metadata_is_read_and_its_bad_keys_are_named():
+    """tokenizer.ggml.model "gemma4" (llama.cpp's converter writes it for Gemma 4; the converter-written
+    files are checked against tokenizer.json in lollm-gemma's test_converter_gguf_gemma.py): ranked merges,
+    "▁" for spaces, no "▁" in front, <0xNN> byte fallback; a missing merges key or a prefix is refused by name."""
+    tokens = ["<pad>", "<eos>", "<bos>", *(f"<0x{b:02X}>" for b in range(256)), "a", "b", "▁", "ab", "▁ab"]
+    metadata = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.pre": "gemma4", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.token_type": [3, 3, 3, *[6] * 256, 1, 1, 1, 1, 1],
+                "tokenizer.ggml.merges": ["a b", "▁ ab"], "tokenizer.ggml.bos_token_id": 2,
+                "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+    tok = load_gguf_tokenizer(metadata)
+    # the reference: the tokenizers library with Gemma 4's tokenizer.json pipeline over the same vocabulary
+    reference = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [("a", "b"), ("▁", "ab")],
+                                                byte_fallback=True))
+    reference.normalizer = tokenizers.normalizers.Replace(" ", "▁")
+    for text in ("ab ab é", " ab\r\nab  b", "ba\n\nab a"):
+        ids = tok.encode(text)
+        assert ids == [2, *reference.encode(text).ids], text  # bos, then the same pieces: no leading "▁", é as bytes
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    with pytest.raises(TokenizerError, match="gemma4 tokenizer needs tokenizer.ggml.merges"):
+        load_gguf_tokenizer({k: v for k, v in metadata.items() if k != "tokenizer.ggml.merges"})
+    with pytest.raises(TokenizerError, match="add_space_prefix with a gemma4 tokenizer"):
+        load_gguf_tokenizer({**metadata, "tokenizer.ggml.add_space_prefix": True})

@@ -120,15 +120,9 @@ def test_converter_file_matches_transformers(converted, checkpoints, family, out
         assert not wrong, f"{len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
 
 
-#: lollm's reading of Gemma 4's tokenizer: the converter writes tokenizer.ggml.model "gemma4" (a BPE over
-#: SentencePiece-style pieces with merges, pre-tokenizer "gemma4" in llama.cpp's llama-vocab.cpp), which
-#: lollm.tokenizer.from_gguf does not implement (it knows "gpt2" and "llama"): a finding of issue 38.
-GEMMA4_TOKENIZER = pytest.mark.xfail(strict=True, raises=Exception,
-                                     reason="lollm cannot read tokenizer.ggml.model 'gemma4' (issue 38 finding)")
-
-
-@GEMMA4_TOKENIZER
 def test_converter_tokenizer_of_gemma4(converted, checkpoints):
+    """The converter writes Gemma 4's tokenizer as tokenizer.ggml.model "gemma4" (a BPE by rank over
+    SentencePiece-style pieces, llama.cpp's pre-tokenizer "gemma4"); lollm.tokenizer.from_gguf reads it."""
     wrong = tokenizer_mismatches(converted("gemma4", "f32").gguf, checkpoints["gemma4"][0] / "tokenizer.json", CORPUS)
     assert not wrong, f"{len(wrong)} of {len(CORPUS)} texts differ, first: {wrong[0]}"
 

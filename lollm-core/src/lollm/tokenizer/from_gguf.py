@@ -5,13 +5,14 @@ as metadata instead, and llama.cpp's ``llama-vocab.cpp`` is the reference for
 what those keys mean. The keys:
 
 ====================================  ==================================================
-``tokenizer.ggml.model``              ``"gpt2"`` (byte-level BPE) or ``"llama"`` (SentencePiece BPE)
+``tokenizer.ggml.model``              ``"gpt2"`` (byte-level BPE), ``"llama"`` (SentencePiece BPE)
+                                      or ``"gemma4"`` (BPE by rank over SentencePiece-style pieces)
 ``tokenizer.ggml.pre``                gpt2 only: which word-splitting regex (:data:`PRE_TOKENIZERS`)
 ``tokenizer.ggml.tokens``             the vocabulary, one string per id
 ``tokenizer.ggml.token_type``         per id: 1 normal, 2 unknown, 3 control, 4 user-defined,
                                       5 unused, 6 byte
 ``tokenizer.ggml.scores``             llama only: per id, the SentencePiece score
-``tokenizer.ggml.merges``             gpt2 only: ``"Ġ t"`` strings, in rank order
+``tokenizer.ggml.merges``             gpt2 and gemma4: ``"Ġ t"`` strings, in rank order
 ``tokenizer.ggml.bos_token_id``       and ``eos_``, ``unknown_``, ``padding_``, ...: special ids
 ``tokenizer.ggml.add_bos_token``      put bos in front of an encoded text (default: llama yes,
                                       gpt2 no except the llama3 pre-tokenizers)
@@ -38,6 +39,12 @@ How each part maps onto lollm's pipeline:
   front. Like llama.cpp, the merge loop may form any token of the vocabulary,
   and a leftover character that is no token is spelled with the byte tokens
   ``<0xNN>``.
+* **gemma4**: Gemma 4's tokenizer.json is a BPE with ranked merges over
+  SentencePiece-style pieces ("▁" for a space, ``<0xNN>`` byte fallback), and
+  llama.cpp reads it so: :class:`~lollm.tokenizer.bpe.BPE` with the file's
+  merges, every space written as "▁", no "▁" in front, and the text not cut into
+  words (as transformers runs Gemma 4's tokenizer.json; llama.cpp cuts it between runs
+  of newlines and the rest, and so spells "\\r\\n" as two tokens).
 
 Anything else (another ``tokenizer.ggml.model``, an unknown pre-tokenizer, a
 key we do not know, a switch we do not implement) raises
@@ -231,9 +238,11 @@ def _build(metadata: Mapping[str, object], source: str) -> Tokenizer:
     elif model_name == "llama":
         respelled, added = _respell_space_tokens(tokens, types, added)
         model, pre_tokenizer, normalizer, decoder, default_bos = _llama(metadata, tokens, respelled, types, source)
+    elif model_name == "gemma4":
+        model, pre_tokenizer, normalizer, decoder, default_bos = _gemma4(metadata, tokens, source)
     else:
         raise TokenizerError(
-            f"{source}: {PREFIX}model {model_name!r} is not implemented by lollm (known: 'gpt2', 'llama')"
+            f"{source}: {PREFIX}model {model_name!r} is not implemented by lollm (known: 'gpt2', 'llama', 'gemma4')"
         )
     special_tokens = {}
     for name, key in SPECIAL_TOKEN_KEYS.items():
@@ -302,6 +311,34 @@ def _split_merges(merges: Iterable[object], source: str) -> Iterator[tuple[str, 
         if cut < 0:
             raise TokenizerError(f"{source}: {PREFIX}merges[{rank}] = {merge!r} is not two tokens separated by a space")
         yield merge[:cut], merge[cut + 1 :]
+
+
+def _gemma4(metadata: Mapping[str, object], tokens: list[str], source: str):
+    """Gemma 4: BPE by rank over SentencePiece-style pieces, as llama.cpp's ``llama-vocab.cpp`` reads it.
+
+    The file's merges rank the pairs (as gpt2's do); spaces become "▁" (no "▁" in front:
+    the converter writes ``add_space_prefix`` false); a character that is no token is spelled
+    with the byte tokens ``<0xNN>``. The text is not cut into words: Gemma 4's tokenizer.json
+    splits on " " after every space became "▁", which cuts nothing. (llama.cpp's pre-tokenizer
+    "gemma4" cuts between runs of newlines and the rest, so it spells "\\r\\n" as two tokens where
+    transformers has one; lollm follows transformers.)"""
+    pre_name = _get(metadata, "pre", str, source)
+    if pre_name not in (None, "gemma4"):
+        raise TokenizerError(f"{source}: {PREFIX}pre {pre_name!r} with a gemma4 tokenizer is not implemented by lollm")
+    if _get(metadata, "add_space_prefix", bool, source):
+        raise TokenizerError(f"{source}: {PREFIX}add_space_prefix with a gemma4 tokenizer is not implemented by lollm")
+    merges = _get(metadata, "merges", list, source, lazy=True)
+    if merges is None:
+        raise TokenizerError(f"{source}: a gemma4 tokenizer needs {PREFIX}merges")
+    byte_tokens = {token for token in tokens if len(token) == 6 and token.startswith("<0x")}
+    byte_fallback = all(byte_token(b) in byte_tokens for b in range(256))
+    model = BPE(Vocabulary(tokens, source=source), _split_merges(merges, source), byte_fallback=byte_fallback, source=source)
+
+    def escape_spaces(text: str) -> str:
+        return text.replace(" ", SPACE_MARKER)
+
+    decoder = SentencePieceDecoder(byte_fallback=byte_fallback, strip_leading_spaces=0)
+    return model, PreTokenizer([]), escape_spaces, decoder, True
 
 
 def _llama(metadata: Mapping[str, object], tokens: Sequence[str], respelled: dict[int, str], types: bytes, source: str):
