@@ -23,7 +23,7 @@ import statistics
 import numpy as np
 import torch
 
-from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
+from bench_int8_rows import timer  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
 from lollm.load.packed_kquants import Q4_KLinear, Q5_0Linear, Q6_KLinear
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    timed = timer(args.threads)
     if native.block_int8_op() is None:
         raise SystemExit(native.status())
     builds = {"native": torch.ops.lollm_native}

@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from bench_int8_rows import timed  # its sibling in this folder (a script's folder is on sys.path)
+from bench_int8_rows import timer  # its sibling in this folder (a script's folder is on sys.path)
 from lollm import native
 #: (name, N, K): Gemma 3 270M's head (tied to its Q8_0 embedding) and Qwen2.5-0.5B's (Q8_0).
 HEADS = [("Gemma 3 head 262144x640", 262144, 640), ("Qwen2.5 head 151936x896", 151936, 896)]
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--routes", default="", help="only these routes, comma-separated (native, vnni, avx2, portable)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    timed = timer(args.threads)
     if native.block_int8_op() is None:
         raise SystemExit(native.status())
     g = torch.Generator().manual_seed(0)
