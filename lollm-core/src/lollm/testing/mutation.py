@@ -37,7 +37,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import pytest
 import torch
@@ -55,7 +55,7 @@ from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
 __all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "FAMILY_ATTRIBUTES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
-           "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit"]
+           "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit", "stated_attributes"]
 
 #: The kit tests that can see a wrong number (the others check registration, loading, shapes).
 NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
@@ -71,9 +71,20 @@ JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_t
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 #: The bug classes only the bfloat16 and config-schema tests can see (issue 38): every float32 test passes them.
 BLIND_SPOT_BUGS = ("norm_cast_before_scale", "local_rope_from_rope_theta")
-#: Class attributes the suite gives a family's kit run (what the family's own test class states, and why there).
+#: Class attributes the suite gives a family's kit run (what the family's own test class states, and why there);
+#: the copies ``lollm new-family`` makes state them too (:func:`stated_attributes`).
 FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {"qwen3_5": {"bf16_error_fraction": 1.0},
                                                    "qwen3_5_moe": {"bf16_error_fraction": 1.0}}
+
+
+def stated_attributes(model_types: Iterable[str]) -> dict[str, object]:
+    """:data:`FAMILY_ATTRIBUTES` of the installed first-party family serving any of ``model_types`` (transformers
+    model types: a copy's ``REFERENCE_MODEL_TYPES`` values), {} for none: a copy rounds where its family rounds."""
+    wanted = set(model_types)
+    for entry in build_registry().families:
+        if entry.family.name in FAMILY_ATTRIBUTES and wanted & set(entry.family.model_types):
+            return dict(FAMILY_ATTRIBUTES[entry.family.name])
+    return {}
 ALL_JUDGING_TESTS = JUDGING_TESTS + ("test_prefill_all_equals_prefill_then_decode",)
 
 

@@ -141,7 +141,11 @@ def layer_types_kept(original: dict, respelled: dict, model_types: dict[str, str
     """``respelled`` with ``layer_types`` put back when transformers does not derive the original's
     list from the rest (``sliding_window_pattern``, Gemma 2's alternation, Qwen's ``use_sliding_window``)."""
     types = getattr(_transformers_config(original, model_types), "layer_types", None)
-    if types is None or getattr(_transformers_config(respelled, model_types), "layer_types", None) == types:
+    try:
+        derived = getattr(_transformers_config(respelled, model_types), "layer_types", None)
+    except Exception:  # transformers refuses the respelling: transformers_reads_it_the_same says so
+        return respelled
+    if types is None or derived == types:
         return respelled
     out = copy.deepcopy(respelled)
     _text_part(out)["layer_types"] = list(types)
