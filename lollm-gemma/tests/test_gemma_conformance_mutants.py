@@ -74,3 +74,19 @@ def test_the_kit_fails_a_copy_with_one_bug(mutation, checkpoint, tmp_path):
     assert not missing, f"{mutation}: the kit passed {sorted(missing)}; outcomes {run.outcomes}"
     for name, needle in must_fail.items():
         assert needle in run.failed[name], f"{mutation}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_blind_spots_of_issue_38_pass_every_float32_check_and_fail_the_new_ones(family, tmp_path):
+    """Issue 38's two bugs that the kit once passed, on the suite's own checkpoint (kit_config, written
+    by transformers 5): Gemma's norm cast before its (1 + w) (bit-identical at float32) fails only the
+    bfloat16 test; sliding layers reading 'rope_theta' for 'rope_local_base_freq' (gemma3; the kit's
+    checkpoint spells RoPE as 'rope_parameters') fails only the test of both config schemas."""
+    from lollm.testing.mutation import ALL_JUDGING_TESTS, BLIND_SPOT_BUGS, MUTANTS, run_suite
+
+    bugs = [b for b in BLIND_SPOT_BUGS if b in MUTANTS[family][1]]
+    result = run_suite(family, tmp_path, bugs, tests=ALL_JUDGING_TESTS)
+    assert not result.clean.failed, result.clean.failed
+    expected = {"norm_cast_before_scale": ["test_bfloat16_parity_with_the_reference"],
+                "local_rope_from_rope_theta": ["test_both_config_schemas_give_the_same_logits"]}
+    assert result.caught == {b: expected[b] for b in bugs}, result.caught

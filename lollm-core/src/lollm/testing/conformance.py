@@ -44,13 +44,19 @@ What the inherited tests prove (each one is a method below, read them):
    scale or sliding window moves its logits far past that bound (:func:`reference_sensitivity`), or the kit fails the checkpoint;
 9. with ``gguf_types`` set: the checkpoint written as a GGUF the converter's way
    (:mod:`lollm.testing.gguf_writer`, F32/F16/Q8_0/Q4_0) loads through the family and
-   matches the reference run on the weights the file holds.
+   matches the reference run on the weights the file holds;
+10. with ``reference_available = True``: ours at bfloat16 against transformers at bfloat16, within
+   bounds from the reference's own bfloat16 noise (:func:`measure_bf16_noise`);
+11. with ``reference_available = True``: config.json respelled in the hub's older schema
+   (``rope_theta``, ``rope_local_base_freq``, ``sliding_window_pattern``: :mod:`lollm.testing.schemas`)
+   gives the same logits, bit for bit, once transformers proves the two spellings one model (else
+   the test skips, saying why: nothing to respell, a model type that never had the older schema).
 
 Where each check lives: this module holds :class:`FamilyConformance`, its fixtures and
 sections 0 to 2; it inherits sections 3 to 6 from :mod:`lollm.testing.model_checks`, section 7
 and the engine tests from :mod:`lollm.testing.generation_checks` (with the checks a family's own
 tests call alone: :func:`check_speculation_is_exact`, :func:`check_chunked_prefill_is_exact`,
-:func:`check_prompt_cache_turns`), sections 8 and 9 from :mod:`lollm.testing.parity_checks`; the
+:func:`check_prompt_cache_turns`), sections 8 to 11 from :mod:`lollm.testing.parity_checks`; the
 parity bound and the sensitivity come from :mod:`lollm.testing.reference`, the prompt's length and
 chunk schedules from :mod:`lollm.testing.schedules`.
 
@@ -61,7 +67,7 @@ The family must be installed (its entry point visible) for the tests to find
 it; while developing, override the ``registry`` fixture with
 ``build_registry(entry_points=[], extra_plugins=[("mine", my_plugin_module)])``.
 
-Everything runs on the CPU at float32. pytest is needed (``lollm-core[test]``),
+Everything runs on the CPU at float32, but section 10 (bfloat16). pytest is needed (``lollm-core[test]``),
 transformers only for the parity test (``lollm-core[parity]``).
 """
 
@@ -92,14 +98,15 @@ from lollm.testing.generation_checks import (GenerationChecks, check_chunked_pre
                                              repeating_prompt)
 from lollm.testing.model_checks import TIE_CANDIDATES, UNEXPECTED_TENSOR, ModelChecks
 from lollm.testing.parity_checks import REFERENCE_TESTS, ParityChecks
-from lollm.testing.reference import (BOUND_FLOOR, NOISE_FACTOR, SENSITIVITY_CHECKS, SENSITIVITY_CHECKS_HELP, NoiseFloor,
-                                     cached_reference, measure_noise_floor, reference_sensitivity, with_layer_types)
+from lollm.testing.reference import (BF16_ERROR_FRACTION, BOUND_FLOOR, NOISE_FACTOR, SENSITIVITY_CHECKS,
+                                     SENSITIVITY_CHECKS_HELP, NoiseFloor, cached_reference, measure_noise_floor,
+                                     reference_sensitivity, with_layer_types)
 from lollm.testing.schedules import MAX_WINDOWED_PROMPT, SEQUENCE_LENGTH, chunk_schedules, sliding_window_of
 
 # The checks live in the modules above, by what they check; every name families and their tests
 # import stays importable from here (``from lollm.testing.conformance import check_speculation_is_exact``).
-__all__ = ["BOUND_FLOOR", "FamilyConformance", "NOISE_FACTOR", "NoiseFloor", "REFERENCE_TESTS", "SENSITIVITY_CHECKS",
-           "SENSITIVITY_CHECKS_HELP", "SEQUENCE_LENGTH", "TIE_CANDIDATES", "UNEXPECTED_TENSOR", "cached_reference",
+__all__ = ["BF16_ERROR_FRACTION", "BOUND_FLOOR", "FamilyConformance", "NOISE_FACTOR", "NoiseFloor", "REFERENCE_TESTS",
+           "SENSITIVITY_CHECKS", "SENSITIVITY_CHECKS_HELP", "SEQUENCE_LENGTH", "TIE_CANDIDATES", "UNEXPECTED_TENSOR", "cached_reference",
            "check_chunked_prefill_is_exact", "check_prompt_cache_turns", "check_speculation_is_exact",
            "measure_noise_floor", "prefill_chunk_sizes", "reference_sensitivity", "refused_imports", "repeating_prompt"]
 
@@ -128,6 +135,10 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
                              record of what the kit does not see).
     sensitivity_checks:      which perturbations the sensitivity test applies (those that apply to
                              the checkpoint: a config without RoPE scaling has no "rope_scaling").
+    bf16_error_fraction:     the bfloat16 test's bound on the mean |Δ| of a logit, as a fraction of the
+                             reference's own bfloat16 error (:data:`BF16_ERROR_FRACTION`, 0.25; unless
+                             5 x its bfloat16 noise is larger); None turns the test off. A family that
+                             rounds elsewhere than transformers on purpose states its own, saying why.
     gguf_types:              the GGUF mode: ggml types (of ``lollm.testing.gguf_writer.GGUF_TYPES``) in which
                              the checkpoint is written as a GGUF the converter's way, loaded through
                              the family and compared with the reference on the same (dequantized)
@@ -160,6 +171,7 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     coverage_waivers: dict[str, str] = {}
     sensitivity_margin: float = 10.0
     sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
+    bf16_error_fraction: float | None = BF16_ERROR_FRACTION
     gguf_types: tuple[str, ...] = ()
     reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None

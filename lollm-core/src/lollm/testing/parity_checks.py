@@ -1,31 +1,41 @@
 """The conformance kit's parity checks: ours against the reference, after a prefill, through the
-cache and from a GGUF; and the tiny checkpoint's sensitivity.
+cache, from a GGUF and at bfloat16; the tiny checkpoint's sensitivity; and the same logits from
+config.json spelled in either schema (transformers 5's, the hub's older one).
 
-Sections 8 and 9 of :class:`lollm.testing.conformance.FamilyConformance` (which inherits
+Sections 8 to 11 of :class:`lollm.testing.conformance.FamilyConformance` (which inherits
 :class:`ParityChecks`); the bounds come from :mod:`lollm.testing.reference`.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from lollm.errors import LollmError
 from lollm.load.loader import Checkpoint, load_checkpoint
+from lollm.load.options import LoadOptions
+from lollm.load.quantized import Quantization
 from lollm.load.registry import InstalledFamily
 from lollm.proof.parity import compare_logits, default_reference, layer_cosines
 from lollm.testing.coverage import DELTA_RULE_CHUNK
 from lollm.testing.gguf_writer import write_tiny_gguf
 from lollm.testing.reference import (SENSITIVITY_CHECKS_HELP, ReferenceBuilder, ReferenceRun, cached_reference,
-                                     reference_sensitivity)
+                                     measure_bf16_noise, reference_sensitivity)
+from lollm.testing.schemas import (NoOlderSchema, hub_schema_copy, other_schema, reference_logits_agree,
+                                   transformers_reads_it_the_same)
 from lollm.testing.schedules import fill_chunks, short_schedule
 
 #: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
 REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
-                   "test_reference_checkpoint_is_sensitive", "test_gguf_parity_with_the_reference")
+                   "test_reference_checkpoint_is_sensitive", "test_gguf_parity_with_the_reference",
+                   "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 
 
 class ParityChecks:
-    """Sections 8 and 9 of the kit; the fixtures and class attributes they use are :class:`FamilyConformance`'s."""
+    """Sections 8 to 11 of the kit; the fixtures and class attributes they use are :class:`FamilyConformance`'s."""
 
     # -- 8. parity against the reference ------------------------------------------------------
 
@@ -158,3 +168,87 @@ class ParityChecks:
                 rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
             self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode",
                                parity_bound)
+
+    # -- 10. bfloat16 ------------------------------------------------------------------------------
+
+    def test_bfloat16_parity_with_the_reference(self, installed, checkpoint, prompt_ids):
+        """Ours loaded at bfloat16 against transformers at bfloat16, prefill, every position.
+
+        The bounds come from the reference's own bfloat16 noise (:func:`measure_bf16_noise`): the
+        mean |Δ| of a logit at most ``max(5 x noise, bf16_error_fraction x the reference's bfloat16
+        error)``, the max |Δ| at most twice that error's max, and the reference's argmax wherever its
+        two best logits lie further apart than that max bound. The float32 tests cannot see a value
+        rounded to bfloat16 once too often (Gemma's norm cast before its (1 + w)); this one can.
+        """
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        if self.bf16_error_fraction is None:
+            pytest.skip("bf16_error_fraction = None: the bfloat16 check is off for this family")
+        build = self._reference_builder(installed)
+        noise = measure_bf16_noise(build, checkpoint, prompt_ids, factor=self.parity_noise_factor,
+                                   fraction=self.bf16_error_fraction)
+        options = LoadOptions(device="cpu", dtype="bfloat16", attn="sdpa", weights="float",
+                              quantization=Quantization("float"))
+        model = installed.family.resolve("load")(checkpoint, options)
+        with torch.inference_mode():
+            ours = model(prompt_ids, None)[0].double()
+        ref = cached_reference(build, checkpoint, torch.bfloat16)(prompt_ids)[0].double()
+        diff = (ours - ref).abs()
+        best = ref.topk(2, dim=-1).values  # (T, 2)
+        flips = [p for p in range(ref.shape[0]) if int(ours[p].argmax()) != int(ref[p].argmax())
+                 and float(best[p, 0] - best[p, 1]) > noise.max_bound]
+        mean, worst = float(diff.mean()), float(diff.max())
+        assert mean <= noise.mean_bound and worst <= noise.max_bound and not flips, (
+            f"bfloat16: ours vs the reference at bfloat16: mean |Δ| {mean:.3e} (bound {noise.mean_bound:.3e}), "
+            f"max |Δ| {worst:.3e} at position {int(diff.max(dim=-1).values.argmax())} (bound {noise.max_bound:.3e}), "
+            f"argmax differs away from a near tie at positions {flips[:16]}. The reference's own bfloat16 error: "
+            f"mean {noise.error_mean:.3e} ({mean / noise.error_mean if noise.error_mean else float('inf'):.2f} x "
+            f"that here), max {noise.error_max:.3e}; its noise in another blocking: mean {noise.noise_mean:.3e}, max "
+            f"{noise.noise_max:.3e}. A value rounded to bfloat16 where transformers keeps float32 (a norm's scale, "
+            f"a softmax) shows as a mean |Δ| near the reference's own bfloat16 error"
+        )
+
+    # -- 11. both config schemas ---------------------------------------------------------------------
+
+    def test_both_config_schemas_give_the_same_logits(self, load, model, checkpoint_dir, prompt_ids, tmp_path):
+        """The checkpoint's config.json respelled in the other schema (:func:`lollm.testing.schemas.other_schema`:
+        a transformers-5 one the hub's older way, ``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``,
+        ``sliding_window_pattern``; a hub-schema one as transformers 5 writes it, ``rope_parameters``,
+        ``layer_types``) gives the same logits, bit for bit.
+
+        transformers proves the two spellings mean one model first: its configs agree, it reads
+        every older key written, and its logits are equal on both folders; otherwise (or when the
+        config has nothing to respell) the test skips with that reason.
+        """
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference to prove the respelling")
+        config_path = Path(checkpoint_dir) / "config.json"
+        if not config_path.is_file():
+            pytest.skip(f"{checkpoint_dir} has no config.json: nothing to respell")
+        original = json.loads(config_path.read_text(encoding="utf-8"))
+        try:
+            schema, respelled = other_schema(original, self.reference_model_types)
+        except NoOlderSchema as exc:
+            pytest.skip(str(exc))
+        why = transformers_reads_it_the_same(original, respelled, self.reference_model_types)
+        if why is not None:
+            pytest.skip(why)
+        folder = hub_schema_copy(checkpoint_dir, tmp_path / "other-schema", respelled)
+        why = reference_logits_agree(Path(checkpoint_dir), folder, prompt_ids, self.reference_model_types)
+        if why is not None:
+            pytest.skip(f"transformers does not read the respelled config the same way: {why}")
+        try:
+            hub_model = load(load_checkpoint(folder))
+        except LollmError as exc:
+            pytest.fail(f"the family refuses config.json in {schema}, which transformers reads as the same model "
+                        f"({folder / 'config.json'}): {exc}", pytrace=False)
+        with torch.inference_mode():
+            ours = model(prompt_ids, None)[0]
+            hub = hub_model(prompt_ids, None)[0]
+        spelled = {k: v for k, v in respelled.get("text_config", respelled).items() if k in (
+            "rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern", "layer_types", "rope_parameters")}
+        assert torch.equal(ours, hub), (
+            f"the same checkpoint gives other logits when config.json is spelled in {schema} ({spelled}): "
+            f"max |Δ| {float((ours - hub).abs().max()):.3e}; transformers gives equal logits from both. The family "
+            f"reads a key of one schema wrongly (a RoPE base, the scaling, the layer kinds)"
+        )

@@ -255,3 +255,54 @@ def with_layer_types(config: dict[str, object], model_types: dict[str, str] | No
     return {**text, "layer_types": list(types)} if isinstance(types, list) else config
 
 
+
+
+#: The bfloat16 check's bound on the mean |Δ| of a logit is at least this fraction of the reference's own
+#: bfloat16 error (its mean distance from its float32 logits): a family that rounds where transformers rounds
+#: differs from it only where a float32 sum is blocked otherwise (measured: 0 for lollm's seven families on the
+#: CPU); one more rounding per norm (Gemma's norm cast before its (1 + w)) moves it by about 1.1 to 1.3 x that error.
+BF16_ERROR_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class Bf16Noise:
+    """The reference's own noise at bfloat16 on one checkpoint, and the bfloat16 check's bounds from it.
+
+    error_mean, error_max: mean and max |Δ| of a logit between the reference at bfloat16 and at float32
+    (how far bfloat16 rounding puts a correct implementation from the float32 result). noise_mean,
+    noise_max: the same between the bfloat16 reference on the prompt alone and (a) as the first row of
+    a batch of two, (b) followed by 5 more tokens (other blockings of the same products, rounded at the
+    same places; the larger of the two). mean_bound = ``max(factor * noise_mean, fraction * error_mean)``;
+    max_bound = ``max(factor * noise_max, 2 * error_max)`` (two correct bfloat16 implementations are each
+    within about error_max of the float32 result): what :class:`FamilyConformance`'s bfloat16 test allows.
+    """
+
+    error_mean: float
+    error_max: float
+    noise_mean: float
+    noise_max: float
+    mean_bound: float
+    max_bound: float
+
+
+def measure_bf16_noise(build: ReferenceBuilder, checkpoint: Checkpoint, ids: torch.Tensor, *,
+                       factor: float = NOISE_FACTOR, fraction: float = BF16_ERROR_FRACTION) -> Bf16Noise:
+    """The reference's bfloat16 error and noise on ``checkpoint`` for the prompt ``ids`` (1, T), and the bounds
+    (:class:`Bf16Noise`). ``build``: the family's parity reference, run at bfloat16 and at float32 (each built
+    once per process, :func:`cached_reference`)."""
+    key = _reference_key(build, checkpoint, "bf16 noise", ids.numpy().tobytes(), factor, fraction)
+    if key in _REFERENCE_RUNS:
+        return _REFERENCE_RUNS[key]
+    ref16 = cached_reference(build, checkpoint, torch.bfloat16)
+    base = ref16(ids)[0].double()
+    error = (base - cached_reference(build, checkpoint, torch.float32)(ids)[0].double()).abs()
+    more = torch.randint(0, int(base.shape[-1]), (1, 5), generator=torch.Generator().manual_seed(5))
+    others = [ref16(torch.cat([ids, torch.roll(ids, 1, dims=1)]))[0].double(),
+              ref16(torch.cat([ids, more], dim=1))[0][: ids.shape[1]].double()]
+    noise_mean = max(float((o - base).abs().mean()) for o in others)
+    noise_max = max(float((o - base).abs().max()) for o in others)
+    _REFERENCE_RUNS[key] = Bf16Noise(
+        error_mean=float(error.mean()), error_max=float(error.max()), noise_mean=noise_mean, noise_max=noise_max,
+        mean_bound=max(factor * noise_mean, fraction * float(error.mean())),
+        max_bound=max(factor * noise_max, 2 * float(error.max())))
+    return _REFERENCE_RUNS[key]
