@@ -49,9 +49,9 @@
 //   scales, one per channel and block (or sub-block, or super-block): (P, count, 16),
 //     the 16 channels of a panel side by side, as a vector loads them.
 //
-// Each block of weights, once unpacked into registers, meets up to 4 rows of x (a tile of
-// rows); a panel's weights stay in the L1 cache while the next tiles of rows take their
-// turn. Threads take whole panels (at::parallel_for): no sum is ever split between threads.
+// Each block of weights, once unpacked into registers, meets a tile of rows of x (AVX-512: 16
+// rows at once, or 8 and the rest; AVX2: pieces of 4); a panel's weights stay in the L1 cache
+// while the next tiles of rows take their turn. Threads take whole panels (at::parallel_for): no sum is ever split between threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -87,7 +87,7 @@ using lollm_blocks::quantize_rows;
 
 constexpr int64_t kPanel = 16;     // output channels a panel holds (the 16 int32 lanes of a 512-bit vector)
 constexpr int64_t kSuper = 8;      // blocks of 32 in a K-quant super-block of 256
-constexpr int64_t kRowTile = 8;    // rows of x that meet each unpacked block of weights
+constexpr int64_t kRowTile = 16;   // rows of x that meet each unpacked block of weights
 
 // ---------------------------------------------------------------------------
 // Step 1, and the sums of x's codes that the formats' offsets need.
@@ -348,6 +348,15 @@ void panel_rows(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t n, flo
 
 template <class F>
 void panel_tile(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t take, int64_t n, float* out) {
+  if (take == 16) {
+    panel_rows<F, 16>(w, p, x, r0, n, out);
+    return;
+  }
+  if (take > 8) {  // 9 to 15 rows: the first 8, then the rest
+    panel_rows<F, 8>(w, p, x, r0, n, out);
+    panel_tile(w, p, x, r0 + 8, take - 8, n, out);
+    return;
+  }
   if (take == 8) panel_rows<F, 8>(w, p, x, r0, n, out);
   if (take == 7) panel_rows<F, 7>(w, p, x, r0, n, out);
   if (take == 6) panel_rows<F, 6>(w, p, x, r0, n, out);
@@ -490,7 +499,7 @@ void half_rows(const F& w, int64_t p, int half, const Rows& x, int64_t r0, int64
   for (int i = 0; i < R; ++i) _mm256_maskstore_ps(out + (r0 + i) * n + c0, mask, acc[i]);
 }
 
-// AVX2 has 16 vector registers: a tile of up to 8 rows is done in pieces of up to 4.
+// AVX2 has 16 vector registers: a tile of up to 16 rows is done in pieces of up to 4.
 template <class F>
 void panel_tile(const F& w, int64_t p, const Rows& x, int64_t r0, int64_t take, int64_t n, float* out) {
   for (int half = 0; half < 2; ++half)
