@@ -23,7 +23,7 @@ from lollm.load.ranks import finish, silence_followers
 
 
 def parity(
-    model_arg: with_help(ModelArg, "Checkpoint folder or repo id.") = None,
+    model_arg: with_help(ModelArg, "Checkpoint folder, .gguf file or repo id (a GGUF is compared with transformers on its dequantized weights).") = None,
     family_name: Family = None,
     prompt: with_help(Prompt, "Prompt text (default: a paragraph of about 60 tokens).") = None,
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to the prompt."),
