@@ -26,7 +26,8 @@ from lollm import native
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, dequantize
 from lollm.load.packed_kquants import PANEL_LAYERS, Q4_0Linear, Q4_KLinear, Q5_0Linear, Q6_KLinear, Q8_0Linear
 from lollm.load.packed_linear import Int4Linear, Int8Linear
-from lollm.load.quantized import Q5Linear, WeightsSummary, describe, linear_from_gguf
+from lollm.load.packed_embedding import Int8Embedding, Q8_0PanelEmbedding
+from lollm.load.quantized import Q5Linear, WeightsSummary, describe, linear_from_gguf, shared_embedding
 
 TYPES = tuple(PANEL_LAYERS)
 #: The float16 fields of each type's block (byte offsets): made small and finite in random blocks.
@@ -257,7 +258,7 @@ def test_the_real_qwen_ffn_down_runs_from_its_bits(tensor):
         assert torch.equal(layer(batch)[:1], y[:1])
 
 
-def test_the_loader_routes_q4_0_q5_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_head_to_int8_groups(monkeypatch):
+def test_the_loader_routes_q4_0_q5_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_0_head_too(monkeypatch):
     kernel()
     made = {t: linear_from_gguf(random_matrix(t, 32, 256).reshape(-1), t, (32, 256), None) for t in TYPES + ("Q8_0",)}
     assert type(made["Q4_0"]) is Q4_0Linear and type(made["Q4_K"]) is Q4_KLinear and type(made["Q6_K"]) is Q6_KLinear
@@ -268,8 +269,14 @@ def test_the_loader_routes_q4_0_q5_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_
     assert type(made["Q8_0"]) is Q8_0Linear
     untied = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None, grouped=True)
     assert type(untied) is Q8_0Linear  # an output head of its own: the panels
+    monkeypatch.setattr(native, "tile_min_rows", lambda: 0)  # no AMX tiles: a tied Q8_0 head in panels too
+    q8 = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None, grouped=True, tied=True)
+    assert type(q8) is Q8_0Linear and type(shared_embedding(q8, 32, torch.float32)) is Q8_0PanelEmbedding
+    monkeypatch.setattr(native, "tile_min_rows", lambda: 8)  # tiles: the int8 groups of 32 they multiply
     q8 = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None, grouped=True, tied=True)
     assert isinstance(q8, Int8Linear) and q8.group_size == 32 and q8.scale.dtype == torch.float16  # shared codes, the file's d
+    assert type(shared_embedding(q8, 32, torch.float32)) is Int8Embedding
+    monkeypatch.undo()
     bias = nn.Parameter(torch.randn(32), requires_grad=False)
     q4 = linear_from_gguf(random_matrix("Q4_0", 32, 256).reshape(-1), "Q4_0", (32, 256), bias, grouped=True)
     assert type(q4) is Q4_0Linear and torch.equal(q4(torch.zeros(1, 256))[0], bias)  # a 4-bit head; the bias added
@@ -288,3 +295,20 @@ def test_the_loader_routes_q4_0_q5_0_q4_k_q6_k_q8_0_to_the_panels_and_a_tied_q8_
     assert isinstance(per_channel, Int8Linear) and per_channel.codes.shape[0] == 1
     q8_off = linear_from_gguf(random_matrix("Q8_0", 32, 256).reshape(-1), "Q8_0", (32, 256), None)
     assert isinstance(q8_off, Int8Linear) and q8_off.codes.shape[0] == 1
+
+
+@pytest.mark.parametrize("n", [32, 45])  # 45: the last panel padded with zero channels
+def test_a_q8_0_panel_embedding_gives_the_files_rows_and_shares_the_heads_codes(n):
+    """A tied Q8_0 head in panels and its embedding: one copy of the codes; each looked-up row is
+    the file's dequantized row bit for bit (lollm.gguf.quants), in any order and any shape of ids."""
+    raw = random_matrix("Q8_0", n, 256)
+    head = Q8_0Linear.from_blocks(lambda a, b: raw[a:b].reshape(-1), (n, 256), None)
+    embedding = shared_embedding(head, n, torch.float32)
+    assert embedding.codes is head.codes and embedding.d is head.d
+    rows = torch.from_numpy(dequantize(raw.reshape(-1), "Q8_0")).view(n, 256)
+    ids = torch.tensor([[0, n - 1, 15, 16], [17, 3, n - 1, 0]])
+    assert torch.equal(embedding(ids), rows[ids])
+    assert embedding(ids).shape == (2, 4, 256) and embedding.embedding_dim == 256 and embedding.num_embeddings == n
+    assert shared_embedding(head, n, torch.bfloat16)(ids).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="Q4_0Linear"):
+        shared_embedding(linear_from_gguf(random_matrix("Q4_0", 32, 256).reshape(-1), "Q4_0", (32, 256), None), 32, torch.float32)

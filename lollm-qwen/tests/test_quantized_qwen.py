@@ -119,7 +119,7 @@ def test_tiny_gguf_runs_packed_and_passes_the_quantized_gate(tiny_gguf, family, 
     from lollm.proof.parity import run_parity
     from lollm.load.pipeline import open_model
     from lollm import native
-    from lollm.load.quantized import Int8Embedding, Int8Linear, Q8_0Linear
+    from lollm.load.quantized import Int8Embedding, Int8Linear, Q8_0Linear, Q8_0PanelEmbedding
 
     path = str(tiny_gguf(family, tied))
     model = open_model(path, LoadOptions(device="cpu", weights="quantized")).model
@@ -127,8 +127,9 @@ def test_tiny_gguf_runs_packed_and_passes_the_quantized_gate(tiny_gguf, family, 
     q8_0 = Q8_0Linear if native.block_int8_op() is not None else Int8Linear  # the panels where the native kernel is built
     assert type(model.model.layers[0].mlp.up_proj) is q8_0  # Q8_0 ffn_up
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # F16 attn_q stays float
-    if tied:  # the Q8_0 embedding and the head share one int8 matrix in groups of 32 (an Int8Linear, not panels)
-        assert isinstance(model.model.embed_tokens, Int8Embedding) and model.model.embed_tokens.codes is model.lm_head.codes
+    if tied:  # the Q8_0 embedding and the head share one int8 matrix: panels, or groups of 32 where AMX tiles run
+        lookup = Int8Embedding if q8_0 is Int8Linear or native.tile_min_rows() else Q8_0PanelEmbedding
+        assert type(model.model.embed_tokens) is lookup and model.model.embed_tokens.codes is model.lm_head.codes
     assert summary.counts[("F16", "float32")] > 0 and summary.packed > 0
     report = run_parity(path, options=LoadOptions(weights="quantized"))
     assert report.weights == "gguf" and report.passed, report.to_json()

@@ -1,4 +1,5 @@
-"""The packed embeddings: :class:`BlockEmbedding` (a GGUF tensor's blocks) and :class:`Int8Embedding`.
+"""The packed embeddings: :class:`BlockEmbedding` (a GGUF tensor's blocks), :class:`Int8Embedding` and
+:class:`Q8_0PanelEmbedding` (the lookups that share a tied head's int8 codes).
 """
 
 from __future__ import annotations
@@ -76,3 +77,32 @@ class Int8Embedding(_PackedEmbedding):
         flat = ids.reshape(-1)
         rows = self.codes[:, flat].float() * self.scale[:, flat].float().unsqueeze(-1)  # (G, T, group_size) float32
         return rows.transpose(0, 1).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+
+class Q8_0PanelEmbedding(_PackedEmbedding):
+    """``nn.Embedding`` over a :class:`~lollm.load.packed_kquants.Q8_0Linear`'s panels: a tied Q8_0 head and its lookup share one copy.
+
+    A tied head (Gemma, small Qwen and Llama models) multiplies by the same matrix the
+    embedding reads rows of. Kept as Q8_0 panels (docs/native-kernel.md, section 14), the head
+    runs in the native kernel's panel loops; this looks the embedding's rows up in those same
+    buffers. Token v is channel ``c = v % 16`` of panel ``v // 16``; in block b its code for input
+    ``32b + 4u + j`` is byte ``64u + 4c + j``.
+
+    Buffers (the layer's own tensors): ``codes (P, K / 32, 512)`` int8 and ``d (P, K / 32, 16)``
+    float16, the file's scales. ``forward(ids)``: ids ``(...)`` int64 -> ``ids.shape + (K,)`` in
+    ``dtype``, each value ``q * d`` computed in float32: the file's dequantized row, bit for bit.
+    """
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, num_embeddings: int, dtype: torch.dtype = torch.float32):
+        super().__init__(num_embeddings, codes.shape[1] * 32, dtype)
+        self.register_buffer("codes", codes)
+        self.register_buffer("d", d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        panel, c = flat // 16, flat % 16
+        blocks = self.codes.shape[1]
+        q = self.codes.view(-1, blocks, 8, 16, 4)[panel, :, :, c, :]  # (T, blocks, chunk u, j): channel c of each panel
+        d = self.d[panel, :, c]  # (T, blocks)
+        rows = q.reshape(-1, blocks, 32).float() * d.float().unsqueeze(-1)  # (T, blocks, 32) float32
+        return rows.reshape(*ids.shape, self.embedding_dim).to(self.dtype)

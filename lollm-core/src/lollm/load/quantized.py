@@ -61,7 +61,7 @@ from torch import nn
 from lollm import native
 from lollm.errors import LollmError
 from lollm.gguf.quants import GGML_TYPES_BY_NAME, affine4, dequantize
-from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
+from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding, Q8_0PanelEmbedding
 from lollm.load.packed_kquants import PANEL_LAYERS, PanelLinear, Q4_0Linear, Q4_KLinear, Q6_KLinear, Q8_0Linear  # noqa: F401
 from lollm.load.packed_linear import Int4Linear, Int8Linear, Q5Linear, row_slices
 # Moved to lollm.load.packed_linear; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
@@ -211,9 +211,10 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
       :class:`Q8_0Linear`, the file's own bits (K a multiple of 32 for Q4_0 and Q8_0, 256 for
       the K-quants); a Q6_K matrix with ``grouped`` (the output head) stays an :class:`Int8Linear`
       in groups of 32;
-    * a Q8_0 matrix with ``tied`` (a head whose int8 codes an :class:`Int8Embedding` will share:
-      the caller takes ``.codes`` and ``.scale`` from the layer) -> :class:`Int8Linear` in groups
-      of 32, the file's codes and float16 scales; an untied head is a :class:`Q8_0Linear`;
+    * a Q8_0 matrix with ``tied`` (a head whose codes the embedding will share: the caller builds
+      it with :func:`shared_embedding`) -> :class:`Q8_0Linear` as any Q8_0 matrix, its lookup a
+      :class:`Q8_0PanelEmbedding`; where the CPU's AMX tiles run, an :class:`Int8Linear` in groups
+      of 32 (the file's codes and float16 scales, the tiles' layout), its lookup an :class:`Int8Embedding`;
     * Q5_0 -> :class:`Q5_0Linear`, the file's bits in panels (not for ``grouped``); where the CPU's
       AMX tiles run (:func:`lollm.native.tile_min_rows`), :class:`Q5Linear` instead (K a multiple of
       64), whose tiles multiply many rows at once; both give the same bits.
@@ -235,8 +236,9 @@ def linear_from_gguf(raw, ggml_type: str, shape: tuple[int, int], bias: nn.Param
             return blocks[start:stop].reshape(-1)
 
     panels = PANEL_LAYERS.get(ggml_type)
-    kept_int8 = grouped and ggml_type in ("Q6_K", "Q5_0") or tied and ggml_type == "Q8_0"  # heads that stay Int8Linear (above)
-    tiled_q5 = ggml_type == "Q5_0" and native.tile_min_rows() > 0  # AMX tiles take Q5Linear's many-row calls (below)
+    tiles = native.tile_min_rows() > 0  # where AMX tiles run, their layouts take the many-row calls (above)
+    kept_int8 = grouped and ggml_type in ("Q6_K", "Q5_0") or tied and ggml_type == "Q8_0" and tiles  # heads that stay Int8Linear
+    tiled_q5 = ggml_type == "Q5_0" and tiles  # Q5Linear (below)
     if panels is not None and k % panels.K_MULTIPLE == 0 and not kept_int8 and not tiled_q5 and _native():
         return panels.from_blocks(read_rows, shape, bias)
     if ggml_type in INT4_TYPES and n % 16 == 0:
@@ -281,6 +283,19 @@ def linear_from_float(weight: torch.Tensor, quantization: Quantization, bias: nn
     return Int8Linear(*int8_from_float_rows(n, k, lambda a, b: weight[a:b]), bias)
 
 
+def shared_embedding(head: nn.Module, num_embeddings: int, dtype: torch.dtype) -> nn.Module:
+    """The embedding that looks its rows up in a tied ``head``'s own buffers (one copy serves both).
+
+    head: a :class:`Q8_0Linear` (-> :class:`Q8_0PanelEmbedding`) or an :class:`Int8Linear`
+    (-> :class:`Int8Embedding`); rows come back in ``dtype``. Raises TypeError for another layer.
+    """
+    if isinstance(head, Q8_0Linear):
+        return Q8_0PanelEmbedding(head.codes, head.d, num_embeddings, dtype)
+    if isinstance(head, Int8Linear):
+        return Int8Embedding(head.codes, head.scale, dtype)
+    raise TypeError(f"no embedding shares the buffers of a {type(head).__name__}")
+
+
 def describe(module: nn.Module) -> str:
     """How a packed module stores its matrix, for the load summary (``"int4 groups of 32"`` …)."""
     if isinstance(module, Int4Linear):
@@ -293,6 +308,8 @@ def describe(module: nn.Module) -> str:
         return "int8 per channel" if module.codes.shape[0] == 1 else f"int8 groups of {module.group_size}"
     if isinstance(module, BlockEmbedding):
         return "file blocks, rows dequantized on lookup"
+    if isinstance(module, Q8_0PanelEmbedding):
+        return "Q8_0 blocks (the file's bits, panels of 16 channels)"
     if isinstance(module, Int8Embedding):
         return "int8 rows" if module.codes.shape[0] == 1 else f"int8 groups of {module.codes.shape[2]}"
     return "float"

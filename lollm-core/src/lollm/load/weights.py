@@ -36,6 +36,7 @@ from lollm.errors import WeightsError
 from lollm.gguf.quants import SUPPORTED_TYPES, dequantize
 # Lazy imports below: tqdm (only when a progress bar is drawn) and ctypes (glibc's malloc_trim, Linux only).
 from lollm.load.packed_embedding import BlockEmbedding, Int8Embedding
+from lollm.load.packed_kquants import Q8_0Linear
 from lollm.load.packed_linear import Int8Linear
 from lollm.load.quantized import (
     FLOAT_TYPES,
@@ -48,6 +49,7 @@ from lollm.load.quantized import (
     linear_from_float,
     linear_from_gguf,
     model_bytes,
+    shared_embedding,
 )
 
 #: Stored types that hold integers or booleans (safetensors' and ggml's names): never the
@@ -154,11 +156,12 @@ def _tie_packed(model: nn.Module, target: str, src: str, dtype: torch.dtype, sum
                 source, src_file: str | None) -> bool:
     """Tie output head ``target`` to a packed embedding ``src``; False when ``src`` is not packed.
 
-    An int8 head (in groups of 32: exact for Q8_0 and Q5_0) and the embedding
-    share one int8 matrix: the embedding's blocks are dropped first and the
-    matrix is read again from the file (``src_file``), a slice at a time, so
-    the two forms are never in memory together. A 4-bit head is packed beside
-    the embedding's blocks (two copies of 4.5 bits a weight).
+    An int8 head and the embedding share one int8 matrix (:func:`shared_embedding`): a Q8_0 head
+    in panels with a :class:`Q8_0PanelEmbedding`, or an :class:`Int8Linear` in groups of 32
+    (exact for Q8_0 and Q5_0) with an :class:`Int8Embedding`. The embedding's blocks are dropped
+    first and the matrix is read again from the file (``src_file``), a slice at a time, so the
+    two forms are never in memory together. A 4-bit head is packed beside the embedding's
+    blocks (two copies of 4.5 bits a weight).
     """
     src_name, target_name = src.rpartition(".")[0], target.rpartition(".")[0]
     embedding = model.get_submodule(src_name)
@@ -179,8 +182,8 @@ def _tie_packed(model: nn.Module, target: str, src: str, dtype: torch.dtype, sum
         def read_rows(start: int, stop: int):
             return source.read_raw(src_file, start, stop)
 
-        new = linear_from_gguf(read_rows, ggml_type, shape, head.bias, grouped=True, tied=True)  # an Int8Linear: its codes shared
-        _replace_module(model, src_name, Int8Embedding(new.codes, new.scale, out_dtype))
+        new = linear_from_gguf(read_rows, ggml_type, shape, head.bias, grouped=True, tied=True)  # its codes shared
+        _replace_module(model, src_name, shared_embedding(new, shape[0], out_dtype))
         summary.counts[(ggml_type, "file blocks, rows dequantized on lookup")] -= 1
         summary.add(ggml_type, describe(new) + " (embedding, shared with the head)")
     else:
@@ -191,8 +194,8 @@ def _tie_packed(model: nn.Module, target: str, src: str, dtype: torch.dtype, sum
             summary.dequantized.append(f"{target} (tied, {ggml_type})")
             summary.add(ggml_type, f"{str(dtype).removeprefix('torch.')} (tied head)")
             return True
-        if isinstance(new, Int8Linear):  # one int8 copy serves both
-            _replace_module(model, src_name, Int8Embedding(new.codes, new.scale, out_dtype))
+        if isinstance(new, (Int8Linear, Q8_0Linear)):  # one int8 copy serves both
+            _replace_module(model, src_name, shared_embedding(new, shape[0], out_dtype))
             summary.counts[(ggml_type, "file blocks, rows dequantized on lookup")] -= 1
             summary.add(ggml_type, describe(new) + " (embedding, shared with the head)")
     _replace_module(model, target_name, new)
