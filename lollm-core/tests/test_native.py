@@ -157,6 +157,25 @@ def rows_alone(layer, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
 
 
+def test_the_threads_that_share_a_call_change_no_bit():
+    """Int8Linear and Q5Linear quantize a call's rows over torch's threads, in chunks that follow the
+    thread count; each row's output is the same bits on 1, 2 or 3 threads (300 rows: several chunks)."""
+    kernel()
+    gen = torch.Generator().manual_seed(5)
+    layers = [Int8Linear(*random_layer(16, 48, 32, gen)), q5_layer(48, 512, gen)[0]]
+    x = torch.randn(300, 512, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        for layer in layers:
+            torch.set_num_threads(1)
+            alone = layer(x)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(layer(x), alone), (type(layer).__name__, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_arguments_name_the_operator():
     op = kernel()
     codes, scale = random_layer(1, 8, 64, torch.Generator().manual_seed(2))

@@ -118,6 +118,25 @@ def test_a_row_alone_is_the_same_bits_in_any_batch_on_every_route(type_name):
             assert torch.equal(alone, together), (name, rows)
 
 
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q4_K"])
+def test_the_threads_that_share_a_call_change_no_bit(type_name):
+    """A call's rows are quantized, and its panels multiplied, over torch's threads in chunks that
+    follow the thread count (rows: at least 32768 values a chunk); each row's output is the same bits
+    on 1, 2 or 3 threads, at row counts that give several chunks."""
+    kernel()
+    layer, _ = layer_of(type_name, 40, 512)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(layer(x), alone), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_every_route_gives_the_same_bits(type_name):
     layer, _ = layer_of(type_name, 37, 768, seed=2)

@@ -137,11 +137,15 @@ struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum;
+  // Each row on its own, so the rows are shared out over torch's threads (chunks of at least
+  // 32768 values: a decode step's few rows stay on one); a row's codes are the same on any thread.
   Rows(const float* x, int64_t rows, int64_t k)
       : rows(rows), k(k), blocks(k / kBlock), q(rows * k), d(rows * blocks), sum(rows * blocks, 0) {
-    quantize_rows(x, rows, k, q.data(), d.data());
-    for (int64_t i = 0; i < rows * blocks; ++i)
-      for (int64_t j = 0; j < kBlock; ++j) sum[i] += q[i * kBlock + j];
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / k), [&](int64_t first, int64_t last) {
+      quantize_rows(x + first * k, last - first, k, q.data() + first * k, d.data() + first * blocks);
+      for (int64_t i = first * blocks; i < last * blocks; ++i)
+        for (int64_t j = 0; j < kBlock; ++j) sum[i] += q[i * kBlock + j];
+    });
   }
   const int8_t* block(int64_t m, int64_t b) const { return q.data() + m * k + b * kBlock; }
 };

@@ -101,14 +101,19 @@ struct Rows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> sum16;
+  // Each row on its own, so the rows are shared out over torch's threads (chunks of at least
+  // 32768 values: a decode step's few rows stay on one); a row's codes are the same on any thread.
   explicit Rows(const at::Tensor& x)
       : rows(x.size(0)), k(x.size(1)), blocks(k / kBlock), q(rows * k), d(rows * blocks), sum16(rows * k / 16) {
-    quantize_rows(x.data_ptr<float>(), rows, k, q.data(), d.data());
-    for (int64_t i = 0; i < rows * k / 16; ++i) {
-      int32_t total = 0;
-      for (int64_t j = 0; j < 16; ++j) total += q[16 * i + j];
-      sum16[i] = total;
-    }
+    const float* values = x.data_ptr<float>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / k), [&](int64_t first, int64_t last) {
+      quantize_rows(values + first * k, last - first, k, q.data() + first * k, d.data() + first * blocks);
+      for (int64_t i = first * k / 16; i < last * k / 16; ++i) {
+        int32_t total = 0;
+        for (int64_t j = 0; j < 16; ++j) total += q[16 * i + j];
+        sum16[i] = total;
+      }
+    });
   }
   const int8_t* codes(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
   float scale(int64_t row, int64_t b) const { return d[row * blocks + b]; }
