@@ -422,7 +422,8 @@ SENTENCEPIECE_STYLES = {
 }
 
 
-def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style: str, vocab_size: int = 1024) -> Path:
+def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style: str, vocab_size: int = 1024,
+                                  max_characters: int | None = None) -> Path:
     """A SentencePiece BPE tokenizer.model of exactly ``vocab_size`` pieces trained on ``texts``, in ``folder``.
 
     The converter reads a byte-level BPE tokenizer.json only when it knows the hash of its ids
@@ -433,13 +434,23 @@ def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style
     style "gemma" also writes tokenizer.json and tokenizer_config.json, built by transformers'
     GemmaTokenizer from the pieces (transformers' own ``generate_merges``): Gemma 4's converter
     reads tokenizer.json only (``LlamaHfVocab``). Returns ``folder``.
+
+    max_characters: train on the texts with every character but the ``max_characters`` most frequent
+    removed (None: all kept). SentencePiece needs a piece for each character covering 98% of the text,
+    which a small vocabulary (the kit's 512) cannot hold beside the 256 byte pieces; the dropped
+    characters still encode, as bytes (byte fallback).
     """
     import io
+    from collections import Counter
 
     import sentencepiece as spm
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if max_characters is not None:
+        counts = Counter(c for t in texts for c in t)
+        kept = {c for c, _ in counts.most_common(max_characters)}
+        texts = ["".join(c for c in t if c in kept) for t in texts]
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([t for t in texts if t.strip()] * 2), model_writer=buffer, model_type="bpe",

@@ -1,0 +1,291 @@
+"""The conformance kit's converter GGUF check: llama.cpp's own ``convert_hf_to_gguf.py`` writes the file.
+
+Section 12 of :class:`lollm.testing.conformance.FamilyConformance` (which inherits
+:class:`ConverterChecks`). The GGUF mode of section 9 writes the checkpoint with lollm's
+own writer "the converter's way" (:mod:`lollm.testing.gguf_writer`): a misreading of how
+the converter names or transforms a tensor would sit in that writer and in the family's
+reader alike. Here the converter itself writes each file (:mod:`lollm.testing.converter`:
+the pinned llama-cpp-python sdist, pure Python, a child process of about 3 s):
+
+1. the kit's tiny checkpoint is copied, its weights rounded to bfloat16
+   (:func:`~lollm.testing.converter.round_to_bfloat16`: released checkpoints are bfloat16,
+   so f16 and bf16 files hold them exactly), and given a tokenizer the converter accepts
+   (:func:`write_kit_tokenizer`: a SentencePiece ``tokenizer.model`` of exactly the
+   checkpoint's vocabulary, trained on lollm's held-in corpus);
+2. for a model type the converter does not know (a family made by ``lollm new-family``), the
+   copy's config.json is respelled to the reference's type (``reference_model_types``: the
+   class transformers already proves equivalent), converted, and the file is relabelled to the
+   family's own GGUF architecture (``converter_architecture``: :func:`relabel_gguf`, with the
+   converter's own gguf-py), so the family's GGUF reader is what reads it;
+3. the family loads each file of ``converter_outtypes`` and is compared with the reference
+   (transformers) on the weights the file holds (the rounded copy for f32/f16/bf16; for q8_0 that
+   copy Q8_0-rounded, :func:`~lollm.testing.converter.q8_0_checkpoint`), after a prefill and
+   through the cache, with the kit's float32 parity bounds: exact argmax, cosine >=
+   ``parity_min_cosine``, max |Δ| <= the bound from the reference's own float32 noise. Those
+   bounds hold because lollm and transformers then multiply the same numbers: a dequantized
+   Q8_0 weight is exactly the Q8_0-rounded one (the converter tests' looser cosine >= 0.9999
+   would let a small misread pass);
+4. the tokenizer the converter wrote into the file gives the kit tokenizer's ids on the corpus.
+
+Conversions are cached per process (pytest-xdist workers convert once each) by the content of
+the checkpoint, so the two tests and the classes sharing a checkpoint convert it once.
+docs/conformance-kit.md, "The converter's GGUF", says what is and is not run, and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from lollm.load.loader import load_checkpoint
+from lollm.load.registry import InstalledFamily
+
+#: lollm's held-in corpus of hard strings (lollm-core/tests/data/hard_strings.json, shipped with the kit).
+CORPUS_PATH = Path(__file__).resolve().parents[1] / "cli" / "data" / "corpus" / "hard_strings.json"
+#: The pieces a byte-fallback SentencePiece tokenizer needs besides its characters and merges: 256 bytes,
+#: the special pieces of the largest style (Gemma's 4 + 2 turn markers), and room for 64 merges.
+MIN_VOCAB = 256 + 6 + 64
+#: The converter's byte-level BPE path only (``TextModel._set_vocab_gpt2``, no tokenizer.model tried first):
+#: these reference model types have no tokenizer the kit can write (docs/conformance-kit.md).
+BPE_ONLY_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+#: The special ids of each SentencePiece style (:data:`lollm.testing.converter.SENTENCEPIECE_STYLES`),
+#: written into the copy's config.json (the converter takes them from there): they describe the tokenizer.
+STYLE_TOKEN_IDS = {"gemma": {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
+                   "llama": {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}}
+
+
+def corpus() -> list[str]:
+    return json.loads(CORPUS_PATH.read_text(encoding="utf-8"))
+
+
+def tokenizer_style(model_type: str) -> str:
+    """The SentencePiece style for a reference model type: Gemma's ids and turn markers for ``gemma*``
+    (Gemma 4's converter reads only the tokenizer.json the style also writes), Llama 2's for the rest."""
+    return "gemma" if model_type.startswith("gemma") else "llama"
+
+
+def write_kit_tokenizer(folder: Path, vocab_size: int, style: str) -> Path:
+    """A SentencePiece tokenizer of exactly ``vocab_size`` pieces, trained on :func:`corpus`, in ``folder``.
+
+    The converter reads a ``tokenizer.model`` as it is (``_set_vocab_sentencepiece``: Llama, Gemma 2/3,
+    and Qwen2/Qwen3, which try it before their byte-level BPE); a tiny byte-level BPE would be refused
+    (its pre-tokenizer hash is unknown to ``get_vocab_base_pre``). The characters beyond what the
+    vocabulary holds are left out of training (they still encode, as bytes).
+    """
+    from lollm.testing.converter import write_sentencepiece_tokenizer
+
+    if vocab_size < MIN_VOCAB:
+        pytest.fail(f"the checkpoint's vocabulary ({vocab_size}) is too small for the tokenizer the converter needs "
+                    f"(a byte-fallback SentencePiece model of at least {MIN_VOCAB} pieces); write the kit's checkpoint "
+                    f"with vocab_size >= {MIN_VOCAB}, or set converter_outtypes = () saying why", pytrace=False)
+    return write_sentencepiece_tokenizer(folder, corpus(), style=style, vocab_size=vocab_size,
+                                         max_characters=vocab_size - MIN_VOCAB)
+
+
+def _stamp(folder: Path) -> str:
+    """A digest of config.json and the safetensors files: the same checkpoint written twice has one stamp."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def respell(raw: object, model_types: dict[str, str]) -> object:
+    """config.json with each ``model_type`` of ``model_types`` (nested ones too) set to the reference's, and
+    ``architectures`` to transformers' causal-LM class of that type (what the converter picks its class by)."""
+    if isinstance(raw, list):
+        return [respell(v, model_types) for v in raw]
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: respell(v, model_types) for k, v in raw.items()}
+    if out.get("model_type") in model_types:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        out["model_type"] = model_types[out["model_type"]]
+        if "architectures" in out:
+            out["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[out["model_type"]]]
+    return out
+
+
+_RELABEL = r'''
+import sys
+import gguf
+
+src, dst, new = sys.argv[1:]
+reader = gguf.GGUFReader(src)
+old = bytes(reader.get_field("general.architecture").parts[-1]).decode()
+writer = gguf.GGUFWriter(dst, arch=new)
+for field in reader.fields.values():
+    if field.name == "general.architecture" or field.name.startswith("GGUF."):
+        continue  # the writer writes these itself
+    name = new + field.name[len(old):] if field.name.startswith(old + ".") else field.name
+    kind = field.types[0]
+    sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+for t in reader.tensors:
+    writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+writer.write_header_to_file()
+writer.write_kv_data_to_file()
+writer.write_ti_data_to_file()
+for t in reader.tensors:
+    writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+writer.close()
+'''
+
+
+def relabel_gguf(src: Path, dst: Path, architecture: str) -> Path:
+    """``src`` rewritten as ``dst`` with ``general.architecture`` = ``architecture`` and every ``<old arch>.`` key
+    renamed ``<architecture>.``; tensors and every other key as they are. Runs the converter's own gguf-py."""
+    from lollm.testing.converter import ConverterError, converter_source
+
+    gguf_py = converter_source() / "vendor" / "llama.cpp" / "gguf-py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(gguf_py), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _RELABEL, str(src), str(dst), architecture],
+                          capture_output=True, text=True, env=env)
+    if done.returncode or not dst.is_file():
+        raise ConverterError(f"relabelling {src} as {architecture!r} failed:\n{done.stderr[-3000:]}")
+    return dst
+
+
+@dataclass(frozen=True)
+class ConvertedFile:
+    """One conversion: the file the family reads, the folder holding the weights the file holds (in the family's
+    own model type: the reference runs there), the tokenizer the kit wrote, and its style."""
+
+    gguf: Path
+    held: Path
+    tokenizer: Path
+    style: str
+
+
+_CONVERTED: dict[tuple, ConvertedFile] = {}
+_WORKDIR: list[Path] = []
+
+
+def _workdir() -> Path:
+    if not _WORKDIR:
+        _WORKDIR.append(Path(tempfile.mkdtemp(prefix="lollm-kit-converter-")))
+    return _WORKDIR[0]
+
+
+def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) -> tuple[Path, Path | None, str]:
+    """The rounded copy with the kit's tokenizer (the family's own model type), and when the model type is one
+    of ``model_types`` a respelled copy for the converter; returns (copy, respelled or None, style)."""
+    from lollm.testing.converter import round_to_bfloat16
+
+    if not (checkpoint_dir / "model.safetensors").is_file():
+        pytest.fail(f"the converter check needs the checkpoint in one model.safetensors; {checkpoint_dir} has "
+                    f"{sorted(p.name for p in checkpoint_dir.iterdir())}", pytrace=False)
+    rounded = folder / "checkpoint"
+    shutil.copytree(checkpoint_dir, rounded, ignore=shutil.ignore_patterns("tokenizer*", "*.gguf"))
+    round_to_bfloat16(rounded)
+    config = json.loads((rounded / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    reference_type = model_types.get(text.get("model_type"), text.get("model_type"))
+    style = tokenizer_style(str(reference_type))
+    for key, value in STYLE_TOKEN_IDS[style].items():  # the tokenizer's ids, where config.json names them
+        for part in (config, text):
+            if key in part:
+                part[key] = value
+    (rounded / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_kit_tokenizer(rounded, int(text["vocab_size"]), style)
+    if text.get("model_type") not in model_types and config.get("model_type") not in model_types:
+        return rounded, None, style
+    respelled = folder / "respelled"
+    shutil.copytree(rounded, respelled)
+    (respelled / "config.json").write_text(json.dumps(respell(config, model_types), indent=2), encoding="utf-8")
+    return rounded, respelled, style
+
+
+def convert_checkpoint(checkpoint_dir: str | Path, outtype: str, model_types: dict[str, str],
+                       architecture: str | None) -> ConvertedFile:
+    """The kit checkpoint ``checkpoint_dir`` converted at ``outtype`` (cached per process; module docstring, 1-2)."""
+    from lollm.testing.converter import convert, q8_0_checkpoint
+
+    checkpoint_dir = Path(checkpoint_dir)
+    key = (_stamp(checkpoint_dir), outtype, tuple(sorted(model_types.items())), architecture)
+    if key in _CONVERTED:
+        return _CONVERTED[key]
+    folder = _workdir() / f"{key[0]}-{len(_CONVERTED)}-{outtype}"
+    rounded, respelled, style = _prepare(checkpoint_dir, folder, model_types)
+    path = convert(respelled or rounded, folder / f"converter-{outtype}.gguf", outtype)
+    if architecture is not None:
+        path = relabel_gguf(path, folder / f"{architecture}-{outtype}.gguf", architecture)
+    held = q8_0_checkpoint(rounded, folder / "q8_0-weights") if outtype == "q8_0" else rounded
+    tokenizer = rounded / ("tokenizer.json" if style == "gemma" else "tokenizer.model")
+    _CONVERTED[key] = ConvertedFile(path, held, tokenizer, style)
+    return _CONVERTED[key]
+
+
+class ConverterChecks:
+    """Section 12 of the kit; the fixtures and class attributes it uses are :class:`FamilyConformance`'s."""
+
+    def _converter_plan(self, installed: InstalledFamily, checkpoint_dir) -> tuple[str, ...]:
+        """The outtypes to convert, or a skip saying why there are none."""
+        from lollm.testing.converter import OUTTYPES
+
+        if not self.reference_available:
+            pytest.skip("reference_available = False: no transformers reference for this family")
+        outtypes = self.converter_outtypes
+        if outtypes is None:
+            if not installed.family.gguf_architectures:
+                pytest.skip(f"the family {installed.family.name!r} declares no GGUF architecture "
+                            f"(Family.gguf_architectures): it reads no GGUF, so the converter check does not apply")
+            outtypes = OUTTYPES
+        if not outtypes:
+            pytest.skip("converter_outtypes = (): the converter check is off for this family")
+        unknown = [o for o in outtypes if o not in OUTTYPES]
+        assert not unknown, f"converter_outtypes {unknown}: the converter writes {OUTTYPES}"
+        config = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
+        model_type = config.get("text_config", config).get("model_type")
+        reference_type = self.reference_model_types.get(model_type, model_type)
+        if reference_type in BPE_ONLY_MODEL_TYPES:
+            pytest.skip(f"llama.cpp's converter reads a {reference_type!r} tokenizer only as a byte-level BPE "
+                        f"tokenizer.json whose pre-tokenizer it knows by hash (TextModel._set_vocab_gpt2), which "
+                        f"no tiny tokenizer has: a real one needs 151,936 embedding rows. The proof for this "
+                        f"architecture is lollm-qwen3_5/tests/test_gguf_qwen3_5.py (the real Qwen2.5 tokenizer)")
+        return tuple(outtypes)
+
+    def _converted(self, installed: InstalledFamily, checkpoint_dir, outtype: str) -> ConvertedFile:
+        return convert_checkpoint(checkpoint_dir, outtype, dict(self.reference_model_types), self.converter_architecture)
+
+    def test_converter_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids,
+                                                      sliding_window, parity_bound):
+        """Each file of ``converter_outtypes``, written by llama.cpp's converter from the checkpoint, loads through
+        the family and matches the reference on the weights the file holds, after a prefill and through the
+        cache, within the kit's float32 parity bounds (module docstring)."""
+        for outtype in self._converter_plan(installed, checkpoint_dir):
+            converted = self._converted(installed, checkpoint_dir, outtype)
+            gguf_checkpoint = load_checkpoint(converted.gguf)
+            architecture = gguf_checkpoint.config["general.architecture"]
+            assert architecture in installed.family.gguf_architectures, (
+                f"the converter's file {converted.gguf} says general.architecture {architecture!r}, which the family "
+                f"does not serve (gguf_architectures {installed.family.gguf_architectures}); a family copied from "
+                f"another states converter_architecture (the GGUF architecture the file is relabelled to)")
+            reference = self._reference(installed, load_checkpoint(converted.held))
+            ref_logits, ref_hidden = reference(prompt_ids)
+            self._check_file_parity(load(gguf_checkpoint), ref_logits, ref_hidden, prompt_ids, sliding_window,
+                                    f"converter's GGUF {outtype}", parity_bound)
+
+    def test_converter_gguf_tokenizer_gives_the_checkpoints_ids(self, installed, checkpoint_dir):
+        """The tokenizer the converter wrote into the file (lollm's GGUF tokenizer on its ``tokenizer.ggml.*``
+        keys) gives the ids of the tokenizer the kit wrote beside the checkpoint, on every text of the corpus."""
+        from lollm.testing.converter import sentencepiece_mismatches, tokenizer_mismatches
+
+        outtype = self._converter_plan(installed, checkpoint_dir)[0]
+        converted = self._converted(installed, checkpoint_dir, outtype)
+        texts = corpus()
+        check = tokenizer_mismatches if converted.style == "gemma" else sentencepiece_mismatches
+        wrong = check(converted.gguf, converted.tokenizer, texts)
+        assert not wrong, (f"{len(wrong)} of {len(texts)} texts of {CORPUS_PATH.name} tokenize otherwise from the "
+                           f"converter's file {converted.gguf} than with {converted.tokenizer}; first: {wrong[0]}")
