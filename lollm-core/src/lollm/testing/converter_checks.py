@@ -9,7 +9,9 @@ the pinned llama-cpp-python sdist, pure Python, a child process of about 3 s):
 
 1. the kit's tiny checkpoint is copied, its weights rounded to bfloat16
    (:func:`~lollm.testing.converter.round_to_bfloat16`: released checkpoints are bfloat16,
-   so f16 and bf16 files hold them exactly), and given a tokenizer the converter accepts
+   so f16 and bf16 files hold them exactly), what no GGUF carries set to what llama.cpp
+   derives (:data:`GGUF_DERIVED_KEYS`, :data:`GGUF_FIXED_SLIDING_PATTERN`: the reference runs
+   on the same copy), and given a tokenizer the converter accepts
    (:func:`write_kit_tokenizer`: a SentencePiece ``tokenizer.model`` of exactly the
    checkpoint's vocabulary, trained on lollm's held-in corpus);
 2. for a model type the converter does not know (a family made by ``lollm new-family``), the
@@ -34,6 +36,7 @@ docs/conformance-kit.md, "The converter's GGUF", says what is and is not run, an
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -58,6 +61,14 @@ MIN_VOCAB = 256 + 6 + 64
 #: The converter's byte-level BPE path only (``TextModel._set_vocab_gpt2``, no tokenizer.model tried first):
 #: these reference model types have no tokenizer the kit can write (docs/conformance-kit.md).
 BPE_ONLY_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+#: config.json keys a GGUF file cannot carry -> the key llama.cpp derives them from: the converter drops them
+#: and llama.cpp takes the scale from head_dim (Gemma 2/3's ``query_pre_attn_scalar``). Where a checkpoint sets
+#: them otherwise, the kit's copy takes the derived value (the reference runs on that copy too): the file
+#: cannot hold the checkpoint's own model, and the wrong-scale bug is the float32 tests' to find.
+GGUF_DERIVED_KEYS = {"query_pre_attn_scalar": "head_dim"}
+#: Reference model types whose GGUF cannot carry the layer kinds: llama.cpp makes every N-th layer global
+#: (Gemma 3: 6, its ``set_swa_pattern``; the converter writes no pattern). The kit's copy takes that pattern.
+GGUF_FIXED_SLIDING_PATTERN = {"gemma3": 6, "gemma3_text": 6}
 #: The special ids of each SentencePiece style (:data:`lollm.testing.converter.SENTENCEPIECE_STYLES`),
 #: written into the copy's config.json (the converter takes them from there): they describe the tokenizer.
 STYLE_TOKEN_IDS = {"gemma": {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2},
@@ -173,9 +184,27 @@ _WORKDIR: list[Path] = []
 
 
 def _workdir() -> Path:
+    """One temporary folder per process for the conversions, removed when the process ends."""
     if not _WORKDIR:
         _WORKDIR.append(Path(tempfile.mkdtemp(prefix="lollm-kit-converter-")))
+        atexit.register(shutil.rmtree, _WORKDIR[0], True)
     return _WORKDIR[0]
+
+
+def _carried_by_gguf(text: dict, reference_type: str) -> None:
+    """Set, in the decoder's config dict ``text``, what a GGUF cannot carry to what llama.cpp derives
+    (:data:`GGUF_DERIVED_KEYS`, :data:`GGUF_FIXED_SLIDING_PATTERN`)."""
+    for key, source in GGUF_DERIVED_KEYS.items():
+        if key in text and isinstance(text.get(source), int):
+            text[key] = text[source]
+    pattern = GGUF_FIXED_SLIDING_PATTERN.get(reference_type)
+    if pattern is not None:
+        for key in ("sliding_window_pattern", "_sliding_window_pattern"):
+            if key in text:
+                text[key] = pattern
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                   for i in range(len(text["layer_types"]))]
 
 
 def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) -> tuple[Path, Path | None, str]:
@@ -197,6 +226,7 @@ def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) ->
         for part in (config, text):
             if key in part:
                 part[key] = value
+    _carried_by_gguf(text, str(reference_type))
     (rounded / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     write_kit_tokenizer(rounded, int(text["vocab_size"]), style)
     if text.get("model_type") not in model_types and config.get("model_type") not in model_types:
