@@ -102,11 +102,11 @@ def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str) -> Path:
+def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str, extra_args: tuple[str, ...] = ()) -> Path:
     """Run llama.cpp's ``convert_hf_to_gguf.py`` on ``checkpoint_dir`` (config.json, safetensors, tokenizer files).
 
-    outtype: one of :data:`OUTTYPES`. Returns ``out_path``. ConverterError, with the tail
-    of the converter's stderr, when it fails.
+    outtype: one of :data:`OUTTYPES`; extra_args: more of the converter's options (``--no-mtp``).
+    Returns ``out_path``. ConverterError, with the tail of the converter's stderr, when it fails.
     """
     if outtype not in OUTTYPES:
         raise ConverterError(f"outtype {outtype!r}: the converter writes {', '.join(OUTTYPES)} (K-quants: quantize())")
@@ -116,7 +116,7 @@ def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str) -> P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
     env.pop("NO_LOCAL_GGUF", None)  # the converter then puts its own gguf-py first as well
     cmd = [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint_dir), "--outfile", str(out_path),
-           "--outtype", outtype]
+           "--outtype", outtype, *extra_args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode or not out_path.is_file():
         raise ConverterError(f"convert_hf_to_gguf.py --outtype {outtype} failed on {checkpoint_dir} "

@@ -59,7 +59,8 @@ CORPUS_PATH = Path(__file__).resolve().parents[1] / "cli" / "data" / "corpus" / 
 #: the special pieces of the largest style (Gemma's 4 + 2 turn markers), and room for 64 merges.
 MIN_VOCAB = 256 + 6 + 64
 #: The converter's byte-level BPE path only (``TextModel._set_vocab_gpt2``, no tokenizer.model tried first):
-#: these reference model types have no tokenizer the kit can write (docs/conformance-kit.md).
+#: these reference model types have no tokenizer the kit can write; the family's test class gives a real one
+#: (the fixture ``converter_tokenizer_dir``, docs/conformance-kit.md).
 BPE_ONLY_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 #: config.json keys a GGUF file cannot carry -> the key llama.cpp derives them from: the converter drops them
 #: and llama.cpp takes the scale from head_dim (Gemma 2/3's ``query_pre_attn_scalar``). Where a checkpoint sets
@@ -101,6 +102,35 @@ def write_kit_tokenizer(folder: Path, vocab_size: int, style: str) -> Path:
                     f"with vocab_size >= {MIN_VOCAB}, or set converter_outtypes = () saying why", pytrace=False)
     return write_sentencepiece_tokenizer(folder, corpus(), style=style, vocab_size=vocab_size,
                                          max_characters=vocab_size - MIN_VOCAB)
+
+
+def tokenizer_json_size(folder: Path) -> int:
+    """1 + the largest id of ``folder/tokenizer.json`` (its model's vocabulary and its added tokens)."""
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def grow_vocabulary(folder: Path, rows: int) -> None:
+    """The checkpoint in ``folder`` with ``rows`` vocabulary rows: the embedding and an untied head grow by rows
+    drawn like their own (normal, their standard deviation, seeded), config.json's ``vocab_size`` with them.
+    A real byte-level BPE tokenizer needs its whole vocabulary in the file; the logits of the ids the kit's
+    prompt uses depend on the new rows only through the softmax's normaliser, which the logits do not hold."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    old = int(text["vocab_size"])
+    g = torch.Generator().manual_seed(38)
+    for name, value in tensors.items():
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and value.shape[0] == old:
+            extra = torch.randn((rows - old,) + tuple(value.shape[1:]), generator=g) * value.float().std()
+            tensors[name] = torch.cat([value, extra.to(value.dtype)]).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    text["vocab_size"] = rows
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def _stamp(folder: Path) -> str:
@@ -207,9 +237,30 @@ def _carried_by_gguf(text: dict, reference_type: str) -> None:
                                    for i in range(len(text["layer_types"]))]
 
 
-def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) -> tuple[Path, Path | None, str]:
-    """The rounded copy with the kit's tokenizer (the family's own model type), and when the model type is one
-    of ``model_types`` a respelled copy for the converter; returns (copy, respelled or None, style)."""
+def converter_flags(folder: Path) -> tuple[str, ...]:
+    """``("--no-mtp",)`` when config.json declares an MTP block (``mtp_num_hidden_layers``) that the weights
+    lack, else ().
+
+    transformers writes no MTP head (its models do not run one), so a tiny checkpoint of a hub config that
+    declares one has none; the converter counts the block from config.json and refuses a checkpoint without
+    its tensors unless told ``--no-mtp`` (its own option for a file without the head). The reference never
+    runs MTP either."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if not config.get("text_config", config).get("mtp_num_hidden_layers"):
+        return ()
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        return () if any(name.startswith("mtp.") for name in weights.keys()) else ("--no-mtp",)
+
+
+def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str],
+             tokenizer_dir: Path | None) -> tuple[Path, Path | None, str]:
+    """The rounded copy with its tokenizer (the family's own model type), and when the model type is one of
+    ``model_types`` a respelled copy for the converter; returns (copy, respelled or None, style).
+
+    tokenizer_dir: a real byte-level BPE tokenizer (tokenizer.json ...) to copy in, the vocabulary grown to
+    its size (style "bpe"); None: the kit's SentencePiece tokenizer (style "gemma" or "llama")."""
     from lollm.testing.converter import round_to_bfloat16
 
     if not (checkpoint_dir / "model.safetensors").is_file():
@@ -217,18 +268,23 @@ def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) ->
                     f"{sorted(p.name for p in checkpoint_dir.iterdir())}", pytrace=False)
     rounded = folder / "checkpoint"
     shutil.copytree(checkpoint_dir, rounded, ignore=shutil.ignore_patterns("tokenizer*", "*.gguf"))
+    if tokenizer_dir is not None:
+        for path in Path(tokenizer_dir).glob("tokenizer*.json"):
+            shutil.copy(path, rounded / path.name)
+        grow_vocabulary(rounded, tokenizer_json_size(rounded))
     round_to_bfloat16(rounded)
     config = json.loads((rounded / "config.json").read_text(encoding="utf-8"))
     text = config.get("text_config", config)
     reference_type = model_types.get(text.get("model_type"), text.get("model_type"))
-    style = tokenizer_style(str(reference_type))
-    for key, value in STYLE_TOKEN_IDS[style].items():  # the tokenizer's ids, where config.json names them
+    style = "bpe" if tokenizer_dir is not None else tokenizer_style(str(reference_type))
+    for key, value in STYLE_TOKEN_IDS.get(style, {}).items():  # the tokenizer's ids, where config.json names them
         for part in (config, text):
             if key in part:
                 part[key] = value
     _carried_by_gguf(text, str(reference_type))
     (rounded / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    write_kit_tokenizer(rounded, int(text["vocab_size"]), style)
+    if tokenizer_dir is None:
+        write_kit_tokenizer(rounded, int(text["vocab_size"]), style)
     if text.get("model_type") not in model_types and config.get("model_type") not in model_types:
         return rounded, None, style
     respelled = folder / "respelled"
@@ -238,21 +294,21 @@ def _prepare(checkpoint_dir: Path, folder: Path, model_types: dict[str, str]) ->
 
 
 def convert_checkpoint(checkpoint_dir: str | Path, outtype: str, model_types: dict[str, str],
-                       architecture: str | None) -> ConvertedFile:
+                       architecture: str | None, tokenizer_dir: Path | None = None) -> ConvertedFile:
     """The kit checkpoint ``checkpoint_dir`` converted at ``outtype`` (cached per process; module docstring, 1-2)."""
     from lollm.testing.converter import convert, q8_0_checkpoint
 
     checkpoint_dir = Path(checkpoint_dir)
-    key = (_stamp(checkpoint_dir), outtype, tuple(sorted(model_types.items())), architecture)
+    key = (_stamp(checkpoint_dir), outtype, tuple(sorted(model_types.items())), architecture, str(tokenizer_dir))
     if key in _CONVERTED:
         return _CONVERTED[key]
     folder = _workdir() / f"{key[0]}-{len(_CONVERTED)}-{outtype}"
-    rounded, respelled, style = _prepare(checkpoint_dir, folder, model_types)
-    path = convert(respelled or rounded, folder / f"converter-{outtype}.gguf", outtype)
+    rounded, respelled, style = _prepare(checkpoint_dir, folder, model_types, tokenizer_dir)
+    path = convert(respelled or rounded, folder / f"converter-{outtype}.gguf", outtype, converter_flags(rounded))
     if architecture is not None:
         path = relabel_gguf(path, folder / f"{architecture}-{outtype}.gguf", architecture)
     held = q8_0_checkpoint(rounded, folder / "q8_0-weights") if outtype == "q8_0" else rounded
-    tokenizer = rounded / ("tokenizer.json" if style == "gemma" else "tokenizer.model")
+    tokenizer = rounded / ("tokenizer.model" if style == "llama" else "tokenizer.json")
     _CONVERTED[key] = ConvertedFile(path, held, tokenizer, style)
     return _CONVERTED[key]
 
@@ -260,7 +316,15 @@ def convert_checkpoint(checkpoint_dir: str | Path, outtype: str, model_types: di
 class ConverterChecks:
     """Section 12 of the kit; the fixtures and class attributes it uses are :class:`FamilyConformance`'s."""
 
-    def _converter_plan(self, installed: InstalledFamily, checkpoint_dir) -> tuple[str, ...]:
+    @pytest.fixture
+    def converter_tokenizer_dir(self) -> Path | None:
+        """A folder holding the real tokenizer.json (and tokenizer_config.json) the converter reads for this
+        architecture, or None (the default): the kit writes a SentencePiece tokenizer.model of the checkpoint's
+        vocabulary. Override it where the converter reads only a byte-level BPE it knows by hash
+        (:data:`BPE_ONLY_MODEL_TYPES`); the kit then grows the checkpoint's vocabulary to the tokenizer's."""
+        return None
+
+    def _converter_plan(self, installed: InstalledFamily, checkpoint_dir, tokenizer_dir) -> tuple[str, ...]:
         """The outtypes to convert, or a skip saying why there are none."""
         from lollm.testing.converter import OUTTYPES
 
@@ -279,23 +343,24 @@ class ConverterChecks:
         config = json.loads((Path(checkpoint_dir) / "config.json").read_text(encoding="utf-8"))
         model_type = config.get("text_config", config).get("model_type")
         reference_type = self.reference_model_types.get(model_type, model_type)
-        if reference_type in BPE_ONLY_MODEL_TYPES:
+        if reference_type in BPE_ONLY_MODEL_TYPES and tokenizer_dir is None:
             pytest.skip(f"llama.cpp's converter reads a {reference_type!r} tokenizer only as a byte-level BPE "
-                        f"tokenizer.json whose pre-tokenizer it knows by hash (TextModel._set_vocab_gpt2), which "
-                        f"no tiny tokenizer has: a real one needs 151,936 embedding rows. The proof for this "
-                        f"architecture is lollm-qwen3_5/tests/test_gguf_qwen3_5.py (the real Qwen2.5 tokenizer)")
+                        f"tokenizer.json whose pre-tokenizer it knows by hash (TextModel._set_vocab_gpt2), which no "
+                        f"tiny tokenizer has; the fixture converter_tokenizer_dir gives none (a real one, e.g. "
+                        f"Qwen2.5's, 151,665 ids: lollm-qwen3_5/tests/test_conformance.py does)")
         return tuple(outtypes)
 
-    def _converted(self, installed: InstalledFamily, checkpoint_dir, outtype: str) -> ConvertedFile:
-        return convert_checkpoint(checkpoint_dir, outtype, dict(self.reference_model_types), self.converter_architecture)
+    def _converted(self, checkpoint_dir, outtype: str, tokenizer_dir) -> ConvertedFile:
+        return convert_checkpoint(checkpoint_dir, outtype, dict(self.reference_model_types), self.converter_architecture,
+                                  tokenizer_dir)
 
     def test_converter_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids,
-                                                      sliding_window, parity_bound):
+                                                      sliding_window, parity_bound, converter_tokenizer_dir):
         """Each file of ``converter_outtypes``, written by llama.cpp's converter from the checkpoint, loads through
         the family and matches the reference on the weights the file holds, after a prefill and through the
         cache, within the kit's float32 parity bounds (module docstring)."""
-        for outtype in self._converter_plan(installed, checkpoint_dir):
-            converted = self._converted(installed, checkpoint_dir, outtype)
+        for outtype in self._converter_plan(installed, checkpoint_dir, converter_tokenizer_dir):
+            converted = self._converted(checkpoint_dir, outtype, converter_tokenizer_dir)
             gguf_checkpoint = load_checkpoint(converted.gguf)
             architecture = gguf_checkpoint.config["general.architecture"]
             assert architecture in installed.family.gguf_architectures, (
@@ -307,15 +372,15 @@ class ConverterChecks:
             self._check_file_parity(load(gguf_checkpoint), ref_logits, ref_hidden, prompt_ids, sliding_window,
                                     f"converter's GGUF {outtype}", parity_bound)
 
-    def test_converter_gguf_tokenizer_gives_the_checkpoints_ids(self, installed, checkpoint_dir):
+    def test_converter_gguf_tokenizer_gives_the_checkpoints_ids(self, installed, checkpoint_dir, converter_tokenizer_dir):
         """The tokenizer the converter wrote into the file (lollm's GGUF tokenizer on its ``tokenizer.ggml.*``
         keys) gives the ids of the tokenizer the kit wrote beside the checkpoint, on every text of the corpus."""
         from lollm.testing.converter import sentencepiece_mismatches, tokenizer_mismatches
 
-        outtype = self._converter_plan(installed, checkpoint_dir)[0]
-        converted = self._converted(installed, checkpoint_dir, outtype)
+        outtype = self._converter_plan(installed, checkpoint_dir, converter_tokenizer_dir)[0]
+        converted = self._converted(checkpoint_dir, outtype, converter_tokenizer_dir)
         texts = corpus()
-        check = tokenizer_mismatches if converted.style == "gemma" else sentencepiece_mismatches
+        check = sentencepiece_mismatches if converted.style == "llama" else tokenizer_mismatches
         wrong = check(converted.gguf, converted.tokenizer, texts)
         assert not wrong, (f"{len(wrong)} of {len(texts)} texts of {CORPUS_PATH.name} tokenize otherwise from the "
                            f"converter's file {converted.gguf} than with {converted.tokenizer}; first: {wrong[0]}")
