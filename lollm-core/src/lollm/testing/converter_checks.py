@@ -55,9 +55,11 @@ from lollm.load.registry import InstalledFamily
 
 #: lollm's held-in corpus of hard strings (lollm-core/tests/data/hard_strings.json, shipped with the kit).
 CORPUS_PATH = Path(__file__).resolve().parents[1] / "cli" / "data" / "corpus" / "hard_strings.json"
-#: The pieces a byte-fallback SentencePiece tokenizer needs besides its characters and merges: 256 bytes,
-#: the special pieces of the largest style (Gemma's 4 + 2 turn markers), and room for 64 merges.
-MIN_VOCAB = 256 + 6 + 64
+#: The pieces of the kit's byte-fallback SentencePiece tokenizer that are not characters: 256 bytes, the special
+#: pieces of the largest style (Gemma's 4 + 2 turn markers), and room for 64 merges.
+RESERVED_PIECES = 256 + 6 + 64
+#: The smallest vocabulary the kit writes a tokenizer for: the reserved pieces and 32 characters.
+MIN_VOCAB = RESERVED_PIECES + 32
 #: The converter's byte-level BPE path only (``TextModel._set_vocab_gpt2``, no tokenizer.model tried first):
 #: these reference model types have no tokenizer the kit can write; the family's test class gives a real one
 #: (the fixture ``converter_tokenizer_dir``, docs/conformance-kit.md).
@@ -101,7 +103,7 @@ def write_kit_tokenizer(folder: Path, vocab_size: int, style: str) -> Path:
                     f"(a byte-fallback SentencePiece model of at least {MIN_VOCAB} pieces); write the kit's checkpoint "
                     f"with vocab_size >= {MIN_VOCAB}, or set converter_outtypes = () saying why", pytrace=False)
     return write_sentencepiece_tokenizer(folder, corpus(), style=style, vocab_size=vocab_size,
-                                         max_characters=vocab_size - MIN_VOCAB)
+                                         max_characters=vocab_size - RESERVED_PIECES)
 
 
 def tokenizer_json_size(folder: Path) -> int:
