@@ -360,7 +360,9 @@ class ConverterChecks:
                                                       sliding_window, parity_bound, converter_tokenizer_dir):
         """Each file of ``converter_outtypes``, written by llama.cpp's converter from the checkpoint, loads through
         the family and matches the reference on the weights the file holds, after a prefill and through the
-        cache, within the kit's float32 parity bounds (module docstring)."""
+        cache, within the kit's float32 parity bounds (module docstring). ``pytest -rP`` shows the figures."""
+        from lollm.testing.converter import agreement
+
         for outtype in self._converter_plan(installed, checkpoint_dir, converter_tokenizer_dir):
             converted = self._converted(checkpoint_dir, outtype, converter_tokenizer_dir)
             gguf_checkpoint = load_checkpoint(converted.gguf)
@@ -371,8 +373,10 @@ class ConverterChecks:
                 f"another states converter_architecture (the GGUF architecture the file is relabelled to)")
             reference = self._reference(installed, load_checkpoint(converted.held))
             ref_logits, ref_hidden = reference(prompt_ids)
-            self._check_file_parity(load(gguf_checkpoint), ref_logits, ref_hidden, prompt_ids, sliding_window,
-                                    f"converter's GGUF {outtype}", parity_bound)
+            prefill, decode = self._check_file_parity(load(gguf_checkpoint), ref_logits, ref_hidden, prompt_ids,
+                                                      sliding_window, f"converter's GGUF {outtype}", parity_bound)
+            print(f"converter's GGUF {outtype} ({architecture}): prefill {agreement(prefill, ref_logits).line()}; "
+                  f"cached decode {agreement(decode, ref_logits).line()}; bound {parity_bound:.2e}")
 
     def test_converter_gguf_tokenizer_gives_the_checkpoints_ids(self, installed, checkpoint_dir, converter_tokenizer_dir):
         """The tokenizer the converter wrote into the file (lollm's GGUF tokenizer on its ``tokenizer.ggml.*``

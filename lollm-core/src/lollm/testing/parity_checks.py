@@ -142,9 +142,10 @@ class ParityChecks:
     # -- 9. the GGUF mode ------------------------------------------------------------------------
 
     def _check_file_parity(self, model, ref_logits: torch.Tensor, ref_hidden: list[torch.Tensor], prompt_ids: torch.Tensor,
-                           sliding_window: int | None, what: str, bound: float) -> None:
+                           sliding_window: int | None, what: str, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A model loaded from a file against the reference's prefill: its prefill, then a prefill up to the
-        window's edge (half the prompt without a window) followed by one-token decode steps."""
+        window's edge (half the prompt without a window) followed by one-token decode steps. Returns the
+        logits of both, ``(T, V)`` each."""
         T = prompt_ids.shape[1]
         first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
         ids = prompt_ids[0].tolist()
@@ -156,6 +157,7 @@ class ParityChecks:
             rows = [model(prompt_ids[:, :first], cache)[0].float()]
             rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
         self._check_parity(torch.cat(rows), ref_logits, ids, f"{what}: prefill of {first}, then decode", bound)
+        return ours, torch.cat(rows)
 
     def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path,
                                             parity_bound):
