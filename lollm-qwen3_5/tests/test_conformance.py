@@ -25,7 +25,7 @@ from lollm_qwen3_5.qwen3_5_moe import MODEL_TYPES as MOE_TYPES
 
 #: The kit's converter check (section 12). llama.cpp's converter reads a Qwen 3.5 tokenizer only as a byte-level
 #: BPE tokenizer.json it knows by hash, so the checkpoint gets the real Qwen2.5 one (conftest.qwen_tokenizer_files:
-#: the converter names its pre-tokenizer "qwen2") and the kit grows its vocabulary to 151,665 rows. q8_0 is not
+#: the converter names its pre-tokenizer "qwen2") and the kit grows its vocabulary to 151,936 rows. q8_0 is not
 #: run here: the kit's reference for it (the checkpoint Q8_0-rounded tensor by tensor, as stored) does not hold
 #: for this architecture, where the converter keeps the routers in F32 and reorders the V heads of the linear
 #: attention before it quantizes (blocks of 32 then straddle other columns); test_gguf_qwen3_5.py holds q8_0.

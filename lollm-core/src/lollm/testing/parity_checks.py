@@ -167,7 +167,8 @@ class ParityChecks:
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
         if not self.gguf_types:
-            converter = "" if self.converter_outtypes == () or not installed.family.gguf_architectures else (
+            declares = installed is not None and bool(installed.family.gguf_architectures)
+            converter = "" if self.converter_outtypes == () or not declares else (
                 "; llama.cpp's own converter writes this family's GGUF files in "
                 "test_converter_gguf_parity_with_the_reference (section 12)")
             pytest.skip("gguf_types = (): the GGUF mode of lollm's writer is off for this family; set gguf_types = "
