@@ -53,7 +53,8 @@ What the inherited tests prove (each one is a method below, read them):
    the test skips, saying why: nothing to respell, a model type that never had the older schema);
 12. with ``reference_available = True`` and a GGUF architecture declared: llama.cpp's own
    ``convert_hf_to_gguf.py`` converts the checkpoint (bfloat16-rounded, with a SentencePiece
-   tokenizer the kit trains to its vocabulary) at each of ``converter_outtypes``; each file
+   tokenizer the kit trains to its vocabulary, or the real byte-level BPE the fixture
+   ``converter_tokenizer_dir`` gives) at each of ``converter_outtypes``; each file
    loads through the family and matches the reference on the weights it holds, prefill and
    cached decode, within the float32 parity bounds; the tokenizer the converter wrote gives the
    kit tokenizer's ids on lollm's held-in corpus (:mod:`lollm.testing.converter_checks`; a
