@@ -50,13 +50,23 @@ What the inherited tests prove (each one is a method below, read them):
 11. with ``reference_available = True``: config.json respelled in the hub's older schema
    (``rope_theta``, ``rope_local_base_freq``, ``sliding_window_pattern``: :mod:`lollm.testing.schemas`)
    gives the same logits, bit for bit, once transformers proves the two spellings one model (else
-   the test skips, saying why: nothing to respell, a model type that never had the older schema).
+   the test skips, saying why: nothing to respell, a model type that never had the older schema);
+12. with ``reference_available = True`` and a GGUF architecture declared: llama.cpp's own
+   ``convert_hf_to_gguf.py`` converts the checkpoint (bfloat16-rounded, with a SentencePiece
+   tokenizer the kit trains to its vocabulary, or the real byte-level BPE the fixture
+   ``converter_tokenizer_dir`` gives) at each of ``converter_outtypes``; each file
+   loads through the family and matches the reference on the weights it holds, prefill and
+   cached decode, within the float32 parity bounds; the tokenizer the converter wrote gives the
+   kit tokenizer's ids on lollm's held-in corpus (:mod:`lollm.testing.converter_checks`; a
+   copied family's file is converted under the reference's model type and relabelled to
+   ``converter_architecture``).
 
 Where each check lives: this module holds :class:`FamilyConformance`, its fixtures and
 sections 0 to 2; it inherits sections 3 to 6 from :mod:`lollm.testing.model_checks`, section 7
 and the engine tests from :mod:`lollm.testing.generation_checks` (with the checks a family's own
 tests call alone: :func:`check_speculation_is_exact`, :func:`check_chunked_prefill_is_exact`,
-:func:`check_prompt_cache_turns`), sections 8 to 11 from :mod:`lollm.testing.parity_checks`; the
+:func:`check_prompt_cache_turns`), sections 8 to 11 from :mod:`lollm.testing.parity_checks`, section 12 from
+:mod:`lollm.testing.converter_checks`; the
 parity bound and the sensitivity come from :mod:`lollm.testing.reference`, the prompt's length and
 chunk schedules from :mod:`lollm.testing.schedules`.
 
@@ -92,6 +102,7 @@ from lollm.load.registry import InstalledFamily, Registry
 from lollm.load.options import LoadOptions
 from lollm.load.quantized import Quantization
 from lollm.model import CausalLM
+from lollm.testing.converter_checks import ConverterChecks
 from lollm.testing.coverage import check_coverage
 from lollm.testing.generation_checks import (GenerationChecks, check_chunked_prefill_is_exact, check_prompt_cache_turns,
                                              check_speculation_is_exact, prefill_chunk_sizes, refused_imports,
@@ -111,7 +122,7 @@ __all__ = ["BF16_ERROR_FRACTION", "BOUND_FLOOR", "FamilyConformance", "NOISE_FAC
            "measure_noise_floor", "prefill_chunk_sizes", "reference_sensitivity", "refused_imports", "repeating_prompt"]
 
 
-class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
+class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks, ConverterChecks):
     """Inherit from this in a ``Test…`` class and provide the fixtures ``family_name`` and ``checkpoint_dir``.
 
     Class attributes to adjust:
@@ -143,6 +154,18 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
                              the checkpoint is written as a GGUF the converter's way, loaded through
                              the family and compared with the reference on the same (dequantized)
                              weights, with the parity bounds; () (the default): no GGUF mode.
+    converter_outtypes:      llama.cpp's converter (section 12): the ``--outtype`` values (of
+                             ``lollm.testing.converter.OUTTYPES``: f32, f16, bf16, q8_0) at which
+                             ``convert_hf_to_gguf.py`` converts the checkpoint for the family to read.
+                             None (the default): all four when the family declares a GGUF architecture
+                             (``Family.gguf_architectures``), else none (the tests skip, saying so); a
+                             tuple: those; () turns the check off (say why beside it).
+    converter_architecture:  the GGUF architecture the converter's file is relabelled to before the
+                             family reads it (``general.architecture`` and every ``<arch>.`` key), for a
+                             family whose architecture llama.cpp does not know (one made by ``lollm
+                             new-family`` states its own name); the checkpoint is then converted with
+                             its model types respelled by ``reference_model_types``. None (the default):
+                             the file as the converter wrote it.
     reference_model_types:   for model types transformers does not know (a family copied by
                              ``lollm new-family``), the transformers model type whose class stands
                              for each; the sensitivity test perturbs that class.
@@ -173,6 +196,8 @@ class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks):
     sensitivity_checks: tuple[str, ...] = SENSITIVITY_CHECKS
     bf16_error_fraction: float | None = BF16_ERROR_FRACTION
     gguf_types: tuple[str, ...] = ()
+    converter_outtypes: tuple[str, ...] | None = None
+    converter_architecture: str | None = None
     reference_model_types: dict[str, str] = {}
     tensor_to_drop: str | None = None
     batch_invariance_weights: str | None = None

@@ -102,11 +102,11 @@ def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str) -> Path:
+def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str, extra_args: tuple[str, ...] = ()) -> Path:
     """Run llama.cpp's ``convert_hf_to_gguf.py`` on ``checkpoint_dir`` (config.json, safetensors, tokenizer files).
 
-    outtype: one of :data:`OUTTYPES`. Returns ``out_path``. ConverterError, with the tail
-    of the converter's stderr, when it fails.
+    outtype: one of :data:`OUTTYPES`; extra_args: more of the converter's options (``--no-mtp``).
+    Returns ``out_path``. ConverterError, with the tail of the converter's stderr, when it fails.
     """
     if outtype not in OUTTYPES:
         raise ConverterError(f"outtype {outtype!r}: the converter writes {', '.join(OUTTYPES)} (K-quants: quantize())")
@@ -116,7 +116,7 @@ def convert(checkpoint_dir: str | Path, out_path: str | Path, outtype: str) -> P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(llama / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
     env.pop("NO_LOCAL_GGUF", None)  # the converter then puts its own gguf-py first as well
     cmd = [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint_dir), "--outfile", str(out_path),
-           "--outtype", outtype]
+           "--outtype", outtype, *extra_args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode or not out_path.is_file():
         raise ConverterError(f"convert_hf_to_gguf.py --outtype {outtype} failed on {checkpoint_dir} "
@@ -422,7 +422,8 @@ SENTENCEPIECE_STYLES = {
 }
 
 
-def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style: str, vocab_size: int = 1024) -> Path:
+def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style: str, vocab_size: int = 1024,
+                                  max_characters: int | None = None) -> Path:
     """A SentencePiece BPE tokenizer.model of exactly ``vocab_size`` pieces trained on ``texts``, in ``folder``.
 
     The converter reads a byte-level BPE tokenizer.json only when it knows the hash of its ids
@@ -433,13 +434,23 @@ def write_sentencepiece_tokenizer(folder: str | Path, texts: list[str], *, style
     style "gemma" also writes tokenizer.json and tokenizer_config.json, built by transformers'
     GemmaTokenizer from the pieces (transformers' own ``generate_merges``): Gemma 4's converter
     reads tokenizer.json only (``LlamaHfVocab``). Returns ``folder``.
+
+    max_characters: train on the texts with every character but the ``max_characters`` most frequent
+    removed (None: all kept). SentencePiece needs a piece for each character covering 98% of the text,
+    which a small vocabulary (the kit's 512) cannot hold beside the 256 byte pieces; the dropped
+    characters still encode, as bytes (byte fallback).
     """
     import io
+    from collections import Counter
 
     import sentencepiece as spm
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if max_characters is not None:
+        counts = Counter(c for t in texts for c in t)
+        kept = {c for c, _ in counts.most_common(max_characters)}
+        texts = ["".join(c for c in t if c in kept) for t in texts]
     buffer = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([t for t in texts if t.strip()] * 2), model_writer=buffer, model_type="bpe",

@@ -54,15 +54,17 @@ from lollm.testing.schedules import SEQUENCE_LENGTH
 from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
-__all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "FAMILY_ATTRIBUTES", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
+__all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "CONVERTER_TESTS", "FAMILY_ATTRIBUTES", "GGUF_READER_BUGS", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
            "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit", "stated_attributes"]
 
 #: The kit tests that can see a wrong number (the others check registration, loading, shapes).
 NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
                  "test_prefill_all_equals_prefill_then_decode", "test_reference_checkpoint_is_sensitive",
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
-#: What the mutation suite runs on the unchanged copy: the coverage check, then the numeric tests.
-KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS
+#: The kit's section 12: llama.cpp's converter writes the GGUF the family reads (lollm.testing.converter_checks).
+CONVERTER_TESTS = ("test_converter_gguf_parity_with_the_reference", "test_converter_gguf_tokenizer_gives_the_checkpoints_ids")
+#: What the mutation suite runs on the unchanged copy: the coverage check, the numeric tests, the converter's GGUF.
+KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS + CONVERTER_TESTS
 #: What it runs on each mutant: the two float32 parity tests, the bfloat16 one and the config-schema one
 #: (coverage and sensitivity are the checkpoint's, proven once on the unchanged copy). Every mutant of
 #: :data:`MUTANTS` but those of :data:`BLIND_SPOT_BUGS` fails the cached-decode one; ``--all-checks`` adds
@@ -71,8 +73,12 @@ JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_t
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 #: The bug classes only the bfloat16 and config-schema tests can see (issue 38): every float32 test passes them.
 BLIND_SPOT_BUGS = ("norm_cast_before_scale", "local_rope_from_rope_theta")
-#: The checks the unchanged copy may skip, with the kit's reason (the suite's report shows it).
-MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",)
+#: Bugs of a family's GGUF reader (issue 38): only the converter's GGUF (section 12) reads a file; each such
+#: mutant runs those tests besides :data:`JUDGING_TESTS` (:attr:`Mutant.judged_by`), and every other test passes it.
+GGUF_READER_BUGS = ("gguf_gate_up_swapped", "gguf_norm_shift_kept")
+#: The checks the unchanged copy may skip, with the kit's reason (the suite's report shows it): the converter's
+#: GGUF skips for qwen3_5 and qwen3_5_moe (no tokenizer the converter reads that a tiny checkpoint can carry).
+MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",) + CONVERTER_TESTS
 #: Class attributes the suite gives a family's kit run (what the family's own test class states, and why there);
 #: the copies ``lollm new-family`` makes state them too (:func:`stated_attributes`).
 FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {"qwen3_5": {"bf16_error_fraction": 1.0},
@@ -261,16 +267,20 @@ BUG_CLASSES = {
     "exact_gelu": "GeGLU with exact GELU instead of the tanh approximation",
     "norm_cast_before_scale": "Gemma's RMSNorm casting to the input dtype before multiplying by (1 + w)",
     "local_rope_from_rope_theta": "sliding layers reading 'rope_theta' for 'rope_local_base_freq' from a hub config.json",
+    "gguf_gate_up_swapped": "the GGUF name map swapping ffn_gate and ffn_up (safetensors untouched)",
+    "gguf_norm_shift_kept": "Gemma's GGUF norm shift (+1) undone for the layer norms only, not the QK and final norms",
 }
 
 
 @dataclass(frozen=True)
 class Mutant:
     """One bug in one family: ``edits`` maps a file of the family package to its (old, new) pairs
-    (each old text must occur exactly once, :func:`copy_family`)."""
+    (each old text must occur exactly once, :func:`copy_family`); ``judged_by``: kit tests the suite runs on
+    this mutant besides its judging tests (the converter's GGUF for a bug of the GGUF reader)."""
 
     bug: str
     edits: Mapping[str, Sequence[tuple[str, str]]]
+    judged_by: tuple[str, ...] = ()
 
 
 def bf16_softmax_attend(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
@@ -326,6 +336,11 @@ def _qwen(name: str, k_line: str) -> dict[str, Mutant]:
     out.update(_attention_mutants(call, ("blocks.py", call, call.replace("layer=self.layer_idx)", "scale=1.0, layer=self.layer_idx)"))))
     if k_line:
         out["k_bias_dropped"] = Mutant("k_bias_dropped", {"blocks.py": [(k_line, k_line.replace("self.k_proj(x)", "F.linear(x, self.k_proj.weight)"))]})
+    if name == "qwen2":  # a swapped key of the GGUF name map: the safetensors path never reads it
+        gate, up = ('    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",',
+                    '    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",')
+        out["gguf_gate_up_swapped"] = Mutant("gguf_gate_up_swapped", {"weights.py": [(
+            f"{gate}\n{up}", f"{gate.replace('ffn_gate', 'ffn_up')}\n{up.replace('ffn_up', 'ffn_gate')}")]}, CONVERTER_TESTS[:1])
     return out
 
 
@@ -356,6 +371,10 @@ def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[s
     if name != "gemma4":  # Gemma 4's norm scales by w, not 1 + w
         out["norm_cast_before_scale"] = Mutant("norm_cast_before_scale", {"blocks.py": [(
             norm, "        return x.to(dtype) * (1.0 + self.weight)")]})
+    if name == "gemma3":  # a missed transform of the GGUF reader: q_norm, k_norm and the final norm keep the +1
+        shift = 'return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor'
+        out["gguf_norm_shift_kept"] = Mutant("gguf_norm_shift_kept", {"weights.py": [(
+            shift, shift.replace('"norm.weight"', '"layernorm.weight"'))]}, CONVERTER_TESTS[:1])
     if name == "gemma3":  # the family that reads both spellings of two RoPE bases
         local = 'local_base = read.rope_theta("rope_local_base_freq")'
         out["local_rope_from_rope_theta"] = Mutant("local_rope_from_rope_theta", {"config.py": [(
@@ -457,7 +476,7 @@ def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *
             continue
         copy = copy_family(package, workdir / "src", f"mutant_{family_name}_{name.replace('.', '_')}", mutant.edits)
         with contextlib.redirect_stdout(io.StringIO()):  # pytest's report of each expected failure: the table says it
-            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=tests,
+            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=tuple(tests) + mutant.judged_by,
                           attributes=FAMILY_ATTRIBUTES.get(family_name))
         result.caught[name] = sorted(run.failed)
         found = [float(m) for test, text in run.failed.items() if test not in _OTHER_UNITS for m in _DELTA.findall(text)]
@@ -480,7 +499,9 @@ _DELTA = re.compile(r"max \|Δ\|(?: of the logits)? ([0-9.]+e[+-]\d+)")
 #: Short names of the kit tests, for the suite's table.
 SHORT = {"test_parity_with_the_reference": "parity", "test_cached_decode_matches_the_reference": "cached",
          "test_prefill_all_equals_prefill_then_decode": "self-consistency",
-         "test_bfloat16_parity_with_the_reference": "bfloat16", "test_both_config_schemas_give_the_same_logits": "schemas"}
+         "test_bfloat16_parity_with_the_reference": "bfloat16", "test_both_config_schemas_give_the_same_logits": "schemas",
+         "test_converter_gguf_parity_with_the_reference": "converter GGUF",
+         "test_converter_gguf_tokenizer_gives_the_checkpoints_ids": "converter tokenizer"}
 
 
 def report(result: SuiteResult) -> str:

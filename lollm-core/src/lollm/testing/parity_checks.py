@@ -3,7 +3,8 @@ cache, from a GGUF and at bfloat16; the tiny checkpoint's sensitivity; and the s
 config.json spelled in either schema (transformers 5's, the hub's older one).
 
 Sections 8 to 11 of :class:`lollm.testing.conformance.FamilyConformance` (which inherits
-:class:`ParityChecks`); the bounds come from :mod:`lollm.testing.reference`.
+:class:`ParityChecks`); the bounds come from :mod:`lollm.testing.reference`. Section 12 (llama.cpp's
+converter writes the GGUF) is :mod:`lollm.testing.converter_checks`, which uses the comparisons here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from lollm.testing.schedules import fill_chunks, short_schedule
 #: The kit's tests that need the transformers reference (skipped with ``reference_available = False``).
 REFERENCE_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
                    "test_reference_checkpoint_is_sensitive", "test_gguf_parity_with_the_reference",
-                   "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
+                   "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits",
+                   "test_converter_gguf_parity_with_the_reference", "test_converter_gguf_tokenizer_gives_the_checkpoints_ids")
 
 
 class ParityChecks:
@@ -139,6 +141,24 @@ class ParityChecks:
 
     # -- 9. the GGUF mode ------------------------------------------------------------------------
 
+    def _check_file_parity(self, model, ref_logits: torch.Tensor, ref_hidden: list[torch.Tensor], prompt_ids: torch.Tensor,
+                           sliding_window: int | None, what: str, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A model loaded from a file against the reference's prefill: its prefill, then a prefill up to the
+        window's edge (half the prompt without a window) followed by one-token decode steps. Returns the
+        logits of both, ``(T, V)`` each."""
+        T = prompt_ids.shape[1]
+        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
+        ids = prompt_ids[0].tolist()
+        with torch.inference_mode():
+            hidden: list[torch.Tensor] = []
+            ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
+            self._check_parity(ours, ref_logits, ids, f"{what}: prefill", bound, hidden, ref_hidden)
+            cache = model.new_cache(T)
+            rows = [model(prompt_ids[:, :first], cache)[0].float()]
+            rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
+        self._check_parity(torch.cat(rows), ref_logits, ids, f"{what}: prefill of {first}, then decode", bound)
+        return ours, torch.cat(rows)
+
     def test_gguf_parity_with_the_reference(self, load, installed, checkpoint_dir, prompt_ids, sliding_window, tmp_path,
                                             parity_bound):
         """The checkpoint as a GGUF of each of ``gguf_types`` (:func:`lollm.testing.gguf_writer.write_tiny_gguf`,
@@ -147,27 +167,20 @@ class ParityChecks:
         if not self.reference_available:
             pytest.skip("reference_available = False: no transformers reference for this family")
         if not self.gguf_types:
-            pytest.skip("gguf_types = (): the GGUF mode is off for this family; set gguf_types = (\"F32\", \"F16\", "
-                        "\"Q8_0\", \"Q4_0\") (any subset) on the test class to turn it on")
-        T = prompt_ids.shape[1]
-        first = max(1, min(T - 1, sliding_window - 1)) if sliding_window else max(1, T // 2)
+            declares = installed is not None and bool(installed.family.gguf_architectures)
+            converter = "" if self.converter_outtypes == () or not declares else (
+                "; llama.cpp's own converter writes this family's GGUF files in "
+                "test_converter_gguf_parity_with_the_reference (section 12)")
+            pytest.skip("gguf_types = (): the GGUF mode of lollm's writer is off for this family; set gguf_types = "
+                        "(\"F32\", \"F16\", \"Q8_0\", \"Q4_0\") (any subset) on the test class to turn it on" + converter)
         for ggml_type in self.gguf_types:
             path = write_tiny_gguf(checkpoint_dir, tmp_path / f"tiny-{ggml_type}.gguf", ggml_type,
                                    reference_dir=tmp_path / f"reference-{ggml_type}")
             gguf_checkpoint = load_checkpoint(path)
             assert gguf_checkpoint.fmt == "gguf", f"{path} was read as {gguf_checkpoint.fmt!r}"
-            model = load(gguf_checkpoint)
             ref_logits, ref_hidden = self._reference(installed, load_checkpoint(tmp_path / f"reference-{ggml_type}"))(prompt_ids)
-            ids = prompt_ids[0].tolist()
-            with torch.inference_mode():
-                hidden: list[torch.Tensor] = []
-                ours = model(prompt_ids, None, hidden_states=hidden)[0].float()
-                self._check_parity(ours, ref_logits, ids, f"GGUF {ggml_type}: prefill", parity_bound, hidden, ref_hidden)
-                cache = model.new_cache(T)
-                rows = [model(prompt_ids[:, :first], cache)[0].float()]
-                rows += [model(prompt_ids[:, t : t + 1], cache)[0].float() for t in range(first, T)]
-            self._check_parity(torch.cat(rows), ref_logits, ids, f"GGUF {ggml_type}: prefill of {first}, then decode",
-                               parity_bound)
+            self._check_file_parity(load(gguf_checkpoint), ref_logits, ref_hidden, prompt_ids, sliding_window,
+                                    f"GGUF {ggml_type}", parity_bound)
 
     # -- 10. bfloat16 ------------------------------------------------------------------------------
 
