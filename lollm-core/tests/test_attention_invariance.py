@@ -201,9 +201,11 @@ def test_the_thread_count_changes_nothing():
         one = native_attend(q, k_pool, v_pool, batch)
         torch.set_num_threads(2)
         two = native_attend(q, k_pool, v_pool, batch)
+        torch.set_num_threads(3)
+        three = native_attend(q, k_pool, v_pool, batch)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(one, two) and torch.equal(one, three)
 
 
 def test_sdpa_moves_a_rows_last_bits_with_its_chunk():

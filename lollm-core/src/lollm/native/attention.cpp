@@ -255,9 +255,11 @@ Layout lay_out(const at::Tensor& tables, const at::Tensor& starts, const at::Ten
 }
 
 // Every task of the call: task (row, g) for each query row and key/value head, spread over
-// the threads. The tasks are dealt out in strides of kDeal, so that each thread's share
+// the threads. The tasks are dealt like cards into up to kDeal hands, hand l holding tasks
+// l, l + hands, l + 2 hands, ..., and the threads share out the hands: each thread's share
 // holds short and long rows alike (a prefill's late queries see more keys than its early
-// ones); which thread runs a task changes nothing in its result.
+// ones), and a decode step's few tasks still reach every thread. Which thread runs a task
+// changes nothing in its result.
 constexpr int64_t kDeal = 64;
 
 template <typename T>
@@ -265,38 +267,37 @@ void run_tasks(const Pool<T>& pool, const at::Tensor& q, const at::Tensor& table
                std::optional<int64_t> window, std::optional<double> softcap, float scale, float* out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = pool.dim, group = heads / pool.kv_heads;
   const int64_t tasks = rows * pool.kv_heads, width = tables.size(1);
-  const int64_t per = (tasks + kDeal - 1) / kDeal;  // dealt task k is task (k % per) * kDeal + k / per
+  const int64_t hands = std::min(tasks, kDeal);
   const float* qs = q.data_ptr<float>();
   const int64_t* table = tables.data_ptr<int64_t>();
   const bool widened = !std::is_same_v<T, float>;
-  at::parallel_for(0, per * kDeal, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, hands, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q_t(dim * kLanes), s(layout.longest * kLanes), results(kLanes * dim);
     std::vector<float> scratch(widened ? 2 * layout.longest * dim : 0);
     std::vector<const float*> krow(layout.longest), vrow(layout.longest);
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t index = (k % per) * kDeal + k / per;
-      if (index >= tasks) continue;
-      const int64_t row = index / pool.kv_heads, g = index % pool.kv_heads;  // task (row, g)
-      const int64_t b = layout.seq[row], p = layout.position[row];
-      const int64_t first = window ? std::max<int64_t>(0, p - *window + 1) : 0, n = p + 1 - first;
-      pool.rows(table + b * width, g, first, n, krow.data(), vrow.data(), scratch.data());
-      for (int64_t h0 = 0; h0 < group; h0 += kLanes) {  // more than 8 query heads per K/V head: 8 at a time
-        const int64_t lanes = std::min(kLanes, group - h0);
-        const float* qh = qs + (row * heads + g * group + h0) * dim;  // (lanes, D)
-        std::fill(q_t.begin(), q_t.end(), 0.f);
-        for (int64_t h = 0; h < lanes; ++h)
-          for (int64_t d = 0; d < dim; ++d) q_t[d * kLanes + h] = qh[h * dim + d];
-        dot_products(q_t.data(), krow.data(), n, dim, s.data());
-        softmax_numerators(s.data(), n, scale, softcap);
+    for (int64_t hand = begin; hand < end; ++hand)
+      for (int64_t index = hand; index < tasks; index += hands) {
+        const int64_t row = index / pool.kv_heads, g = index % pool.kv_heads;  // task (row, g)
+        const int64_t b = layout.seq[row], p = layout.position[row];
+        const int64_t first = window ? std::max<int64_t>(0, p - *window + 1) : 0, n = p + 1 - first;
+        pool.rows(table + b * width, g, first, n, krow.data(), vrow.data(), scratch.data());
+        for (int64_t h0 = 0; h0 < group; h0 += kLanes) {  // more than 8 query heads per K/V head: 8 at a time
+          const int64_t lanes = std::min(kLanes, group - h0);
+          const float* qh = qs + (row * heads + g * group + h0) * dim;  // (lanes, D)
+          std::fill(q_t.begin(), q_t.end(), 0.f);
+          for (int64_t h = 0; h < lanes; ++h)
+            for (int64_t d = 0; d < dim; ++d) q_t[d * kLanes + h] = qh[h * dim + d];
+          dot_products(q_t.data(), krow.data(), n, dim, s.data());
+          softmax_numerators(s.data(), n, scale, softcap);
 #if defined(LOLLM_ATTENTION_VECTORS)
-        if (dim % 8 == 0)
-          weighted_values(s.data(), vrow.data(), n, lanes, dim, results.data());
-        else
+          if (dim % 8 == 0)
+            weighted_values(s.data(), vrow.data(), n, lanes, dim, results.data());
+          else
 #endif
-          weighted_values_plain(s.data(), vrow.data(), n, lanes, dim, results.data());
-        std::memcpy(out + (row * heads + g * group + h0) * dim, results.data(), lanes * dim * sizeof(float));
+            weighted_values_plain(s.data(), vrow.data(), n, lanes, dim, results.data());
+          std::memcpy(out + (row * heads + g * group + h0) * dim, results.data(), lanes * dim * sizeof(float));
+        }
       }
-    }
   });
 }
 
