@@ -318,7 +318,7 @@ def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, o
     which the file holds exactly. transformers on this copy is the reference a K-quant file is held to.
     ConverterError names a source tensor the file does not have.
 
-    file_weight: for a converter that reshapes or reorders what it quantizes (qwen35's value heads and fused
+    file_weight: for a converter that reorders or stacks what it quantizes (qwen35's value heads, its stacked
     experts), the family's tests give ``file_weight(name, value, names, dequantized)`` -> the weight in the
     source's layout, or None to keep the source's; ``names`` is gguf-py's TensorNameMap, ``dequantized(gguf_name)``
     the file's tensor by gguf-py (None where the file holds it in float: the source's exactly).
