@@ -184,7 +184,7 @@ def gemma(session: nox.Session) -> None:
 def qwen3_5(session: nox.Session) -> None:
     """lollm-core with lollm-qwen3_5 only: the hybrid Gated DeltaNet families, MoE and MTP."""
     _install(session, "-e", CORE_TRITON, "-e", QWEN3_5)
-    _pytest(session, "lollm-qwen3_5/tests", serial=True, env=TESTS_ENV)
+    _pytest(session, "lollm-qwen3_5/tests", marks=NOT_LLAMA_CPP, serial=True, env=TESTS_ENV)
 
 
 @nox.session(tags=["tests"])
@@ -414,8 +414,8 @@ def llama_cpp(session: nox.Session) -> None:
     file llama.cpp's converter writes, per family, and on the two real GGUFs (docs/gguf.md, "Proven by llama.cpp's
     converter and runtime"). Installs llama-cpp-python (the "bench" extra: 10-20 minutes of compile on first install);
     not tagged "tests". One pytest process per distribution (their test folders share module names)."""
-    _install(session, "-e", f"{CORE}[parity,test,bench]", "-e", QWEN, "-e", GEMMA, "-e", LLAMA)
-    for tests in ("lollm-qwen/tests", "lollm-gemma/tests", f"{LLAMA}/tests"):
+    _install(session, "-e", f"{CORE}[parity,test,bench]", "-e", QWEN, "-e", GEMMA, "-e", QWEN3_5, "-e", LLAMA)
+    for tests in ("lollm-qwen/tests", "lollm-gemma/tests", "lollm-qwen3_5/tests", f"{LLAMA}/tests"):
         session.run("pytest", tests, "-m", "llama_cpp", "-q", "-rs", DURATIONS, *session.posargs,
                     env={**TESTS_ENV, "OMP_NUM_THREADS": "1"})
 

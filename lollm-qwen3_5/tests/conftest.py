@@ -70,6 +70,8 @@ def pytest_configure(config):
     # lollm-qwen3_5/pyproject.toml has no pytest section (the repository's rootdir rules stay as they are)
     config.addinivalue_line("markers", "serial: wants every core (torchrun's gloo ranks); nox runs these alone, "
                                        "after the parallel pass of pytest-xdist")
+    config.addinivalue_line("markers", "llama_cpp: needs the compiled llama.cpp (llama-cpp-python, the bench extra): "
+                                       "nox -s llama_cpp runs these; the -t tests sessions deselect them")
 
 
 @pytest.fixture(scope="session")

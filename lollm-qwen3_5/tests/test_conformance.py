@@ -53,12 +53,6 @@ class TestQwen3_5Conformance(FamilyConformance):
     # checkpoint), so the check runs on float32 weights: same tokens, within this bound.
     batch_invariance_weights = "float"
     batch_invariance_bound = 1e-4
-    # bfloat16: ours differs from transformers' bfloat16 run by 0.78 (dense) and 0.65 (MoE) x the reference's
-    # own bfloat16 error (mean |Δ| of a logit; the other five families: 0), so it rounds somewhere transformers'
-    # torch fallback does not (the chunked delta rule runs in another order; where exactly is not located yet).
-    # The kit's 0.25 would fail it; 1.0 still fails a value rounded once more than the reference everywhere
-    # (Gemma's norm cast: 1.1 to 1.3 x), and is the bound this family states until that is found.
-    bf16_error_fraction = 1.0
     converter_outtypes = CONVERTER_OUTTYPES
 
     @pytest.fixture
@@ -85,7 +79,6 @@ class TestQwen3_5MoeConformance(FamilyConformance):
     # checkpoint), so the check runs on float32 weights: same tokens, within this bound.
     batch_invariance_weights = "float"
     batch_invariance_bound = 1e-4
-    bf16_error_fraction = 1.0  # bfloat16: see TestQwen3_5Conformance (0.65 x here)
     converter_outtypes = CONVERTER_OUTTYPES
 
     @pytest.fixture

@@ -308,7 +308,8 @@ def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, out_dir: str | Path,
+                            file_weight=None) -> Path:
     """A copy of ``checkpoint_dir`` whose matrices are the ones the quantized file ``gguf_path`` holds.
 
     Each tensor of 2+ dimensions of the source is found in the file by gguf-py's ``TensorNameMap``
@@ -316,6 +317,11 @@ def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, o
     and put back (Llama's Q/K rows back in transformers' order); float tensors stay the source's,
     which the file holds exactly. transformers on this copy is the reference a K-quant file is held to.
     ConverterError names a source tensor the file does not have.
+
+    file_weight: for a converter that reorders or stacks what it quantizes (qwen35's value heads, its stacked
+    experts), the family's tests give ``file_weight(name, value, names, dequantized)`` -> the weight in the
+    source's layout, or None to keep the source's; ``names`` is gguf-py's TensorNameMap, ``dequantized(gguf_name)``
+    the file's tensor by gguf-py (None where the file holds it in float: the source's exactly).
     """
     import gguf
     from gguf.quants import dequantize
@@ -332,7 +338,19 @@ def file_weights_checkpoint(gguf_path: str | Path, checkpoint_dir: str | Path, o
     in_file = {t.name: t for t in reader.tensors}
     float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     tensors = load_file(str(src / "model.safetensors"))
+
+    def dequantized(tensor_name: str) -> torch.Tensor | None:
+        if tensor_name not in in_file:
+            raise ConverterError(f"{gguf_path}: no tensor {tensor_name}")
+        t = in_file[tensor_name]
+        return None if t.tensor_type in float_types else torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+
     for name, value in tensors.items():
+        if file_weight is not None:
+            held = file_weight(name, value, names, dequantized)
+            if held is not None:
+                tensors[name] = held.contiguous()
+            continue
         mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if value.dim() < 2 or (mapped is None and name == "lm_head.weight"):  # a tied head is not in the file
             continue
@@ -510,9 +528,11 @@ class RuntimeCheck:
     packed_vs_llama_cpp: Agreement
 
 
-def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[int]) -> dict[str, RuntimeCheck]:
+def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[int],
+                   file_weight=None) -> dict[str, RuntimeCheck]:
     """Every :data:`FILE_TYPES` file of ``checkpoint_dir`` (the converter's, then Q4_K_M and Q6_K quantized by the
-    compiled llama.cpp from the f32 file), each run by lollm and by llama.cpp on ``ids``. Needs llama-cpp-python."""
+    compiled llama.cpp from the f32 file), each run by lollm and by llama.cpp on ``ids``. Needs llama-cpp-python.
+    file_weight: as :func:`file_weights_checkpoint`'s."""
     # 1. The files: llama.cpp's converter, then its quantizer.
     workdir, name = Path(workdir), Path(checkpoint_dir).name
     files = {outtype: convert(checkpoint_dir, workdir / f"{name}-{outtype}.gguf", outtype) for outtype in OUTTYPES}
@@ -522,7 +542,8 @@ def runtime_checks(checkpoint_dir: str | Path, workdir: str | Path, ids: list[in
     checks = {}
     for kind, gguf in files.items():
         ours, packed, theirs = lollm_logits(gguf, ids), lollm_logits(gguf, ids, "auto"), llama_cpp_logits(gguf, ids)
-        held = transformers_logits(file_weights_checkpoint(gguf, checkpoint_dir, workdir / f"{name}-{kind}-weights"), ids)
+        held = transformers_logits(file_weights_checkpoint(gguf, checkpoint_dir, workdir / f"{name}-{kind}-weights",
+                                                           file_weight), ids)
         checks[kind] = RuntimeCheck(gguf, agreement(ours, source), agreement(ours, held), agreement(theirs, source),
                                     agreement(theirs, held), agreement(ours, theirs), agreement(packed, held),
                                     agreement(packed, theirs))

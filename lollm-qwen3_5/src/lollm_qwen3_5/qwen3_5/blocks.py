@@ -457,7 +457,10 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(Hv // Hk, dim=1)
             k = k.repeat_interleave(Hv // Hk, dim=1)
         # 4. Write strength and decay, per token and value head.
-        beta = torch.sigmoid(b.float())
+        # beta's sigmoid runs in the model dtype, then float32, as transformers' (b.sigmoid()): in bfloat16
+        # beta is rounded to 8 bits there, and a float32 sigmoid here moved the logits by 0.7 x transformers'
+        # own bfloat16 error (docs/qwen3_5.md, "bfloat16"). In float32 both are the same numbers.
+        beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv), <= 0
         if tracing():  # only inside `lollm trace`: the gates and the memory's size per token
             self.record_gates(q, k, v, g, beta, cache)
