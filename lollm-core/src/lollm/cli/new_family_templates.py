@@ -176,6 +176,11 @@ stay packed) to `lollm.load.build.build_model`. lollm's docs/plugins.md, section
     lollm families            # lists {name}, from {dist}
     pytest tests              # the conformance kit, parity with transformers included
 
+The kit's converter check (section 12) runs llama.cpp's own `convert_hf_to_gguf.py`: the first
+run fetches the pinned llama-cpp-python source distribution with `pip download` (about 76 MB)
+into `~/.cache/lollm/llama-cpp-src`. Offline, point `LOLLM_LLAMA_CPP_SRC` at an unpacked copy
+of that sdist instead.
+
 ## What to edit next
 
 1. `src/{top}/{name}/config.py`: the config.json keys your model has; refuse the ones you do not implement.
