@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -14,7 +14,11 @@ from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, Grou
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
                                load_options, sampling_flags, which_model, with_help)
 from lollm.cli.report import err
+from lollm.errors import LollmError
 from lollm.load.ranks import finish, is_leader, silence_followers
+
+if TYPE_CHECKING:
+    from lollm.serve.guard import GuardConfig
 
 # Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
 # serve extra), which waits until every flag is checked (a typo costs nothing).
@@ -47,6 +51,10 @@ def serve(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", metavar="N", help="KV cache blocks (16 positions each) in the engine's pool (default: --max-running sequences of up to 2048 positions, at most half the free memory)."),
     max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", metavar="N", help="The most tokens in one engine step: decode tokens plus prefill chunks."),
     max_queue: int = typer.Option(128, "--max-queue", metavar="N", help="At most N requests wait to run; one more gets 503 with Retry-After."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", metavar="FILE", help="Read the API key from FILE (not shown in the process list, as --api-key is)."),
+    shutdown_timeout: float = typer.Option(20.0, "--shutdown-timeout", metavar="SECONDS", help="On SIGTERM or Ctrl-C, running requests may go on this long; then streams end with finish_reason \"shutdown\", others get 503, and the server exits 0."),
+    allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", metavar="NAME", help="Also answer requests whose Host header is NAME (repeatable; '*': any). Localhost names and IP addresses are always allowed (docs/security.md)."),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Let web pages of ORIGIN (http://host:port) call the API from a browser (repeatable; default: none)."),
     model_opt: ModelOpt = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
@@ -57,6 +65,7 @@ def serve(
     check_ctx_size(ctx_size)
     check_serve_flags(port=port, max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                       max_queue=max_queue)
+    api_key, guard = access_flags(api_key, api_key_file, shutdown_timeout, host, allowed_host or [], cors_origin or [])
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 
@@ -87,7 +96,8 @@ def serve(
         return
     split = "" if loaded.tp is None else f", --tp {tp}"
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}")
+        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}",
+                   shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
         if loaded.tp is not None and server.stop_followers():
             finish(loaded.tp)
@@ -95,3 +105,23 @@ def serve(
 
 #: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
 SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
+
+
+def access_flags(api_key: Optional[str], api_key_file: Optional[Path], shutdown_timeout: float, host: str,
+                 allowed_host: list[str], cors_origin: list[str]) -> tuple[Optional[str], GuardConfig]:
+    """The key (--api-key or --api-key-file) and who may call (lollm.serve.guard), checked before the model loads."""
+    from lollm.serve.guard import GuardConfig, check_cors_origin, read_api_key_file
+
+    if api_key is not None and api_key_file is not None:
+        raise LollmError("give --api-key or --api-key-file, not both")
+    if api_key is not None and not api_key.strip():
+        raise LollmError("--api-key is empty: give a key, or leave the flag out")
+    if not (shutdown_timeout >= 0 and shutdown_timeout < float("inf")):
+        raise LollmError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
+    for name in allowed_host:
+        if not name.strip() or "/" in name:
+            raise LollmError(f"--allowed-host {name!r}: give a host name as a Host header carries it (no scheme, no path)")
+    key = read_api_key_file(api_key_file) if api_key_file is not None else api_key
+    guard = GuardConfig(bound=host, allowed_hosts=tuple(h.strip().lower() for h in allowed_host),
+                        cors_origins=tuple(check_cors_origin(o) for o in cors_origin))
+    return key, guard

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
 #: What the generating thread hands the event loop: ("text", str), ("token", TokenLogprobs),
-#: then ("done", GenerationResult | None) or ("error", BaseException).
+#: then ("done", GenerationResult | None) or ("error", BaseException); or ("shutdown", None) from
+#: any thread when the server stops it (lollm.serve.shutdown).
 Item = tuple[str, Union[str, TokenLogprobs, GenerationResult, BaseException, None]]
 
 
@@ -54,6 +55,7 @@ class EventStream:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         plan.job.on_text, plan.job.on_token = self.on_text, self.on_token
+        plan.job.on_shutdown = lambda: self.put(("shutdown", None))
 
     def start(self) -> None:
         """Submit the job (ApiError 503 when the queue is full); its end comes to :meth:`settled`."""
@@ -119,6 +121,8 @@ class EventStream:
         if pending:
             yield sse(self.chunk("", pending, None))
         finish = FINISH_REASON[result.stop_reason] if result is not None else "stop"
+        if self.plan.job.shutdown:  # stopped by the server's shutdown (lollm.serve.shutdown), as vLLM's "abort"
+            finish = "shutdown"
         yield sse(self.chunk("", None, "tool_calls" if self.calls and finish == "stop" else finish))
         if self.plan.include_usage and result is not None:
             yield sse({**self.chunk("", None, None), "choices": [], "usage": usage(result)})
@@ -137,6 +141,11 @@ class EventStream:
                         yield event
                 elif kind == "error":
                     yield self.failed(value)
+                    break
+                elif kind == "shutdown":  # the server stops: a clean end now, whatever the engine still does
+                    if pending:
+                        yield sse(self.chunk("", pending, None))
+                    yield sse(self.chunk("", None, "shutdown"))
                     break
                 else:  # done
                     for event in self.finished(value, pending):
