@@ -87,7 +87,7 @@ class DrainingServer(uvicorn.Server):
         """Refuse what waits, let what runs go on until the deadline (or a second Ctrl-C), then stop it."""
         server = self.model_server
         queued = server.begin_shutdown()
-        running = server.live_jobs()
+        running = server.live_jobs() - queued
         log.info("shutting down: %d requests running, %d queued ones refused; running ones may go on for %g s "
                  "(--shutdown-timeout)", running, queued, self.deadline)
         loop = asyncio.get_running_loop()
