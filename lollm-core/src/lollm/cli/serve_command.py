@@ -19,6 +19,7 @@ from lollm.load.ranks import finish, is_leader, silence_followers
 
 if TYPE_CHECKING:
     from lollm.serve.guard import GuardConfig
+    from lollm.serve.model_server import ModelServer
 
 # Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
 # serve extra), which waits until every flag is checked (a typo costs nothing).
@@ -71,7 +72,7 @@ def serve(
 
     from lollm.generate.conversation import DEFAULT_CONTEXT
     from lollm.load.pipeline import open_model
-    from lollm.serve.app import require_serve_extra, serve as run_server
+    from lollm.serve.app import require_serve_extra
     from lollm.serve.model_server import ModelServer
 
     check_family(options.family)
@@ -90,17 +91,25 @@ def serve(
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
         max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
     )
-    if not is_leader(loaded.tp):
+    label = f"{family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
+    serve_or_follow(server, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
+
+
+def serve_or_follow(server: ModelServer, *, host: str, port: int, label: str, shutdown_timeout: float,
+                    guard: GuardConfig) -> None:
+    """Rank 0 (or the only process) serves HTTP until it is stopped; under --tp the other ranks follow its jobs."""
+    from lollm.serve.app import serve as run_server
+
+    tp = server.loaded.tp
+    if not is_leader(tp):
         server.follow()  # every generation rank 0 runs, until rank 0 stops
-        finish(loaded.tp)
+        finish(tp)
         return
-    split = "" if loaded.tp is None else f", --tp {tp}"
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}",
-                   shutdown_timeout=shutdown_timeout, guard=guard)
+        run_server(server, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
-        if loaded.tp is not None and server.stop_followers():
-            finish(loaded.tp)
+        if tp is not None and server.stop_followers():
+            finish(tp)
 
 
 #: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
