@@ -95,13 +95,14 @@ class Soak:
 
 
 def post(soak: Soak, path: str, body: bytes, *, content_type: str = "application/json", timeout: float | None = None,
-         stream: bool = False, drop_after: int | None = None) -> Outcome:
+         stream: bool = False, drop_after: int | None = None, hang: float | None = None) -> Outcome:
     """POST ``body``; read the answer (a stream to its end, or ``drop_after`` events, then close the connection).
 
-    timeout: seconds the client waits before it gives up ("timeout"); None: the hang bound (then "hang").
+    timeout: seconds the client waits before it gives up ("timeout"); None: the hang bound (``hang``, default
+    ``--hang``; then "hang").
     """
     began = time.monotonic()
-    limit = soak.hang if timeout is None else timeout
+    limit = (hang or soak.hang) if timeout is None else timeout
     connection = http.client.HTTPConnection("127.0.0.1", soak.port, timeout=limit)
     try:
         connection.request("POST", path, body, {"Content-Type": content_type})
@@ -277,7 +278,9 @@ def overload(soak: Soak, burst: int) -> None:
 
     def one(index: int) -> None:
         gate.wait()
-        out = post(soak, "/v1/chat/completions", chat([{"role": "user", "content": f"Say {index}."}], 8))
+        # the last of --max-queue waiting requests runs only after all those before it: a longer bound than --hang
+        out = post(soak, "/v1/chat/completions", chat([{"role": "user", "content": f"Say {index}."}], 8),
+                   timeout=None, hang=3 * soak.hang)
         out.scenario = "overload"
         soak.record("overload", out)
 
@@ -388,6 +391,8 @@ def problems(soak: Soak, counters: dict[str, object], shut: dict[str, object], a
         if needle in log:
             found.append(f"the server's log holds {needle!r} ({log.count(needle)} times)")
     found += [f"{blocks} KV blocks still used after the {phase} phase" for phase, blocks in soak.kv_after.items() if blocks]
+    if counters["cancellations_logged"] != counters["server"]["cancelled"]:
+        found.append(f"{counters['cancellations_logged']} cancellations logged, {counters['server']['cancelled']} counted")
     if counters["server_finished"] != counters["client_engine_requests"] or counters["server"]["failed"]:
         found.append(f"counters: {counters}")
     if counters["metrics_by_outcome"] != counters["server"]:
@@ -409,9 +414,10 @@ def counters(soak: Soak) -> dict[str, object]:
     samples = metrics(soak)
     by_outcome = {k: int(samples.get(f"lollm_requests_total{{outcome={k}}}", 0)) for k in server}
     engine = sum(1 for outcomes in soak.outcomes.values() for o in outcomes
-                 if o.scenario != "bad" and (o.status == 200 or o.status in ("dropped", "timeout")))
+                 if o.scenario != "bad" and (o.status == 200 or o.status in ("dropped", "timeout", "hang")))
+    logged = soak.log_path.read_text(errors="replace").count("client went away: generation cancelled")
     return {"server": server, "metrics_by_outcome": by_outcome, "server_finished": sum(server.values()),
-            "client_engine_requests": engine}
+            "client_engine_requests": engine, "cancellations_logged": logged}
 
 
 def rss_summary(soak: Soak, mixed_end: float) -> tuple[dict[str, object], float | None]:
