@@ -331,7 +331,10 @@ def shutdown(soak: Soak, deadline: float) -> dict[str, object]:
     exited = time.monotonic() - signalled
     for thread in threads:
         thread.join(timeout=30)
-    return {"exit_status": status, "seconds_to_exit": round(exited, 2), "bound": deadline + 2}
+    said = [line.split("INFO:", 1)[-1].strip() for line in soak.log_path.read_text(errors="replace").splitlines()
+            if "after the signal" in line]  # the server's own measure, from its signal handler to its last line
+    return {"exit_status": status, "seconds_to_exit": round(exited, 2), "bound": deadline + 2,
+            "server_says": said[-1] if said else None}
 
 
 # -- the report -----------------------------------------------------------------------------------------

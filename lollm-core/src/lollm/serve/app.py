@@ -297,6 +297,8 @@ def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, fam
         runner.run()
     finally:
         server.close()  # the engine thread stops after its step (every request has been answered by now)
+    if runner.stopped_line() is not None:
+        log.info("%s", runner.stopped_line())
 
 
 def announce(runner: uvicorn.Server, lines: list[str]) -> None:

@@ -30,6 +30,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from typing import Iterator
 
 import uvicorn
@@ -56,6 +57,18 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, server: ModelServer, deadline: float = DEFAULT_SHUTDOWN_TIMEOUT):
         super().__init__(config)
         self.model_server, self.deadline = server, deadline
+        self.signalled: float | None = None  # time.monotonic() of the first SIGTERM / SIGINT
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if self.signalled is None:
+            self.signalled = time.monotonic()
+        super().handle_exit(sig, frame)
+
+    def stopped_line(self) -> str | None:
+        """The last log line: how long after the signal the server stopped (None: no signal stopped it)."""
+        if self.signalled is None:
+            return None
+        return f"stopped {time.monotonic() - self.signalled:.2f} s after the signal (--shutdown-timeout {self.deadline:g})"
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
