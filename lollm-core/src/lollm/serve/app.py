@@ -25,7 +25,7 @@ from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
-from lollm.serve.stream import stream
+from lollm.serve.stream import ChunkShaper, stream
 
 # Lazy imports below: starlette and uvicorn are the optional ``serve`` extra, imported inside the
 # functions that use them (and here for type checkers only), so this module loads without them.
@@ -186,7 +186,8 @@ class Routes:
         plan.job.endpoint = request.url.path
         base = answer_base(server.name, kind)
         if plan.streaming:
-            return stream(server, plan, CHUNKS[kind](server.tokenizer, base), f"POST {request.url.path}")
+            shaper = ChunkShaper(CHUNKS[kind](server.tokenizer, base), plan.include_usage)
+            return stream(server, plan, shaper, f"POST {request.url.path}")
         result = await wait(server, request, plan.job)
         if result is None:
             raise ApiError(499, "the request was cancelled")
