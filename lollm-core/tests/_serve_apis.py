@@ -1,14 +1,14 @@
 """Shared helpers of the tests of lollm serve's other APIs (Messages, Responses) and of separated reasoning.
 
 The server runs in the test process on the toy family (docs/examples/lollm-toy) with a
-context of 1024 positions, under a REAL chat template copied from the hub
+context of 2048 positions, under a REAL chat template copied from the hub
 (lollm.cli.hub_configs): Qwen2.5's (tools, no thinking), Qwen3's (tools; the answer may
 open ``<think>``) or Qwen3.5's (XML tools; with ``enable_thinking`` the template opens
 the thinking itself). The toy tokenizer knows every marker these templates write
 (``<|im_start|>``, ``<think>``, ``</think>``; ``<tool_call>`` is plain text to it).
 
-``think_often``: the toy's final norm and output head are changed so that ``</think>`` is
-a likely token at every step (a few per cent), so a thinking answer ends its thinking
+``think_often``: the toy's final norm and output head are changed so that ``</think>`` has
+the same logit at every step (a few per cent of the probability), so a sampled thinking ends
 after tens of tokens, not hundreds (a random model would rarely close it).
 """
 
@@ -34,7 +34,7 @@ from test_cli_run import write_checkpoint
 from test_example_plugin import EXAMPLE
 
 NAME = "toy"
-CONTEXT = 1024
+CONTEXT = 2048
 
 #: template name -> (hub folder, file holding the template)
 TEMPLATES = {"qwen2.5": ("Qwen__Qwen2.5-7B-Instruct", "tokenizer_config.json"),
@@ -49,7 +49,7 @@ def real_template(name: str) -> str:
 
 
 def write_toy(folder: Path, template: str, *, think_often: bool = False) -> Path:
-    """The toy checkpoint (1024 positions) in ``folder`` with the real chat template ``template``."""
+    """The toy checkpoint (2048 positions) in ``folder`` with the real chat template ``template``."""
     write_checkpoint(folder, max_position_embeddings=CONTEXT)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = real_template(template)
@@ -58,9 +58,13 @@ def write_toy(folder: Path, template: str, *, think_often: bool = False) -> Path
         close = json.loads((folder / "tokenizer.json").read_text())["added_tokens"][-1]
         assert close["content"] == "</think>", close
         tensors = load_file(str(folder / "model.safetensors"))
-        tensors["model.norm.bias"][0] = 4.0  # one hidden unit always on ...
+        # one hidden unit of the final norm is a constant 3.5 (weight 0, bias 3.5), read by </think> alone, whose
+        # logit is then that constant: about 3 % of the probability at temperature 1 (the other 319 logits spread
+        # with a standard deviation of about 1.7), so a sampled thinking ends after some 30 tokens
+        tensors["model.norm.weight"][0], tensors["model.norm.bias"][0] = 0.0, 3.5
         tensors["lm_head.weight"][:, 0] = 0.0
-        tensors["lm_head.weight"][close["id"], 0] = 1.0  # ... read by </think> alone
+        tensors["lm_head.weight"][close["id"]] = 0.0
+        tensors["lm_head.weight"][close["id"], 0] = 1.0
         save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
