@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult
 from lollm.serve import messages as anthropic_messages
+from lollm.serve.responses import Responses
 from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
@@ -186,6 +187,7 @@ class Routes:
     def __init__(self, server: ModelServer):
         self.server = server
         self.schema = openapi_schema(server)
+        self.responses = Responses()  # the Responses API and its store of responses (previous_response_id)
 
     async def generation(self, request: Request, kind: str) -> Response:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
@@ -241,6 +243,18 @@ class Routes:
 
         raw = await self.authorized_body(request)
         return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, self.server, raw))
+
+    @guarded
+    async def create_response(self, request: Request) -> Response:
+        api = self.responses
+        return await self.api_generation(request, api.prepare, api.shaper, api.answer)
+
+    @guarded
+    async def get_response(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        await self.authorized_body(request)
+        return JSONResponse(self.responses.retrieve(request.path_params["response_id"]))
 
     @guarded
     async def chat_completions(self, request: Request) -> Response:
@@ -313,6 +327,8 @@ def create_app(server: ModelServer) -> Starlette:
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/messages", routes.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+        Route("/v1/responses", routes.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", routes.get_response, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),

@@ -359,4 +359,6 @@ class PreparedRequest:
     job: Job
     streaming: bool
     include_usage: bool
+    #: what the answer of another API needs of its request (lollm.serve.responses: the echoed fields, the history)
+    extra: dict[str, object] = field(default_factory=dict)
 
