@@ -193,6 +193,8 @@ def chat_tools(body: Body, chat: Body) -> None:
     if kind not in ("auto", "any", "tool", "none"):
         raise _refuse("tool_choice", f"must be {{\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}}, got {short_repr(choice)}")
     _check_fields(choice, {"type", "name", "disable_parallel_tool_use"}, "tool_choice")
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise _refuse("tool_choice.name", "must name the tool (a string)")
     chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none",
                            "tool": {"type": "function", "function": {"name": choice.get("name")}}}[kind]
     if choice.get("disable_parallel_tool_use") is not None:

@@ -136,7 +136,8 @@ def chat_messages(items: object) -> list[dict[str, object]]:
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or []
-            text = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict)) if isinstance(parts, list) else ""
+            text = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) \
+                if isinstance(parts, list) else ""
             _assistant(out)["reasoning_content"] = text
         else:
             raise _refuse(where, "an input item must be a message (role user, system, developer or assistant), a "
@@ -177,7 +178,9 @@ def chat_tools(body: Body, chat: Body) -> None:
             chat["tools"].append({"type": "function", "function": function})
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise _refuse("tool_choice.name", "must name the function (a string)")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
     if body.get("parallel_tool_calls") is not None:
