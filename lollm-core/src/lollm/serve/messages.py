@@ -14,6 +14,7 @@ the Anthropic way, whole (:func:`answer`) or as its stream of named events
       thinking blocks (assistant)          -> its reasoning_content
     max_tokens, stop_sequences             -> max_tokens, stop
     temperature, top_p, top_k              -> the same (absent: the server's defaults)
+    seed (lollm's extension, as in Chat Completions) -> the same: a sampled answer repeats
     tools[i] {name, description, input_schema} -> {"type": "function", "function": {name, description, parameters}}
     tool_choice auto / any / tool / none   -> auto / required / a named function / none
       disable_parallel_tool_use            -> parallel_tool_calls: false
@@ -40,7 +41,7 @@ from lollm.serve.tool_formats import ToolCall
 
 #: The request fields read here; any other is a 400 (IGNORED_FIELDS are accepted and change nothing).
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "output_config", "thinking"}
+          "seed", "tools", "tool_choice", "output_config", "thinking"}
 IGNORED_FIELDS = {"metadata", "service_tier"}
 #: Content-block fields that change nothing here.
 IGNORED_BLOCK_FIELDS = {"cache_control", "citations"}
@@ -242,7 +243,7 @@ def chat_body(body: Body, *, counting: bool = False) -> Body:
     if body.get("max_tokens") is None and not counting:
         raise _refuse("max_tokens", "is required")
     chat: Body = {"model": body.get("model"), "messages": chat_messages(body)}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stream"):
         if body.get(name) is not None and not counting:
             chat[name] = body[name]
     if body.get("stop_sequences") is not None:

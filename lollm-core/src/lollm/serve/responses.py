@@ -15,6 +15,7 @@ semantic events (:class:`ResponsesShaper`)::
       reasoning (reasoning_text)        -> the next assistant message's reasoning_content
     max_output_tokens                   -> max_tokens
     temperature, top_p                  -> the same
+    seed (lollm's extension, as in Chat Completions) -> the same: a sampled answer repeats
     text.format json_schema / json_object -> response_format
     tools (type function), tool_choice, parallel_tool_calls -> the chat tools, as they are
     reasoning.effort                    -> reasoning_effort (the template's enable_thinking)
@@ -44,7 +45,7 @@ from lollm.serve.tool_formats import ToolCall
 #: Responses one server keeps for previous_response_id and GET, and for how long (seconds).
 STORE_SIZE = 1024
 STORE_SECONDS = 3600
-FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
+FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "stream", "text", "tools",
           "tool_choice", "parallel_tool_calls", "reasoning", "store", "previous_response_id"}
 #: Fields accepted with any value that change nothing here.
 IGNORED_FIELDS = {"metadata", "user", "safety_identifier", "prompt_cache_key", "service_tier"}
@@ -202,7 +203,7 @@ def chat_body(body: Body, history: list[dict[str, object]]) -> tuple[Body, list[
     system = [{"role": "system", "content": instructions}] if instructions else []
     chat: Body = {"model": body.get("model"), "messages": system + conversation}
     for name, chat_name in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                            ("stream", "stream")):
+                            ("seed", "seed"), ("stream", "stream")):
         if body.get(name) is not None:
             chat[chat_name] = body[name]
     if body.get("text") is not None:
