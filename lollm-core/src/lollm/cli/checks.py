@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Optional
 
 from lollm.cli.report import err, plugin_warnings
 from lollm.errors import CheckpointError, GenerationError, LollmError
+from lollm.load.hub import check_fetchable
 from lollm.load.loader import looks_like_repo_id
+from lollm.load.local_names import locate
 from lollm.load.options import DEVICE_PATTERN, LoadOptions, check_threads
 from lollm.load.plugins import get_registry
 from lollm.sampling_params import check_sampling_value, check_seed
@@ -98,16 +100,25 @@ def check_family(family: Optional[str]) -> None:
 
 
 def check_model_exists(spec: str) -> None:
-    """A local path that does not exist is an error now, before torch is imported (hub ids are checked when fetched)."""
-    if Path(spec).expanduser().exists():
+    """A path that does not exist, and is not a local model's name either, is an error now, before torch is imported.
+
+    The names are those ``lollm list`` shows (:mod:`lollm.load.local_names`); a hub id must be cached or the
+    hub must answer (:func:`lollm.load.hub.check_fetchable`: under a second, one error line otherwise).
+    """
+    if locate(spec) is not None:
         return
     repo, colon, quant = spec.partition(":")
     if colon and Path(repo).expanduser().is_file():
         raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
-    if looks_like_repo_id(spec) or (colon and quant and looks_like_repo_id(repo)):
+    if looks_like_repo_id(spec):
+        check_fetchable(spec)  # cached, or the hub answers: else one error line now, not after torch loads
+        return
+    if colon and quant and looks_like_repo_id(repo):
+        check_fetchable(repo, quant)
         return
     raise CheckpointError(
-        f"{spec}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
+        f"{spec}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
+        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
     )
 
 

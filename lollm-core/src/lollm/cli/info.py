@@ -19,7 +19,9 @@ from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
-from lollm.load.loader import looks_like_repo_id, download_repo
+from lollm.load.hub import download_repo
+from lollm.load.loader import looks_like_repo_id
+from lollm.load.local_names import locate
 from lollm.load.plugins import get_registry
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
@@ -67,7 +69,7 @@ def tokenize(
     model, rest = which_model(model_opt, model_arg, text, extra=1)
     text = read_tokenize_text(rest[0] if rest else None, file)
 
-    folder = Path(model)
+    folder = locate(model) or Path(model)  # a path, or the name lollm list shows
     if folder.is_file() and folder.suffix == ".gguf":
         tokenizer = load_gguf_tokenizer(folder)  # built from the file's tokenizer.* metadata
     else:
@@ -93,7 +95,7 @@ def tokenize(
 
 
 def inspect(
-    model_arg: with_help(ModelArg, "A .gguf file or a safetensors checkpoint folder.") = None,
+    model_arg: with_help(ModelArg, "A .gguf file, a safetensors checkpoint folder, or a name lollm list shows.") = None,
     tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Print the tensor table."),
     pattern: Optional[str] = typer.Option(None, "--filter", metavar="PATTERN", help="Only the tensors whose name holds PATTERN (attn_q), or, when it has * ? or [, matches it as a glob (blk.1.*); an error when none does."),
     as_json: with_help(Json, "Print everything as JSON (arrays summarized).") = False,
