@@ -4,7 +4,8 @@ Two stages, in the order a command runs them:
 
 1. before torch is imported or the checkpoint read (a typo costs nothing):
    :func:`check_run_flags` (it calls :func:`lollm.load.options.check_threads`), :func:`check_ctx_size`,
-   :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`;
+   :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`, and what needs no model at all:
+   :func:`require_extra` (the optional extras a command imports), :func:`check_port_free` (``serve``);
 2. with the checkpoint open (configs, tokenizer, tensor table) and its family routed,
    before the weights stream in: :func:`open_for_command` (it takes the command's
    :class:`lollm.load.options.LoadOptions` and returns them resolved: device, dtype, attention backend,
@@ -13,7 +14,10 @@ Two stages, in the order a command runs them:
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -32,8 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (lollm.lo
 # Lazy imports below: lollm.attention and lollm.load.pipeline import torch, and these checks run before torch is
 # imported (a typo costs nothing); they are imported where a check needs them.
 
-__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_run_flags",
-           "check_serve_flags", "open_for_command"]
+__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_port_free",
+           "check_run_flags", "check_serve_flags", "open_for_command", "require_extra"]
+
+#: The optional extras of lollm-core, each with the modules of it that a command imports.
+EXTRAS = {"serve": ("starlette", "uvicorn"), "chat": ("prompt_toolkit",), "parity": ("transformers",)}
+
 
 def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], device: str, threads: Optional[int], mtp: bool,
                     draft_tokens: int, sampling: dict[str, float | int | None]) -> None:
@@ -78,6 +86,45 @@ def check_serve_flags(*, port: int, max_running: int, kv_blocks: Optional[int], 
                         ("--max-batch-tokens", max_batch_tokens), ("--max-queue", max_queue)):
         if value is not None and value < 1:
             raise LollmError(f"{flag} must be >= 1, got {value}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """``lollm serve``: the address must be free now, before the model loads (one error line, not uvicorn's after it).
+
+    Binds ``(host, port)`` as uvicorn will (``SO_REUSEADDR``) and lets go at once. Port 0 (any free port)
+    and the ranks of ``--tp`` other than 0 (``$RANK``; they serve no HTTP) are not checked. Raises
+    LollmError naming the address when it is in use, or cannot be bound (an address not of this machine).
+    """
+    if port == 0 or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise LollmError(f"--host {host}: cannot be resolved to an address ({exc.strerror or exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LollmError(f"--port {port}: {host}:{port} is already in use (another lollm serve?); stop what "
+                                 f"listens there or give another --port") from None
+            raise LollmError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+
+
+def require_extra(extra: str, command: str) -> None:
+    """LollmError naming ``extra`` and its pip line when one of its modules is not installed (nothing is imported).
+
+    ``command`` is what needs it, for the message (``lollm chat``, ``--compare``).
+    """
+    for module in EXTRAS[extra]:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise LollmError(f"{command} needs the {extra} extra ({module} is missing): pip install 'lollm-core[{extra}]'")
 
 
 def check_attn(options: LoadOptions) -> None:
