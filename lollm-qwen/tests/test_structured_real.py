@@ -24,7 +24,8 @@ pytestmark = pytest.mark.real
 def real_server():
     from lollm.cli.real_models import fetch_gguf
 
-    with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--model-name", "qwen", "--threads", "2") as url:
+    # no --model-name: the server answers to the name the README's snippets send (the file's name without .gguf)
+    with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--threads", "2") as url:
         yield url
 
 
@@ -51,7 +52,7 @@ def test_a_strict_schema_with_enums_and_ranges_validates(real_server):
     client = serving.openai_client(real_server)
     for seed in range(2):
         reply = client.chat.completions.create(
-            model="qwen", messages=[{"role": "user", "content": "Describe the Python language."}], max_tokens=80,
+            model="qwen2.5-coder-0.5b-instruct", messages=[{"role": "user", "content": "Describe the Python language."}], max_tokens=80,
             temperature=1.0, seed=seed, response_format={"type": "json_schema",
                                                          "json_schema": {"name": "language", "schema": schema, "strict": True}})
         assert reply.choices[0].finish_reason == "stop"
