@@ -282,7 +282,7 @@ def demo(session: nox.Session) -> None:
     out = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, "--gguf", silent=True, stderr=None, env=OFFLINE)
     path = out.strip().splitlines()[-1]
     # the name `lollm list` shows for the file: every later command takes it as it is
-    listed = json.loads(session.run("lollm", "list", "--json", silent=True, env=OFFLINE))
+    listed = json.loads(session.run("lollm", "list", "--json", silent=True, stderr=None, env=OFFLINE))
     name = next((row["name"] for row in listed if row["path"] == path), path)
     prompt = session.posargs[0] if session.posargs else DEMO_PROMPT
     session.run("lollm", "run", name, "--prompt", prompt, "--max-new-tokens", DEMO_NEW_TOKENS,
