@@ -144,11 +144,20 @@ def test_a_hub_that_does_not_answer_is_given_up_in_under_two_seconds(monkeypatch
     """A DNS lookup or a connection that hangs: the probe waits PROBE_SECONDS, never the 10 s of socket timeouts."""
     import lollm.load.hub as hub
 
-    monkeypatch.setattr(hub.socket, "create_connection", lambda *args, **kwargs: time.sleep(30))
+    import threading
+
+    release = threading.Event()
+
+    def hang(*args, **kwargs):
+        release.wait(30)
+        raise OSError("the test let the hung connection go")
+
+    monkeypatch.setattr(hub.socket, "create_connection", hang)
     started = time.perf_counter()
     with pytest.raises(LollmError, match=r"cannot be reached \(.*no answer within 1 s\)"):
         hub.check_reachable("org/model")
     assert time.perf_counter() - started < 2.0
+    release.set()
 
 
 def test_hf_hub_offline_names_itself_and_asks_nothing(monkeypatch):

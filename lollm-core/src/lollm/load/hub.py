@@ -139,16 +139,44 @@ def quant_files(files: list[str], quant: str) -> list[str]:
     return [f for f in matches if not SPLIT_GGUF.search(f) or SPLIT_GGUF.search(f).group(1) == "00001"]
 
 
-def _cached_gguf(repo_id: str, quant: str) -> Path | None:
-    """The one cached .gguf file of ``repo_id`` that carries ``quant``, or None (none cached, or several)."""
+def _cached_ggufs(repo_id: str) -> tuple[Path, list[str]] | None:
+    """The snapshot folder of ``repo_id`` in the hub cache and its .gguf files; None when the repo is not cached."""
     from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=["*.gguf"], local_files_only=True))
     except Exception:
         return None
-    found = quant_files([p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf")], quant)
-    return folder / found[0] if len(found) == 1 else None
+    return folder, [p.relative_to(folder).as_posix() for p in folder.rglob("*.gguf")]
+
+
+def _one_file(repo_id: str, quant: str, files: list[str], where: str) -> str:
+    """The one file of ``files`` that carries ``quant``; CheckpointError listing ``files`` (found in ``where``) otherwise."""
+    firsts = quant_files(files, quant)
+    listing = "\n  ".join(sorted(files)) or "(none)"
+    if not firsts:
+        raise CheckpointError(f"{repo_id}: no .gguf file carries the quant {quant!r}{where}. Files there:\n  {listing}")
+    if len(firsts) > 1:
+        raise CheckpointError(f"{repo_id}: several .gguf files carry the quant {quant!r}{where}: {', '.join(firsts)}. "
+                              f"Files there:\n  {listing}")
+    return firsts[0]
+
+
+def _from_cache(repo_id: str, quant: str) -> Path | None:
+    """The cached .gguf file of ``repo_id`` that carries ``quant``, or None to ask the hub.
+
+    With ``HF_HUB_OFFLINE`` set the cache is all there is: a cached repo without exactly one such
+    file, or no cached repo, raises CheckpointError (listing the cached files, or saying the hub is not asked).
+    """
+    cached = _cached_ggufs(repo_id)
+    if cached is not None:
+        folder, files = cached
+        if len(quant_files(files, quant)) == 1 or offline():
+            return folder / _one_file(repo_id, quant, files, " in the local cache (HF_HUB_OFFLINE is set)")
+    if offline():
+        raise CheckpointError(f"{repo_id}:{quant}: not a model on this machine (lollm list shows them), and "
+                              f"HF_HUB_OFFLINE is set, so the hub is not asked")
+    return None
 
 
 def hub_gguf_file(repo_id: str, quant: str) -> Path:
@@ -161,29 +189,20 @@ def hub_gguf_file(repo_id: str, quant: str) -> Path:
     """
     from huggingface_hub import HfApi, hf_hub_download
 
-    cached = _cached_gguf(repo_id, quant)
+    cached = _from_cache(repo_id, quant)
     if cached is not None:
         return cached
-    if offline():
-        raise CheckpointError(f"{repo_id}:{quant}: not a model on this machine (lollm list shows them), and "
-                              f"HF_HUB_OFFLINE is set, so the hub is not asked")
     check_reachable(f"{repo_id}:{quant}")
     try:
         files = [f for f in HfApi().list_repo_files(repo_id) if f.endswith(".gguf")]
     except Exception as exc:
         raise CheckpointError(f"{repo_id}: could not list its GGUF files from the Hugging Face hub: "
                               f"{type(exc).__name__}: {exc}") from None
-    firsts = quant_files(files, quant)
-    listing = "\n  ".join(sorted(files)) or "(none)"
-    if not firsts:
-        raise CheckpointError(f"{repo_id}: no .gguf file carries the quant {quant!r}. Files there:\n  {listing}")
-    if len(firsts) > 1:
-        raise CheckpointError(f"{repo_id}: several .gguf files carry the quant {quant!r}: {', '.join(firsts)}. "
-                              f"Files there:\n  {listing}")
+    name = _one_file(repo_id, quant, files, "")
     try:
-        return Path(hf_hub_download(repo_id, firsts[0]))
+        return Path(hf_hub_download(repo_id, name))
     except Exception as exc:
-        raise CheckpointError(f"{repo_id}: could not fetch {firsts[0]}: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{repo_id}: could not fetch {name}: {type(exc).__name__}: {exc}") from None
 
 
 def check_fetchable(repo_id: str, quant: str | None = None) -> None:
@@ -195,16 +214,16 @@ def check_fetchable(repo_id: str, quant: str | None = None) -> None:
     """
     from huggingface_hub import snapshot_download
 
-    spec = repo_id if quant is None else f"{repo_id}:{quant}"
-    if quant is not None and _cached_gguf(repo_id, quant) is not None:
+    if quant is not None:
+        if _from_cache(repo_id, quant) is None:  # offline, it raises: the cached files' listing, or no such repo
+            check_reachable(f"{repo_id}:{quant}")
         return
-    if quant is None:
-        try:
-            snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True)
-            return
-        except Exception:  # not (fully) in the cache
-            pass
+    try:
+        snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True)
+        return
+    except Exception:  # not (fully) in the cache
+        pass
     if offline():
-        raise CheckpointError(f"{spec}: not a model on this machine (lollm list shows them), and HF_HUB_OFFLINE is "
-                              f"set, so the hub is not asked{_maybe_a_path(repo_id) if quant is None else ''}")
-    check_reachable(spec)
+        raise CheckpointError(f"{repo_id}: not a model on this machine (lollm list shows them), and HF_HUB_OFFLINE is "
+                              f"set, so the hub is not asked{_maybe_a_path(repo_id)}")
+    check_reachable(repo_id)
