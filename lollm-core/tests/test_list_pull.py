@@ -88,17 +88,18 @@ def test_list_json_names_format_quant_size_and_family(tmp_path, caches):
     done = run_lollm(tmp_path, hub, own, "list", "--json")
     assert done.returncode == 0, done.stderr
     rows = {r["name"]: r for r in json.loads(done.stdout)}
-    assert sorted(rows) == ["lollm-test-org/tiny-GGUF/tiny-Q8_0.gguf", "lollm-test-org/tiny-model", "made-up/made-up.gguf"]
+    # the short names of lollm.load.local_names, each one what `lollm run NAME` takes as it is
+    assert sorted(rows) == ["lollm-test-org/tiny-GGUF:Q8_0", "lollm-test-org/tiny-model", "made-up"]
     qwen2 = expected_family("qwen2", "lollm-qwen")
     st = rows["lollm-test-org/tiny-model"]
     assert (st["spec"], st["source"], st["fmt"], st["quant"], st["size"], st["family"]) == (
         "lollm-test-org/tiny-model", "hf", "safetensors", "F16", size, qwen2)
-    gg = rows["lollm-test-org/tiny-GGUF/tiny-Q8_0.gguf"]
-    assert (gg["fmt"], gg["quant"], gg["family"]) == ("gguf", "Q8_0, F32", qwen2)
-    assert Path(gg["spec"]).is_file() and gg["size"] == Path(gg["spec"]).stat().st_size
-    mine = rows["made-up/made-up.gguf"]
-    assert (mine["source"], mine["fmt"], mine["family"]) == ("lollm", "gguf", "none installed")
-    assert Path(mine["spec"]) == own / "made-up" / "made-up.gguf"
+    gg = rows["lollm-test-org/tiny-GGUF:Q8_0"]
+    assert (gg["spec"], gg["fmt"], gg["quant"], gg["family"]) == ("lollm-test-org/tiny-GGUF:Q8_0", "gguf", "Q8_0, F32", qwen2)
+    assert Path(gg["path"]).is_file() and gg["size"] == Path(gg["path"]).stat().st_size
+    mine = rows["made-up"]
+    assert (mine["spec"], mine["source"], mine["fmt"], mine["family"]) == ("made-up", "lollm", "gguf", "none installed")
+    assert Path(mine["path"]) == own / "made-up" / "made-up.gguf"
 
 
 def test_list_table_shows_the_cached_repo_that_runs_offline(tmp_path, caches):
@@ -108,7 +109,7 @@ def test_list_table_shows_the_cached_repo_that_runs_offline(tmp_path, caches):
     assert done.returncode == 0, done.stderr
     line = next(row for row in done.stdout.splitlines() if "lollm-test-org/tiny-model" in row)
     assert "safetensors" in line and "F16" in line and "hf" in line
-    assert any("made-up.gguf" in row and "none installed" in row for row in done.stdout.splitlines())
+    assert any("made-up " in row and "none installed" in row for row in done.stdout.splitlines())
 
 
 def test_list_with_empty_caches_says_how_to_fetch(tmp_path):
@@ -124,7 +125,7 @@ def test_list_reports_an_unreadable_file_and_a_cache_that_is_a_file(tmp_path):
     done = run_lollm(tmp_path, tmp_path / "no-hub", own, "list", "--json")
     assert done.returncode == 0, done.stderr
     [row] = json.loads(done.stdout)
-    assert row["name"] == "broken.gguf" and row["quant"].startswith("unreadable: ") and "broken.gguf" in row["quant"]
+    assert row["name"] == "broken" and row["quant"].startswith("unreadable: ") and "broken.gguf" in row["quant"]
     (tmp_path / "hub-file").write_text("not a folder")
     done = run_lollm(tmp_path, tmp_path / "hub-file", own, "list")
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -149,7 +150,11 @@ def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def online(monkeypatch):
+    """HF_HUB_OFFLINE unset, and the hub answers lollm.load.hub's probe (no socket is opened)."""
+    import lollm.load.hub as hub
+
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "check_reachable", lambda spec, timeout=hub.PROBE_SECONDS: None)
 
 
 def test_pull_repo_downloads_through_snapshot_download(tmp_path, monkeypatch, capsys, online):

@@ -197,6 +197,33 @@ def test_q8_0_extreme_codes_are_exact_on_every_route():
         assert torch.equal(call(ops, layer, x).double(), reference), name
 
 
+#: Where each type keeps its codes' bits in a block (byte ranges): set to all ones, every code is the
+#: largest the format has (Q4_0 and Q4_K 15, Q5_0 31, Q6_K 63).
+CODE_BYTES = {"Q4_0": ((2, 18),), "Q5_0": ((2, 22),), "Q4_K": ((16, 144),), "Q6_K": ((0, 192),)}
+
+
+@pytest.mark.parametrize("type_name", sorted(CODE_BYTES))
+def test_the_largest_codes_against_x_at_127_stay_exact_on_every_route(type_name):
+    """Every code at the format's largest value against xq = +127 (and -127): the AVX2 route adds
+    vpmaddubsw's int16 pairs before widening them (four pairs of 4- and 5-bit codes, at most
+    8 * 31 * 127 = 31496; two of Q6_K's 6-bit ones, 4 * 63 * 127 = 32004), so a pair sum that
+    overflowed int16 would show here. Against float64: x at +-1 is exactly xq = +-127, xd = 1 / 127."""
+    kernel()
+    n, k = 16, 256
+    raw = random_matrix(type_name, n, k, seed=11)
+    t = GGML_TYPES_BY_NAME[type_name]
+    blocks = raw.reshape(-1, t.type_size)
+    for lo, hi in CODE_BYTES[type_name]:
+        blocks[:, lo:hi] = 0xFF
+    layer = PANEL_LAYERS[type_name].from_blocks(lambda a, b: raw[a:b].reshape(-1), (n, k))
+    x = torch.tensor([[1.0] * k, [-1.0] * k])
+    xq = q8_activations(x)
+    w = layer.dequantize().double()
+    reference, size = xq @ w.T, xq.abs() @ w.abs().T
+    for name, ops in builds():
+        assert ((call(ops, layer, x).double() - reference).abs() <= (2 * k // 32 + 2) * 2.0**-24 * size).all(), name
+
+
 def test_the_largest_block_sums_stay_exact():
     """Q6_K's worst block: every code 0 (q - 32 = -32), sub-scales -128, x at +127 everywhere:
     isum = 2 * (-128) * 16 * (-32) * 127 = 16,646,144, just under 2^24, exact in float32."""

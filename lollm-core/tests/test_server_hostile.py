@@ -303,7 +303,8 @@ def test_openapi_describes_the_endpoints(server, client):
     assert response.status_code == 200
     schema = response.json()
     assert schema["openapi"].startswith("3.0")
-    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    assert set(schema["paths"]) == {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+                                    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}"}
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     request = chat["requestBody"]["content"]["application/json"]["schema"]
     assert request["properties"]["model"]["enum"] == [NAME] and set(request["required"]) == {"model", "messages"}

@@ -194,8 +194,9 @@ def test_xml_format_forced_calls_validate(xml_client, seed):
 def test_round_trip_on_the_real_model():
     from lollm.cli.real_models import fetch_gguf
 
-    with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--model-name", "qwen", "--ctx-size", "2048") as url:
-        namespace = run_readme_snippet(url, "qwen")
+    # no --model-name: the server answers to the name the README's snippet sends, as the README's `lollm serve` line starts it
+    with serving.run_server(fetch_gguf("qwen2.5-coder-0.5b-instruct"), "--ctx-size", "2048") as url:
+        namespace = run_readme_snippet(url, "qwen2.5-coder-0.5b-instruct")
     first, final = namespace["first"].choices[0], namespace["final"].choices[0]
     assert first.finish_reason == "tool_calls"
     (call,) = first.message.tool_calls

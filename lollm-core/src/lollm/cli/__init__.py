@@ -1,20 +1,28 @@
 """The ``lollm`` command line.
 
-Commands::
+Commands, in the order of a user's day (the sections of ``lollm --help``)::
 
+    find and get a model
+    lollm list      [--json]                 the models on this machine, by the names the commands take
+    lollm pull      REPO[:QUANT]             download a model through huggingface_hub
+    use it
     lollm run       MODEL --prompt TEXT      generate text, streamed to stdout (--prompts-file: many, batched)
     lollm chat      MODEL                    a conversation in the terminal (the cache carries over)
-    lollm serve     MODEL                    an OpenAI-compatible HTTP server
-    lollm families                           the installed family plugins
+    lollm serve     MODEL                    an OpenAI-compatible HTTP server, and a chat page at /
+    look inside
+    lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
     lollm tokenize  MODEL TEXT [--chat]      how text becomes token ids
-    lollm parity    MODEL                    our logits against transformers'
     lollm trace     MODEL --prompt TEXT      one forward pass, drawn as a self-contained HTML page
+    prove and measure
+    lollm parity    MODEL                    our logits against transformers'
     lollm bench     MODEL                    prefill/decode speed and memory, beside transformers
                     (--concurrency 1,4,16: the batched engine's throughput and latency per level)
-    lollm inspect   MODEL [--filter PATTERN] a summary, the metadata and the tensors (natural order) of a GGUF file or safetensors folder
+    write a family
+    lollm families                           the installed family plugins
     lollm new-family NAME --like FAMILY      a new family distribution, copied from an installed one
-    lollm list      [--json]                 the models in the Hugging Face cache and lollm's cache
-    lollm pull      REPO[:QUANT]             download a model through huggingface_hub
+
+MODEL is a path (a checkpoint folder, a ``.gguf`` file), the name ``lollm list`` shows for a model
+on this machine (:mod:`lollm.load.local_names`), or a Hugging Face repo id (:mod:`lollm.load.hub`).
 
 Every command that takes a model accepts it either way: ``lollm CMD MODEL``
 or ``lollm CMD -m MODEL`` (see :func:`lollm.cli.options.which_model`).
@@ -23,10 +31,11 @@ Any :class:`lollm.errors.LollmError` is printed as one ``error:`` line on
 stderr with exit status 2; ``parity`` exits 1 when the gate fails; Ctrl-C
 exits 130 (``run`` first ends its output and prints the statistics of what
 it generated). Flags are checked before torch is imported or a checkpoint
-is read, so a typo costs nothing.
+is read, so a typo costs nothing; what needs no model (the extras a command imports, serve's
+port, trace's output path, a --json-schema) is checked before the model loads.
 
-This module holds the app, lists the commands in the order ``lollm --help`` shows them, and
-runs them (:func:`main`). The commands live beside it, one module per group: ``run`` and
+This module holds the app, lists the commands in the order ``lollm --help`` shows them (laid
+out by :mod:`lollm.cli.help`), and runs them (:func:`main`). The commands live beside it, one module per group: ``run`` and
 ``chat`` in :mod:`lollm.cli.run`; ``serve`` in :mod:`lollm.cli.serve_command`; ``parity``,
 ``trace`` and ``bench`` in :mod:`lollm.cli.measure`; ``families``, ``tokenize``, ``inspect``,
 ``list``, ``pull`` and ``new-family`` in :mod:`lollm.cli.info`. Their plumbing: the shared
@@ -82,20 +91,23 @@ def _options(
         os.environ[DEBUG_ENV] = "1"
 
 
-# The commands, in the order ``lollm --help`` lists them. (Registered by module, so that ``lollm.cli.run``,
+# The commands, in the order ``lollm --help`` lists them: the sections of a user's day (typer's rich_help_panel
+# names each command's section; lollm.cli.help lays them out). (Registered by module, so that ``lollm.cli.run``,
 # ``lollm.cli.new_family`` and ``lollm.cli.trace`` stay the modules of those names, not the command functions.)
-app.command()(run.run)
-app.command("new-family")(info.new_family)
-app.command()(info.families)
-app.command()(info.tokenize)
-app.command()(measure.parity)
-app.command()(measure.trace)
-app.command()(measure.bench)
-app.command()(info.inspect)
-app.command()(run.chat)
-app.command()(serve_command.serve)
-app.command("list")(info.list_)
-app.command()(info.pull)
+FIND, USE, LOOK, PROVE, BUILD = ("Find and get a model", "Use it", "Look inside", "Prove and measure",
+                                 "Write a family")
+app.command("list", rich_help_panel=FIND)(info.list_)
+app.command(rich_help_panel=FIND)(info.pull)
+app.command(rich_help_panel=USE)(run.run)
+app.command(rich_help_panel=USE)(run.chat)
+app.command(rich_help_panel=USE)(serve_command.serve)
+app.command(rich_help_panel=LOOK)(info.inspect)
+app.command(rich_help_panel=LOOK)(info.tokenize)
+app.command(rich_help_panel=LOOK)(measure.trace)
+app.command(rich_help_panel=PROVE)(measure.parity)
+app.command(rich_help_panel=PROVE)(measure.bench)
+app.command(rich_help_panel=BUILD)(info.families)
+app.command("new-family", rich_help_panel=BUILD)(info.new_family)
 
 
 class _WatchedStdout:

@@ -4,7 +4,8 @@ Two stages, in the order a command runs them:
 
 1. before torch is imported or the checkpoint read (a typo costs nothing):
    :func:`check_run_flags` (it calls :func:`lollm.load.options.check_threads`), :func:`check_ctx_size`,
-   :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`;
+   :func:`check_attn`, :func:`check_family`, :func:`check_model_exists`, and what needs no model at all:
+   :func:`require_extra` (the optional extras a command imports), :func:`check_port_free` (``serve``);
 2. with the checkpoint open (configs, tokenizer, tensor table) and its family routed,
    before the weights stream in: :func:`open_for_command` (it takes the command's
    :class:`lollm.load.options.LoadOptions` and returns them resolved: device, dtype, attention backend,
@@ -13,13 +14,18 @@ Two stages, in the order a command runs them:
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from lollm.cli.report import err, plugin_warnings
 from lollm.errors import CheckpointError, GenerationError, LollmError
+from lollm.load.hub import check_fetchable
 from lollm.load.loader import looks_like_repo_id
+from lollm.load.local_names import locate
 from lollm.load.options import DEVICE_PATTERN, LoadOptions, check_threads
 from lollm.load.plugins import get_registry
 from lollm.sampling_params import check_sampling_value, check_seed
@@ -30,8 +36,12 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only (lollm.lo
 # Lazy imports below: lollm.attention and lollm.load.pipeline import torch, and these checks run before torch is
 # imported (a typo costs nothing); they are imported where a check needs them.
 
-__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_run_flags",
-           "check_serve_flags", "open_for_command"]
+__all__ = ["check_attn", "check_ctx_size", "check_draft_head", "check_family", "check_model_exists", "check_port_free",
+           "check_run_flags", "check_serve_flags", "open_for_command", "require_extra"]
+
+#: The optional extras of lollm-core, each with the modules of it that a command imports.
+EXTRAS = {"serve": ("starlette", "uvicorn"), "chat": ("prompt_toolkit",), "parity": ("transformers",)}
+
 
 def check_run_flags(*, max_new_tokens: Optional[int], seed: Optional[int], device: str, threads: Optional[int], mtp: bool,
                     draft_tokens: int, sampling: dict[str, float | int | None]) -> None:
@@ -78,6 +88,45 @@ def check_serve_flags(*, port: int, max_running: int, kv_blocks: Optional[int], 
             raise LollmError(f"{flag} must be >= 1, got {value}")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """``lollm serve``: the address must be free now, before the model loads (one error line, not uvicorn's after it).
+
+    Binds ``(host, port)`` as uvicorn will (``SO_REUSEADDR``) and lets go at once. Port 0 (any free port)
+    and the ranks of ``--tp`` other than 0 (``$RANK``; they serve no HTTP) are not checked. Raises
+    LollmError naming the address when it is in use, or cannot be bound (an address not of this machine).
+    """
+    if port == 0 or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise LollmError(f"--host {host}: cannot be resolved to an address ({exc.strerror or exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LollmError(f"--port {port}: {host}:{port} is already in use (another lollm serve?); stop what "
+                                 f"listens there or give another --port") from None
+            raise LollmError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+
+
+def require_extra(extra: str, command: str) -> None:
+    """LollmError naming ``extra`` and its pip line when one of its modules is not installed (nothing is imported).
+
+    ``command`` is what needs it, for the message (``lollm chat``, ``--compare``).
+    """
+    for module in EXTRAS[extra]:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise LollmError(f"{command} needs the {extra} extra ({module} is missing): pip install 'lollm-core[{extra}]'")
+
+
 def check_attn(options: LoadOptions) -> None:
     """The name of the backend given by --attn or $LOLLM_ATTN, checked before the model is looked for
     (lollm.attention imports torch: only when one is named). The backend is chosen once, with the
@@ -98,16 +147,25 @@ def check_family(family: Optional[str]) -> None:
 
 
 def check_model_exists(spec: str) -> None:
-    """A local path that does not exist is an error now, before torch is imported (hub ids are checked when fetched)."""
-    if Path(spec).expanduser().exists():
+    """A path that does not exist, and is not a local model's name either, is an error now, before torch is imported.
+
+    The names are those ``lollm list`` shows (:mod:`lollm.load.local_names`); a hub id must be cached or the
+    hub must answer (:func:`lollm.load.hub.check_fetchable`: under a second, one error line otherwise).
+    """
+    if locate(spec) is not None:
         return
     repo, colon, quant = spec.partition(":")
     if colon and Path(repo).expanduser().is_file():
         raise CheckpointError(f"{repo} is a local file: ':{quant}' only picks a .gguf file of a Hugging Face repo; give the file alone")
-    if looks_like_repo_id(spec) or (colon and quant and looks_like_repo_id(repo)):
+    if looks_like_repo_id(spec):
+        check_fetchable(spec)  # cached, or the hub answers: else one error line now, not after torch loads
+        return
+    if colon and quant and looks_like_repo_id(repo):
+        check_fetchable(repo, quant)
         return
     raise CheckpointError(
-        f"{spec}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
+        f"{spec}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
+        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
     )
 
 

@@ -19,7 +19,9 @@ from lollm.cli.new_family import describe, render
 from lollm.cli.options import Json, ModelArg, ModelOpt, ParseSpecial, Think, which_model, with_help
 from lollm.cli.report import out
 from lollm.errors import LollmError
-from lollm.load.loader import looks_like_repo_id, download_repo
+from lollm.load.hub import download_repo
+from lollm.load.loader import looks_like_repo_id
+from lollm.load.local_names import locate
 from lollm.load.plugins import get_registry
 from lollm.tokenizer import load_gguf_tokenizer, load_tokenizer
 
@@ -33,7 +35,7 @@ def new_family(
     model_type: Optional[str] = typer.Option(None, "--model-type", metavar="TYPE", help="The config.json model_type the family claims (default: the reference's, renamed; NAME for --like qwen2)."),
     into: Path = typer.Option(Path("."), "--into", metavar="PATH", help="Where to write the folder lollm-NAME."),
 ) -> None:
-    """Write a new family distribution lollm-NAME, copied from an installed family, that installs and passes its own tests."""
+    """Write a new family distribution, lollm-NAME, copied from an installed family. It installs and passes its own tests."""
     out.print(escape(describe(render(name, like, into, model_type=model_type))), soft_wrap=True)
 
 
@@ -41,7 +43,7 @@ def families(
     as_json: with_help(Json, "Machine-readable output.") = False,
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when a plugin is broken, two plugins claim one type, or $LOLLM_LOAD_PLUGINS names a distribution that is not an installed plugin."),
 ) -> None:
-    """List the installed family plugins (no model code is imported), and those $LOLLM_LOAD_PLUGINS leaves out."""
+    """List the installed family plugins. No model code is imported; those $LOLLM_LOAD_PLUGINS leaves out are listed too."""
     # the diagnostic command tries again the plugins other commands skip as remembered hangs
     registry = get_registry(retry_hung=True)
     if as_json:
@@ -67,7 +69,7 @@ def tokenize(
     model, rest = which_model(model_opt, model_arg, text, extra=1)
     text = read_tokenize_text(rest[0] if rest else None, file)
 
-    folder = Path(model)
+    folder = locate(model) or Path(model)  # a path, or the name lollm list shows
     if folder.is_file() and folder.suffix == ".gguf":
         tokenizer = load_gguf_tokenizer(folder)  # built from the file's tokenizer.* metadata
     else:
@@ -93,13 +95,13 @@ def tokenize(
 
 
 def inspect(
-    model_arg: with_help(ModelArg, "A .gguf file or a safetensors checkpoint folder.") = None,
+    model_arg: with_help(ModelArg, "A .gguf file, a safetensors checkpoint folder, or a name lollm list shows.") = None,
     tensors: bool = typer.Option(True, "--tensors/--no-tensors", help="Print the tensor table."),
     pattern: Optional[str] = typer.Option(None, "--filter", metavar="PATTERN", help="Only the tensors whose name holds PATTERN (attn_q), or, when it has * ? or [, matches it as a glob (blk.1.*); an error when none does."),
     as_json: with_help(Json, "Print everything as JSON (arrays summarized).") = False,
     model_opt: ModelOpt = None,
 ) -> None:
-    """Show what is inside a checkpoint: a summary (format, architecture, parameters, bytes, tensors per type), its metadata, then its tensors (name, shape, type, bytes) in natural order (blk.2 before blk.10)."""
+    """Show what is inside a checkpoint, without loading it. A summary (format, architecture, parameters, bytes, tensors per type), its metadata, then its tensors (name, shape, type, bytes) in natural order (blk.2 before blk.10)."""
     model, _ = which_model(model_opt, model_arg)
     inv = inspect_checkpoint(model)
     rows = inv.select(pattern)
@@ -112,7 +114,7 @@ def inspect(
 def list_(
     as_json: with_help(Json, "Machine-readable output (size in bytes).") = False,
 ) -> None:
-    """The models on this machine: the Hugging Face cache and lollm's cache ($LOLLM_CACHE), with the family that runs each."""
+    """List the models on this machine, by the name every command takes. They come from the Hugging Face cache and lollm's cache ($LOLLM_CACHE), each with the family that runs it."""
     rows = list_models()
     if as_json:
         print(rows_json(rows))
@@ -130,7 +132,7 @@ def pull(
     spec: str = typer.Argument(..., metavar="REPO[:QUANT]", show_default=False,
                                help="A Hugging Face repo id (org/name), or org/name:QUANT for the one .gguf file of that quant."),
 ) -> None:
-    """Download a model into the Hugging Face cache (huggingface_hub's progress bar), then print its path and how to run it."""
+    """Download a model from the Hugging Face hub (it needs the hub). It goes into the Hugging Face cache, with huggingface_hub's progress bar; then its path and how to run it are printed."""
     path = fetch(spec)
     out.print(f"pulled {escape(spec)} to {escape(str(path))}", soft_wrap=True)
     out.print(f"run it: lollm run {escape(spec)} --prompt 'Hello'", soft_wrap=True)

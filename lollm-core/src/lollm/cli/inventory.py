@@ -174,11 +174,13 @@ def _inspect_folder(folder: Path) -> Inventory:
 
 
 def inspect_checkpoint(spec: str) -> Inventory:
-    """The metadata and tensor table of a ``.gguf`` file or a safetensors checkpoint folder.
+    """The metadata and tensor table of a ``.gguf`` file or a safetensors checkpoint folder (a path, or a local name).
 
     Raises CheckpointError (GGUFError for a bad GGUF) naming the path.
     """
-    path = Path(spec).expanduser()
+    from lollm.load.local_names import locate
+
+    path = locate(spec) or Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _inspect_gguf(path)
     if path.is_file() and path.suffix == ".safetensors":

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.batch import bench_concurrency, parse_levels
-from lollm.cli.checks import check_family
+from lollm.cli.checks import check_family, require_extra
 from lollm.cli.inputs import read_stdin
 from lollm.cli.options import (Attn, Device, Dtype, Family, GroupSize, Json, ModelArg, ModelOpt, NoChat, Prompt,
                                Quantize, System, Think, Threads, Tp, Weights, load_options, which_model, with_help)
@@ -17,6 +17,9 @@ from lollm.cli.report import err, out
 from lollm.errors import LollmError
 from lollm.load.options import LoadOptions, check_threads
 from lollm.load.ranks import finish, silence_followers
+
+if TYPE_CHECKING:  # pragma: no cover - the name for an annotation only (lollm.cli.trace.run imports torch)
+    from lollm.cli.trace.run import TraceResult
 
 # Lazy imports below: lollm.proof, lollm.attention, lollm.load.pipeline and lollm.cli.trace.run import torch, which
 # waits until every flag is checked (a typo costs nothing); each command imports them after its checks.
@@ -38,11 +41,12 @@ def parity(
     tp: with_help(Tp, "Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md).") = 1,
     model_opt: ModelOpt = None,
 ) -> None:
-    """Compare our logits with transformers' at every prompt position; exit 1 on failure."""
+    """Compare our logits with transformers' at every prompt position. Exit 1 on failure."""
     model, _ = which_model(model_opt, model_arg)
     check_family(family_name)
     options = load_options("parity", device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name)
+    require_extra("parity", "lollm parity")  # transformers is the reference: missing, say so before our model loads
     from lollm.proof.parity import DEFAULT_PROMPT, run_parity
     from lollm.load.process_group import current
 
@@ -68,11 +72,11 @@ def trace(
     dtype: with_help(Dtype, "float32 (the default: the numbers of the parity gate), bfloat16, float16.") = "float32",
     max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
 ) -> None:
-    """Run PROMPT through the model once and write a self-contained HTML page of what happens inside.
+    """Run a prompt through the model once and draw what happens inside as an HTML page.
 
-    Tokens, the logit lens, attention per layer and head, what the family records of its
+    Tokens, the logit lens, attention per layer and head, the values a family shows of its
     own (DeltaNet gates, MoE routing, soft-caps, per-layer embeddings) and, with --compare,
-    the divergence from transformers. See docs/trace.md.
+    where each hidden state parts from transformers. See docs/trace.md.
     """
     spec, _ = which_model(model_opt, model_arg)
     if not output:
@@ -81,21 +85,39 @@ def trace(
         raise LollmError(f"--max-tokens must be >= 1, got {max_tokens}")
     check_family(family_name)
     options = load_options("trace", device=device, dtype=dtype, family=family_name, progress=True)
+    if compare:
+        require_extra("parity", "lollm trace --compare")
+    from lollm.cli.trace.page import check_output
+
+    check_output(output)  # a page that could not be written is said now, before anything loads
     if prompt is None:
         prompt = read_stdin("--prompt").rstrip("\n")
     from lollm.cli.trace.run import run_trace  # (imports torch: after the checks above)
 
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
-                       compare_reference=compare, options=options, max_tokens=max_tokens)
-    t = result.trace
+                       compare_reference=compare, options=options, max_tokens=max_tokens,
+                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
-    line = f"wrote {result.path} ({result.size / 1e6:.2f} MB): {len(t.ids)} tokens, {t.num_layers} layers, " \
-           f"{len(t.attention)} attention layers, {len(t.internals)} family records"
+    out.print(escape(trace_summary(result)), soft_wrap=True)
+
+
+def trace_summary(result: TraceResult) -> str:
+    """``lollm trace``'s last line: what the page holds, in the words of its panels (docs/trace.md)."""
+    t = result.trace
+    line = (f"wrote {result.path} ({result.size / 1e6:.2f} MB): {len(t.ids)} tokens through {t.num_layers} layers; "
+            f"the logit lens of every layer, the attention of {len(t.attention)} layers")
+    family = t.meta.get("family", "the family")
+    own = list(dict.fromkeys(record.name for record in t.internals))
+    if own:
+        line += f"; {family}'s own values: {', '.join(own)}"
+    else:
+        line += f"; {family} shows no values of its own beyond these"
     if t.divergence is not None:
         d = t.divergence
-        line += "; divergence: " + ("none above the gate" if d.first is None else f"first at hidden state {d.first}")
-    out.print(escape(line), soft_wrap=True)
+        line += "; beside transformers: " + ("every hidden state agrees within the gate" if d.first is None
+                                             else f"hidden state {d.first} is the first to part from it")
+    return line
 
 
 def bench(
@@ -117,7 +139,7 @@ def bench(
     concurrency: Optional[str] = typer.Option(None, "--concurrency", metavar="N,N,...", help="Measure the batched engine instead: at each level, N requests of --prompt-tokens and --new-tokens submitted at once; output tok/s, TTFT and inter-token latency p50/p95 (docs/offline-batch.md)."),
     model_opt: ModelOpt = None,
 ) -> None:
-    """Prefill and decode tok/s, load time and peak memory: ours beside transformers, in alternating rounds."""
+    """Measure prefill and decode speed, load time and peak memory. Ours beside transformers, in alternating rounds."""
     model, _ = which_model(model_opt, model_arg)
     if rounds < 1 or prompt_tokens < 1 or new_tokens < 1:
         raise LollmError("--rounds, --prompt-tokens and --new-tokens must be at least 1")

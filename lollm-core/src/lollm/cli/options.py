@@ -28,6 +28,7 @@ from typing import Annotated, Any, List, Optional, get_args
 import click
 import typer
 
+from lollm.cli.help import Context, Group
 from lollm.errors import LollmError
 from lollm.generate.structured import ConstraintError, OutputConstraint, check_constraint
 from lollm.load.options import LoadOptions
@@ -36,7 +37,10 @@ from lollm.load.options import LoadOptions
 
 
 class Command(typer.core.TyperCommand):
-    """A command whose help names each argument by its metavar alone (MODEL, TEXT), without typer's ``<str>``."""
+    """A command whose help names each argument by its metavar alone (MODEL, TEXT), without typer's ``<str>``,
+    wrapped at spaces only (:class:`lollm.cli.help.HelpFormatter`: a flag name is never cut at its hyphen)."""
+
+    context_class = Context
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The Arguments and Options sections of ``--help``, as click writes them (plain text, never rich markup).
@@ -61,7 +65,11 @@ class Command(typer.core.TyperCommand):
 
 
 class App(typer.Typer):
-    """typer.Typer whose commands are :class:`Command` (a command added later gets the same help for free)."""
+    """typer.Typer whose commands are :class:`Command` (a command added later gets the same help for free), listed
+    by :class:`lollm.cli.help.Group`: in sections (each command's ``rich_help_panel``), each with its first sentence."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cls=Group, **kwargs)
 
     def command(self, *args: Any, cls: Any = None, **kwargs: Any) -> Any:
         return super().command(*args, cls=cls or Command, **kwargs)
@@ -180,6 +188,7 @@ RepetitionPenalty = Annotated[Optional[float], typer.Option(
 Seed = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Random seed for sampling (0 .. 2**64-1).")]
 Stop = Annotated[List[str], typer.Option("--stop", metavar="TEXT", help="Stop string (repeatable).")]
 Mtp = Annotated[bool, typer.Option("--mtp", help="Self-speculative decoding with the checkpoint's MTP head.")]
+#: each command says which drafters it has: ``with_help(DraftTokens, ...)`` (chat and serve have --mtp alone)
 DraftTokens = Annotated[int, typer.Option("--draft-tokens", metavar="N", help="Tokens drafted per step with --mtp or --prompt-lookup.")]
 PromptLookup = Annotated[bool, typer.Option(
     "--prompt-lookup", help="Speculative decoding with drafts copied from the prompt and the output so far (any model; "

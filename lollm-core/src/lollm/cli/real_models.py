@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from lollm.errors import CheckpointError
+from lollm.load.local_names import cache_dir  # noqa: F401  (where real checkpoints are kept; imported from here too)
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,6 @@ CHECKPOINTS = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """Where real checkpoints are kept: ``$LOLLM_CACHE`` or ``~/.cache/lollm``."""
-    return Path(os.environ.get("LOLLM_CACHE") or Path.home() / ".cache" / "lollm")
 
 
 def _spec(name: str) -> RealCheckpoint:

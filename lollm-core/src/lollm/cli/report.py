@@ -201,17 +201,17 @@ def tokens_table(ids: list[int], pieces: list[str]) -> None:
 
 
 def models_table(rows: list[ModelRow]) -> None:
-    """``lollm list``: the models of the caches (cache-relative names: a full path wraps in a narrow table)."""
-    table = Table(title="Models on this machine (run one: lollm run SPEC --prompt TEXT)")
+    """``lollm list``: the models of the caches, by the names the commands take (lollm.load.local_names)."""
+    table = Table(title="Models on this machine (run one: lollm run NAME -p TEXT)")
     for col, justify in (("model", "left"), ("format", "left"), ("quant", "left"), ("size", "right"),
                          ("family", "left"), ("cache", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
-        table.add_row(escape(r.spec if r.source == "hf" and r.fmt == "safetensors" else r.name), r.fmt,
+        table.add_row(escape(r.name), r.fmt,
                       escape(r.quant), f"{r.size / 2**20:,.1f} MiB", escape(r.family), r.source)
     out.print(table)
-    out.print("A hub repo id runs as shown; a file of lollm's cache runs by its full path, its spec in "
-              "lollm list --json.", style="dim")
+    out.print("Each name works as shown with run, chat, serve, tokenize and inspect, offline; "
+              "lollm list --json gives each path.", style="dim", soft_wrap=True)
 
 
 def inventory(inv: Inventory, rows: list[TensorRow], pattern: Optional[str], *, tensors: bool) -> None:

@@ -12,7 +12,7 @@ from rich.markup import escape
 from lollm.cli import report as show
 from lollm.cli.batch import batch_reason, run_batched
 from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
-                              check_run_flags, open_for_command)
+                              check_run_flags, open_for_command, require_extra)
 from lollm.cli.inputs import encode_prompts, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
                                GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat,
@@ -71,7 +71,7 @@ def run(
     group_size: with_help(GroupSize, "int4 group size for --quantize int4: 32 or 128 (64, 256 also work).") = 32,
     tp: with_help(Tp, "Tensor parallel over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm run --tp N …` (float weights; docs/tensor-parallel.md).") = 1,
 ) -> None:
-    """Generate a continuation of PROMPT, streamed to stdout; statistics go to stderr."""
+    """Generate text from a prompt (-p, or stdin), streamed to stdout. Statistics go to stderr."""
     model, _ = which_model(model_opt, model_arg)
     # 1. What can be checked without torch and without reading the checkpoint.
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
@@ -194,7 +194,7 @@ def chat(
     seed: Seed = None,
     think: Think = None,
     mtp: Mtp = False,
-    draft_tokens: DraftTokens = 3,
+    draft_tokens: with_help(DraftTokens, "Tokens drafted per step with --mtp.") = 3,
     ctx_size: CtxSize = None,
     context_shift: ContextShift = True,
     device: Device = "auto",
@@ -205,7 +205,7 @@ def chat(
     group_size: GroupSize = 32,
     model_opt: ModelOpt = None,
 ) -> None:
-    """Chat with MODEL in the terminal: /stats, /drop N, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
+    """Chat with a model in the terminal. /stats, /drop N, /reset, /quit; Ctrl-C stops an answer, Ctrl-D quits."""
     model, _ = which_model(model_opt, model_arg)
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     check_run_flags(max_new_tokens=max_new_tokens, seed=seed, device=device, threads=threads, mtp=mtp,
@@ -215,6 +215,8 @@ def chat(
                            family=family_name, progress=True)
     check_family(options.family)
     check_model_exists(model)
+    if terminal_is_interactive():  # line editing comes from the chat extra; piped input needs none
+        require_extra("chat", "lollm chat in a terminal")
 
     from lollm.cli.chat import repl
     from lollm.generate.conversation import ChatSession
@@ -237,3 +239,8 @@ def chat(
     err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
     repl(session, note=show.note)
+
+
+def terminal_is_interactive() -> bool:
+    """Whether ``lollm chat`` talks to a terminal (stdin and stdout both), where it edits lines with prompt_toolkit."""
+    return sys.stdin.isatty() and sys.stdout.isatty()

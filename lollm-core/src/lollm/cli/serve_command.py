@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from lollm.cli import report as show
-from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_run_flags,
-                              check_serve_flags, open_for_command)
+from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_port_free,
+                              check_run_flags, check_serve_flags, open_for_command, require_extra)
 from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelArg, ModelOpt, Mtp,
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
                                load_options, sampling_flags, which_model, with_help)
@@ -34,7 +34,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", metavar="HOST", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
     port: int = typer.Option(8000, metavar="PORT", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY", help="Require 'Authorization: Bearer KEY' on every /v1 request."),
-    model_name: Optional[str] = typer.Option(None, "--model-name", metavar="NAME", help="The model id clients send (default: the checkpoint's folder or file name)."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", metavar="NAME", help="The model id clients send (default: MODEL's last part, without .gguf: qwen2.5-coder-0.5b-instruct for the name lollm list shows for the demo's model, or for its path)."),
     ctx_size: CtxSize = None,
     temperature: with_help(Temperature, "Default for requests that give none (then generation_config, then the family's).") = None,
     top_k: with_help(TopK, "Default top-k for requests.") = None,
@@ -43,7 +43,7 @@ def serve(
     repetition_penalty: with_help(RepetitionPenalty, "Default repetition penalty.") = None,
     think: with_help(Think, "Default enable_thinking (a request's chat_template_kwargs wins).") = None,
     mtp: Mtp = False,
-    draft_tokens: DraftTokens = 3,
+    draft_tokens: with_help(DraftTokens, "Tokens drafted per step with --mtp.") = 3,
     device: Device = "auto",
     dtype: Dtype = "auto",
     threads: Threads = None,
@@ -61,7 +61,7 @@ def serve(
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Let web pages of ORIGIN (http://host:port) call the API from a browser (repeatable; default: none)."),
     model_opt: ModelOpt = None,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    """Serve a model over an OpenAI-compatible HTTP API, with a chat page for the browser. The page is at /, the API at /v1/chat/completions, /v1/completions and /v1/models."""
     model, _ = which_model(model_opt, model_arg)
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
@@ -70,6 +70,8 @@ def serve(
     check_serve_flags(port=port, max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                       max_queue=max_queue)
     api_key, guard = access_flags(api_key, api_key_file, shutdown_timeout, host, allowed_host or [], cors_origin or [])
+    require_extra("serve", "lollm serve")  # what needs no model, before it loads: the extra, the port
+    check_port_free(host, port)
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 

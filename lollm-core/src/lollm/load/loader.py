@@ -5,13 +5,15 @@ generation_config.json as plain dicts, and exposes the weights *keyed by the
 file's own tensor names*; it never renames a tensor and knows nothing about
 any architecture. The family that serves the checkpoint owns the name map.
 
-Specs it understands:
+Specs it understands, tried in this order:
   * a local folder holding ``config.json`` and ``model.safetensors`` (or shards
     listed in ``model.safetensors.index.json``);
-  * a Hugging Face repo id ``org/name`` (fetched through ``huggingface_hub``,
-    the local cache first; ``HF_HUB_OFFLINE=1`` is honoured);
   * a local ``.gguf`` file (read by :mod:`lollm.gguf`; the metadata plays the
     part of config.json and the tokenizer is built from it);
+  * the name ``lollm list`` shows for a model already on this machine
+    (:mod:`lollm.load.local_names`: ``qwen2.5-coder-0.5b-instruct`` for the demo's GGUF);
+  * a Hugging Face repo id ``org/name`` (:mod:`lollm.load.hub`: the local cache
+    first, then one quick check that the hub answers; ``HF_HUB_OFFLINE=1`` is honoured);
   * ``org/name:QUANT`` for a GGUF repo on the hub: the one ``.gguf`` file whose
     name carries that quant type (``Q4_K_M``) is fetched; none or several raise
     and list the files there.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ from lollm.errors import CheckpointError, ConfigError
 from lollm.files import is_present, read_json
 # Moved to lollm.files; still importable from here until lollm-core 0.3 (docs/plugins.md, 10).
 from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, read_file  # noqa: F401
+# The hub's side of a spec (the cache first, one quick probe, then the download) lives in lollm.load.hub.
+from lollm.load.hub import HUB_ALLOW_PATTERNS, SPLIT_GGUF, download_repo, hub_gguf_file  # noqa: F401
+from lollm.load.local_names import resolve_local
 
 # Lazy imports below: torch, safetensors, huggingface_hub, the tokenizer and the GGUF reader are imported
 # where they are used, so that naming a checkpoint (and the CLI's checks of a spec) stays torch-free and fast.
@@ -42,22 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from lollm.tokenizer import Tokenizer
 
-#: Files fetched from a hub repo: configs, safetensors weights and tokenizer files only.
-HUB_ALLOW_PATTERNS = [
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -387,41 +375,6 @@ def looks_like_repo_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
 
 
-def download_repo(repo_id: str) -> Path:
-    """Fetch the allow-listed files of a hub repo; the local cache is tried first.
-
-    Honours ``HF_HUB_OFFLINE=1`` (then only the cache is used). Raises
-    CheckpointError naming the repo when it cannot be found or fetched.
-    """
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=True))
-    except Exception as cached_exc:  # not (fully) in the cache
-        if offline:
-            raise CheckpointError(
-                f"{repo_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set, so it cannot be downloaded"
-                f"{_maybe_a_path(repo_id)}"
-            ) from cached_exc
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
-    except Exception as exc:
-        raise CheckpointError(f"{repo_id}: could not fetch from the Hugging Face hub: {type(exc).__name__}: {exc}"
-                              f"{_maybe_a_path(repo_id)}") from None
-
-
-def _maybe_a_path(repo_id: str) -> str:
-    """A hint for a repo id that was more likely meant as a local path ('models/x.gguf', 'out/model')."""
-    first = repo_id.split("/")[0]
-    if repo_id.lower().endswith((".gguf", ".safetensors")) or Path(first).is_dir():
-        return f"\n(if you meant a local file or folder: there is no {repo_id} under {Path.cwd()})"
-    return ""
-
-
-SPLIT_GGUF = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-
-
 def load_gguf(path: Path, spec: str | None = None) -> Checkpoint:
     """Open a single GGUF file: metadata as the config, tensors as a lazy source. Raises GGUFError."""
     from lollm.gguf import GGUFTensorSource
@@ -439,43 +392,8 @@ def load_gguf(path: Path, spec: str | None = None) -> Checkpoint:
     return Checkpoint(spec or str(path), path.parent, "gguf", metadata, {}, source)
 
 
-def hub_gguf_file(repo_id: str, quant: str) -> Path:
-    """Find and fetch the one .gguf file of ``repo_id`` whose name carries ``quant`` (``owner/name:Q4_K_M``).
-
-    Returns its path in the hub cache (of a split file, its first part). Raises CheckpointError when no
-    file or more than one matches, or when the files cannot be listed or fetched (with ``HF_HUB_OFFLINE``
-    set, only the local cache is read).
-    """
-    from huggingface_hub import HfApi, hf_hub_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
-    try:
-        if offline:
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(repo_id, allow_patterns=["*.gguf"], local_files_only=True))
-            files = [str(p.relative_to(folder)) for p in folder.rglob("*.gguf")]
-        else:
-            files = [f for f in HfApi().list_repo_files(repo_id) if f.endswith(".gguf")]
-    except Exception as exc:
-        where = "the local cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
-        raise CheckpointError(f"{repo_id}: could not list its GGUF files from {where}: {type(exc).__name__}: {exc}") from None
-    token = re.compile(rf"(?<![A-Za-z0-9]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
-    matches = sorted(f for f in files if token.search(Path(f).name))
-    firsts = [f for f in matches if not SPLIT_GGUF.search(f) or SPLIT_GGUF.search(f).group(1) == "00001"]
-    listing = "\n  ".join(sorted(files)) or "(none)"
-    if not firsts:
-        raise CheckpointError(f"{repo_id}: no .gguf file carries the quant {quant!r}. Files there:\n  {listing}")
-    if len(firsts) > 1:
-        raise CheckpointError(f"{repo_id}: several .gguf files carry the quant {quant!r}: {', '.join(firsts)}. Files there:\n  {listing}")
-    try:
-        return Path(hf_hub_download(repo_id, firsts[0], local_files_only=offline))
-    except Exception as exc:
-        raise CheckpointError(f"{repo_id}: could not fetch {firsts[0]}: {type(exc).__name__}: {exc}") from None
-
-
 def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
-    """Locate and open a checkpoint from a spec (folder path or hub repo id).
+    """Locate and open a checkpoint from a spec: a path, then a local model's name, then a hub repo id.
 
     Raises CheckpointError for a missing path, a pickle-only checkpoint, a
     truncated safetensors file or an unreachable repo; ConfigError for a
@@ -493,6 +411,9 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
                 return load_folder(path.parent, text)
             raise CheckpointError(f"{path} is a file; give the folder holding config.json and the weights")
         return load_folder(path, text)
+    local = resolve_local(text)  # a name lollm list shows, before any hub lookup
+    if local is not None:
+        return load_gguf(local, text) if local.suffix == ".gguf" else load_folder(local, text)
     repo, colon, quant = text.partition(":")
     if colon and repo and (repo.endswith(".gguf") or Path(repo).expanduser().exists()):
         raise CheckpointError(
@@ -504,5 +425,6 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
     if looks_like_repo_id(text):
         return load_folder(download_repo(text), text)
     raise CheckpointError(
-        f"{text}: no such file or folder, and not a Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
+        f"{text}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
+        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
     )

@@ -429,6 +429,35 @@ template <class F>
 LOLLM_INLINE __m256i dot(const F&, __m256i u, __m256i x4) { return dot4(u, x4); }
 LOLLM_INLINE __m256i dot(const Q8_0Panels&, __m256i q, __m256i x4) { return dot4(_mm256_abs_epi8(q), _mm256_sign_epi8(x4, q)); }
 
+// Several rows are compute-bound on this route (two instructions a product where VNNI has one),
+// so the pairs vpmaddubsw makes are first added in int16 as far as they cannot overflow, and only
+// their total goes through vpmaddwd: a pair is at most 2 * 15 * 127 = 3810 (4-bit codes) or
+// 2 * 31 * 127 = 7874 (Q5_0), so four of them fit an int16 (at most 31496 <= 32767); a 6-bit
+// pair reaches 16002, so Q6_K adds two; Q8_0's 32512 none. The int32 sums are the same exact
+// integers as before: an integer sum does not depend on the order it is added in.
+template <class F>
+constexpr int kInt16Pairs = 4;
+template <>
+constexpr int kInt16Pairs<Q6_KPanels> = 2;
+template <>
+constexpr int kInt16Pairs<Q8_0Panels> = 1;
+
+// The exact int32 sum, per lane, of 4 vectors u[0..3] of codes (16 inputs) times x's codes xq.
+template <class F>
+LOLLM_INLINE __m256i dot16(const F& w, const __m256i* u, const int8_t* xq) {
+  if constexpr (kInt16Pairs<F> == 1) {
+    __m256i sum = dot(w, u[0], four(xq));
+    for (int v = 1; v < 4; ++v) sum = _mm256_add_epi32(sum, dot(w, u[v], four(xq + 4 * v)));
+    return sum;
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], four(xq)), _mm256_maddubs_epi16(u[1], four(xq + 4)));
+    const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(u[2], four(xq + 8)), _mm256_maddubs_epi16(u[3], four(xq + 12)));
+    if constexpr (kInt16Pairs<F> == 4) return _mm256_madd_epi16(_mm256_add_epi16(first, second), ones);
+    return _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones));
+  }
+}
+
 LOLLM_INLINE void unpack_nibbles(const uint8_t* block, int half, __m256i* u) {
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int h = 0; h < 4; ++h) {
@@ -513,11 +542,8 @@ void half_rows(const F& w, int64_t p, int half, const Rows& x, int64_t r0, int64
     for (int i = 0; i < R; ++i) {
       const int8_t* xq = x.codes(r0 + i, b);
       const int32_t* xs = x.sums(r0 + i, b);
-      __m256i lo = _mm256_set1_epi32(-kAvx2Offset<F> * xs[0]), hi = _mm256_set1_epi32(-kAvx2Offset<F> * xs[1]);
-      for (int v = 0; v < 4; ++v) {
-        lo = _mm256_add_epi32(lo, dot(w, u[v], four(xq + 4 * v)));
-        hi = _mm256_add_epi32(hi, dot(w, u[4 + v], four(xq + 16 + 4 * v)));
-      }
+      const __m256i lo = _mm256_add_epi32(_mm256_set1_epi32(-kAvx2Offset<F> * xs[0]), dot16(w, u, xq));
+      const __m256i hi = _mm256_add_epi32(_mm256_set1_epi32(-kAvx2Offset<F> * xs[1]), dot16(w, u + 4, xq + 16));
       const __m256 xd = _mm256_set1_ps(x.scale(r0 + i, b));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum(w, p, b, half, lo, hi)), _mm256_mul_ps(xd, w_scale), acc[i]);
       if (F::kBlockOffset)

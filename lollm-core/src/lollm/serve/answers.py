@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Callable, Protocol, TypedDict
 
 from lollm.generate.loop import GenerationResult
 from lollm.generate.sequence import TokenLogprobs
+from lollm.serve.reasoning import split
 from lollm.serve.requests import Job
+from lollm.serve.tool_formats import ToolCall
 from lollm.tokenizer import Tokenizer
 
 #: lollm.generate.loop's stop reasons -> OpenAI's ``finish_reason``.
-FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
+#: The stop reason of a stream the server's shutdown ended (lollm.serve.shutdown): its finish_reason too,
+#: as vLLM's "abort" names an aborted request.
+SHUTDOWN = "shutdown"
+FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop",
+                 SHUTDOWN: SHUTDOWN}
 
 
 def request_line(endpoint: str, result: GenerationResult) -> str:
@@ -54,10 +61,35 @@ class TextLogprobs(TypedDict):
 
 class Chunk(Protocol):
     """Makes one streamed chunk of a request: ``text`` (None: the first chunk, the assistant's role), the
-    logprobs of the tokens since the last chunk, the finish reason (None until the last), tool-call deltas."""
+    logprobs of the tokens since the last chunk, the finish reason (None until the last), tool-call deltas,
+    reasoning text (chat only)."""
 
     def __call__(self, text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
-                 calls: list[dict[str, object]] | None = None) -> dict[str, object]: ...
+                 calls: list[dict[str, object]] | None = None, reasoning: str | None = None) -> dict[str, object]: ...
+
+
+@dataclass
+class AnswerParts:
+    """A whole generation read as an answer: the thinking, the content, the tool calls, OpenAI's finish reason.
+
+    Every API shapes its answer from these (Chat Completions, Messages, Responses), and
+    its stream from the same readers fed piece by piece, so the two always agree.
+    """
+
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
+    finish: str  # "stop", "length" or "tool_calls"
+
+
+def answer_parts(job: Job, result: GenerationResult) -> AnswerParts:
+    """The thinking split off (lollm.serve.reasoning), then the tool calls read from the rest (lollm.serve.tools)."""
+    reasoning, content = split(job.reasoning, result.text) if job.reasoning is not None else ("", result.text)
+    calls: list[ToolCall] = []
+    if job.tools is not None:
+        content, calls = job.tools.answer(content, result.stop_reason)
+    finish = FINISH_REASON[result.stop_reason]
+    return AnswerParts(reasoning, content, calls, "tool_calls" if calls and finish == "stop" else finish)
 
 
 def usage(result: GenerationResult) -> Usage:
@@ -105,10 +137,12 @@ def answer_base(model: str, kind: str) -> dict[str, object]:
 
 def chat_chunks(tokenizer: Tokenizer, base: dict[str, object]) -> Chunk:
     def chunk(text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
-              calls: list[dict[str, object]] | None = None) -> dict[str, object]:
+              calls: list[dict[str, object]] | None = None, reasoning: str | None = None) -> dict[str, object]:
         delta: dict[str, object] = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         if calls:
             delta["tool_calls"] = calls
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         lp = {"content": content_logprobs(tokenizer, entries)} if entries else None
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
@@ -120,7 +154,8 @@ def completion_chunks(tokenizer: Tokenizer, base: dict[str, object]) -> Chunk:
     offset = 0  # characters of the answer sent so far: where the next chunk's logprobs start
 
     def chunk(text: str | None, entries: list[TokenLogprobs] | None, finish: str | None,
-              calls: list[dict[str, object]] | None = None) -> dict[str, object]:  # calls: chat only
+              calls: list[dict[str, object]] | None = None, reasoning: str | None = None) -> dict[str, object]:
+        # calls, reasoning: chat only
         nonlocal offset
         lp = None
         if entries:
@@ -133,17 +168,15 @@ def completion_chunks(tokenizer: Tokenizer, base: dict[str, object]) -> Chunk:
 
 def chat_answer(tokenizer: Tokenizer, base: dict[str, object], job: Job, result: GenerationResult) -> dict[str, object]:
     lp = {"content": content_logprobs(tokenizer, content_entries(result))} if job.logprobs is not None else None
-    message: dict[str, object] = {"role": "assistant", "content": result.text}
-    finish = FINISH_REASON[result.stop_reason]
-    if job.tools is not None:  # the text read for calls (lollm.serve.tools), as a stream would have sent it
-        content, calls = job.tools.answer(result.text, result.stop_reason)
-        if calls:
-            message = {"role": "assistant", "content": content or None, "tool_calls": [c.message_entry() for c in calls]}
-            finish = "tool_calls" if finish == "stop" else finish  # cut by max_tokens: still "length"
-        else:
-            message["content"] = content
+    parts = answer_parts(job, result)
+    message: dict[str, object] = {"role": "assistant", "content": parts.content}
+    if parts.calls:
+        message = {"role": "assistant", "content": parts.content or None,
+                   "tool_calls": [c.message_entry() for c in parts.calls]}
+    if parts.reasoning:
+        message["reasoning_content"] = parts.reasoning
     return {**base, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": parts.finish}],
             "usage": usage(result)}
 
 

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult
+from lollm.serve import messages as anthropic_messages
+from lollm.serve.responses import Responses
 from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
 from lollm.serve.guard import Guard, GuardConfig
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
-from lollm.serve.stream import stream
+from lollm.serve.stream import ChunkShaper, stream
 
 # Lazy imports below: starlette and uvicorn are the optional ``serve`` extra, imported inside the
 # functions that use them (and here for type checkers only), so this module loads without them.
@@ -137,40 +139,52 @@ def chat_page_html() -> str:
     return resources.files("lollm.serve").joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
-def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The JSONResponse of ``error``: its OpenAI-style body with its status."""
+ErrorShape = Callable[[ApiError], dict]  # an ApiError -> the JSON body of its answer, in one API's shape
+
+
+def openai_error(error: ApiError) -> dict:
+    return error.body()
+
+
+def error_response(error: ApiError, headers: dict[str, str] | None = None, shape: ErrorShape = openai_error) -> JSONResponse:
+    """The JSONResponse of ``error``: its body in ``shape`` (OpenAI's by default), with its status."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error.body(), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
+    return JSONResponse(shape(error), status_code=error.status, headers={**(error.headers or {}), **(headers or {})})
 
 
 Handler = Callable[["Routes", "Request"], Awaitable["Response"]]  # an async method of Routes
 
 
-def guarded(handler: Handler) -> Handler:
-    """The async method ``handler(self, request)`` whose errors become JSON answers.
+def guarded_as(shape: ErrorShape) -> Callable[[Handler], Handler]:
+    """:func:`guarded`, with errors answered in ``shape`` (Anthropic's for /v1/messages)."""
 
-    ApiError as it says, LollmError (bad input found deeper: tokenizer, sampler) 400,
-    a client gone while its body was read 499 (nobody to answer), any other exception 500.
-    """
+    def guard(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def endpoint(self: Routes, request: Request) -> Response:
+            from starlette.requests import ClientDisconnect
+            from starlette.responses import Response
 
-    @functools.wraps(handler)
-    async def endpoint(self: Routes, request: Request) -> Response:
-        from starlette.requests import ClientDisconnect
-        from starlette.responses import Response
+            try:
+                return await handler(self, request)
+            except ApiError as error:
+                return error_response(error, shape=shape)
+            except LollmError as error:
+                return error_response(ApiError(400, str(error)), shape=shape)
+            except ClientDisconnect:
+                return Response(status_code=499)
+            except Exception as error:
+                return error_response(internal_error(f"{request.method} {request.url.path}", error), shape=shape)
 
-        try:
-            return await handler(self, request)
-        except ApiError as error:
-            return error_response(error)
-        except LollmError as error:
-            return error_response(ApiError(400, str(error)))
-        except ClientDisconnect:
-            return Response(status_code=499)
-        except Exception as error:
-            return error_response(internal_error(f"{request.method} {request.url.path}", error))
+        return endpoint
 
-    return endpoint
+    return guard
+
+
+#: The async method ``handler(self, request)`` whose errors become JSON answers (OpenAI's shape): ApiError as it
+#: says, LollmError (bad input found deeper: tokenizer, sampler) 400, a client gone while its body was read 499
+#: (nobody to answer), any other exception 500.
+guarded = guarded_as(openai_error)
 
 
 class Routes:
@@ -179,6 +193,7 @@ class Routes:
     def __init__(self, server: ModelServer):
         self.server = server
         self.schema = openapi_schema(server)
+        self.responses = Responses()  # the Responses API and its store of responses (previous_response_id)
 
     async def generation(self, request: Request, kind: str) -> Response:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
@@ -192,11 +207,60 @@ class Routes:
         plan.job.endpoint = request.url.path
         base = answer_base(server.name, kind)
         if plan.streaming:
-            return stream(server, plan, CHUNKS[kind](server.tokenizer, base), f"POST {request.url.path}")
+            shaper = ChunkShaper(CHUNKS[kind](server.tokenizer, base), plan.include_usage)
+            return stream(server, plan, shaper, f"POST {request.url.path}")
         result = await wait(server, request, plan.job)
         if result is None:
             raise ApiError(499, "the request was cancelled")
         return JSONResponse(ANSWERS[kind](server.tokenizer, base, plan.job, result))
+
+    async def authorized_body(self, request: Request) -> bytes:
+        """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
+        key = request.headers.get("x-api-key")
+        self.server.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None))
+        return await read_limited(request, self.server.max_body_bytes)
+
+    async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable) -> Response:
+        """POST of one of the other APIs (Messages, Responses): ``prepare(server, raw)`` makes the plan,
+        ``shaper(server, plan)`` shapes its stream, ``answer(server, plan, result)`` its whole answer."""
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse
+
+        server = self.server
+        raw = await self.authorized_body(request)
+        plan = await run_in_threadpool(prepare, server, raw)
+        plan.job.endpoint = request.url.path
+        if plan.streaming:
+            return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
+        result = await wait(server, request, plan.job)
+        if result is None:
+            raise ApiError(499, "the request was cancelled")
+        return JSONResponse(await run_in_threadpool(answer, server, plan, result))
+
+    @guarded_as(anthropic_messages.error_body)
+    async def messages(self, request: Request) -> Response:
+        return await self.api_generation(request, anthropic_messages.prepare, anthropic_messages.MessagesShaper,
+                                         anthropic_messages.answer)
+
+    @guarded_as(anthropic_messages.error_body)
+    async def count_tokens(self, request: Request) -> Response:
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse
+
+        raw = await self.authorized_body(request)
+        return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, self.server, raw))
+
+    @guarded
+    async def create_response(self, request: Request) -> Response:
+        api = self.responses
+        return await self.api_generation(request, api.prepare, api.shaper, api.answer)
+
+    @guarded
+    async def get_response(self, request: Request) -> Response:
+        from starlette.responses import JSONResponse
+
+        await self.authorized_body(request)
+        return JSONResponse(self.responses.retrieve(request.path_params["response_id"]))
 
     @guarded
     async def chat_completions(self, request: Request) -> Response:
@@ -267,6 +331,10 @@ def create_app(server: ModelServer) -> Starlette:
         Route("/", routes.chat_page, methods=["GET"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/messages", routes.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+        Route("/v1/responses", routes.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", routes.get_response, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),

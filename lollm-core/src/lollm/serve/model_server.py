@@ -33,6 +33,7 @@ from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPL
                                   Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
                                   longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
                                   stops, stream_options, text_bytes)
+from lollm.serve.reasoning import EFFORTS, after_thinking, opening
 from lollm.serve.tool_formats import ToolRequestError
 from lollm.serve.tools import ToolRequest, read_tools
 
@@ -167,19 +168,31 @@ class ModelServer:
         JSON, the model, the fields, the sampling values, the text's size) comes
         before them.
         """
-        body = parse_body(raw)
+        return self.prepare_body(parse_body(raw), kind)
+
+    def prepare_body(self, body: Body, kind: str) -> PreparedRequest:
+        """:meth:`prepare` of a body already parsed: a Chat Completions or Completions request as a dict.
+
+        The Messages and Responses APIs (lollm.serve.messages, lollm.serve.responses)
+        translate their requests into a chat body and come here.
+        """
         self.check_model(body)
         check_fields(body, CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS)
         logprobs = chat_logprobs(body) if kind == "chat" else number(body, "logprobs", integer=True, low=0, high=20)
         streaming, include_usage = flag(body, "stream"), stream_options(body)
         limit, sampling, stop = self.settings(body)
-        constraint = self.compile(response_format(body.get("response_format")))
+        wanted = response_format(body.get("response_format"))
+        constraint = self.compile(wanted)
         tools = self.tools(body, constraint) if kind == "chat" else None
         ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
         job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
-        job.constraint, job.tools = constraint, tools
+        job.tools = tools
+        job.reasoning = opening(self.tokenizer, ids) if kind == "chat" else None
+        param = "response_format"
         if tools is not None and tools.grammar is not None:
-            job.constraint = self.compile(tools.grammar, "tools")
+            wanted, param = tools.grammar, "tools"
+        if wanted is not None:  # bound to what follows the thinking (lollm.serve.reasoning)
+            job.constraint = self.compile(after_thinking(wanted, job.reasoning), param)
         return PreparedRequest(job, streaming, include_usage)
 
     def tools(self, body: Body, constraint: CompiledConstraint | None) -> ToolRequest | None:
@@ -251,7 +264,7 @@ class ModelServer:
             messages = read_messages(body.get("messages"))
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
-        flags = dict(self.template_flags)
+        flags = {**self.template_flags, **self.thinking_flag(body)}
         extra = body.get("chat_template_kwargs")
         if extra is not None:
             if not isinstance(extra, dict):
@@ -268,6 +281,23 @@ class ModelServer:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
             raise ApiError(400, str(error), param="messages") from None
+
+    def thinking_flag(self, body: Body) -> dict[str, bool]:
+        """``{"enable_thinking": bool}`` from the request's ``reasoning_effort`` (``{}`` when absent; "none": off,
+        any other effort: on); ApiError 400 when it is not an effort, or the template has no such switch.
+
+        A request's ``chat_template_kwargs`` still wins over it, as it wins over ``lollm serve --think``.
+        """
+        effort = body.get("reasoning_effort")
+        if effort is None:
+            return {}
+        if effort not in EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, got {short_repr(effort)}",
+                           param="reasoning_effort")
+        if not self.tokenizer.chat_template_reads("enable_thinking"):
+            raise ApiError(400, f"'reasoning_effort': the chat template of {self.name!r} has no thinking switch (it does "
+                                "not read enable_thinking); send the request without it", param="reasoning_effort")
+        return {"enable_thinking": effort != "none"}
 
     def completion_ids(self, body: Body) -> list[int]:
         prompt = body.get("prompt")

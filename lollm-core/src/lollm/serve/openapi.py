@@ -119,6 +119,66 @@ def _generation_operation(summary: str, request: Schema, answer: Schema) -> Sche
             "responses": {"200": ok, **errors}}
 
 
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"type": "string", "enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+_OPEN = {"type": "object", "description": "see docs/serving.md for the fields supported (any other is a 400)"}
+_MESSAGE_ANSWER = {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["message"]}, "role": {"type": "string"},
+    "model": {"type": "string"}, "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+    "stop_reason": {"type": "string", "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+    "stop_sequence": _nullable({"type": "string"}),
+    "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
+        "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"}}}}}
+_RESPONSE = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["response"]}, "created_at": {"type": "integer"},
+    "status": {"type": "string", "enum": ["completed", "incomplete"]}, "model": {"type": "string"},
+    "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"], "properties": {
+        "type": {"type": "string", "enum": ["reasoning", "message", "function_call"]}, "id": {"type": "string"}}}}}}
+
+
+def _other_api_paths(model: Schema) -> dict[str, dict[str, Schema]]:
+    """The Messages and Responses APIs (lollm.serve.messages, lollm.serve.responses): their requests described loosely
+    (the handlers check every field, docs/serving.md lists them), their answers and errors exactly."""
+    def errors(schema: Schema, *statuses: str) -> dict[str, Schema]:
+        return {status: _json(schema, _ERRORS[status]) for status in statuses}
+
+    messages = {**_OPEN, "required": ["model", "max_tokens", "messages"], "properties": {
+        "model": model, "max_tokens": {**_INTEGER, "minimum": 1}, "messages": {"type": "array", "minItems": 1},
+        "stream": _nullable({"type": "boolean"})}}
+    counting = {**_OPEN, "required": ["model", "messages"], "properties": {
+        "model": model, "messages": {"type": "array", "minItems": 1}}}
+    responses = {**_OPEN, "required": ["model", "input"], "properties": {
+        "model": model, "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]},
+        "stream": _nullable({"type": "boolean"})}}
+    generation = ("400", "401", "404", "413", "500", "503")
+    stream = {"type": "object", "description": "one server-sent event, named (event: ..., data: {...})"}
+    counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer"}}}
+    return {
+        "/v1/messages": {"post": {
+            "summary": "Anthropic's Messages API (docs/serving.md)", "requestBody": {
+                "required": True, "content": {"application/json": {"schema": messages}}},
+            "responses": {"200": {"description": "the message; with stream: true, Anthropic's named events", "content": {
+                "application/json": {"schema": _MESSAGE_ANSWER}, "text/event-stream": {"schema": stream}}},
+                **errors(_ANTHROPIC_ERROR, *generation)}}},
+        "/v1/messages/count_tokens": {"post": {
+            "summary": "the prompt's tokens, as /v1/messages would count them", "requestBody": {
+                "required": True, "content": {"application/json": {"schema": counting}}},
+            "responses": {"200": _json(counted, "the count"), **errors(_ANTHROPIC_ERROR, "400", "401", "404", "413", "500")}}},
+        "/v1/responses": {"post": {
+            "summary": "OpenAI's Responses API (docs/serving.md)", "requestBody": {
+                "required": True, "content": {"application/json": {"schema": responses}}},
+            "responses": {"200": {"description": "the response; with stream: true, its semantic events", "content": {
+                "application/json": {"schema": _RESPONSE}, "text/event-stream": {"schema": stream}}},
+                **errors(_ERROR, *generation)}}},
+        "/v1/responses/{response_id}": {"get": {
+            "summary": "a stored response (the last 1024, for an hour)", "parameters": [
+                {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json(_RESPONSE, "the response"), **errors(_ERROR, "401", "500"),
+                          "404": _json(_ERROR, "no such response is stored (response_not_found)")}}},
+    }
+
+
 def openapi_schema(server: ModelServer) -> Schema:
     """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``)."""
     model = {"type": "string", "enum": [server.name], "description": "the served model's name (404 for any other)"}
@@ -150,12 +210,14 @@ def openapi_schema(server: ModelServer) -> Schema:
                                         "first token (no key needed)", "responses": {
             "200": {"description": "Prometheus' text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
             "501": _json(_ERROR, "prometheus-client is not installed")}}},
+        **_other_api_paths(model),
     }
     _guard_answers(paths)
     schema: Schema = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
     if server.api_key is not None:
         schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
+                     "/v1/responses", "/v1/responses/{response_id}"):
             for operation in paths[path].values():
                 operation["security"] = [{"bearer": []}]
     return schema

@@ -38,7 +38,7 @@ IGNORED = {"user": None, "metadata": None, "store": None, "service_tier": None, 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 COMMON_FIELDS = {"model", "max_tokens", "seed", "stop", "stream", "stream_options", "response_format", *SAMPLING_FIELDS}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "chat_template_kwargs",
-                               "tools", "tool_choice", "parallel_tool_calls"}
+                               "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "reasoning_content", "tool_calls", "tool_call_id")
@@ -349,6 +349,7 @@ class Job:
     endpoint: str = ""  # the path it came in on, for its log line
     tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.serve.tools)
     constraint: CompiledConstraint | None = None  # the output follows it (response_format, a forced tool call)
+    reasoning: str | None = None  # where the answer begins for lollm.serve.reasoning (None: no thinking to separate)
     shutdown: bool = False  # ended because the server stops (lollm.serve.shutdown): a 503, or finish_reason "shutdown"
     on_shutdown: Callable[[], None] | None = None  # called (any thread) when it is so ended: a stream ends at once
 
@@ -360,4 +361,6 @@ class PreparedRequest:
     job: Job
     streaming: bool
     include_usage: bool
+    #: what the answer of another API needs of its request (lollm.serve.responses: the echoed fields, the history)
+    extra: dict[str, object] = field(default_factory=dict)
 

@@ -196,7 +196,7 @@ def check_output(path: str | Path) -> Path:
     """The page's path, checked before anything is computed (and again just before the page replaces it).
 
     The page is written as a new file, or replaces a *regular* file. Raises
-    LollmError for an empty path, a folder that does not exist, or a path that
+    LollmError for an empty path, a folder that does not exist or this user cannot write in, or a path that
     exists as anything else: a symbolic link (the page would not land where the
     link points, and never writes through one), a folder, a FIFO, a device node
     (``-o /dev/null`` as root would replace the device), a socket.
@@ -206,6 +206,9 @@ def check_output(path: str | Path) -> Path:
     path = Path(path)
     if not path.parent.is_dir():
         raise LollmError(f"lollm trace: the folder {path.parent} of --output does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise LollmError(f"lollm trace: cannot write in the folder {path.parent} of --output (no permission); "
+                         f"give another path with -o")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

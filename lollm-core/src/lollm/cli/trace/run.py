@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -82,13 +83,15 @@ TRACE_OPTIONS = LoadOptions(dtype="float32")
 
 def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
               think: bool | None = None, compare_reference: bool = False, options: LoadOptions = TRACE_OPTIONS,
-              max_tokens: int = MAX_TOKENS) -> TraceResult:
+              max_tokens: int = MAX_TOKENS, log: Callable[[str], None] = lambda line: None) -> TraceResult:
     """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
 
     compare_reference: also run the parity gate's reference (transformers) and store the
                        divergence of every hidden state (our model is freed first).
     options:           how the model loads (:class:`lollm.load.options.LoadOptions`: device, dtype, ``--family`` ...).
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
+    log:               called with one progress line before each long step (the forward pass, the
+                       reference, writing the page); ``lollm trace`` prints them on stderr.
     Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
     longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
     (:func:`lollm.cli.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
@@ -97,6 +100,7 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     loaded = open_model(spec, options)
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
+    log(f"forward pass: {len(ids)} tokens through the model, keeping every layer's attention and hidden states ...")
     trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
     trace.meta = {
         "model": model_label(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
@@ -109,10 +113,12 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
         model_dtype = loaded.dtype
         loaded.model = None  # one model in memory at a time, as in the parity gate
         gc.collect()
+        log(f"reference: transformers on the same {len(ids)} tokens, to compare every hidden state ...")
         reference = reference_for(loaded)
         compare(trace, reference, required=required)
         del reference
         gc.collect()
         trace.meta["compared"] = f"transformers, {str(model_dtype).removeprefix('torch.')}"
+    log(f"writing the page: {output} ...")
     size = write_page(trace, output)
     return TraceResult(trace, output, size, templated)
