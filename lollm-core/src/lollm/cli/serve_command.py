@@ -111,12 +111,14 @@ def serve_or_follow(server: ModelServer, *, host: str, port: int, label: str, sh
         finish(tp)
         return
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        run_server(server, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
+        signalled = run_server(server, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
         if tp is not None and server.stop_followers():
             finish(tp)
-    # Stopped (SIGTERM, Ctrl-C) and every request answered: exit 0 now. The interpreter's own teardown of the
-    # model takes 1 to 2 s more on a busy CPU, past the "deadline + 2 s" a shutdown promises; nothing is left to save.
+    if signalled is not True:
+        return
+    # Stopped by a signal and every request answered: exit 0 now. The interpreter's own teardown of the model
+    # takes 1 to 2 s more on a busy CPU, past the "deadline + 2 s" a shutdown promises; nothing is left to save.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

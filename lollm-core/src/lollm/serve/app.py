@@ -343,12 +343,13 @@ def create_app(server: ModelServer) -> Starlette:
 
 
 def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "",
-          shutdown_timeout: float = 20.0, guard: GuardConfig | None = None) -> None:
+          shutdown_timeout: float = 20.0, guard: GuardConfig | None = None) -> bool:
     """Serve until SIGTERM or Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line).
 
     The application is wrapped in :class:`lollm.serve.guard.Guard` (Host, Origin, CORS, JSON bodies;
     ``guard``: who may talk to it, default the bound ``host`` alone); the shutdown lets running requests
-    go on for ``shutdown_timeout`` seconds, then ends them (:mod:`lollm.serve.shutdown`) and returns.
+    go on for ``shutdown_timeout`` seconds, then ends them (:mod:`lollm.serve.shutdown`) and returns
+    True when a signal (SIGTERM, SIGINT) stopped it.
     """
     try:
         import uvicorn
@@ -365,8 +366,10 @@ def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, fam
         runner.run()
     finally:
         server.close()  # the engine thread stops after its step (every request has been answered by now)
-    if runner.stopped_line() is not None:
-        log.info("%s", runner.stopped_line())
+    if runner.stopped_line() is None:
+        return False
+    log.info("%s", runner.stopped_line())
+    return True
 
 
 def announce(runner: uvicorn.Server, lines: list[str]) -> None:
