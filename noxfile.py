@@ -17,6 +17,9 @@
     nox -s fuzz        the property-based tests of untrusted checkpoints with many random examples
                        (-- N sets how many per property; CI runs a small fixed budget of the same tests)
     nox -s schemathesis    schemathesis against a live `lollm serve` on a tiny model, from its /openapi.json
+    nox -s soak        a soak and fault run of `lollm serve` on the real Qwen2.5 GGUF: mixed traffic (default 30 min;
+                       -- --minutes 60), overload, a disconnect storm, SIGTERM in flight; fails on any 5xx, hang,
+                       traceback, leaked KV block or RSS slope above 1 MB/min (lollm-core/benchmarks/soak.py)
     nox -s bench_quant     quantized execution on the real GGUFs: lollm quantized, lollm float32 and
                            llama.cpp side by side (accuracy, memory, alternating speed rounds)
     nox -s bench_routes    the speed goals per CPU route (default, LOLLM_AMX=0, LOLLM_ISA=avx2) beside llama.cpp
@@ -367,6 +370,16 @@ def bench_batching(session: nox.Session) -> None:
     a measurement, never run by CI (-- --levels 1,4,16 --rounds 3 --prompt-tokens 128 --new-tokens 64)."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_batching.py", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The soak and fault run of `lollm serve` (lollm-core/benchmarks/soak.py): -- --minutes N (default 30),
+    --clients, --report FILE, --model PATH; exits non-zero on any 5xx but the expected 503s, a hang, a traceback,
+    a leaked KV block, counters that disagree with the clients, or an RSS slope above --max-slope MB/min.
+    Not tagged "tests": it runs for half an hour or more (docs/security.md, "Soak")."""
+    _install(session, "-e", f"{CORE}[serve,test]", "-e", QWEN)
+    session.run("python", "lollm-core/benchmarks/soak.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -14,7 +17,12 @@ from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, Grou
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
                                load_options, sampling_flags, which_model, with_help)
 from lollm.cli.report import err
+from lollm.errors import LollmError
 from lollm.load.ranks import finish, is_leader, silence_followers
+
+if TYPE_CHECKING:
+    from lollm.serve.guard import GuardConfig
+    from lollm.serve.model_server import ModelServer
 
 # Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
 # serve extra), which waits until every flag is checked (a typo costs nothing).
@@ -47,6 +55,10 @@ def serve(
     kv_blocks: Optional[int] = typer.Option(None, "--kv-blocks", metavar="N", help="KV cache blocks (16 positions each) in the engine's pool (default: --max-running sequences of up to 2048 positions, at most half the free memory)."),
     max_batch_tokens: int = typer.Option(256, "--max-batch-tokens", metavar="N", help="The most tokens in one engine step: decode tokens plus prefill chunks."),
     max_queue: int = typer.Option(128, "--max-queue", metavar="N", help="At most N requests wait to run; one more gets 503 with Retry-After."),
+    api_key_file: Optional[Path] = typer.Option(None, "--api-key-file", metavar="FILE", help="Read the API key from FILE (not shown in the process list, as --api-key is)."),
+    shutdown_timeout: float = typer.Option(20.0, "--shutdown-timeout", metavar="SECONDS", help="On SIGTERM or Ctrl-C, running requests may go on this long; then streams end with finish_reason \"shutdown\", others get 503, and the server exits 0."),
+    allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", metavar="NAME", help="Also answer requests whose Host header is NAME (repeatable; '*': any). Localhost names and IP addresses are always allowed (docs/security.md)."),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Let web pages of ORIGIN (http://host:port) call the API from a browser (repeatable; default: none)."),
     model_opt: ModelOpt = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API, with a chat page for the browser. The page is at /, the API at /v1/chat/completions, /v1/completions and /v1/models."""
@@ -57,6 +69,7 @@ def serve(
     check_ctx_size(ctx_size)
     check_serve_flags(port=port, max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens,
                       max_queue=max_queue)
+    api_key, guard = access_flags(api_key, api_key_file, shutdown_timeout, host, allowed_host or [], cors_origin or [])
     require_extra("serve", "lollm serve")  # what needs no model, before it loads: the extra, the port
     check_port_free(host, port)
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
@@ -64,7 +77,7 @@ def serve(
 
     from lollm.generate.conversation import DEFAULT_CONTEXT
     from lollm.load.pipeline import open_model
-    from lollm.serve.app import require_serve_extra, serve as run_server
+    from lollm.serve.app import require_serve_extra
     from lollm.serve.model_server import ModelServer
 
     check_family(options.family)
@@ -83,17 +96,54 @@ def serve(
         sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
         max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
     )
-    if not is_leader(loaded.tp):
+    label = f"{family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
+    serve_or_follow(server, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
+
+
+def serve_or_follow(server: ModelServer, *, host: str, port: int, label: str, shutdown_timeout: float,
+                    guard: GuardConfig) -> None:
+    """Rank 0 (or the only process) serves HTTP until it is stopped; under --tp the other ranks follow its jobs."""
+    from lollm.serve.app import serve as run_server
+
+    tp = server.loaded.tp
+    if not is_leader(tp):
         server.follow()  # every generation rank 0 runs, until rank 0 stops
-        finish(loaded.tp)
+        finish(tp)
         return
-    split = "" if loaded.tp is None else f", --tp {tp}"
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        run_server(server, host=host, port=port, family=f"{family.name} on {loaded.device}{split}")
+        signalled = run_server(server, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
-        if loaded.tp is not None and server.stop_followers():
-            finish(loaded.tp)
+        if tp is not None and server.stop_followers():
+            finish(tp)
+    if signalled is not True:
+        return
+    # Stopped by a signal and every request answered: exit 0 now. The interpreter's own teardown of the model
+    # takes 1 to 2 s more on a busy CPU, past the "deadline + 2 s" a shutdown promises; nothing is left to save.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 #: Seconds a --tp rank of `lollm serve` may wait in a collective for rank 0's next request (a week).
 SERVE_TP_TIMEOUT = 7 * 24 * 3600.0
+
+
+def access_flags(api_key: Optional[str], api_key_file: Optional[Path], shutdown_timeout: float, host: str,
+                 allowed_host: list[str], cors_origin: list[str]) -> tuple[Optional[str], GuardConfig]:
+    """The key (--api-key or --api-key-file) and who may call (lollm.serve.guard), checked before the model loads."""
+    from lollm.serve.guard import GuardConfig, check_cors_origin, read_api_key_file
+
+    if api_key is not None and api_key_file is not None:
+        raise LollmError("give --api-key or --api-key-file, not both")
+    if api_key is not None and not api_key.strip():
+        raise LollmError("--api-key is empty: give a key, or leave the flag out")
+    if not (shutdown_timeout >= 0 and shutdown_timeout < float("inf")):
+        raise LollmError(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown_timeout}")
+    for name in allowed_host:
+        if not name.strip() or "/" in name:
+            raise LollmError(f"--allowed-host {name!r}: give a host name as a Host header carries it (no scheme, no path)")
+    key = read_api_key_file(api_key_file) if api_key_file is not None else api_key
+    guard = GuardConfig(bound=host, allowed_hosts=tuple(h.strip().lower() for h in allowed_host),
+                        cors_origins=tuple(check_cors_origin(o) for o in cors_origin))
+    return key, guard

@@ -210,6 +210,8 @@ class EngineLoop:
         self.active: dict[str, EngineRun] = {}
         self.wake = threading.Condition()
         self.stopped = False
+        #: set by shed_waiting: called at the next step on the job of every request not yet running
+        self.shedding: Callable[[Job], None] | None = None
         self.thread: threading.Thread | None = None
         if background:
             self.thread = threading.Thread(target=self.run, name="lollm-engine", daemon=True)
@@ -238,6 +240,16 @@ class EngineLoop:
     def busy(self) -> bool:
         """True while a request waits in the inbox or is in the engine."""
         return bool(self.inbox) or self.engine.has_unfinished()
+
+    def shed_waiting(self, end: Callable[[Job], None]) -> None:
+        """Any thread: at the next step, call ``end(job)`` for each request not running yet (a server shutting down).
+
+        "Not running": in the inbox, or in the engine's waiting queue without a token. ``end`` is expected
+        to set the job's cancel flag, so the same step takes those requests out (outcome "cancelled").
+        """
+        with self.wake:
+            self.shedding = end
+            self.wake.notify()
 
     def close(self) -> None:
         """Stop the thread after its current step (requests still in it are not answered)."""
@@ -277,10 +289,21 @@ class EngineLoop:
             self._add(run)
             with self.wake:  # left in the inbox until the engine holds it: never uncounted by waiting()
                 self.inbox.popleft()
+        if self.shedding is not None:
+            self._shed()
         for run in [r for r in self.active.values() if r.job.cancel.is_set()]:
             self.engine.abort(run.request_id)
             self._end(run, "cancelled")
         return self._step() if self.engine.has_unfinished() else []
+
+    def _shed(self) -> None:
+        """The stepping thread: hand every request not running yet to the ``end`` of :meth:`shed_waiting`."""
+        with self.wake:
+            end, self.shedding = self.shedding, None
+        running = {id(req) for req in self.engine.scheduler.running}
+        for run in list(self.active.values()):
+            if id(run.request) not in running and run.request.generated == 0:
+                end(run.job)
 
     def _add(self, run: EngineRun) -> None:
         """Hand a request to the engine (a refused one ends here, its error in its Future)."""

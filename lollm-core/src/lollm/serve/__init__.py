@@ -5,7 +5,8 @@ its tool calls and its separated thinking, on top of the engine's one driver.
 Reading order: ``server.py`` (the overview, and the public names), ``requests.py`` (a request
 read and checked), ``model_server.py`` (how it runs: the batched engine, or one worker),
 ``answers.py`` and ``stream.py`` (the answer, whole or as server-sent events), ``app.py`` (HTTP:
-the routes, uvicorn); beside them ``openapi.py``, ``metrics.py``, ``tools.py`` with
+the routes, uvicorn), ``guard.py`` (who may call: the key, Host, Origin, CORS, JSON bodies) and
+``shutdown.py`` (SIGTERM: a drain with a deadline); beside them ``openapi.py``, ``metrics.py``, ``tools.py`` with
 ``tool_formats.py`` (tool calls), ``reasoning.py`` (the thinking split off, constraints after it),
 and the other APIs, each translated into a chat request and shaped back: ``messages.py``
 (Anthropic's Messages) and ``responses.py`` (OpenAI's Responses).

@@ -20,7 +20,11 @@ from lollm.serve.tool_formats import ToolCall
 from lollm.tokenizer import Tokenizer
 
 #: lollm.generate.loop's stop reasons -> OpenAI's ``finish_reason``.
-FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop"}
+#: The stop reason of a stream the server's shutdown ended (lollm.serve.shutdown): its finish_reason too,
+#: as vLLM's "abort" names an aborted request.
+SHUTDOWN = "shutdown"
+FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "context": "length", "cancelled": "stop",
+                 SHUTDOWN: SHUTDOWN}
 
 
 def request_line(endpoint: str, result: GenerationResult) -> str:

@@ -25,6 +25,7 @@ from lollm.serve.responses import Responses
 from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
+from lollm.serve.guard import Guard, GuardConfig
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
 from lollm.serve.stream import ChunkShaper, stream
@@ -83,14 +84,19 @@ async def read_limited(request: Request, limit: int) -> bytes:
 async def wait(server: ModelServer, request: Request, job: Job) -> GenerationResult | None:
     """Run ``job`` (:meth:`ModelServer.submit`); cancel it if the client disconnects meanwhile (or the server stops).
 
-    ApiError 503 at once when the queue is full.
+    ApiError 503 at once when the queue is full, and when the server's shutdown ends the job
+    (lollm.serve.shutdown: queued when it began, or still running at its deadline).
     """
     future = asyncio.wrap_future(server.submit(job))
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.25)
+            result = future.result() if done else None
+            if job.shutdown and (result is None or result.stop_reason == "cancelled"):
+                raise ApiError(503, "the server is shutting down: the request was stopped", kind="server_error",
+                               code="server_shutting_down")
             if done:
-                return future.result()
+                return result
             if not job.cancel.is_set() and await request.is_disconnected():
                 job.cancel.set()
     finally:
@@ -336,17 +342,34 @@ def create_app(server: ModelServer) -> Starlette:
     ], exception_handlers={HTTPException: routes.http_error})
 
 
-def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "") -> None:
-    """Serve until Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line)."""
+def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "",
+          shutdown_timeout: float = 20.0, guard: GuardConfig | None = None) -> bool:
+    """Serve until SIGTERM or Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line).
+
+    The application is wrapped in :class:`lollm.serve.guard.Guard` (Host, Origin, CORS, JSON bodies;
+    ``guard``: who may talk to it, default the bound ``host`` alone); the shutdown lets running requests
+    go on for ``shutdown_timeout`` seconds, then ends them (:mod:`lollm.serve.shutdown`) and returns
+    True when a signal (SIGTERM, SIGINT) stopped it.
+    """
     try:
         import uvicorn
+
+        from lollm.serve.shutdown import DrainingServer
     except ImportError:
         raise LollmError("lollm serve needs the serve extra: pip install 'lollm-core[serve]' (starlette, uvicorn)") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    runner = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="info"))
+    app = Guard(create_app(server), guard or GuardConfig(bound=host))
+    runner = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info"), server, shutdown_timeout)
     lines = banner(server, family, host, port)
     threading.Thread(target=announce, args=(runner, lines), name="lollm-banner", daemon=True).start()
-    runner.run()
+    try:
+        runner.run()
+    finally:
+        server.close()  # the engine thread stops after its step (every request has been answered by now)
+    if runner.stopped_line() is None:
+        return False
+    log.info("%s", runner.stopped_line())
+    return True
 
 
 def announce(runner: uvicorn.Server, lines: list[str]) -> None:

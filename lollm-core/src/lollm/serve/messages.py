@@ -47,7 +47,8 @@ IGNORED_FIELDS = {"metadata", "service_tier"}
 IGNORED_BLOCK_FIELDS = {"cache_control", "citations"}
 #: lollm.generate.loop's stop reasons -> Anthropic's ``stop_reason`` (a tool call: "tool_use").
 STOP_REASON = {"eos": "end_turn", "stop_string": "stop_sequence", "max_new_tokens": "max_tokens",
-               "context": "max_tokens", "cancelled": "end_turn"}
+               "context": "max_tokens", "cancelled": "end_turn",
+               "shutdown": "end_turn"}  # a stream the server's shutdown ended: Anthropic has no closer name
 #: HTTP status -> Anthropic's error type.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -9,25 +9,25 @@ other ranks in step (:meth:`ModelServer.follow`).
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
 import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from lollm.errors import LollmError
+from lollm.errors import GenerationError, LollmError
 from lollm.model import CausalLM
 from lollm.tokenizer import Tokenizer
 from lollm.load import ranks
 from lollm.load.pipeline import LoadedModel
 from lollm.generate.loop import GenerationResult, generate, stop_token_ids
 from lollm.generate.prompt_cache import PromptCache
-from lollm.sampling_params import SamplingParams, resolve_sampling
+from lollm.sampling_params import SamplingParams, check_sampling_value, resolve_sampling
 from lollm.generate.structured import CompiledConstraint, ConstraintError, OutputConstraint, compile_constraint
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.engine import why_not_batched
 from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import request_line
+from lollm.serve.guard import check_authorization
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
                                   Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
@@ -93,6 +93,10 @@ class ModelServer:
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
+        #: jobs submitted whose Future is not done yet, by id(job); closing: the server is shutting down
+        self.live: dict[int, Job] = {}
+        self._live_lock = threading.Lock()
+        self.closing = False
         self.group = getattr(loaded, "tp", None)  # the --tp group (lollm.load.process_group.Group), else None
         if max_queue < 1:  # a request waits in the queue before it runs, even on an idle server
             raise LollmError(f"--max-queue must be >= 1, got {max_queue}")
@@ -108,6 +112,7 @@ class ModelServer:
             self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lollm-generate")
             self._single_lock = threading.Lock()
             self.pending = 0  # jobs given to the worker that have not started
+            self.queued: dict[int, Job] = {}  # those jobs, by id(job)
             self.busy = 0  # jobs the worker is running (0 or 1)
             self.metrics = metrics_for(self._single_stats, kv_blocks=False)
 
@@ -142,12 +147,9 @@ class ModelServer:
 
     # -- requests ---------------------------------------------------------------------
     def check_auth(self, authorization: str | None) -> None:
-        if self.api_key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise ApiError(401, "incorrect or missing API key: send the header 'Authorization: Bearer <key>' with the "
-                                "key given to lollm serve --api-key", code="invalid_api_key")
+        """The request's ``Authorization`` header against the key (:func:`lollm.serve.guard.check_authorization`):
+        ApiError 401 with ``WWW-Authenticate: Bearer`` unless it is ``Bearer <api_key>``; nothing without a key."""
+        check_authorization(authorization, self.api_key)
 
     def check_model(self, body: Body) -> None:
         model = body.get("model")
@@ -213,6 +215,10 @@ class ModelServer:
         for name in SAMPLING_FIELDS:
             value = number(body, name, integer=name == "top_k")
             if value is not None:
+                try:  # the request's own value: its 400 names the field, never a command-line flag
+                    check_sampling_value(name, value)
+                except GenerationError as error:
+                    raise ApiError(400, f"{name!r}: {error}", param=name) from None
                 user[name] = value
         if user.get("top_k") == -1:
             user["top_k"] = 0  # -1: off, as vLLM spells it
@@ -333,22 +339,73 @@ class ModelServer:
 
         ApiError 503 (with ``Retry-After``) when ``max_queue`` requests already wait.
         """
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", kind="server_error", code="server_shutting_down")
         try:
             if self.engine_loop is not None:
-                return self.engine_loop.submit(job)
-            with self._single_lock:
-                if self.pending >= self.max_queue:
-                    raise QueueFull(f"{self.pending} requests are waiting (lollm serve --max-queue {self.max_queue})")
-                self.pending += 1
-            return self.worker.submit(self._run_next, job)
+                future = self.engine_loop.submit(job)
+            else:
+                with self._single_lock:
+                    if self.pending >= self.max_queue:
+                        raise QueueFull(f"{self.pending} requests are waiting (lollm serve --max-queue {self.max_queue})")
+                    self.pending += 1
+                    self.queued[id(job)] = job
+                future = self.worker.submit(self._run_next, job)
         except QueueFull as full:
             raise ApiError(503, f"the server is busy: {full}; try again shortly", kind="server_error",
                            code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        with self._live_lock:
+            self.live[id(job)] = job
+        future.add_done_callback(lambda _: self._forget(job))
+        return future
+
+    def _forget(self, job: Job) -> None:
+        with self._live_lock:
+            self.live.pop(id(job), None)
+
+    def live_jobs(self) -> int:
+        """Jobs submitted and not ended yet (queued or running)."""
+        with self._live_lock:
+            return len(self.live)
+
+    # -- shutdown (lollm.serve.shutdown) ----------------------------------------------------------
+    def end_for_shutdown(self, job: Job) -> None:
+        """End ``job`` because the server stops: marked, cancelled, its answer told at once (any thread)."""
+        job.shutdown = True
+        job.cancel.set()
+        if job.on_shutdown is not None:
+            job.on_shutdown()
+
+    def begin_shutdown(self) -> int:
+        """Refuse new jobs (503) and end every queued one now; running ones go on. Returns how many were queued.
+
+        The engine ends its queued requests (in its inbox, or waiting without a token) at its next
+        step (:meth:`lollm.engine.driver.EngineLoop.shed_waiting`); the single worker's are ended here.
+        """
+        self.closing = True
+        if self.engine_loop is not None:
+            queued = self.engine_loop.waiting()
+            self.engine_loop.shed_waiting(self.end_for_shutdown)
+            return queued
+        with self._single_lock:
+            queued = list(self.queued.values())
+        for job in queued:
+            self.end_for_shutdown(job)
+        return len(queued)
+
+    def stop_all(self) -> int:
+        """The shutdown's deadline: end every job still live (:meth:`end_for_shutdown`). Returns how many."""
+        with self._live_lock:
+            jobs = list(self.live.values())
+        for job in jobs:
+            self.end_for_shutdown(job)
+        return len(jobs)
 
     def _run_next(self, job: Job) -> GenerationResult | None:
         """The single worker takes the next job: it stops waiting and runs (:meth:`run`)."""
         with self._single_lock:
             self.pending -= 1
+            self.queued.pop(id(job), None)
             self.busy += 1
         try:
             return self.run(job)
@@ -362,9 +419,12 @@ class ModelServer:
     def report(self, job: Job, result: GenerationResult | None, outcome: str) -> None:
         """A job ended ("completed", "cancelled", "failed"): the counters, its log line, the metrics."""
         self.counts[outcome] += 1
+        if outcome == "cancelled":  # one line for every cancellation, before the first token too
+            made = f"after {len(result.new_ids)} tokens" if result is not None and result.new_ids else "before its first token"
+            why = "server shutting down: generation stopped" if getattr(job, "shutdown", False) else \
+                "client went away: generation cancelled"
+            log.info("%s %s", why, made)
         if result is not None:
-            if outcome == "cancelled":
-                log.info("client went away: generation cancelled after %d tokens", len(result.new_ids))
             log.info("%s", request_line(job.endpoint, result))
         if self.metrics is not None:
             if self.engine_loop is None and result is not None:  # the engine counts its tokens as they come

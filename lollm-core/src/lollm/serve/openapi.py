@@ -98,7 +98,8 @@ _ERRORS = {
     "404": "a model this server does not serve (model_not_found)",
     "413": "a body over the server's size limit (request_too_large)",
     "500": "a bug in lollm (the server log has one line about it)",
-    "503": "the queue is full (lollm serve --max-queue): try again after Retry-After seconds (server_overloaded)",
+    "503": "the queue is full (lollm serve --max-queue): try again after Retry-After seconds (server_overloaded); "
+           "or the server is shutting down (server_shutting_down)",
 }
 
 
@@ -211,6 +212,7 @@ def openapi_schema(server: ModelServer) -> Schema:
             "501": _json(_ERROR, "prometheus-client is not installed")}}},
         **_other_api_paths(model),
     }
+    _guard_answers(paths)
     schema: Schema = {"openapi": "3.0.3", "info": {"title": "lollm serve", "version": _version()}, "paths": paths}
     if server.api_key is not None:
         schema["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
@@ -219,6 +221,18 @@ def openapi_schema(server: ModelServer) -> Schema:
             for operation in paths[path].values():
                 operation["security"] = [{"bearer": []}]
     return schema
+
+
+def _guard_answers(paths: dict[str, dict[str, Schema]]) -> None:
+    """Add the answers of lollm.serve.guard to every operation: 403 (a foreign Host or Origin), and 415 to a POST
+    (a body not sent as application/json); each operation added later gets them too."""
+    for operations in paths.values():
+        for method, operation in operations.items():
+            operation["responses"].setdefault("403", _json(_ERROR, "the Host or Origin header names another site "
+                                                                   "(host_not_allowed, origin_not_allowed)"))
+            if method == "post":
+                operation["responses"].setdefault("415", _json(_ERROR, "the body is not sent as application/json "
+                                                                       "(unsupported_media_type)"))
 
 
 def _version() -> str:

@@ -350,6 +350,8 @@ class Job:
     tools: ToolRequest | None = None  # the request's tools: the answer's text is read for calls (lollm.serve.tools)
     constraint: CompiledConstraint | None = None  # the output follows it (response_format, a forced tool call)
     reasoning: str | None = None  # where the answer begins for lollm.serve.reasoning (None: no thinking to separate)
+    shutdown: bool = False  # ended because the server stops (lollm.serve.shutdown): a 503, or finish_reason "shutdown"
+    on_shutdown: Callable[[], None] | None = None  # called (any thread) when it is so ended: a stream ends at once
 
 
 @dataclass

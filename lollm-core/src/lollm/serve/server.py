@@ -60,8 +60,13 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   a parser shared by the streamed and the whole answer); ``tool_choice``
   "required" or a named function makes the generation follow a grammar of the
   calls (:mod:`lollm.generate.structured`). docs/tools.md.
-* Bound to 127.0.0.1 unless told otherwise; ``--api-key`` makes every /v1
-  request show ``Authorization: Bearer KEY``.
+* Bound to 127.0.0.1 unless told otherwise; ``--api-key`` (or ``--api-key-file``) makes every /v1
+  request show ``Authorization: Bearer KEY``. In front of the routes, :mod:`lollm.serve.guard`
+  refuses what a web page could forge: a POST that is not JSON (415), a Host that does not name
+  this server (403, DNS rebinding), a cross-origin call from an origin not given to ``--cors-origin``.
+* On SIGTERM or Ctrl-C, :mod:`lollm.serve.shutdown` stops accepting, answers the queue with 503,
+  lets running requests go on for ``--shutdown-timeout`` seconds, then ends them (a stream with
+  ``finish_reason: "shutdown"``) and exits 0.
 
 Where each part lives: :mod:`lollm.serve.requests` reads a request (JSON, fields, messages,
 ``response_format``), :mod:`lollm.serve.model_server` runs it (the engine, or one worker),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator, Protocol, Union
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult
 from lollm.generate.sequence import TokenLogprobs
-from lollm.serve.answers import FINISH_REASON, Chunk, usage
+from lollm.serve.answers import FINISH_REASON, SHUTDOWN, Chunk, usage
 from lollm.serve.model_server import ModelServer
 from lollm.serve.reasoning import ReasoningSplitter
 from lollm.serve.requests import ApiError, PreparedRequest, internal_error
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
 #: What the generating thread hands the event loop: ("text", str), ("token", TokenLogprobs),
-#: then ("done", GenerationResult | None) or ("error", BaseException).
+#: then ("done", GenerationResult | None) or ("error", BaseException); or ("shutdown", None) from
+#: any thread when the server's shutdown ends the stream (lollm.serve.shutdown).
 Item = tuple[str, Union[str, TokenLogprobs, GenerationResult, BaseException, None]]
 
 
@@ -112,6 +113,8 @@ class EventStream:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Item] = asyncio.Queue()
         job.on_text, job.on_token = self.on_text, self.on_token
+        job.on_shutdown = lambda: self.put(("shutdown", None))
+        self.new_ids: list[int] = []  # the tokens generated so far (the usage of a stream the shutdown ends)
 
     def start(self) -> None:
         """Submit the job (ApiError 503 when the queue is full); its end comes to :meth:`settled`."""
@@ -140,6 +143,7 @@ class EventStream:
         self.put(("text", piece))
 
     def on_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        self.new_ids.append(token)
         if logprobs is not None and token not in self.server.stop_ids:
             self.put(("token", logprobs))
 
@@ -204,6 +208,12 @@ class EventStream:
                 elif kind == "text":
                     for event in self.read(self.split(value), pending):
                         yield event
+                elif kind == "shutdown":  # the server stops (lollm.serve.shutdown): the last events now
+                    stopped = GenerationResult(prompt_ids=list(self.plan.job.ids), new_ids=list(self.new_ids),
+                                               stop_reason=SHUTDOWN)
+                    for event in self.finished(stopped, pending):
+                        yield event
+                    break
                 elif kind == "error":
                     for event in self.failed(value):
                         yield event
