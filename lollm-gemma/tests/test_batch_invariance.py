@@ -4,7 +4,8 @@
 every logit each request samples from equals, bit for bit, the logit it samples from alone
 (lollm.testing.invariance). Each route runs in a process of its own, because lollm.native picks the
 route once per process: the default (AMX tiles where the CPU lends them), the AVX-512 VNNI loops
-(``LOLLM_AMX=0``), and the AVX2 build (``LOLLM_ISA=avx2``). The portable build is checked on small
+(``LOLLM_AMX=0``), and the AVX2 build (``LOLLM_ISA=avx2``); where the CPU has no AMX the default
+route is the VNNI loops, run once (lollm.testing.invariance.cpu_routes). The portable build is checked on small
 matrices in lollm-core's tests: on a 0.5B model it would take minutes.
 """
 
@@ -13,9 +14,10 @@ from __future__ import annotations
 import pytest
 
 from lollm.cli.real_models import fetch_gguf
-from lollm.testing.invariance import run_route
+from lollm.testing.invariance import cpu_routes, run_route
 
-ROUTES = {"default": {}, "vnni": {"LOLLM_AMX": "0"}, "avx2": {"LOLLM_ISA": "avx2"}}
+#: default, vnni and avx2, each once: without AMX tiles the default route is the VNNI loops (cpu_routes)
+ROUTES = cpu_routes()
 
 
 @pytest.mark.real

@@ -59,6 +59,28 @@ def check_checkpoint(path: str, counts: list[int], new_tokens: int) -> list[str]
     return lines
 
 
+def cpu_routes() -> dict[str, dict[str, str]]:
+    """The CPU routes a test forces, each the environment variables that pick it, run once each.
+
+    ``default`` (the tiles where the CPU lends them), ``vnni`` (``LOLLM_AMX=0``: the AVX-512 VNNI
+    loops) and ``avx2`` (``LOLLM_ISA=avx2``). On a CPU without AMX-INT8 the default route *is* the
+    VNNI loops, the same code with the same variables' effect, so it is run once, as ``vnni``; on
+    one without AVX-512 VNNI or AVX2 (read from /proc/cpuinfo) those routes are left out: the
+    library refuses them there, naming what is missing.
+    """
+    from lollm import native
+
+    flags = native._cpu_flags() or set()
+    routes: dict[str, dict[str, str]] = {}
+    if "amx_int8" in flags or "avx512_vnni" not in flags:
+        routes["default"] = {}
+    if "avx512_vnni" in flags:
+        routes["vnni"] = {"LOLLM_AMX": "0"}
+    if "avx2" in flags:
+        routes["avx2"] = {"LOLLM_ISA": "avx2"}
+    return routes
+
+
 def run_route(path: str, env: dict[str, str], counts: str = "8,16", new_tokens: int = 12,
               timeout: float = 1800) -> subprocess.CompletedProcess:
     """This module in a fresh process with ``env`` (the route's variables added to the current environment)."""
