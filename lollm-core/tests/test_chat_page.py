@@ -158,7 +158,7 @@ def test_request_line_reads_a_result():
 
 def test_banner_names_url_model_family_and_a_curl_line(loaded):  # noqa: F811
     lines = banner(ModelServer(loaded, name=NAME, context=64, api_key="sesame-secret"), "toy on cpu", "0.0.0.0", 8123)
-    assert lines[0] == "lollm serve: toy (toy on cpu, context 64) at http://127.0.0.1:8123/v1 (API key required)"
+    assert lines[0] == "lollm serve: toy (toy on cpu, context 64) at http://127.0.0.1:8123/v1 (API key required: export LOLLM_API_KEY=<the key> for the curl line below)"
     assert lines[1] == "chat page: http://127.0.0.1:8123/"
     curl = shlex.split(lines[2].removeprefix("try: "))  # as a shell reads it
     assert curl[:2] == ["curl", "http://127.0.0.1:8123/v1/chat/completions"]

@@ -116,7 +116,7 @@ def test_sigterm_drains_until_the_deadline_then_exits_0(toy_site, long_toy):  # 
     assert min(when["running plain"], when["running stream"]) >= DEADLINE - 0.1, when  # they ran until the deadline
     stopped = [line for line in text.splitlines() if "server shutting down: generation stopped" in line]
     assert len(stopped) == 4 and "Traceback" not in text, text
-    assert "shutting down: 2 requests running, 2 queued ones refused" in text, text
+    assert "shutting down: requests running 2, queued and refused 2" in text, text
 
 
 def _up(root: str) -> bool:

@@ -203,8 +203,8 @@ def tokens_table(ids: list[int], pieces: list[str]) -> None:
 def models_table(rows: list[ModelRow]) -> None:
     """``lollm list``: the models of the caches, by the names the commands take (lollm.load.local_names)."""
     table = Table(title="Models on this machine (run one: lollm run NAME -p TEXT)")
-    for col, justify in (("model", "left"), ("format", "left"), ("quant", "left"), ("size", "right"),
-                         ("family", "left"), ("cache", "left")):
+    table.add_column("model", no_wrap=True)  # the name to copy: whole on one line, the other columns give way
+    for col, justify in (("format", "left"), ("quant", "left"), ("size", "right"), ("family", "left"), ("cache", "left")):
         table.add_column(col, justify=justify, overflow="fold")
     for r in rows:
         table.add_row(escape(r.name), r.fmt,

@@ -123,7 +123,7 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
     else:
         batching = f"note: {server.single_reason}"
     return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
-            + (" (API key required)" if server.api_key else ""),
+            + (" (API key required: export LOLLM_API_KEY=<the key> for the curl line below)" if server.api_key else ""),
             f"chat page: {root}/",
             f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
             batching]

@@ -101,7 +101,7 @@ class DrainingServer(uvicorn.Server):
         server = self.model_server
         queued = server.begin_shutdown()
         running = server.live_jobs() - queued
-        log.info("shutting down: %d requests running, %d queued ones refused; running ones may go on for %g s "
+        log.info("shutting down: requests running %d, queued and refused %d; the running ones may go on for %g s "
                  "(--shutdown-timeout)", running, queued, self.deadline)
         loop = asyncio.get_running_loop()
         until = loop.time() + self.deadline
@@ -109,5 +109,5 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
         stopped = server.stop_all()
         if stopped:
-            log.info("shutdown deadline: %d requests stopped (streams end with finish_reason \"shutdown\", "
+            log.info("shutdown deadline: requests stopped %d (streams end with finish_reason \"shutdown\", "
                      "others get 503)", stopped)
