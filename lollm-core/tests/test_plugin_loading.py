@@ -410,6 +410,7 @@ def test_every_command_that_loads_a_model_checks_family_before_the_model(command
     monkeypatch.setattr(plugins, "_REGISTRY", None)
     # the model does not exist: the family name is refused first, naming the installed ones
     args = [command, "/no/such/model", "--family", "toy_twim"] + (["-p", "hi"] if command in ("run", "trace") else [])
+    args += ["--port", "0"] if command == "serve" else []  # serve checks its port first: 8000 may be taken on this machine
     done = CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert isinstance(done.exception, UnknownFamily), (done.exit_code, done.stdout, done.exception)
     assert str(done.exception).startswith("--family 'toy_twim': no installed lollm family has that name. "

@@ -71,7 +71,8 @@ def serve(
                       max_queue=max_queue)
     api_key, guard = access_flags(api_key, api_key_file, shutdown_timeout, host, allowed_host or [], cors_origin or [])
     require_extra("serve", "lollm serve")  # what needs no model, before it loads: the extra, the port
-    check_port_free(host, port)
+    if tp == 1 or "RANK" in os.environ:  # --tp without torchrun: its own error, next, names the launch line
+        check_port_free(host, port)
     options = load_options("serve", device=device, dtype=dtype, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 
