@@ -235,12 +235,12 @@ def test_serve_loads_the_weights_it_is_asked_for(folder, monkeypatch):
 
     servers = []
     monkeypatch.setattr(server_module, "serve", lambda server, **kwargs: servers.append(server))  # do not listen
-    result = CliRunner().invoke(app, ["serve", str(folder), "--threads", "1", "--quantize", "int8"])
+    result = CliRunner().invoke(app, ["serve", str(folder), "--threads", "1", "--quantize", "int8", "--port", "0"])  # 0: no port check
     assert result.exit_code == 0, result.output
     (server,) = servers
     assert server.model.weights_summary.packed > 0
     assert isinstance(server.model.model.layers[0].mlp.down_proj, Int8Linear)
 
-    refused = CliRunner().invoke(app, ["serve", str(folder), "--weights", "float", "--quantize", "int8"])
+    refused = CliRunner().invoke(app, ["serve", str(folder), "--weights", "float", "--quantize", "int8", "--port", "0"])
     assert isinstance(refused.exception, LollmError) and "give one of them" in str(refused.exception)
     assert len(servers) == 1
