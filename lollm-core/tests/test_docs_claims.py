@@ -17,7 +17,8 @@ DOCS = REPO / "docs"
 def test_qwen25_head_is_untied_in_both_files_as_the_docs_say(qwen25_dir):
     """docs/qwen2-reference.md, "Tied or untied": the Qwen2.5-Coder GGUF has its own Q8_0 ``output.weight``
     beside a Q5_0 ``token_embd.weight``; the safetensors folder derived from it has ``lm_head.weight`` and
-    ``tie_word_embeddings: false``. No page may call that model's head tied.
+    ``tie_word_embeddings: false``; Qwen's own Qwen2.5-0.5B configs (kept in lollm.cli's hub_configs) tie it.
+    No page may call the Coder files' head tied.
 
     Reads the GGUF's header and the safetensors header only (no tensor data).
     """
@@ -35,6 +36,10 @@ def test_qwen25_head_is_untied_in_both_files_as_the_docs_say(qwen25_dir):
     with open(qwen25_dir / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(header)
+
+    hub = REPO / "lollm-core" / "src" / "lollm" / "cli" / "data" / "hub_configs"
+    for file in ("Qwen__Qwen2.5-0.5B/config.json", "Qwen__Qwen2.5-0.5B-Instruct/config.partial.json"):  # Qwen's own: tied
+        assert json.loads((hub / file).read_text(encoding="utf-8"))["tie_word_embeddings"] is True
 
     page = (DOCS / "qwen2-reference.md").read_text(encoding="utf-8")
     assert "`output.weight`, Q8_0 (its own tensor)" in page and '`"tie_word_embeddings": false`' in page
