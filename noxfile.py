@@ -319,6 +319,8 @@ def _demo_install(session: nox.Session) -> None:
     session.log("then lollm-core[parity,serve,chat] and lollm-qwen: transformers, gguf, tokenizers, starlette, uvicorn, "
                 "prompt_toolkit (about 500 MB more on disk), so lollm parity, lollm serve and lollm chat work here too")
     _install(session, "-e", f"{CORE}[parity,serve,chat]", "-e", QWEN)
+    # under -R (--no-install) nox skips the install above: stamp only a venv that does hold the packages
+    session.run("python", "-c", "import torch, lollm, lollm_qwen, transformers, starlette, prompt_toolkit", silent=True)
     with open(stamp, "w") as f:
         f.write(digest.hexdigest())
 
@@ -428,7 +430,7 @@ def fuzz(session: nox.Session) -> None:
 
 @nox.session
 def bench_quant(session: nox.Session) -> None:
-    """lollm quantized, lollm float32 and llama.cpp on the real Qwen2.5 and Gemma 3 GGUFs (docs/quantized-execution.md).
+    """lollm quantized, lollm float32 and llama.cpp on the real Qwen2.5 and Gemma 3 GGUFs (docs/measurements.md).
 
     llama.cpp comes through llama-cpp-python (the "bench" extra), which compiles llama.cpp from
     source on first install: 10-20 minutes on two idle cores. Never part of the tests.
@@ -440,7 +442,7 @@ def bench_quant(session: nox.Session) -> None:
 @nox.session
 def bench_routes(session: nox.Session) -> None:
     """The speed goals on every CPU route (default, LOLLM_AMX=0, LOLLM_ISA=avx2): prefill and decode beside llama.cpp,
-    16 requests at once, prompt lookup (docs/native-kernel.md, section 8). Args: a .gguf path (default: the real
+    16 requests at once, prompt lookup (docs/measurements.md). Args: a .gguf path (default: the real
     Qwen2.5-Coder GGUF), then bench_routes.py's options. Installs llama-cpp-python (the "bench" extra: a long compile)."""
     _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
     args = list(session.posargs)
@@ -467,7 +469,7 @@ def llama_cpp(session: nox.Session) -> None:
 @nox.session
 def bench_speculative(session: nox.Session) -> None:
     """Prompt-lookup decoding on the real Qwen2.5-Coder GGUF: lollm plain, with prompt lookup, llama.cpp plain, alternating
-    (docs/quantized-execution.md). Installs llama-cpp-python (the "bench" extra: a long compile on first install)."""
+    (docs/measurements.md). Installs llama-cpp-python (the "bench" extra: a long compile on first install)."""
     _install(session, "-e", f"{CORE}[parity,bench]", "-e", QWEN, "-e", GEMMA)
     session.run("python", "lollm-core/benchmarks/bench_speculative.py", *session.posargs, env=OFFLINE)
 
@@ -475,7 +477,7 @@ def bench_speculative(session: nox.Session) -> None:
 @nox.session
 def bench_threads(session: nox.Session) -> None:
     """Decode tok/s by thread count and OpenMP wait policy, on the machine as it is and beside a busy loop per core;
-    the default of lollm.load.threads against the best fixed count (docs/quantized-execution.md)."""
+    the default of lollm.load.threads against the best fixed count (docs/measurements.md)."""
     _install(session, "-e", f"{CORE}[parity]", "-e", QWEN)
     session.run("python", "lollm-core/benchmarks/bench_threads.py", *session.posargs, env=OFFLINE)
 

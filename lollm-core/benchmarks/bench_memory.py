@@ -9,7 +9,7 @@ the model loaded packed (``weights="auto"``, the CLI's default for a GGUF), and 
 greedy generation (the prompt's prefill in chunks, then the decode steps). Each line
 gives the resident memory above the baseline after the step and the peak so far
 (Linux's VmHWM), in MB and as a multiple of the file's size: the figure issue 23's
-goal (peak ≤ 1.3× the file) is about. docs/quantized-execution.md records the results.
+goal (peak ≤ 1.3× the file) is about. docs/measurements.md records the results.
 """
 
 from __future__ import annotations

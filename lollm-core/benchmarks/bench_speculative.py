@@ -97,7 +97,7 @@ def run_prompt(name: str, loaded, llama, ids: list[int], args, drafters: dict) -
             if spec_ids != plain_ids:  # a verify forward over 1 + k positions is not bit-identical to 1 + k steps
                 at = next(i for i, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b)
                 print(f"  round {r + 1}: {label}: tokens differ from plain decoding from new token {at} on "
-                      f"(a near-tie resolved otherwise: see docs/quantized-execution.md)")
+                      f"(a near-tie resolved otherwise: see docs/measurements.md)")
             rows[label].append(tps)
             accept[label].append((drafted, accepted))
         if llama is not None:

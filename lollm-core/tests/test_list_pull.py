@@ -250,3 +250,13 @@ def test_pull_of_a_gguf_only_repo_without_quant_says_to_name_one(tmp_path, monke
     code, out, err = run_main(monkeypatch, capsys, "pull", "org/m-GGUF")
     assert code == 2 and "Traceback" not in err
     assert err.startswith("error: org/m-GGUF: no config.json with .safetensors weights") and "org/m-GGUF:Q4_K_M" in err
+
+
+def test_a_near_miss_of_a_listed_name_is_refused_with_the_name(tmp_path, caches):
+    """``NAME.gguf`` is not a path here, and lollm list shows ``NAME``: the error names it, before torch loads."""
+    hub, own, _ = caches
+    done = run_lollm(tmp_path, hub, own, "run", "made-up.gguf", "-p", "hi")
+    assert done.returncode != 0
+    assert "made-up.gguf: no such file or folder" in done.stderr and "did you mean made-up?" in done.stderr
+    far = run_lollm(tmp_path, hub, own, "run", "zzzz", "-p", "hi")
+    assert far.returncode != 0 and "no such file or folder" in far.stderr and "did you mean" not in far.stderr

@@ -70,6 +70,7 @@ def test_cli_page_in_a_browser(tiny, family, browser, tmp_path):
     done = CliRunner().invoke(app, ["trace", "-m", str(tiny(family)), "-p", PROMPT, "-o", str(out)])
     assert done.exit_code == 0, done.output
     assert f"wrote {out}" in done.output
+    assert "loading " in done.output and "forward pass:" in done.output  # a line before each long step
     # the same trace in-process, to know what the page must show
     result = run_trace(str(tiny(family)), prompt=PROMPT, output=tmp_path / "again.html")
     assert result.trace.pieces[0] == "<|im_start|>" and "\n" in result.trace.pieces  # chat template, readable pieces

@@ -25,7 +25,7 @@ from lollm.cli.report import err, plugin_warnings
 from lollm.errors import CheckpointError, GenerationError, LollmError
 from lollm.load.hub import check_fetchable
 from lollm.load.loader import looks_like_repo_id
-from lollm.load.local_names import locate
+from lollm.load.local_names import locate, unknown_model
 from lollm.load.options import DEVICE_PATTERN, LoadOptions, check_threads
 from lollm.load.plugins import get_registry
 from lollm.sampling_params import check_sampling_value, check_seed
@@ -163,10 +163,7 @@ def check_model_exists(spec: str) -> None:
     if colon and quant and looks_like_repo_id(repo):
         check_fetchable(repo, quant)
         return
-    raise CheckpointError(
-        f"{spec}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
-        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
-    )
+    raise unknown_model(spec)
 
 
 def open_for_command(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool], mtp: bool,

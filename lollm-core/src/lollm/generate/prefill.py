@@ -15,7 +15,7 @@ window's edge and across a delta-rule chunk).
 
 The price is a little speed: a chunk's matmuls are smaller, and each chunk
 re-reads the weights once. At 128 positions per chunk the weight reads are
-amortized over 128 rows, so the cost is small (see docs/quantized-execution.md).
+amortized over 128 rows, so the cost is small (see docs/measurements.md).
 """
 
 from __future__ import annotations

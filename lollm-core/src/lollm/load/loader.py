@@ -37,7 +37,7 @@ from lollm.files import is_present, read_json
 from lollm.files import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_TOKENIZER_JSON_BYTES, read_file  # noqa: F401
 # The hub's side of a spec (the cache first, one quick probe, then the download) lives in lollm.load.hub.
 from lollm.load.hub import HUB_ALLOW_PATTERNS, SPLIT_GGUF, download_repo, hub_gguf_file  # noqa: F401
-from lollm.load.local_names import resolve_local
+from lollm.load.local_names import resolve_local, unknown_model
 
 # Lazy imports below: torch, safetensors, huggingface_hub, the tokenizer and the GGUF reader are imported
 # where they are used, so that naming a checkpoint (and the CLI's checks of a spec) stays torch-free and fast.
@@ -424,7 +424,4 @@ def load_checkpoint(spec: str | os.PathLike) -> Checkpoint:
         return load_gguf(hub_gguf_file(repo, quant), text)
     if looks_like_repo_id(text):
         return load_folder(download_repo(text), text)
-    raise CheckpointError(
-        f"{text}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
-        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF)"
-    )
+    raise unknown_model(text)

@@ -34,12 +34,14 @@ Nothing here imports torch or reads a tensor: only folder listings (``huggingfac
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from lollm.errors import CheckpointError
 from lollm.load.hub import quant_files
 
 # Lazy import below: huggingface_hub, only where its cache is scanned.
@@ -100,8 +102,6 @@ def _hf_candidates() -> list[tuple[str, str, Path, str, str]]:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
-    from lollm.errors import CheckpointError
-
     try:
         info = scan_cache_dir()
     except CacheNotFound:
@@ -160,3 +160,20 @@ def locate(spec: str) -> Path | None:
     """The file or folder ``spec`` names on this machine: a path that exists, else a local model's name; None if neither."""
     path = Path(spec).expanduser()
     return path if path.exists() else resolve_local(spec)
+
+
+def unknown_model(spec: str) -> CheckpointError:
+    """The error for a ``spec`` that is no path, no local model's name and no hub repo id.
+
+    Names the closest local names (``qwen2.5-coder-0.5b-instruct.gguf`` -> the listed
+    ``qwen2.5-coder-0.5b-instruct``) so a near miss is one edit away. Reads folder listings only.
+    """
+    names = [model.name for model in local_models()]
+    stem = spec[: -len(".gguf")] if spec.endswith(".gguf") else spec
+    close = difflib.get_close_matches(stem, names, n=2, cutoff=0.75)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return CheckpointError(
+        f"{spec}: no such file or folder, no model of that name on this machine (lollm list shows them), and not a "
+        f"Hugging Face repo id of the form 'org/name' (or 'org/name:QUANT' for GGUF){hint}"
+    )
+

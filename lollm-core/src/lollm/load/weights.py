@@ -245,7 +245,7 @@ def load_weights(
       grouped:   model names whose 5- to 8-bit GGUF matrices keep a scale per group of 32
                  (exact for Q8_0 and Q5_0, one kernel call per group) instead of being
                  requantized per row: the output head, by far the most sensitive matrix
-                 (docs/quantized-execution.md measures it).
+                 (docs/measurements.md gives the figure).
 
     The model gets a ``weights_summary`` attribute (:class:`lollm.load.quantized.WeightsSummary`):
     per stored type, how the tensors were kept.

@@ -1,7 +1,7 @@
 """How much a quantized model departs from the float32 one: top-1 agreement and perplexity on one text.
 
 Used by the real-weights tests of the families and by
-``lollm-core/benchmarks/bench_quant.py``; docs/quantized-execution.md reports
+``lollm-core/benchmarks/bench_quant.py``; docs/measurements.md reports
 its figures. Both models read the same token ids in one forward each (every
 position of the text), so the comparison is position by position:
 

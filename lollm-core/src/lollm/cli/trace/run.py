@@ -90,13 +90,14 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
                        divergence of every hidden state (our model is freed first).
     options:           how the model loads (:class:`lollm.load.options.LoadOptions`: device, dtype, ``--family`` ...).
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
-    log:               called with one progress line before each long step (the forward pass, the
-                       reference, writing the page); ``lollm trace`` prints them on stderr.
+    log:               called with one progress line before each long step (loading, the forward pass,
+                       the reference, writing the page); ``lollm trace`` prints them on stderr.
     Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
     longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
     (:func:`lollm.cli.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
     """
     output = check_output(output)  # before anything loads
+    log(f"loading {model_label(spec)} with {options.dtype} weights (a packed GGUF is unpacked first) ...")
     loaded = open_model(spec, options)
     ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
