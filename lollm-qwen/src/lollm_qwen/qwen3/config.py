@@ -25,7 +25,7 @@ math (``initializer_range``, ``use_cache``, ``architectures`` …) are ignored.
 
 A GGUF file carries the same numbers as llama.cpp metadata keys
 (``qwen3.block_count`` …): :meth:`Qwen3Config.from_gguf` reads them, under the
-same rule (see the table in its docstring and docs/qwen2.md, "From GGUF").
+same rule (see the table in its docstring and docs/qwen2-reference.md, "From GGUF").
 
 Every value is untrusted and read through :class:`lollm.load.checks.ConfigReader`:
 its type and range are checked where it is read (a count is a positive integer
