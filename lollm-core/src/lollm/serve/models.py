@@ -52,6 +52,11 @@ ROOM_POLL_SECONDS = 0.05
 GB = 1e9
 
 
+def gb(size: int) -> str:
+    """``size`` bytes in gigabytes, three significant digits (``"1.23 GB"``)."""
+    return f"{size / GB:.3g} GB"
+
+
 def weight_bytes(weights: object, dtype_bytes: int) -> int:
     """Bytes a checkpoint's weights take once loaded: every tensor's elements times ``dtype_bytes``.
 
@@ -105,8 +110,8 @@ class ServedModels:
                 raise LollmError(f"two models are named {entry.name!r}: {self.entries[entry.name].source} and "
                                  f"{entry.source}; rename a folder or file (the name is its last part, without .gguf)")
             if budget_bytes is not None and entry.weight_bytes > budget_bytes:
-                raise LollmError(f"--memory-budget {budget_bytes / GB:g} GB: the model {entry.name!r} ({entry.source}) "
-                                 f"alone needs about {entry.weight_bytes / GB:.2f} GB of weights; raise the budget")
+                raise LollmError(f"--memory-budget {gb(budget_bytes)}: the model {entry.name!r} ({entry.source}) "
+                                 f"alone needs about {gb(entry.weight_bytes)} of weights; raise the budget")
             self.entries[entry.name] = entry
         self.budget_bytes, self.api_key, self.max_body_bytes = budget_bytes, api_key, max_body_bytes
         self.closing = False
@@ -195,7 +200,7 @@ class ServedModels:
         from lollm.load.quantized import model_bytes
 
         started = time.monotonic()
-        log.info("loading %s (%s, about %.2f GB of weights)", entry.name, entry.source, entry.weight_bytes / GB)
+        log.info("loading %s (%s, about %s of weights)", entry.name, entry.source, gb(entry.weight_bytes))
         try:
             server = await asyncio.to_thread(entry.load)
         except Exception as error:  # the model's own failure: its requests are told, the server goes on
@@ -206,8 +211,7 @@ class ServedModels:
         entry.resident_bytes = model_bytes(server.model) or entry.weight_bytes
         if self.closing:
             server.begin_shutdown()
-        log.info("loaded %s in %.1f s (%.2f GB of weights)", entry.name, time.monotonic() - started,
-                 entry.resident_bytes / GB)
+        log.info("loaded %s in %.1f s (%s of weights)", entry.name, time.monotonic() - started, gb(entry.resident_bytes))
 
     def resident_bytes(self) -> int:
         return sum(e.resident_bytes for e in self.entries.values() if e.server is not None)
@@ -235,8 +239,8 @@ class ServedModels:
         freed, entry.resident_bytes = entry.resident_bytes, 0
         del server
         gc.collect()
-        log.info("unloaded %s (least recently used, %.2f GB) %s; --memory-budget %.2f GB", entry.name, freed / GB, why,
-                 (self.budget_bytes or 0) / GB)
+        log.info("unloaded %s (least recently used, %s) %s; --memory-budget %s", entry.name, gb(freed), why,
+                 gb(self.budget_bytes or 0))
 
     def load_first(self) -> ModelServer:
         """Load the first model now, outside the event loop (the server's start); LollmError when it fails."""
