@@ -251,3 +251,34 @@ def test_lollm_serve_a_folder_of_models(folders, references):
         for name in ("qwen", "gemma"):
             assert ask(client, name) == expected(references, name)
         assert loaded_flags(base.removesuffix("/v1")) == {"gemma": True, "qwen": False}  # the budget holds one
+
+
+def test_the_messages_api_refuses_in_its_own_shape(folders, references):
+    """The guard's 403 and 415 and the key's 401 on /v1/messages are Anthropic-shaped, and the 401 names x-api-key;
+    on the OpenAI endpoints they keep OpenAI's shape, and the 401 names only the Bearer header."""
+    from starlette.testclient import TestClient
+
+    from lollm.serve.guard import Guard, GuardConfig
+
+    models = ServedModels([entry("qwen", folders["qwen"], references)], api_key="sesame", max_body_bytes=1 << 20)
+    models.load_first()
+    body = {"model": "qwen", "messages": QUESTION, "max_tokens": 2}
+    try:
+        with TestClient(Guard(create_app(models), GuardConfig(allowed_hosts=("testserver",)))) as client:
+            answers = {
+                415: client.post("/v1/messages", content=json.dumps(body), headers={"content-type": "text/plain"}),
+                403: client.post("/v1/messages", json=body, headers={"origin": "http://elsewhere.example"}),
+                401: client.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})}
+            kinds = {415: "invalid_request_error", 403: "permission_error", 401: "authentication_error"}
+            for status, answer in answers.items():
+                assert answer.status_code == status and answer.json()["type"] == "error", (status, answer.text)
+                assert answer.json()["error"]["type"] == kinds[status]
+            assert "'x-api-key: <key>' or 'Authorization: Bearer <key>'" in answers[401].json()["error"]["message"]
+            plain = client.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer wrong"})
+            assert plain.status_code == 401 and plain.json()["error"]["code"] == "invalid_api_key"
+            assert "x-api-key" not in plain.json()["error"]["message"]
+            plain = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "text/plain"})
+            assert plain.status_code == 415 and plain.json()["error"]["code"] == "unsupported_media_type"
+            assert client.post("/v1/messages", json=body, headers={"x-api-key": "sesame"}).status_code == 200
+    finally:
+        models.close()

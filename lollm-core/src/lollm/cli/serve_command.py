@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 #: The models of ``lollm serve``: one or more, each as a command takes its MODEL, or a folder of them.
 ModelArgs = Annotated[Optional[list[str]], typer.Argument(
-    metavar="MODEL...", show_default=False,
+    metavar="MODEL", show_default=False,
     help="Checkpoint folder, .gguf file, Hugging Face repo id (or org/name:QUANT), or a folder of model folders and "
          ".gguf files; several: each request's \"model\" picks one (docs/serving.md, \"Several models\").")]
 

@@ -232,7 +232,7 @@ class Routes:
     async def authorized_body(self, request: Request) -> bytes:
         """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
         key = request.headers.get("x-api-key")
-        self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None))
+        self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None), x_api_key=True)
         return await read_limited(request, self.served.max_body_bytes)
 
     async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable) -> Response:
@@ -310,7 +310,7 @@ class Routes:
             return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts),
                                  "batching": batching(server)})
         return JSONResponse({"status": "ok", "models": [  # several: one entry per model (docs/serving.md)
-            {"id": e.name, "loaded": e.server is not None, "loads": e.loads, "error": e.error,
+            {"id": e.name, "loaded": e.server is not None, "loads": e.loads, "waiting": e.waiting, "error": e.error,
              "requests": dict(e.server.counts) if e.server else None,
              "batching": batching(e.server) if e.server else None} for e in entries]})
 

@@ -51,7 +51,7 @@ STOP_REASON = {"eos": "end_turn", "stop_string": "stop_sequence", "max_new_token
                "shutdown": "end_turn"}  # a stream the server's shutdown ended: Anthropic has no closer name
 #: HTTP status -> Anthropic's error type.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 #: A chat field named in an error -> the Messages field it came from.
 PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format", "reasoning_effort": "thinking",
           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "max_tokens": "max_tokens"}

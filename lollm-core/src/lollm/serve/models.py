@@ -135,9 +135,10 @@ class ServedModels:
     def loaded(self) -> list[ModelServer]:
         return [e.server for e in self.entries.values() if e.server is not None]
 
-    def check_auth(self, authorization: str | None) -> None:
-        """ApiError 401 unless ``authorization`` is ``Bearer <api_key>`` (nothing without a key)."""
-        check_authorization(authorization, self.api_key)
+    def check_auth(self, authorization: str | None, *, x_api_key: bool = False) -> None:
+        """ApiError 401 unless ``authorization`` is ``Bearer <api_key>`` (nothing without a key); ``x_api_key``: the
+        endpoint also takes ``x-api-key`` (:func:`lollm.serve.guard.check_authorization`)."""
+        check_authorization(authorization, self.api_key, x_api_key=x_api_key)
 
     def served_list(self) -> str:
         return ", ".join(repr(name) for name in self.entries)
