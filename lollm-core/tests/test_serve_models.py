@@ -282,3 +282,22 @@ def test_the_messages_api_refuses_in_its_own_shape(folders, references):
             assert client.post("/v1/messages", json=body, headers={"x-api-key": "sesame"}).status_code == 200
     finally:
         models.close()
+
+
+def test_a_request_the_shutdown_stopped_logs_finish_shutdown(references, caplog):
+    """The log line of a request the shutdown stopped says "finish shutdown", as its client was told."""
+    import logging
+    from types import SimpleNamespace
+
+    from lollm.generate.loop import GenerationResult
+
+    server = ModelServer(references["qwen"].loaded, name="qwen", context=CONTEXT, batched=False)
+    result = GenerationResult(prompt_ids=[1, 2], new_ids=[3], stop_reason="cancelled", prefill_seconds=0.01)
+    try:
+        with caplog.at_level(logging.INFO, logger="lollm.serve.server"):
+            server.report(SimpleNamespace(shutdown=True, endpoint="/v1/chat/completions", ids=[1, 2]), result, "cancelled")
+            server.report(SimpleNamespace(shutdown=False, endpoint="/v1/chat/completions", ids=[1, 2]), result, "cancelled")
+    finally:
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if "finish" in r.getMessage()]
+    assert [line.rsplit("finish ", 1)[1] for line in lines] == ["shutdown", "cancelled"], lines
