@@ -19,6 +19,9 @@ lollm_engine_step_requests                histogram  requests that got a token i
 lollm_requests_total{outcome}             counter    finished requests: completed, cancelled, failed
 ========================================  =========  ================================================
 
+With several models (lollm.serve.models) each model's server has its own registry, and
+``/metrics`` shows them together, every series labelled ``model="<name>"`` (:func:`labelled_by_model`).
+
 Gauges read their value when scraped (``Gauge.set_function``), from a ``stats()`` callable:
 the engine's :meth:`~lollm.engine.Engine.stats`, or the single-sequence worker's counts.
 """

@@ -36,7 +36,7 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from lollm.errors import LollmError
@@ -87,7 +87,7 @@ class ModelEntry:
     last_used: float = 0.0  # time.monotonic() of its last request's start or end
     users: int = 0  # requests that picked it and have not finished their handler
     loads: int = 0  # how many times it was loaded
-    waiting: int = field(default=0)  # requests waiting for it to load
+    waiting: int = 0  # requests waiting for it to load
 
 
 class ServedModels:

@@ -19,7 +19,8 @@ way with ``finish_reason: "abort"``; lollm names the cause, ``"shutdown"``.
 
 :class:`DrainingServer` is uvicorn's ``Server`` with this shutdown; the requests' side (who is
 queued, who runs, how each is ended) is :meth:`lollm.serve.model_server.ModelServer.begin_shutdown`
-and :meth:`~lollm.serve.model_server.ModelServer.stop_all`. This module needs the ``serve`` extra.
+and :meth:`~lollm.serve.model_server.ModelServer.stop_all`, for every loaded model
+(:class:`lollm.serve.models.ServedModels`). This module needs the ``serve`` extra.
 """
 
 from __future__ import annotations
