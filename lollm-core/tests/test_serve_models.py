@@ -21,9 +21,11 @@ What each test proves:
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import shutil
 import threading
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -138,8 +140,11 @@ def test_a_budget_unloads_the_least_recently_used_and_a_reload_answers_the_same(
     with served(entries, budget) as (root, models):
         client = serving.openai_client(root + "/v1")
         assert ask(client, "qwen") == want["qwen"]
+        first_load = weakref.ref(models.entries["qwen"].server.model)
         assert ask(client, "gemma") == want["gemma"]
         assert loaded_flags(root) == {"qwen": False, "gemma": True}
+        gc.collect()
+        assert first_load() is None  # the unloaded model's memory is let go: nothing holds its weights
         assert ask(client, "qwen") == want["qwen"]  # loaded again
         assert loaded_flags(root) == {"qwen": True, "gemma": False}
         assert [e.loads for e in models.entries.values()] == [2, 1]
