@@ -36,7 +36,7 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from lollm.errors import LollmError
@@ -88,6 +88,7 @@ class ModelEntry:
     users: int = 0  # requests that picked it and have not finished their handler
     loads: int = 0  # how many times it was loaded
     waiting: int = 0  # requests waiting for it to load
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when it was listed
 
 
 class ServedModels:
@@ -120,7 +121,7 @@ class ServedModels:
     @classmethod
     def one(cls, server: ModelServer) -> ServedModels:
         """A server of one model, loaded already: its name, key and body limit (never unloaded: no budget)."""
-        entry = ModelEntry(server.name, server.name, 0, load=lambda: server, server=server, loads=1)
+        entry = ModelEntry(server.name, server.name, 0, load=lambda: server, server=server, loads=1, created=server.created)
         return cls([entry], api_key=server.api_key, max_body_bytes=server.max_body_bytes)
 
     # -- which model ----------------------------------------------------------------------------
@@ -165,10 +166,11 @@ class ServedModels:
     async def use(self, raw: bytes) -> AsyncIterator[ModelServer]:
         """The ModelServer of the model ``raw`` names, loaded (after a wait in the queue) and held while inside.
 
-        ApiError 400/404 for a missing or unknown name (:meth:`entry_for`), 500 ``model_load_failed`` naming the model and the cause when its load
-        failed, 503 when the server shuts down while the request waits.
+        ApiError 400/404 for a missing or unknown name (:meth:`entry_for`, its JSON parsed off the event loop),
+        500 ``model_load_failed`` naming the model and the cause when its load failed, 503 when the server
+        shuts down while the request waits for room.
         """
-        entry = await asyncio.to_thread(self.entry_for, raw) if len(self.entries) > 1 else self.first
+        entry = self.first if len(self.entries) == 1 else await asyncio.to_thread(self.entry_for, raw)
         entry.users += 1
         entry.last_used = time.monotonic()
         try:
@@ -257,7 +259,7 @@ class ServedModels:
     # -- what the server tells: /v1/models, /health, /metrics --------------------------------------
     def listing(self) -> list[dict[str, object]]:
         """``/v1/models``' ``data``: every model, with ``loaded`` (lollm's extension field)."""
-        return [{"id": e.name, "object": "model", "created": e.server.created if e.server else 0, "owned_by": "lollm",
+        return [{"id": e.name, "object": "model", "created": e.created, "owned_by": "lollm",
                  "loaded": e.server is not None} for e in self.entries.values()]
 
     def render_metrics(self) -> bytes:
