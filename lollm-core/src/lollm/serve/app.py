@@ -24,6 +24,7 @@ from lollm.generate.loop import GenerationResult
 from lollm.serve import messages as anthropic_messages
 from lollm.serve.responses import Responses
 from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
+from lollm.serve.error_shapes import anthropic_error
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
 from lollm.serve.models import ServedModels, check_metrics_available
@@ -252,12 +253,12 @@ class Routes:
                 raise ApiError(499, "the request was cancelled")
             return JSONResponse(await run_in_threadpool(answer, server, plan, result))
 
-    @guarded_as(anthropic_messages.error_body)
+    @guarded_as(anthropic_error)
     async def messages(self, request: Request) -> Response:
         return await self.api_generation(request, anthropic_messages.prepare, anthropic_messages.MessagesShaper,
                                          anthropic_messages.answer)
 
-    @guarded_as(anthropic_messages.error_body)
+    @guarded_as(anthropic_error)
     async def count_tokens(self, request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse

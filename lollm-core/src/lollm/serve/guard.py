@@ -147,14 +147,10 @@ def check_cors_origin(origin: str) -> str:
 
 def _refusal(status: int, message: str, code: str, path: str = "") -> tuple[int, bytes]:
     """(status, JSON body) of a refusal: in Anthropic's error shape on ``/v1/messages``, OpenAI's elsewhere."""
+    from lollm.serve.error_shapes import error_for_path
     from lollm.serve.requests import ApiError
 
-    error = ApiError(status, message, code=code)
-    if path.startswith("/v1/messages"):
-        from lollm.serve.messages import error_body
-
-        return status, json.dumps(error_body(error)).encode()
-    return status, json.dumps(error.body()).encode()
+    return status, json.dumps(error_for_path(ApiError(status, message, code=code), path)).encode()
 
 
 async def answer(send: Send, refusal: tuple[int, bytes]) -> None:
