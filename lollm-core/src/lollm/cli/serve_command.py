@@ -203,7 +203,8 @@ def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, s
         finish(tp)
         return
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        signalled = run_server(models, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
+        served = models if len(models.entries) > 1 else server  # one model: served as a one-model server always was
+        signalled = run_server(served, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
         if tp is not None and server.stop_followers():
             finish(tp)
