@@ -306,3 +306,64 @@ def test_a_request_the_shutdown_stopped_logs_finish_shutdown(references, caplog)
         server.close()
     lines = [r.getMessage() for r in caplog.records if "finish" in r.getMessage()]
     assert [line.rsplit("finish ", 1)[1] for line in lines] == ["shutdown", "cancelled"], lines
+
+
+def test_a_second_ctrl_c_quits_without_a_traceback(folders):
+    """Ctrl-C twice while streams run (uvicorn's force quit): the server exits 0 and logs no traceback (its
+    lifespan task, which lollm does not use, is off: cancelled, it logged starlette's CancelledError)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = serving.free_port()
+    env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "lollm.cli", "serve", str(folders["qwen"]), "--port", str(port),
+                              "--ctx-size", "2048"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    root = f"http://127.0.0.1:{port}"
+    body = json.dumps({"model": "qwen", "messages": QUESTION, "max_tokens": 2000, "stream": True}).encode()
+
+    def stream() -> None:
+        request = urllib.request.Request(root + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                answer.read()
+        except OSError:
+            pass
+
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(root + "/health"):
+            assert child.poll() is None and time.monotonic() < deadline, "lollm serve did not start"
+            time.sleep(0.2)
+        for _ in range(4):
+            threading.Thread(target=stream, daemon=True).start()
+        while "lollm_requests_running 0.0" in _metrics_text(root):  # until the streams run (one may end soon: eos)
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        output, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, output[-3000:]
+    assert "shutting down: requests running" in output and "Traceback" not in output, output[-3000:]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return serving.http(url)[0] == 200
+    except OSError:
+        return False
+
+
+def _metrics_text(root: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(root + "/metrics", timeout=30) as answer:
+        return answer.read().decode()

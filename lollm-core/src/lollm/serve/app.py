@@ -392,7 +392,10 @@ def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: 
     models = served(server)
     first = models.load_first()
     app = Guard(create_app(models), guard or GuardConfig(bound=host))
-    runner = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info"), models, shutdown_timeout)
+    # lifespan off: the application has no startup or shutdown hooks, and uvicorn's lifespan task, cancelled by a
+    # second Ctrl-C (force quit), would log starlette's CancelledError traceback
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")
+    runner = DrainingServer(config, models, shutdown_timeout)
     lines = banner(first, family, host, port)
     if len(models.entries) > 1:
         budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""
