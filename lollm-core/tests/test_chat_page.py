@@ -28,6 +28,7 @@ from lollm.generate.loop import GenerationResult
 from lollm.serve.answers import request_line
 from lollm.serve.app import banner, create_app
 from lollm.serve.model_server import ModelServer
+from lollm.serve.models import ModelEntry, ServedModels
 from lollm.testing import serving
 from lollm.testing.browser import Browser
 
@@ -72,7 +73,7 @@ def test_page_streams_an_answer_with_its_statistics(loaded, browser):  # noqa: F
     server = ModelServer(loaded, name=NAME, context=64)
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
-        assert browser.texts("#model") == [NAME]
+        assert browser.texts("#model option") == [NAME]
         assert browser.js("return getComputedStyle(document.getElementById('key-box')).display") == "none"  # no key asked
         browser.js("document.getElementById('max_tokens').value = '5'; document.getElementById('temperature').value = '0'")
         _say(browser, "hello")
@@ -112,12 +113,45 @@ def test_page_asks_for_the_api_key(loaded, browser):  # noqa: F811
     with serving.app_in_thread(create_app(server)) as root:
         _open(browser, root + "/")
         assert browser.js("return getComputedStyle(document.getElementById('key-box')).display") != "none"
-        assert "API key" in browser.texts("#model")[0]
+        assert "API key" in browser.texts("#status")[0]
         browser.driver.find_element("id", "api_key").send_keys("sesame")
         browser.js("document.getElementById('max_tokens').value = '3'")
         _say(browser, "hello")
         assert browser.texts(".msg.error") == []
         assert browser.texts(".msg.assistant .stats")[-1].startswith("3 tokens")
+
+
+def test_page_picks_a_model_and_folds_the_thinking(loaded, browser, monkeypatch):  # noqa: F811
+    """Two models: the picker lists both (the second loads on first use) and a message goes to the one picked; a
+    thinking answer's reasoning_content sits in a collapsible block above the answer, closed once the answer comes."""
+
+    def thinking(model, ids, *, on_text=None, **kwargs):
+        for piece in ("<think>", "I ponder", "</think>", "\n\n", "The answer"):
+            on_text(piece)
+        return GenerationResult(prompt_ids=list(ids), new_ids=[1, 2, 3], text="<think>I ponder</think>\n\nThe answer",
+                                stop_reason="eos", prefill_seconds=0.01, decode_seconds=0.01)
+
+    monkeypatch.setattr(model_server_module, "generate", thinking)  # the single path (batched=False) calls it
+    monkeypatch.setattr(model_server_module, "opening", lambda tokenizer, ids: "start")  # as Qwen3's template leaves it
+    entries = [ModelEntry(name, name, 0, load=lambda name=name: ModelServer(loaded, name=name, context=64, batched=False))
+               for name in (NAME, "other")]
+    models = ServedModels(entries, max_body_bytes=1 << 20)
+    models.load_first()
+    try:
+        with serving.app_in_thread(create_app(models)) as root:
+            _open(browser, root + "/")
+            assert browser.texts("#model option") == [NAME, "other (loads on first use)"]
+            browser.js("const s = document.getElementById('model'); s.value = 'other'; s.dispatchEvent(new Event('change'))")
+            _say(browser, "hello")
+            assert browser.texts(".msg.error") == []
+            assert browser.texts(".msg.assistant .stats")[-1].endswith(" · other")
+            assert browser.texts(".msg.assistant details.thinking .text") == ["I ponder"]
+            assert browser.texts(".msg.assistant > .text") == ["The answer"]
+            assert browser.js("return document.querySelector('.msg details.thinking').open") is False
+            assert browser.texts("#model option") == [NAME, "other"]  # loaded now
+            assert browser.errors() == []
+    finally:
+        models.close()
 
 
 def test_page_is_one_offline_file(loaded):  # noqa: F811

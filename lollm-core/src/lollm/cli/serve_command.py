@@ -6,30 +6,37 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
 import typer
 
 from lollm.cli import report as show
 from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_port_free,
                               check_run_flags, check_serve_flags, open_for_command, require_extra)
-from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelArg, ModelOpt, Mtp,
+from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelOpt, Mtp,
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
-                               load_options, sampling_flags, which_model, with_help)
+                               load_options, sampling_flags, with_help)
 from lollm.cli.report import err
 from lollm.errors import LollmError
 from lollm.load.ranks import finish, is_leader, silence_followers
 
 if TYPE_CHECKING:
     from lollm.serve.guard import GuardConfig
-    from lollm.serve.model_server import ModelServer
+    from lollm.serve.models import ModelEntry, ServedModels
 
 # Lazy imports below: lollm.load.pipeline, lollm.generate.conversation and lollm.serve.server import torch (and the
 # serve extra), which waits until every flag is checked (a typo costs nothing).
 
 
+#: The models of ``lollm serve``: one or more, each as a command takes its MODEL, or a folder of them.
+ModelArgs = Annotated[Optional[list[str]], typer.Argument(
+    metavar="MODEL", show_default=False,
+    help="Checkpoint folder, .gguf file, Hugging Face repo id (or org/name:QUANT), or a folder of model folders and "
+         ".gguf files; several: each request's \"model\" picks one (docs/serving.md, \"Several models\").")]
+
+
 def serve(
-    model_arg: ModelArg = None,
+    model_args: ModelArgs = None,
     family_name: Family = None,
     host: str = typer.Option("127.0.0.1", metavar="HOST", help="Address to listen on (0.0.0.0: every interface; think of --api-key)."),
     port: int = typer.Option(8000, metavar="PORT", help="TCP port."),
@@ -59,10 +66,12 @@ def serve(
     shutdown_timeout: float = typer.Option(20.0, "--shutdown-timeout", metavar="SECONDS", help="On SIGTERM or Ctrl-C, running requests may go on this long; then streams end with finish_reason \"shutdown\", others get 503, and the server exits 0."),
     allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", metavar="NAME", help="Also answer requests whose Host header is NAME (repeatable; '*': any). Localhost names and IP addresses are always allowed (docs/security.md)."),
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Let web pages of ORIGIN (http://host:port) call the API from a browser (repeatable; default: none)."),
+    memory_budget: Optional[float] = typer.Option(None, "--memory-budget", metavar="GB", help="With several models: at most GB gigabytes of weights loaded at once; the least recently used idle model is unloaded to make room (default: no budget)."),
     model_opt: ModelOpt = None,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API, with a chat page for the browser. The page is at /, the API at /v1/chat/completions, /v1/completions and /v1/models."""
-    model, _ = which_model(model_opt, model_arg)
+    """Serve one model or several over OpenAI- and Anthropic-compatible HTTP APIs, with a chat page for the browser. The page is at /, the API at /v1/chat/completions, /v1/completions, /v1/messages, /v1/responses and /v1/models."""
+    specs = model_specs(model_opt, model_args)
+    check_several(specs, tp=tp, mtp=mtp, model_name=model_name, memory_budget=memory_budget)
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
                     sampling=user)
@@ -77,42 +86,125 @@ def serve(
                            group_size=group_size, tp=tp, family=family_name, progress=True)
 
     from lollm.generate.conversation import DEFAULT_CONTEXT
-    from lollm.load.pipeline import open_model
     from lollm.serve.app import require_serve_extra
-    from lollm.serve.model_server import ModelServer
+    from lollm.serve.models import ServedModels
+    from lollm.serve.requests import body_limit
 
     check_family(options.family)
     require_serve_extra()
-    check_model_exists(model)
-    # --tp: the other ranks wait for requests in a collective, far longer than torch's 30-minute default
-    prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
-    family, template_flags = prepared.family.family, prepared.template_flags
-    loaded = open_model(prepared.checkpoint, prepared.options)
-    silence_followers(loaded.tp, err)
-    show.weights_summary(loaded)
-    check_draft_head(loaded, model, mtp)
-    name = model_name or (Path(model).stem if Path(model).suffix == ".gguf" else Path(model.rstrip("/")).name)
-    server = ModelServer(
-        loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
-        sampling_flags=user, template_flags=template_flags, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
-        max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue,
-    )
-    label = f"{family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
-    serve_or_follow(server, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
+    for spec in specs:
+        check_model_exists(spec)
+    settings = dict(sampling_flags=user, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
+                    max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue)
+
+    def opened(spec: str):  # --tp: the other ranks wait for requests in a collective, far longer than torch's default
+        return open_for_command(spec, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
+
+    entries = [model_entry(model_name or served_name(spec), spec, opened, settings, ctx_size=ctx_size, first=i == 0)
+               for i, spec in enumerate(specs)]
+    models = ServedModels(entries, budget_bytes=None if memory_budget is None else int(memory_budget * 1e9),
+                          api_key=api_key, max_body_bytes=body_limit(ctx_size or DEFAULT_CONTEXT))
+    loaded = models.load_first().loaded
+    label = f"{loaded.family.family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
+    serve_or_follow(models, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
 
 
-def serve_or_follow(server: ModelServer, *, host: str, port: int, label: str, shutdown_timeout: float,
+#: Bytes of one weight element in each dtype a model loads in (LoadOptions.dtype, resolved).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def served_name(spec: str) -> str:
+    """The name clients send for the model ``spec``: its last part, without .gguf (``org/name`` -> ``name``)."""
+    return Path(spec).stem if Path(spec).suffix == ".gguf" else Path(spec.rstrip("/")).name
+
+
+def model_specs(option: Optional[str], positionals: Optional[list[str]]) -> list[str]:
+    """The models given (``-m`` first, then the arguments), each folder of models replaced by the models it holds.
+
+    A folder of models has no config.json of its own and holds model folders (with a config.json) or two
+    or more .gguf files (``mmproj*`` files, vision projectors, are not models); they are taken in name order.
+    Raises typer.BadParameter when none is given or one is empty.
+    """
+    given = ([option] if option is not None else []) + list(positionals or [])
+    if not given:
+        raise typer.BadParameter("missing; give the model as the first argument or with -m/--model",
+                                 param_hint="MODEL (or -m/--model)")
+    specs: list[str] = []
+    for spec in given:
+        if not spec.strip():
+            raise typer.BadParameter("empty", param_hint="MODEL (or -m/--model)")
+        specs += [str(p) for p in models_in_folder(Path(spec).expanduser())] or [spec]
+    return specs
+
+
+def models_in_folder(folder: Path) -> list[Path]:
+    """The models in ``folder`` when it is a folder of models (:func:`model_specs`), else []."""
+    if not folder.is_dir() or (folder / "config.json").exists():
+        return []
+    inner = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "config.json").exists())
+    files = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
+    return inner + files if inner or len(files) > 1 else []
+
+
+def check_several(specs: list[str], *, tp: int, mtp: bool, model_name: Optional[str],
+                  memory_budget: Optional[float]) -> None:
+    """The flags that take one model only (--tp, --mtp, --model-name), and --memory-budget's value."""
+    if memory_budget is not None and not (0 < memory_budget < float("inf")):
+        raise LollmError(f"--memory-budget must be a number of gigabytes > 0, got {memory_budget}")
+    if len(specs) == 1:
+        return
+    for flag, given in (("--tp", tp != 1), ("--mtp", mtp), ("--model-name", model_name is not None)):
+        if given:
+            raise LollmError(f"{flag} serves one model; {len(specs)} were given ({', '.join(specs[:4])}"
+                             f"{', ...' if len(specs) > 4 else ''}): serve them without {flag}, or one at a time")
+
+
+def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_size: Optional[int],
+                first: bool) -> ModelEntry:
+    """The :class:`lollm.serve.models.ModelEntry` of ``spec``: its checkpoint opened now (configs, tokenizer, tensor
+    table: the weights' size), its weights loaded by the entry's ``load`` (at start for the first, else on first use).
+
+    A model other than the first that cannot be opened is served as a failed one: its requests get the error.
+    """
+    from lollm.generate.conversation import DEFAULT_CONTEXT
+    from lollm.load.pipeline import open_model
+    from lollm.serve.model_server import ModelServer
+    from lollm.serve.models import ModelEntry, weight_bytes
+
+    try:
+        prepared = opened(spec)
+    except LollmError as error:
+        if first:
+            raise
+        err.print(f"[yellow]{name}: {error}; its requests get this error, the other models are served[/yellow]")
+        return ModelEntry(name, spec, 0, load=None, error=str(error))
+
+    def load() -> ModelServer:
+        loaded = open_model(prepared.checkpoint, prepared.options)
+        silence_followers(loaded.tp, err)
+        show.weights_summary(loaded)
+        check_draft_head(loaded, spec, settings["draft_tokens"] > 0)
+        return ModelServer(loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
+                           template_flags=prepared.template_flags, **settings)
+
+    size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4))
+    return ModelEntry(name, spec, size, load=load)
+
+
+def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, shutdown_timeout: float,
                     guard: GuardConfig) -> None:
-    """Rank 0 (or the only process) serves HTTP until it is stopped; under --tp the other ranks follow its jobs."""
+    """Rank 0 (or the only process) serves HTTP until it is stopped; under --tp (one model) the other ranks follow its jobs."""
     from lollm.serve.app import serve as run_server
 
+    server = models.load_first()
     tp = server.loaded.tp
     if not is_leader(tp):
         server.follow()  # every generation rank 0 runs, until rank 0 stops
         finish(tp)
         return
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        signalled = run_server(server, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
+        served = models if len(models.entries) > 1 else server  # one model: served as a one-model server always was
+        signalled = run_server(served, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
         if tp is not None and server.stop_followers():
             finish(tp)

@@ -9,6 +9,7 @@ only inside the functions that use them (:func:`create_app`, the handlers of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -16,15 +17,17 @@ import shlex
 import threading
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from lollm.errors import LollmError
 from lollm.generate.loop import GenerationResult
 from lollm.serve import messages as anthropic_messages
 from lollm.serve.responses import Responses
 from lollm.serve.answers import ANSWERS, CHUNKS, answer_base
+from lollm.serve.error_shapes import anthropic_error
 from lollm.serve.metrics import CONTENT_TYPE
 from lollm.serve.model_server import ModelServer
+from lollm.serve.models import ServedModels, check_metrics_available
 from lollm.serve.guard import Guard, GuardConfig
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
@@ -49,7 +52,7 @@ DRAIN_BYTES = 64 << 20
 # -- HTTP ------------------------------------------------------------------------------------
 
 
-def _too_large(limit: int) -> ApiError:
+def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes (1 MiB plus "
                          f"{BODY_BYTES_PER_POSITION} bytes per position of its context, lollm serve --ctx-size)",
                     code="request_too_large")
@@ -65,7 +68,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > DRAIN_BYTES:
-        raise _too_large(limit)
+        raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -77,7 +80,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
             if size > DRAIN_BYTES:
                 break
     if size > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     return b"".join(chunks)
 
 
@@ -188,21 +191,34 @@ guarded = guarded_as(openai_error)
 
 
 class Routes:
-    """The HTTP handlers of one :class:`ModelServer`, one method per route; :func:`create_app` wires them."""
+    """The HTTP handlers of the models served (:class:`ServedModels`), one method per route; :func:`create_app` wires them."""
 
-    def __init__(self, server: ModelServer):
-        self.server = server
-        self.schema = openapi_schema(server)
+    def __init__(self, models: ServedModels):
+        self.served = models
+        self.schema = openapi_schema(models)
         self.responses = Responses()  # the Responses API and its store of responses (previous_response_id)
+
+    @contextlib.asynccontextmanager
+    async def model_for(self, raw: bytes) -> AsyncIterator[ModelServer]:
+        """The ModelServer of the model the body names (:meth:`ServedModels.use`: loaded first if need be), held
+        while inside; ApiError 413 when the body is over that model's own limit."""
+        async with self.served.use(raw) as server:
+            if len(raw) > server.max_body_bytes:
+                raise too_large(server.max_body_bytes)
+            yield server
 
     async def generation(self, request: Request, kind: str) -> Response:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
+        self.served.check_auth(request.headers.get("authorization"))
+        raw = await read_limited(request, self.served.max_body_bytes)
+        async with self.model_for(raw) as server:
+            return await self.generate(request, server, raw, kind)
+
+    async def generate(self, request: Request, server: ModelServer, raw: bytes, kind: str) -> Response:
+        """:meth:`generation` on the model chosen."""
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
-        server = self.server
-        server.check_auth(request.headers.get("authorization"))
-        raw = await read_limited(request, server.max_body_bytes)
         plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
         plan.job.endpoint = request.url.path
         base = answer_base(server.name, kind)
@@ -217,8 +233,8 @@ class Routes:
     async def authorized_body(self, request: Request) -> bytes:
         """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
         key = request.headers.get("x-api-key")
-        self.server.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None))
-        return await read_limited(request, self.server.max_body_bytes)
+        self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None), x_api_key=True)
+        return await read_limited(request, self.served.max_body_bytes)
 
     async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable) -> Response:
         """POST of one of the other APIs (Messages, Responses): ``prepare(server, raw)`` makes the plan,
@@ -226,29 +242,30 @@ class Routes:
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
-        server = self.server
         raw = await self.authorized_body(request)
-        plan = await run_in_threadpool(prepare, server, raw)
-        plan.job.endpoint = request.url.path
-        if plan.streaming:
-            return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
-        result = await wait(server, request, plan.job)
-        if result is None:
-            raise ApiError(499, "the request was cancelled")
-        return JSONResponse(await run_in_threadpool(answer, server, plan, result))
+        async with self.model_for(raw) as server:
+            plan = await run_in_threadpool(prepare, server, raw)
+            plan.job.endpoint = request.url.path
+            if plan.streaming:
+                return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
+            result = await wait(server, request, plan.job)
+            if result is None:
+                raise ApiError(499, "the request was cancelled")
+            return JSONResponse(await run_in_threadpool(answer, server, plan, result))
 
-    @guarded_as(anthropic_messages.error_body)
+    @guarded_as(anthropic_error)
     async def messages(self, request: Request) -> Response:
         return await self.api_generation(request, anthropic_messages.prepare, anthropic_messages.MessagesShaper,
                                          anthropic_messages.answer)
 
-    @guarded_as(anthropic_messages.error_body)
+    @guarded_as(anthropic_error)
     async def count_tokens(self, request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         raw = await self.authorized_body(request)
-        return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, self.server, raw))
+        async with self.model_for(raw) as server:
+            return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, server, raw))
 
     @guarded
     async def create_response(self, request: Request) -> Response:
@@ -274,9 +291,8 @@ class Routes:
     async def models(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
-        self.server.check_auth(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.server.name, "object": "model", "created": self.server.created, "owned_by": "lollm"}]})
+        self.served.check_auth(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": self.served.listing()})
 
     @guarded
     async def chat_page(self, request: Request) -> Response:
@@ -289,23 +305,23 @@ class Routes:
     async def health(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
-        server = self.server
-        batching = None
-        if server.engine_loop is not None:
-            config = server.engine_loop.engine.config
-            batching = {"max_running": config.max_sequences, "kv_blocks": config.kv_blocks,
-                        "block_size": config.block_size, "max_queue": server.max_queue,
-                        "prefix_caching": server.engine_loop.engine.scheduler.prefix_caching}
-        return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts), "batching": batching})
+        entries = list(self.served.entries.values())
+        if len(entries) == 1:
+            server = entries[0].server
+            return JSONResponse({"status": "ok", "model": server.name, "requests": dict(server.counts),
+                                 "batching": batching(server)})
+        return JSONResponse({"status": "ok", "models": [  # several: one entry per model (docs/serving.md)
+            {"id": e.name, "loaded": e.server is not None, "loads": e.loads, "waiting": e.waiting, "error": e.error,
+             "requests": dict(e.server.counts) if e.server else None,
+             "batching": batching(e.server) if e.server else None} for e in entries]})
 
     @guarded
     async def metrics(self, request: Request) -> Response:
         """Prometheus' text format (lollm.serve.metrics); 501 when prometheus-client is not installed."""
         from starlette.responses import Response
 
-        if self.server.metrics is None:
-            raise ApiError(501, "/metrics needs prometheus-client: pip install 'lollm-core[serve]'", kind="server_error")
-        return Response(self.server.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        check_metrics_available()
+        return Response(self.served.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
     @guarded
     async def openapi(self, request: Request) -> Response:
@@ -320,13 +336,27 @@ class Routes:
         return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
 
 
-def create_app(server: ModelServer) -> Starlette:
-    """The Starlette application serving ``server``: the routes of :class:`Routes`."""
+def served(server: ModelServer | ServedModels) -> ServedModels:
+    """``server`` as :class:`ServedModels` (one ModelServer: a server of that one model)."""
+    return server if isinstance(server, ServedModels) else ServedModels.one(server)
+
+
+def batching(server: ModelServer) -> dict[str, object] | None:
+    """How ``server``'s requests are batched (/health): the engine's settings; None on the one-at-a-time path."""
+    if server.engine_loop is None:
+        return None
+    config = server.engine_loop.engine.config
+    return {"max_running": config.max_sequences, "kv_blocks": config.kv_blocks, "block_size": config.block_size,
+            "max_queue": server.max_queue, "prefix_caching": server.engine_loop.engine.scheduler.prefix_caching}
+
+
+def create_app(server: ModelServer | ServedModels) -> Starlette:
+    """The Starlette application serving ``server`` (one model, or several: :class:`ServedModels`): :class:`Routes`."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
-    routes = Routes(server)
+    routes = Routes(served(server))
     return Starlette(routes=[
         Route("/", routes.chat_page, methods=["GET"]),
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
@@ -342,14 +372,15 @@ def create_app(server: ModelServer) -> Starlette:
     ], exception_handlers={HTTPException: routes.http_error})
 
 
-def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, family: str = "",
+def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: int = 8000, family: str = "",
           shutdown_timeout: float = 20.0, guard: GuardConfig | None = None) -> bool:
     """Serve until SIGTERM or Ctrl-C (uvicorn); once it listens, log :func:`banner` (the URL, the model, a curl line).
 
     The application is wrapped in :class:`lollm.serve.guard.Guard` (Host, Origin, CORS, JSON bodies;
     ``guard``: who may talk to it, default the bound ``host`` alone); the shutdown lets running requests
     go on for ``shutdown_timeout`` seconds, then ends them (:mod:`lollm.serve.shutdown`) and returns
-    True when a signal (SIGTERM, SIGINT) stopped it.
+    True when a signal (SIGTERM, SIGINT) stopped it. With several models (:class:`ServedModels`), the first
+    is loaded now (:meth:`ServedModels.load_first`) and the banner names it, then the others.
     """
     try:
         import uvicorn
@@ -358,14 +389,23 @@ def serve(server: ModelServer, *, host: str = "127.0.0.1", port: int = 8000, fam
     except ImportError:
         raise LollmError("lollm serve needs the serve extra: pip install 'lollm-core[serve]' (starlette, uvicorn)") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    app = Guard(create_app(server), guard or GuardConfig(bound=host))
-    runner = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info"), server, shutdown_timeout)
-    lines = banner(server, family, host, port)
+    models = served(server)
+    first = models.load_first()
+    app = Guard(create_app(models), guard or GuardConfig(bound=host))
+    # lifespan off: the application has no startup or shutdown hooks, and uvicorn's lifespan task, cancelled by a
+    # second Ctrl-C (force quit), would log starlette's CancelledError traceback
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")
+    runner = DrainingServer(config, models, shutdown_timeout)
+    lines = banner(first, family, host, port)
+    if len(models.entries) > 1:
+        budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""
+        lines.insert(1, f"also served (loaded on first use{budget}): "
+                        + ", ".join(name for name in models.names if name != first.name))
     threading.Thread(target=announce, args=(runner, lines), name="lollm-banner", daemon=True).start()
     try:
         runner.run()
     finally:
-        server.close()  # the engine thread stops after its step (every request has been answered by now)
+        models.close()  # the engine threads stop after its step (every request has been answered by now)
     if runner.stopped_line() is None:
         return False
     log.info("%s", runner.stopped_line())

@@ -54,10 +54,11 @@ CORS_METHODS = ("GET", "POST")
 CORS_EXPOSED = ("Retry-After",)
 
 
-def check_authorization(header: str | None, key: str | None) -> None:
+def check_authorization(header: str | None, key: str | None, *, x_api_key: bool = False) -> None:
     """Nothing when ``key`` is None or ``header`` is ``Bearer <key>`` (scheme in any case); else ApiError 401.
 
-    header: the ``Authorization`` request header (None: absent). The key is compared with
+    header: the ``Authorization`` request header (None: absent); x_api_key: the endpoint also takes
+    the key as ``x-api-key`` (Anthropic's clients), and the 401's message says so. The key is compared with
     ``hmac.compare_digest`` so the time taken does not tell how much of a guess was right.
     The 401 carries ``WWW-Authenticate: Bearer`` (RFC 6750, section 3).
     """
@@ -68,7 +69,8 @@ def check_authorization(header: str | None, key: str | None) -> None:
     scheme, _, given = (header or "").strip().partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
         missing = "missing" if not header else "incorrect"
-        raise ApiError(401, f"{missing} API key: send the header 'Authorization: Bearer <key>' with the key given to "
+        how = "'x-api-key: <key>' or 'Authorization: Bearer <key>'" if x_api_key else "'Authorization: Bearer <key>'"
+        raise ApiError(401, f"{missing} API key: send the header {how} with the key given to "
                             f"lollm serve --api-key or --api-key-file", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
 
@@ -143,10 +145,12 @@ def check_cors_origin(origin: str) -> str:
     return origin.lower()
 
 
-def _refusal(status: int, message: str, code: str) -> tuple[int, bytes]:
+def _refusal(status: int, message: str, code: str, path: str = "") -> tuple[int, bytes]:
+    """(status, JSON body) of a refusal: in Anthropic's error shape on ``/v1/messages``, OpenAI's elsewhere."""
+    from lollm.serve.error_shapes import error_for_path
     from lollm.serve.requests import ApiError
 
-    return status, json.dumps(ApiError(status, message, code=code).body()).encode()
+    return status, json.dumps(error_for_path(ApiError(status, message, code=code), path)).encode()
 
 
 async def answer(send: Send, refusal: tuple[int, bytes]) -> None:
@@ -171,7 +175,7 @@ class Guard:
     The layers, outside in: this class's Host and Origin checks; Starlette's ``CORSMiddleware``
     when ``config.cors_origins`` lists any (it answers a listed origin's preflight and adds the
     ``Access-Control-*`` headers, to a 415 or a 401 too, so the page can read why); then
-    :class:`JsonOnly`. Refusals carry an OpenAI-style JSON error body.
+    :class:`JsonOnly`. Refusals carry an OpenAI-style JSON error body (Anthropic's on ``/v1/messages``).
     """
 
     def __init__(self, app: ASGIApp, config: GuardConfig):
@@ -184,25 +188,27 @@ class Guard:
                                       allow_headers=["*"], expose_headers=list(CORS_EXPOSED))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = self.refusal(header_dict(scope)) if scope["type"] == "http" else None
+        refused = self.refusal(header_dict(scope), scope.get("path", "")) if scope["type"] == "http" else None
         if refused is None:
             await self.app(scope, receive, send)
         else:
             await answer(send, refused)
 
-    def refusal(self, headers: dict[str, str]) -> tuple[int, bytes] | None:
-        """(403, JSON body) for a foreign Host or a cross-origin request from an origin not listed; None: go on."""
+    def refusal(self, headers: dict[str, str], path: str = "") -> tuple[int, bytes] | None:
+        """(403, JSON body) for a foreign Host or a cross-origin request from an origin not listed; None: go on.
+
+        ``path``: the request's path, which picks the error's shape (:func:`_refusal`)."""
         host, origin = headers.get("host"), headers.get("origin")
         if not self.config.host_allowed(host):
             return _refusal(403, f"the Host header {host[:100]!r} does not name this server (a DNS-rebinding page "
                                  f"would send such a name): use the address it listens on, or start it with "
-                                 f"lollm serve --allowed-host {host_name(host)[:100]}", "host_not_allowed")
+                                 f"lollm serve --allowed-host {host_name(host)[:100]}", "host_not_allowed", path)
         if origin is None or origin.lower() in self.config.cors_origins:
             return None
         if host is not None and origin.lower() in (f"http://{host}".lower(), f"https://{host}".lower()):
             return None  # same-origin: the chat page
         return _refusal(403, f"cross-origin requests from {origin[:100]!r} are refused: start the server with "
-                             f"lollm serve --cors-origin {origin[:100]} to allow that origin", "origin_not_allowed")
+                             f"lollm serve --cors-origin {origin[:100]} to allow that origin", "origin_not_allowed", path)
 
 
 class JsonOnly:
@@ -218,7 +224,7 @@ class JsonOnly:
             if not is_json_type(given):
                 got = f"got {given[:100]!r}" if given else "the request has none"
                 await answer(send, _refusal(415, f"a POST body must be sent with 'Content-Type: application/json'; "
-                                                 f"{got}", "unsupported_media_type"))
+                                                 f"{got}", "unsupported_media_type", scope.get("path", "")))
                 return
         await self.app(scope, receive, send)
 

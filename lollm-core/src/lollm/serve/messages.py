@@ -21,7 +21,7 @@ the Anthropic way, whole (:func:`answer`) or as its stream of named events
     output_config.format (json_schema)     -> response_format json_schema
     thinking enabled / adaptive / disabled -> the template's enable_thinking on / on / off
 
-A field this server cannot honour is a 400 in Anthropic's error shape (:func:`error_body`)
+A field this server cannot honour is a 400 in Anthropic's error shape (:func:`lollm.serve.error_shapes.anthropic_error`)
 naming it; ``cache_control`` on any block and ``metadata`` are accepted and change nothing.
 Source: Anthropic's API reference (Messages, Count tokens, Streaming, Errors).
 """
@@ -34,6 +34,7 @@ import uuid
 
 from lollm.generate.loop import GenerationResult
 from lollm.serve.answers import answer_parts
+from lollm.serve.error_shapes import anthropic_error
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import ApiError, Body, PreparedRequest, parse_body, short_repr
 from lollm.serve.stream import sse
@@ -49,18 +50,9 @@ IGNORED_BLOCK_FIELDS = {"cache_control", "citations"}
 STOP_REASON = {"eos": "end_turn", "stop_string": "stop_sequence", "max_new_tokens": "max_tokens",
                "context": "max_tokens", "cancelled": "end_turn",
                "shutdown": "end_turn"}  # a stream the server's shutdown ended: Anthropic has no closer name
-#: HTTP status -> Anthropic's error type.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 #: A chat field named in an error -> the Messages field it came from.
 PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format", "reasoning_effort": "thinking",
           "parallel_tool_calls": "tool_choice.disable_parallel_tool_use", "max_tokens": "max_tokens"}
-
-
-def error_body(error: ApiError) -> dict[str, object]:
-    """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
-    kind = ERROR_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -384,4 +376,4 @@ class MessagesShaper:
                          self.event("message_stop", {})]
 
     def failure(self, error: ApiError) -> list[str]:
-        return [sse(error_body(error), event="error")]
+        return [sse(anthropic_error(error), event="error")]

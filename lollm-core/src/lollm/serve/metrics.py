@@ -19,6 +19,9 @@ lollm_engine_step_requests                histogram  requests that got a token i
 lollm_requests_total{outcome}             counter    finished requests: completed, cancelled, failed
 ========================================  =========  ================================================
 
+With several models (lollm.serve.models) each model's server has its own registry, and
+``/metrics`` shows them together, every series labelled ``model="<name>"`` (:func:`labelled_by_model`).
+
 Gauges read their value when scraped (``Gauge.set_function``), from a ``stats()`` callable:
 the engine's :meth:`~lollm.engine.Engine.stats`, or the single-sequence worker's counts.
 """
@@ -108,3 +111,27 @@ class ServerMetrics:
 def metrics_for(stats: Callable[[], dict[str, int]], *, kv_blocks: bool) -> ServerMetrics | None:
     """A :class:`ServerMetrics`, or None when prometheus-client is not installed (``/metrics`` then says so)."""
     return ServerMetrics(stats, kv_blocks=kv_blocks) if metrics_available() else None
+
+
+def labelled_by_model(metrics: dict[str, ServerMetrics]) -> bytes:
+    """The series of several models' metrics (``{model name: ServerMetrics}``) in one text, each with ``model="name"``.
+
+    Each metric family appears once, holding every model's samples (Prometheus' text format
+    allows a family's HELP and TYPE lines only once).
+    """
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+
+    families: dict[str, Metric] = {}
+    for model, server_metrics in metrics.items():
+        for family in server_metrics.registry.collect():
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
+            merged.samples += [sample._replace(labels={**sample.labels, "model": model}) for sample in family.samples]
+
+    class Merged:  # a collector: what prometheus-client's registry asks each one for
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry()
+    registry.register(Merged())
+    return generate_latest(registry)

@@ -26,7 +26,7 @@ from lollm.generate.structured import CompiledConstraint, ConstraintError, Outpu
 from lollm.engine import Engine, EngineConfig
 from lollm.engine.engine import why_not_batched
 from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
-from lollm.serve.answers import request_line
+from lollm.serve.answers import SHUTDOWN, request_line
 from lollm.serve.guard import check_authorization
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
@@ -424,8 +424,9 @@ class ModelServer:
             why = "server shutting down: generation stopped" if getattr(job, "shutdown", False) else \
                 "client went away: generation cancelled"
             log.info("%s %s", why, made)
-        if result is not None:
-            log.info("%s", request_line(job.endpoint, result))
+        if result is not None:  # a job the shutdown stopped: its client was told "shutdown", so is the log
+            stopped = getattr(job, "shutdown", False) and result.stop_reason == "cancelled"
+            log.info("%s", request_line(job.endpoint, dataclasses.replace(result, stop_reason=SHUTDOWN) if stopped else result))
         if self.metrics is not None:
             if self.engine_loop is None and result is not None:  # the engine counts its tokens as they come
                 self.metrics.generated.inc(len(result.new_ids))

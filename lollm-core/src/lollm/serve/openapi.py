@@ -5,6 +5,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from lollm.serve.model_server import ModelServer
+from lollm.serve.models import ServedModels
 from lollm.serve.requests import IGNORED, MAX_INTEGER, RESPONSE_FORMATS, ROLES
 
 #: One object of the OpenAPI description (a schema, an operation, a response), as JSON.
@@ -179,16 +180,22 @@ def _other_api_paths(model: Schema) -> dict[str, dict[str, Schema]]:
     }
 
 
-def openapi_schema(server: ModelServer) -> Schema:
-    """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``)."""
-    model = {"type": "string", "enum": [server.name], "description": "the served model's name (404 for any other)"}
+def openapi_schema(server: ModelServer | ServedModels) -> Schema:
+    """The OpenAPI 3.0 description of ``server``'s endpoints (served at ``/openapi.json``).
+
+    server: one :class:`ModelServer`, or the models of a server (:class:`ServedModels`); with several,
+            the token ids of a prompt have no upper bound here (each model checks its own vocabulary).
+    """
+    one = server if isinstance(server, ModelServer) else server.first.server if len(server.entries) == 1 else None
+    names = [one.name] if one is not None else server.names
+    model = {"type": "string", "enum": names, "description": "a served model's name (404 for any other)"}
     chat = {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "max_completion_tokens": _COMMON_REQUEST["max_tokens"], "logprobs": _nullable({"type": "boolean"}),
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20, "description": "needs logprobs: true"}),
         "chat_template_kwargs": _nullable({"type": "object", "description": "variables the chat template reads"}),
         "response_format": _RESPONSE_FORMAT, **_TOOLS_REQUEST}}
-    token = {"type": "integer", "minimum": 0, "maximum": server.model.vocab_size - 1}
+    token = {"type": "integer", "minimum": 0, **({"maximum": one.model.vocab_size - 1} if one is not None else {})}
     ids = {"type": "array", "minItems": 1, "items": token}
     text = {"type": "string", "minLength": 1}
     prompt = {"anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}]}
@@ -196,13 +203,14 @@ def openapi_schema(server: ModelServer) -> Schema:
         **_IGNORED_REQUEST, "model": model, **_COMMON_REQUEST, "prompt": prompt,
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}), "response_format": _RESPONSE_FORMAT}}
     listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
-        "type": "array", "items": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}}}}
+        "type": "array", "items": {"type": "object", "required": ["id"], "properties": {
+            "id": {"type": "string"}, "loaded": {"type": "boolean", "description": "lollm's: whether it is in memory"}}}}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     paths: dict[str, dict[str, Schema]] = {
         "/v1/chat/completions": {"post": _generation_operation("chat: messages through the chat template", chat, _CHAT_ANSWER)},
         "/v1/completions": {"post": _generation_operation("completion of a prompt (text or token ids)", completion,
                                                           _COMPLETION_ANSWER)},
-        "/v1/models": {"get": {"summary": "the one model served", "responses": {
+        "/v1/models": {"get": {"summary": "the models served, each with whether it is loaded", "responses": {
             "200": _json(listing, "the model list"), "401": _json(_ERROR, _ERRORS["401"]), "500": _json(_ERROR, _ERRORS["500"])}}},
         "/health": {"get": {"summary": "whether the server is up, and its request counters (no key needed)",
                             "responses": {"200": _json(health, "the server is up")}}},

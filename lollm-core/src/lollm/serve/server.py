@@ -1,4 +1,4 @@
-"""``lollm serve``: an OpenAI-compatible HTTP server for one model.
+"""``lollm serve``: an OpenAI- and Anthropic-compatible HTTP server for one model, or several.
 
 ::
 
@@ -9,7 +9,7 @@
                  every request joins the running batch at the next step (lollm.engine.driver)
                                                                         │
                  JSON, or server-sent events (``stream: true``) ◄───────┘
-    GET  /v1/models             the one model served
+    GET  /v1/models             the models served, each with whether it is loaded
     GET  /health                {"status": "ok", ...}, request counters and how requests are batched
     GET  /metrics               Prometheus text format (lollm.serve.metrics)
     GET  /openapi.json          the OpenAPI 3.0 description of the endpoints above
@@ -68,8 +68,13 @@ package, editors, agent tools) talk to it unchanged; see docs/serving.md.
   lets running requests go on for ``--shutdown-timeout`` seconds, then ends them (a stream with
   ``finish_reason: "shutdown"``) and exits 0.
 
+* Several models (``lollm serve A B ...`` or a folder of them): each request's ``model`` picks one;
+  :class:`lollm.serve.models.ServedModels` loads a model on its first request (the first at start),
+  one load at a time while the others serve, within ``--memory-budget`` by unloading idle models,
+  least recently used first. Every model has its own :class:`ModelServer` and engine.
+
 Where each part lives: :mod:`lollm.serve.requests` reads a request (JSON, fields, messages,
-``response_format``), :mod:`lollm.serve.model_server` runs it (the engine, or one worker),
+``response_format``), :mod:`lollm.serve.model_server` runs it (the engine, or one worker), :mod:`lollm.serve.models` picks the model,
 :mod:`lollm.serve.answers` and :mod:`lollm.serve.stream` shape the answer (JSON, server-sent events),
 :mod:`lollm.serve.openapi` describes the endpoints, and :mod:`lollm.serve.app` is the HTTP side
 (Starlette's routes, uvicorn). This module gathers their public names.
@@ -81,6 +86,7 @@ from lollm.serve.answers import FINISH_REASON, request_line
 from lollm.serve.app import announce, banner, chat_page_html, create_app, guarded, read_limited, require_serve_extra, serve
 from lollm.serve.model_server import (DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_RUNNING,
                                       RETRY_AFTER_SECONDS, ModelServer)
+from lollm.serve.models import ModelEntry, ServedModels
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import (BODY_BYTES_BASE, BODY_BYTES_PER_POSITION, MAX_INTEGER, MAX_JSON_DEPTH, ApiError, Job,
                                   PreparedRequest, body_limit, parse_body, response_format)
@@ -88,8 +94,8 @@ from lollm.serve.stream import EventStream, sse
 
 __all__ = [
     "ApiError", "BODY_BYTES_BASE", "BODY_BYTES_PER_POSITION", "DEFAULT_MAX_BATCH_TOKENS", "DEFAULT_MAX_QUEUE",
-    "DEFAULT_MAX_RUNNING", "EventStream", "FINISH_REASON", "Job", "MAX_INTEGER", "MAX_JSON_DEPTH", "ModelServer",
-    "PreparedRequest", "RETRY_AFTER_SECONDS", "announce", "banner", "body_limit", "chat_page_html", "create_app",
+    "DEFAULT_MAX_RUNNING", "EventStream", "FINISH_REASON", "Job", "MAX_INTEGER", "MAX_JSON_DEPTH", "ModelEntry", "ModelServer",
+    "PreparedRequest", "RETRY_AFTER_SECONDS", "ServedModels", "announce", "banner", "body_limit", "chat_page_html", "create_app",
     "guarded", "openapi_schema", "parse_body", "read_limited", "request_line", "require_serve_extra", "response_format", "serve",
     "sse",
 ]

@@ -19,7 +19,8 @@ way with ``finish_reason: "abort"``; lollm names the cause, ``"shutdown"``.
 
 :class:`DrainingServer` is uvicorn's ``Server`` with this shutdown; the requests' side (who is
 queued, who runs, how each is ended) is :meth:`lollm.serve.model_server.ModelServer.begin_shutdown`
-and :meth:`~lollm.serve.model_server.ModelServer.stop_all`. This module needs the ``serve`` extra.
+and :meth:`~lollm.serve.model_server.ModelServer.stop_all`, for every loaded model
+(:class:`lollm.serve.models.ServedModels`). This module needs the ``serve`` extra.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Iterator
 
 import uvicorn
 
-from lollm.serve.model_server import ModelServer
+from lollm.serve.models import ServedModels
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
@@ -50,11 +51,11 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose shutdown lets requests run until a deadline, then ends them cleanly (exit 0).
 
     config:   the uvicorn Config.
-    server:   the :class:`ModelServer` whose requests are drained.
+    server:   the models (:class:`ServedModels`) whose requests are drained.
     deadline: seconds running requests may go on after the signal (``--shutdown-timeout``, >= 0).
     """
 
-    def __init__(self, config: uvicorn.Config, server: ModelServer, deadline: float = DEFAULT_SHUTDOWN_TIMEOUT):
+    def __init__(self, config: uvicorn.Config, server: ServedModels, deadline: float = DEFAULT_SHUTDOWN_TIMEOUT):
         super().__init__(config)
         self.model_server, self.deadline = server, deadline
         self.signalled: float | None = None  # time.monotonic() of the first SIGTERM / SIGINT
