@@ -107,6 +107,8 @@ def decode_image(data: bytes, *, name: str) -> Image.Image:
         if png_size(data) is not None and 0 in png_size(data):  # Pillow refuses to open an empty PNG at all
             width, height = png_size(data)
             raise ImageError(f"{name} is {width}x{height}: an image needs at least one pixel") from None
+        if "truncated" in str(exc).lower():  # cut inside the header
+            raise ImageError(f"{name} is truncated or corrupt: {exc}") from None
         raise ImageError(f"{name} is not an image lollm can read (PNG, JPEG, GIF, WebP, BMP): {exc}") from None
     with image:
         check_header(image, name)  # 2.-6.
