@@ -180,3 +180,21 @@ def test_a_bad_vision_config_names_the_key(tmp_path):
     raw["mm_tokens_per_image"], raw["vision_config"]["hidden_act"] = 16, "relu"
     with pytest.raises(ConfigError, match="hidden_act"):
         Gemma3VisionConfig.from_hf(raw)
+
+
+def test_chunked_prefill_never_cuts_an_image(ours, monkeypatch):
+    """generate(..., images=) with 5-token prefill chunks (each image is 16 tokens) gives the tokens of one forward."""
+    import lollm.generate.prefill as prefill
+    from lollm.generate.loop import generate
+    from lollm.sampling_params import SamplingParams
+
+    model, tower = ours
+    ids = prompt(2)
+    batch = place_images(ids, tower.spec, encode_images(tower, IMAGES[2]), max_context=99)
+    greedy = SamplingParams(temperature=0.0)
+    whole = generate(model, ids, max_new_tokens=4, sampling=greedy, images=batch).new_ids
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK_TOKENS", 5)
+    chunked = generate(model, ids, max_new_tokens=4, sampling=greedy, images=batch).new_ids
+    with torch.inference_mode():
+        first = int(model(torch.tensor([ids]), images=batch)[0, -1].argmax())
+    assert chunked == whole and whole[0] == first
