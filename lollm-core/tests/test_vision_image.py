@@ -123,7 +123,8 @@ def test_zero_by_zero_is_refused():
 
 
 def test_not_an_image_is_refused():
-    refused(b"GIF89a but not really", "not an image")
+    refused(b"%PDF-1.7 not a picture", "not an image")
+    refused(b"GIF89a then nothing", "truncated or corrupt", "GIF header")
 
 
 def test_data_url_roundtrip_and_bad_base64():

@@ -107,9 +107,10 @@ def decode_image(data: bytes, *, name: str) -> Image.Image:
         if png_size(data) is not None and 0 in png_size(data):  # Pillow refuses to open an empty PNG at all
             width, height = png_size(data)
             raise ImageError(f"{name} is {width}x{height}: an image needs at least one pixel") from None
-        if "truncated" in str(exc).lower():  # cut inside the header
-            raise ImageError(f"{name} is truncated or corrupt: {exc}") from None
-        raise ImageError(f"{name} is not an image lollm can read (PNG, JPEG, GIF, WebP, BMP): {exc}") from None
+        if "truncated" in str(exc).lower() or signature(data):  # a known format, cut or broken inside its header
+            raise ImageError(f"{name} is truncated or corrupt: its {signature(data) or 'image'} header does not "
+                             "read to the end") from None
+        raise ImageError(f"{name} is not an image lollm can read (PNG, JPEG, GIF, WebP, BMP)") from None
     with image:
         check_header(image, name)  # 2.-6.
         try:
@@ -140,6 +141,17 @@ def check_header(image: Image.Image, name: str) -> None:
     rawmode = image.tile[0].args if image.tile else None  # how the file stores a pixel, e.g. "RGB;16B"
     if isinstance(rawmode, str) and ";16" in rawmode:  # a 16-bit RGB PNG opens as mode RGB, dropping 8 bits
         raise ImageError(f"{name} is a 16-bit PNG; accepted are 8-bit images: convert it to 8-bit RGB first")
+
+
+#: The first bytes of each format Pillow reads here, and its name.
+SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF", b"BM": "BMP"}
+
+
+def signature(data: bytes) -> str | None:
+    """The format whose signature ``data`` starts with (WebP: ``RIFF....WEBP``), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return next((fmt for magic, fmt in SIGNATURES.items() if data.startswith(magic)), None)
 
 
 def png_size(data: bytes) -> tuple[int, int] | None:
