@@ -157,3 +157,49 @@ def test_file_errors_name_the_path_and_leave_nothing_open(tmp_path):
 def test_image_error_is_a_lollm_error():
     assert issubclass(ImageError, LollmError)
     assert vimage.ACCEPTED_MODES[0] == "RGB"
+
+
+# ------------------------------------------------------------------ fuzz: mutated images (nox -s fuzz runs many)
+SEEDS = {fmt: encoded(photo(24, 16), fmt, **({"save_all": True} if fmt == "GIF" else {})) for fmt in ("PNG", "JPEG", "GIF")}
+
+
+def mutations():
+    from hypothesis import strategies as st
+
+    edit = st.tuples(st.sampled_from(["flip", "cut", "insert", "write_u32"]), st.integers(0, 10**6),
+                     st.integers(0, 2**32 - 1))
+    return st.tuples(st.sampled_from(sorted(SEEDS)), st.lists(edit, min_size=1, max_size=4))
+
+
+def apply(data: bytes, edits) -> bytes:
+    """Each edit at ``where % len``: flip one byte, cut the file there, insert a byte, or write a big-endian u32
+    (a width, a height or a chunk length in a PNG header, when it lands there)."""
+    out = bytearray(data)
+    for kind, where, value in edits:
+        at = where % max(len(out), 1)
+        if kind == "flip":
+            out[at] ^= 1 + value % 255
+        elif kind == "cut":
+            del out[at:]
+        elif kind == "insert":
+            out.insert(at, value % 256)
+        else:
+            out[at:at + 4] = value.to_bytes(4, "big")
+        if not out:
+            break
+    return bytes(out)
+
+
+def test_mutated_images_end_in_an_rgb_image_or_an_image_error():
+    from hypothesis import given
+
+    from lollm.testing.fuzz import check_clean, fuzz_settings
+
+    @fuzz_settings(max_examples=30)
+    @given(case=mutations())
+    def one(case):
+        fmt, edits = case
+        result = check_clean(lambda: decode_image(apply(SEEDS[fmt], edits), name="image 1 of the request"))
+        assert isinstance(result, ImageError) or (result.mode == "RGB" and result.size[0] * result.size[1] >= 1), result
+
+    one()
