@@ -124,3 +124,21 @@ def test_a_forward_must_hold_whole_images():
     assert batch.within(0, 3) == [] and batch.within(7, 2) == []
     with pytest.raises(ValueError, match="cut by this forward"):
         batch.within(0, 5)
+
+
+def test_run_reads_images_first_and_refuses_a_family_without_vision(tmp_path):
+    from types import SimpleNamespace
+
+    from lollm.cli.inputs import read_images
+    from lollm.errors import LollmError
+
+    path = tmp_path / "a.png"
+    Image.new("RGB", (3, 2), (1, 2, 3)).save(path)
+    seeing = SimpleNamespace(name="f", capabilities=Capabilities(vision=True))
+    assert [im.size for im in read_images([str(path)] * 2, prompts=1, family=seeing, model="m")] == [(3, 2), (3, 2)]
+    assert read_images([], prompts=3, family=seeing, model="m") == []
+    blind = SimpleNamespace(name="toy", capabilities=Capabilities())
+    with pytest.raises(ImageError, match="model ./m \\(family toy\\) has no vision tower"):
+        read_images([str(path)], prompts=1, family=blind, model="./m")
+    with pytest.raises(LollmError, match="--image goes with one prompt"):
+        read_images([str(path)], prompts=2, family=seeing, model="m")

@@ -198,3 +198,12 @@ def test_chunked_prefill_never_cuts_an_image(ours, monkeypatch):
     with torch.inference_mode():
         first = int(model(torch.tensor([ids]), images=batch)[0, -1].argmax())
     assert chunked == whole and whole[0] == first
+
+
+def test_gemma3_registers_its_vision_tower():
+    from lollm.family import validate_family
+    from lollm_gemma.plugin import families
+
+    gemma3 = validate_family(next(f for f in families() if f.name == "gemma3"), plugin="gemma")
+    assert gemma3.capabilities.vision and gemma3.vision == "lollm_gemma.gemma3.vision:load_vision"
+    assert gemma3.resolve("vision").__name__ == "load_vision"

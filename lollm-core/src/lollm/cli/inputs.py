@@ -152,30 +152,40 @@ def encode_prompts(tokenizer: Any, prompts: list[str], *, system: Optional[str],
                                   **template_flags) for p in prompts]
 
 
-def read_images(paths: list[str], *, prompts: int) -> list[Any]:
-    """The ``--image`` files, decoded and checked (lollm.vision.image: every hostile case refused) before torch.
+def read_images(paths: list[str], *, prompts: int, family: Any, model: str) -> list[Any]:
+    """The ``--image`` files, decoded and checked (lollm.vision.image: every hostile case refused), before the weights load.
 
     prompts: how many prompts the command got; images go with one prompt (LollmError otherwise).
-    Returns RGB PIL images, in the order given. Raises ImageError naming the file.
+    family: the checkpoint's :class:`lollm.family.Family`; one without vision (``Capabilities.vision``
+    False) is an ImageError naming ``model``. Returns RGB PIL images, in the order given; ImageError
+    naming the file for a refused image.
     """
     if not paths:
         return []
     if prompts != 1:
         raise LollmError(f"--image goes with one prompt (-p), not with {prompts} prompts (--prompts-file)")
     from lollm.vision.image import read_image_file
+    from lollm.vision.prompt import require_tower
 
-    return [read_image_file(path) for path in paths]
+    images = [read_image_file(path) for path in paths]
+    if not family.capabilities.vision:
+        require_tower(None, f"{model} (family {family.name})")
+    return images
 
 
-def image_prompt(loaded: Any, model: str, prompt: str, images: list[Any], *, system: Optional[str], no_chat: bool,
-                 parse_special: bool, template_flags: dict[str, bool]) -> tuple[list[int], Any]:
+def image_prompt(loaded: Any, model: str, prompt: str, ids: list[int], images: list[Any], *, system: Optional[str],
+                 no_chat: bool, parse_special: bool, template_flags: dict[str, bool]) -> tuple[list[int], Any]:
     """``run --image``: the prompt's ids with each image's placeholder tokens, and its ImageBatch (docs/vision.md).
+
+    Without images: ``ids`` (the text prompt's, as encoded before) and None.
 
     The family's placeholder (``<start_of_image>`` for Gemma 3) goes where the user wrote it, or once
     per image before the prompt's text when it wrote none; then the chat template (unless ``no_chat``),
     the expansion to the image's tokens, the tokenizer, the placement. Raises ImageError for a model
     without a vision tower (naming ``model``), placeholders that do not match, images the context cannot hold.
     """
+    if not images:
+        return ids, None
     from lollm.vision.load import open_vision, prepare_prompt
     from lollm.vision.prompt import require_tower
 

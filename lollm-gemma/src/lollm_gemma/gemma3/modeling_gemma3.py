@@ -155,8 +155,9 @@ class Gemma3ForCausalLM(nn.Module):
         # 1. Embed, then scale by sqrt(C): Gemma's embeddings are stored small (they double
         #    as the output head), the scale brings them to the size the layers expect.
         x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
-        blocks = self._image_blocks(images, start, T, input_ids.device)  # (T,) image number per token, -1 text; None: no image
-        if blocks is not None:  # 1b. the images' rows replace their placeholders' (after the scale, as HF)
+        # 1b. Images (docs/vision.md): their rows replace their placeholders' (after the scale, as HF).
+        blocks = self._image_blocks(images, start, T, input_ids.device)  # (T,) image number, -1 text; None: no image
+        if blocks is not None:
             x = scatter_images(x, images, start)
         if hidden_states is not None:
             hidden_states.append(x)
