@@ -135,10 +135,12 @@ def test_run_reads_images_first_and_refuses_a_family_without_vision(tmp_path):
     path = tmp_path / "a.png"
     Image.new("RGB", (3, 2), (1, 2, 3)).save(path)
     seeing = SimpleNamespace(name="f", capabilities=Capabilities(vision=True))
-    assert [im.size for im in read_images([str(path)] * 2, prompts=1, family=seeing, model="m")] == [(3, 2), (3, 2)]
-    assert read_images([], prompts=3, family=seeing, model="m") == []
+    assert [im.size for im in read_images([str(path)] * 2, None, prompts=1, family=seeing, model="m")] == [(3, 2), (3, 2)]
+    assert read_images([], None, prompts=3, family=seeing, model="m") == []
     blind = SimpleNamespace(name="toy", capabilities=Capabilities())
     with pytest.raises(ImageError, match="model ./m \\(family toy\\) has no vision tower"):
-        read_images([str(path)], prompts=1, family=blind, model="./m")
+        read_images([str(path)], None, prompts=1, family=blind, model="./m")
     with pytest.raises(LollmError, match="--image goes with one prompt"):
-        read_images([str(path)], prompts=2, family=seeing, model="m")
+        read_images([str(path)], None, prompts=2, family=seeing, model="m")
+    with pytest.raises(LollmError, match="--mmproj .* goes with --image"):
+        read_images([], "tower.gguf", prompts=1, family=seeing, model="m")

@@ -20,12 +20,10 @@ from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint, write_
 from test_gemma3_vision import BOI, EOI, IMAGE, tiny_gemma3_vision
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def with_image_tokens(folder):
+    """The tiny tokenizer (509 ids) plus Gemma 3's image tokens as the special ids 509, 510, 511, in ``folder``."""
     from tokenizers import AddedToken, Tokenizer
 
-    folder = write_tiny_checkpoint(tiny_gemma3_vision(), tmp_path_factory.mktemp("gemma3-vision-cli"),
-                                   init_std=SENSITIVE_INIT_STD)
     write_tiny_tokenizer(folder, vocab_size=509)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
@@ -33,6 +31,12 @@ def folder(tmp_path_factory):
     assert [tok.token_to_id(t) for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")] == [BOI, EOI, IMAGE]
     tok.save(str(folder / "tokenizer.json"))
     return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return with_image_tokens(write_tiny_checkpoint(tiny_gemma3_vision(), tmp_path_factory.mktemp("gemma3-vision-cli"),
+                                                   init_std=SENSITIVE_INIT_STD))
 
 
 @pytest.fixture(scope="module")

@@ -152,14 +152,18 @@ def encode_prompts(tokenizer: Any, prompts: list[str], *, system: Optional[str],
                                   **template_flags) for p in prompts]
 
 
-def read_images(paths: list[str], *, prompts: int, family: Any, model: str) -> list[Any]:
+def read_images(paths: list[str], mmproj: Optional[str], *, prompts: int, family: Any, model: str) -> list[Any]:
     """The ``--image`` files, decoded and checked (lollm.vision.image: every hostile case refused), before the weights load.
+
+    mmproj: the ``--mmproj`` file, which needs images (LollmError without them; its contents are read later).
 
     prompts: how many prompts the command got; images go with one prompt (LollmError otherwise).
     family: the checkpoint's :class:`lollm.family.Family`; one without vision (``Capabilities.vision``
     False) is an ImageError naming ``model``. Returns RGB PIL images, in the order given; ImageError
     naming the file for a refused image.
     """
+    if mmproj is not None and not paths:
+        raise LollmError("--mmproj holds a vision tower: it goes with --image")
     if not paths:
         return []
     if prompts != 1:
@@ -173,11 +177,13 @@ def read_images(paths: list[str], *, prompts: int, family: Any, model: str) -> l
     return images
 
 
-def image_prompt(loaded: Any, model: str, prompt: str, ids: list[int], images: list[Any], *, system: Optional[str],
-                 no_chat: bool, parse_special: bool, template_flags: dict[str, bool]) -> tuple[list[int], Any]:
+def image_prompt(loaded: Any, model: str, prompt: str, ids: list[int], images: list[Any], mmproj: Optional[str], *,
+                 system: Optional[str], no_chat: bool, parse_special: bool,
+                 template_flags: dict[str, bool]) -> tuple[list[int], Any]:
     """``run --image``: the prompt's ids with each image's placeholder tokens, and its ImageBatch (docs/vision.md).
 
-    Without images: ``ids`` (the text prompt's, as encoded before) and None.
+    Without images: ``ids`` (the text prompt's, as encoded before) and None. ``mmproj``: the tower's
+    own GGUF file for a GGUF model (:func:`lollm.vision.load.open_vision`).
 
     The family's placeholder (``<start_of_image>`` for Gemma 3) goes where the user wrote it, or once
     per image before the prompt's text when it wrote none; then the chat template (unless ``no_chat``),
@@ -189,7 +195,7 @@ def image_prompt(loaded: Any, model: str, prompt: str, ids: list[int], images: l
     from lollm.vision.load import open_vision, prepare_prompt
     from lollm.vision.prompt import require_tower
 
-    tower = require_tower(open_vision(loaded), model)
+    tower = require_tower(open_vision(loaded, mmproj), model)
     placeholder = tower.spec.placeholder
     if placeholder not in prompt:
         prompt = " ".join([placeholder] * len(images) + [prompt])

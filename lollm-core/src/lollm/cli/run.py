@@ -15,8 +15,8 @@ from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, chec
                               check_run_flags, open_for_command, require_extra)
 from lollm.cli.inputs import encode_prompts, image_prompt, read_images, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
-                               GroupSize, ImageFiles, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp,
-                               NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag, RepetitionPenalty, Seed, Stop,
+                               GroupSize, ImageFiles, Json, JsonSchemaFlag, MaxNewTokens, MinP, MmprojFile, ModelArg,
+                               ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag, RepetitionPenalty, Seed, Stop,
                                System, Temperature, Think, Threads, TopK, TopP, Tp, Weights, load_options,
                                output_constraint, sampling_flags, which_model, with_help)
 from lollm.cli.report import err
@@ -54,7 +54,7 @@ def run(
     regex: RegexFlag = None,
     grammar: GrammarFlag = None,
     no_chat: NoChat = False,
-    image: ImageFiles = [],
+    image: ImageFiles = [], mmproj: MmprojFile = None,  # docs/vision.md
     think: with_help(Think, "The chat template's enable_thinking flag (templates that read it). Default: the template's own default.") = None,
     mtp: with_help(Mtp, "Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted.") = False,
     prompt_lookup: PromptLookup = False,
@@ -95,7 +95,7 @@ def run(
 
     prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
     checkpoint = prepared.checkpoint
-    pictures = read_images(image, prompts=len(prompts), family=prepared.family.family, model=model)  # before the weights
+    pictures = read_images(image, mmproj, prompts=len(prompts), family=prepared.family.family, model=model)
     all_ids = encode_prompts(checkpoint.tokenizer, prompts, system=system, no_chat=no_chat, parse_special=parse_special,
                              template_flags=prepared.template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
     sampling = resolve_sampling(user, checkpoint.generation_config, prepared.family.family.sampling_defaults, seed=seed,
@@ -106,8 +106,8 @@ def run(
     silence_followers(loaded.tp, err)
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
-    all_ids[0], images = image_prompt(loaded, model, prompts[0], all_ids[0], pictures, system=system, no_chat=no_chat,
-                                      parse_special=parse_special, template_flags=prepared.template_flags)
+    all_ids[0], images = image_prompt(loaded, model, prompts[0], all_ids[0], pictures, mmproj, system=system,
+                                      no_chat=no_chat, parse_special=parse_special, template_flags=prepared.template_flags)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
                   drafter=drafter, as_json=as_json, verbose=verbose, constraint=constraint, images=images)
     group = loaded.tp

@@ -7,23 +7,40 @@ encode each image, expand the placeholders, tokenize, place the images.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
+from lollm.errors import LollmError
 from lollm.vision.prompt import encode_images, expand_placeholders, place_images, require_tower
 from lollm.vision.spec import ImageBatch, VisionTower
 
 
-def open_vision(loaded) -> VisionTower | None:
+def open_vision(loaded, mmproj: str | None = None) -> VisionTower | None:
     """The vision tower of a :class:`lollm.load.pipeline.LoadedModel`, or None when it has none.
 
+    mmproj: an mmproj GGUF file (llama.cpp's ``convert_hf_to_gguf.py --mmproj``) holding the tower
+    of a GGUF model, whose own file holds the decoder only. It is opened with lollm's GGUF reader
+    and handed to the family's loader as a checkpoint of its own that shares the model's tokenizer
+    (the image token's id is the text model's).
+
     None when the family declares no vision (``Capabilities.vision`` False) or its loader finds
-    no tower in this checkpoint (a text-only checkpoint). Raises the family's LollmError
-    (ConfigError, WeightsError) for a broken tower, PluginError for a failing plugin.
+    no tower (a text-only checkpoint, a GGUF without ``mmproj``). Raises the family's LollmError
+    (ConfigError, WeightsError) for a broken tower, GGUFError for a broken mmproj file,
+    PluginError for a failing plugin.
     """
     family = loaded.family.family
     if not family.capabilities.vision:
         return None
-    return family.resolve("vision")(loaded.checkpoint, loaded.options)
+    checkpoint = loaded.checkpoint
+    if mmproj is not None:
+        from lollm.load.loader import load_gguf
+
+        if checkpoint.fmt != "gguf":
+            raise LollmError(f"--mmproj {mmproj}: an mmproj file goes with a GGUF model; {checkpoint.spec} is "
+                             f"{checkpoint.fmt}, whose own files hold the tower")
+        checkpoint = dataclasses.replace(load_gguf(Path(mmproj)), _tokenizer=loaded.tokenizer)
+    return family.resolve("vision")(checkpoint, loaded.options)
 
 
 @dataclass

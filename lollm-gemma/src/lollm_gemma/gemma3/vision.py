@@ -111,6 +111,36 @@ class Gemma3VisionConfig:
         config.check()
         return config
 
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], *, text_hidden_size: int, image_token_id: int) -> "Gemma3VisionConfig":
+        """Read an mmproj GGUF's ``clip.*`` metadata (llama.cpp's converter, ``Gemma3VisionModel``).
+
+        The file holds the tower only: the decoder's width comes from ``mm.input_projection.weight``,
+        the image token's id from the text model's tokenizer. Tokens per image: (patches per side /
+        ``clip.vision.projector.scale_factor``, 4 when absent) squared. ConfigError naming the key.
+        """
+        read = ConfigReader(metadata, "mmproj GGUF metadata")
+        read.check(read.string("clip.projector_type") == "gemma3",
+                   f"'clip.projector_type' is {read.value('clip.projector_type')!r}: a gemma3 model needs a gemma3 mmproj")
+        read.check(read.boolean("clip.use_gelu", True), "'clip.use_gelu' must be true (SigLIP's GELU-tanh)")
+        image_size, patch_size = read.positive_int("clip.vision.image_size", at_most=8192), \
+            read.positive_int("clip.vision.patch_size", at_most=1024)
+        pool = read.positive_int("clip.vision.projector.scale_factor", 4, at_most=1024)
+        for key in ("clip.vision.image_mean", "clip.vision.image_std"):
+            read.check(list(read.value(key, [0.5] * 3)) == [0.5] * 3, f"{key!r} must be [0.5, 0.5, 0.5] (Gemma 3's)")
+        config = cls(
+            hidden_size=read.positive_int("clip.vision.embedding_length", at_most=MAX_WIDTH),
+            intermediate_size=read.positive_int("clip.vision.feed_forward_length", at_most=MAX_WIDTH * 8),
+            num_hidden_layers=read.positive_int("clip.vision.block_count", at_most=MAX_LAYERS),
+            num_attention_heads=read.positive_int("clip.vision.attention.head_count", at_most=MAX_HEADS),
+            image_size=image_size, patch_size=patch_size,
+            layer_norm_eps=read.number("clip.vision.attention.layer_norm_epsilon", 1e-6, above=0.0, at_most=1.0),
+            tokens_per_image=max(image_size // patch_size // pool, 1) ** 2,
+            image_token_id=image_token_id, text_hidden_size=text_hidden_size,
+        )
+        config.check()
+        return config
+
     def check(self) -> None:
         """The rules between the numbers: patches tile the image, tokens tile the patch grid."""
         side = math.isqrt(self.tokens_per_image)
@@ -297,25 +327,68 @@ def vision_names() -> dict[str, str]:
     return table
 
 
+#: llama.cpp's mmproj names (gguf-py tensor_mapping.py, ``v.*`` and ``mm.*``) -> model names.
+GGUF_NAMES = {
+    "v.patch_embd.weight": "vision_tower.embeddings.patch_embedding.weight",
+    "v.patch_embd.bias": "vision_tower.embeddings.patch_embedding.bias",
+    "v.position_embd.weight": "vision_tower.embeddings.position_embedding.weight",
+    **{f"v.blk.{{i}}.{gguf}.{p}": f"vision_tower.encoder.layers.{{i}}.{hf}.{p}"
+       for gguf, hf in (("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("attn_q", "self_attn.q_proj"),
+                        ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"), ("attn_out", "self_attn.out_proj"),
+                        ("ffn_up", "mlp.fc1"), ("ffn_down", "mlp.fc2"))
+       for p in ("weight", "bias")},
+    "v.post_ln.weight": "vision_tower.post_layernorm.weight",
+    "v.post_ln.bias": "vision_tower.post_layernorm.bias",
+    "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",  # (D, C) as transformers keeps it
+    "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
+}
+
+#: The converter's one change to the numbers: it stores the projector's RMSNorm weight ``w + 1``
+#: (llama.cpp computes ``x * w``); SigLIP's own LayerNorms are stored as they are.
+GGUF_SOFT_EMB_NORM_SHIFT = 1.0
+
+
+def undo_gguf_shift(model_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``w + 1`` back to ``w`` for the projector's ``mm_soft_emb_norm``, other tensors as they are."""
+    return tensor - GGUF_SOFT_EMB_NORM_SHIFT if model_name.endswith("mm_soft_emb_norm.weight") else tensor
+
+
 VISION_LAYOUT = WeightLayout(name_maps={
     "safetensors": NameMap("gemma3", "multimodal (model_type 'gemma3') safetensors, vision tower", vision_names(),
                            ignored_prefixes=DECODER_PREFIXES),
+    "gguf": NameMap("gemma3", "mmproj gguf", GGUF_NAMES),
 })
 
 
 def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma3VisionTower | None:
-    """The ``vision`` of the gemma3 Family (contract 3: vision): the tower of a ``gemma3`` checkpoint, or None.
+    """The ``vision`` of the gemma3 Family (contract 3: vision): the tower of this checkpoint, or None.
 
-    None for a ``gemma3_text`` checkpoint (270M, 1B: no tower) and for a GGUF file (llama.cpp keeps
-    the tower in a separate mmproj file, not read yet). Raises ConfigError (vision_config) and
-    WeightsError (a tower tensor missing, unexpected or misshapen), naming the key or tensor.
+    * a ``gemma3`` safetensors checkpoint: the tower beside the decoder;
+    * an mmproj GGUF (``general.architecture`` "clip", from ``convert_hf_to_gguf.py --mmproj``, given
+      with ``--mmproj``): the tower alone; core hands it over with the text model's tokenizer, which
+      knows the image token's id;
+    * None for a ``gemma3_text`` checkpoint (270M, 1B: no tower) and a text GGUF (give its mmproj file).
+
+    Raises ConfigError (vision_config, clip.* metadata) and WeightsError (a tower tensor missing,
+    unexpected or misshapen), naming the key or tensor.
     """
-    if checkpoint.fmt != "safetensors" or checkpoint.config.get("model_type") != "gemma3":
+    fmt, raw = checkpoint.fmt, checkpoint.config
+    if fmt == "gguf" and raw.get("general.architecture") == "clip":
+        table = tensor_table(checkpoint.weights, VISION_LAYOUT.name_map("gguf", "gemma3"))
+        image_token_id = checkpoint.tokenizer.token_to_id(IMAGE_TOKEN)
+        if image_token_id is None or "multi_modal_projector.mm_input_projection_weight" not in table:
+            raise ConfigError(f"gemma3 mmproj: the text model's tokenizer has no {IMAGE_TOKEN!r}, or the file no "
+                              "'mm.input_projection.weight'")
+        config = Gemma3VisionConfig.from_gguf(raw, image_token_id=image_token_id,
+                                              text_hidden_size=table["multi_modal_projector.mm_input_projection_weight"][1])
+    elif fmt == "safetensors" and raw.get("model_type") == "gemma3":
+        config = Gemma3VisionConfig.from_hf(raw)
+        table = tensor_table(checkpoint.weights, VISION_LAYOUT.name_map("safetensors", "gemma3"))
+    else:
         return None
-    config = Gemma3VisionConfig.from_hf(checkpoint.config)
-    table = tensor_table(checkpoint.weights, VISION_LAYOUT.name_map("safetensors", "gemma3"))
     layers = {name.split(".")[3] for name in table if name.startswith("vision_tower.encoder.layers.")}
     if len(layers) != config.num_hidden_layers:
-        raise ConfigError(f"config.json 'vision_config' says num_hidden_layers {config.num_hidden_layers}, "
-                          f"the checkpoint holds {len(layers)} vision encoder layers")
-    return build_model(Gemma3VisionTower, config, checkpoint.weights, "safetensors", options, VISION_LAYOUT)
+        raise ConfigError(f"the vision config says {config.num_hidden_layers} encoder layers, "
+                          f"the {fmt} file holds {len(layers)}")
+    return build_model(Gemma3VisionTower, config, checkpoint.weights, fmt, options, VISION_LAYOUT,
+                       transform=undo_gguf_shift if fmt == "gguf" else None)
