@@ -404,6 +404,7 @@ def fuzz_runtime(session: nox.Session) -> None:
 #: (each run in its own pytest process: the distributions' test folders share module names).
 FUZZ_TESTS = [
     "lollm-core/tests/test_untrusted_fuzz.py",
+    "lollm-core/tests/test_vision_image.py",  # mutated PNG, JPEG and GIF files (docs/vision.md)
     "lollm-qwen/tests/test_untrusted_qwen.py",
     "lollm-gemma/tests/test_untrusted_gemma.py",
     "lollm-qwen3_5/tests/test_untrusted_qwen3_5.py",

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("__init__", "_moved", "errors", "hookspecs", "family", "model", "sampling_params")),
     ("files", ("files", "gguf.", "tokenizer.")),
     ("model seams", ("batch", "attention", "kernels.", "native.", "trace.")),
-    ("load", ("load.",)),
+    ("load", ("load.", "vision.")),
     ("generate", ("generate.",)),
     ("engine", ("engine.",)),
     ("serve and proof", ("serve.", "proof.")),

@@ -150,3 +150,60 @@ def encode_prompts(tokenizer: Any, prompts: list[str], *, system: Optional[str],
         return [tokenizer.encode(p, parse_special=parse_special) for p in prompts]
     return [tokenizer.encode_chat(messages(p, system), add_generation_prompt=True, parse_special=parse_special,
                                   **template_flags) for p in prompts]
+
+
+def read_images(paths: list[str], mmproj: Optional[str], *, prompts: int, family: Any, model: str) -> list[Any]:
+    """The ``--image`` files, decoded and checked (lollm.vision.image: every hostile case refused), before the weights load.
+
+    mmproj: the ``--mmproj`` file, which needs images (LollmError without them; its contents are read later).
+
+    prompts: how many prompts the command got; images go with one prompt (LollmError otherwise).
+    family: the checkpoint's :class:`lollm.family.Family`; one without vision (``Capabilities.vision``
+    False) is an ImageError naming ``model``. Returns RGB PIL images, in the order given; ImageError
+    naming the file for a refused image.
+    """
+    if mmproj is not None and not paths:
+        raise LollmError("--mmproj holds a vision tower: it goes with --image")
+    if not paths:
+        return []
+    if prompts != 1:
+        raise LollmError(f"--image goes with one prompt (-p), not with {prompts} prompts (--prompts-file)")
+    from lollm.vision.image import read_image_file
+    from lollm.vision.prompt import require_tower
+
+    images = [read_image_file(path) for path in paths]
+    if not family.capabilities.vision:
+        require_tower(None, f"{model} (family {family.name})")
+    return images
+
+
+def image_prompt(loaded: Any, model: str, prompt: str, ids: list[int], images: list[Any], mmproj: Optional[str], *,
+                 system: Optional[str], no_chat: bool, parse_special: bool,
+                 template_flags: dict[str, bool]) -> tuple[list[int], Any]:
+    """``run --image``: the prompt's ids with each image's placeholder tokens, and its ImageBatch (docs/vision.md).
+
+    Without images: ``ids`` (the text prompt's, as encoded before) and None. ``mmproj``: the tower's
+    own GGUF file for a GGUF model (:func:`lollm.vision.load.open_vision`).
+
+    The family's placeholder (``<start_of_image>`` for Gemma 3) goes where the user wrote it, or once
+    per image before the prompt's text when it wrote none; then the chat template (unless ``no_chat``),
+    the expansion to the image's tokens, the tokenizer, the placement. Raises ImageError for a model
+    without a vision tower (naming ``model``), placeholders that do not match, images the context cannot hold.
+    """
+    if not images:
+        return ids, None
+    from lollm.vision.load import open_vision, prepare_prompt
+    from lollm.vision.prompt import require_tower
+
+    tower = require_tower(open_vision(loaded, mmproj), model)
+    placeholder = tower.spec.placeholder
+    if placeholder not in prompt:
+        prompt = " ".join([placeholder] * len(images) + [prompt])
+    chat = not no_chat and loaded.tokenizer.chat_template is not None
+    text = loaded.tokenizer.apply_chat_template(messages(prompt, system), **template_flags) if chat else prompt
+    if not parse_special:
+        raise LollmError("--image needs special tokens parsed (each image's placeholder tokens are special tokens): "
+                         "drop --no-parse-special")
+    ready = prepare_prompt(text, images, tower, loaded.tokenizer, model=model, max_context=loaded.model.max_context,
+                           add_special_tokens=not chat)
+    return ready.ids, ready.images

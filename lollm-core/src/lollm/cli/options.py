@@ -175,6 +175,15 @@ CONTEXT_SHIFT_HELP = ("When the conversation outgrows the context: drop the olde
 Prompt = Annotated[Optional[str], typer.Option("--prompt", "-p", metavar="TEXT", help="The prompt; read from stdin when omitted.")]
 System = Annotated[Optional[str], typer.Option("--system", "-s", metavar="TEXT", help="System message (chat mode only).")]
 NoChat = Annotated[bool, typer.Option("--no-chat", help="Use the prompt as raw text, without the chat template.")]
+ImageFiles = Annotated[list[str], typer.Option(
+    "--image", metavar="FILE",
+    help="An image for the prompt (PNG, JPEG, GIF, WebP; repeat for several); the model needs a vision tower "
+         "(docs/vision.md). Each goes where the prompt writes the family's placeholder (<start_of_image> for "
+         "Gemma 3), else before the prompt's text. Video and audio are not read.")]
+MmprojFile = Annotated[Optional[str], typer.Option(
+    "--mmproj", metavar="FILE",
+    help="The vision tower of a GGUF model: the mmproj GGUF file llama.cpp's convert_hf_to_gguf.py --mmproj writes "
+         "(with --image; a safetensors model carries its tower in its own files).")]
 #: each command says what ``--think`` decides there: ``with_help(Think, ...)``
 Think = Annotated[Optional[bool], typer.Option("--think/--no-think", help="The chat template's enable_thinking flag (templates that read it).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", metavar="N", help="Most tokens to generate.")]

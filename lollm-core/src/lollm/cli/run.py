@@ -13,10 +13,10 @@ from lollm.cli import report as show
 from lollm.cli.batch import batch_reason, run_batched
 from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
                               check_run_flags, open_for_command, require_extra)
-from lollm.cli.inputs import encode_prompts, read_prompts
+from lollm.cli.inputs import encode_prompts, image_prompt, read_images, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
-                               GroupSize, Json, JsonSchemaFlag, MaxNewTokens, MinP, ModelArg, ModelOpt, Mtp, NoChat,
-                               ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag, RepetitionPenalty, Seed, Stop,
+                               GroupSize, ImageFiles, Json, JsonSchemaFlag, MaxNewTokens, MinP, MmprojFile, ModelArg,
+                               ModelOpt, Mtp, NoChat, ParseSpecial, Prompt, PromptLookup, Quantize, RegexFlag, RepetitionPenalty, Seed, Stop,
                                System, Temperature, Think, Threads, TopK, TopP, Tp, Weights, load_options,
                                output_constraint, sampling_flags, which_model, with_help)
 from lollm.cli.report import err
@@ -54,6 +54,7 @@ def run(
     regex: RegexFlag = None,
     grammar: GrammarFlag = None,
     no_chat: NoChat = False,
+    image: ImageFiles = [], mmproj: MmprojFile = None,  # docs/vision.md
     think: with_help(Think, "The chat template's enable_thinking flag (templates that read it). Default: the template's own default.") = None,
     mtp: with_help(Mtp, "Self-speculative decoding with the checkpoint's draft (MTP) head; same output, faster when drafts are accepted.") = False,
     prompt_lookup: PromptLookup = False,
@@ -94,6 +95,7 @@ def run(
 
     prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)  # every choice, made once
     checkpoint = prepared.checkpoint
+    pictures = read_images(image, mmproj, prompts=len(prompts), family=prepared.family.family, model=model)
     all_ids = encode_prompts(checkpoint.tokenizer, prompts, system=system, no_chat=no_chat, parse_special=parse_special,
                              template_flags=prepared.template_flags, note=lambda line: err.print(f"[dim]{line}[/dim]"))
     sampling = resolve_sampling(user, checkpoint.generation_config, prepared.family.family.sampling_defaults, seed=seed,
@@ -104,8 +106,10 @@ def run(
     silence_followers(loaded.tp, err)
     show.weights_summary(loaded)
     check_draft_head(loaded, model, mtp)
+    all_ids[0], images = image_prompt(loaded, model, prompts[0], all_ids[0], pictures, mmproj, system=system,
+                                      no_chat=no_chat, parse_special=parse_special, template_flags=prepared.template_flags)
     _generate_all(loaded, prompts, all_ids, sampling=sampling, stop_strings=stop, max_new_tokens=max_new_tokens,
-                  drafter=drafter, as_json=as_json, verbose=verbose, constraint=constraint)
+                  drafter=drafter, as_json=as_json, verbose=verbose, constraint=constraint, images=images)
     group = loaded.tp
     del loaded  # lollm.load.ranks rule 4: the model goes before the group
     finish(group)  # --tp: every rank meets rank 0, which has printed, before any leaves
@@ -113,7 +117,7 @@ def run(
 
 def _generate_all(loaded: LoadedModel, prompts: list[str], all_ids: list[list[int]], *, sampling: SamplingParams,
                   stop_strings: list[str], max_new_tokens: int, drafter: Optional[Drafter], as_json: bool, verbose: bool,
-                  constraint: Optional[OutputConstraint] = None) -> None:
+                  constraint: Optional[OutputConstraint] = None, images: object = None) -> None:
     """Step 3 of ``run``, once the weights are in: the sampling line, then one generation per prompt.
 
     Several prompts run batched through one engine when the model can (:mod:`lollm.cli.batch`), else
@@ -139,13 +143,16 @@ def _generate_all(loaded: LoadedModel, prompts: list[str], all_ids: list[list[in
         if len(prompts) > 1 and not as_json:
             err.print(f"[dim]\\[prompt {number}/{len(prompts)}][/dim]")
         _generate_one(loaded, text, ids, sampling=sampling, stops=stops, stop_strings=stop_strings,
-                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json, constraint=constraint)
+                      max_new_tokens=max_new_tokens, drafter=drafter, as_json=as_json, constraint=constraint,
+                      images=images)
 
 
 def _generate_one(loaded: LoadedModel, prompt: str, ids: list[int], *, sampling: SamplingParams, stops: set[int],
                   stop_strings: list[str], max_new_tokens: int, drafter: Optional[Drafter], as_json: bool,
-                  constraint: Optional[CompiledConstraint] = None) -> None:
-    """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130."""
+                  constraint: Optional[CompiledConstraint] = None, images: object = None) -> None:
+    """One generation of ``run``: the text streamed (or one JSON object), then its statistics; Ctrl-C exits 130.
+
+    ``images``: the prompt's ImageBatch (``--image``; docs/vision.md), None for text."""
     from lollm.generate.loop import GenerationResult, generate
 
     new_ids: list[int] = []
@@ -168,7 +175,7 @@ def _generate_one(loaded: LoadedModel, prompt: str, ids: list[int], *, sampling:
         result = generate(
             loaded.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stops,
             stop_strings=stop_strings, tokenizer=loaded.tokenizer, on_text=on_text, on_token=on_token,
-            drafter=drafter, attn=loaded.attn, constraint=constraint,
+            drafter=drafter, attn=loaded.attn, constraint=constraint, images=images,
         )
     except KeyboardInterrupt:
         # Ctrl-C: what was generated so far, with the timings the loop would have reported.

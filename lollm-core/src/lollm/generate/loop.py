@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -150,6 +150,7 @@ def generate_steps(
     logprobs: int | None = None,
     constraint: CompiledConstraint | None = None,
     drafter: Drafter | None = None,
+    images: Any = None,
 ) -> Iterator[Step]:
     """The step generator: the prefill, then one decode step per ``next()``, one :class:`Step` per new token.
 
@@ -182,6 +183,9 @@ def generate_steps(
       before each pick, the ids it forbids get ``-inf`` (a fresh matcher per call), so every
       token, drafts included, is one the constraint allows; the end-of-sequence ids are
       allowed only once the output is complete.
+    * ``images``: the prompt's :class:`lollm.vision.spec.ImageBatch` (docs/vision.md), given to the
+      prefill's forwards (a model that reads images: :class:`lollm.model.VisionLM`). Not with a
+      ``prompt_cache``, which matches prompts by their ids alone (GenerationError).
     * At most ``min(max_new_tokens, context - len(prompt_ids))`` steps: the last
       one says why in ``Step.finish``. A caller may stop asking sooner (an
       end-of-sequence id, a stop string, a cancel): no forward runs past the
@@ -199,7 +203,11 @@ def generate_steps(
     budget = check_request(model, prompt_ids, max_new_tokens, context=context, constraint=constraint,
                            holder="model" if prompt_cache is None else "session")
     _check_run(model, len(prompt_ids) + budget, prompt_cache, drafter)
-    seq = Sequence(model, prompt_ids, sampling, budget=budget, context=context, logprobs=logprobs, constraint=constraint)
+    if images is not None and prompt_cache is not None:
+        raise GenerationError("a prompt with images cannot use the prompt cache: it matches prompts by token ids, "
+                              "and every image's placeholder ids are the same")
+    seq = Sequence(model, prompt_ids, sampling, budget=budget, context=context, logprobs=logprobs, constraint=constraint,
+                   images=images)
     return _steps(seq, prompt_cache, drafter)
 
 
@@ -387,6 +395,7 @@ def generate(
     attn: str | None = None,
     constraint: CompiledConstraint | None = None,
     drafter: Drafter | None = None,
+    images: Any = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -410,7 +419,7 @@ def generate(
     generation with stop reason "cancelled" (a client that went away, Ctrl-C).
     ``attn`` names the attention backend to run with (:mod:`lollm.attention`; None:
     the current one). ``constraint``: the output follows it (:mod:`lollm.generate.structured`;
-    see :func:`generate_steps`).
+    see :func:`generate_steps`). ``images``: the prompt's ImageBatch (docs/vision.md; see :func:`generate_steps`).
 
     This is :func:`generate_steps` read through :func:`stream_text`, with the callbacks.
     Raises GenerationError for an empty prompt, a non-positive
@@ -423,7 +432,7 @@ def generate(
     with use_backend(attn):
         steps = generate_steps(model, prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                speculative_tokens=speculative_tokens, prompt_cache=prompt_cache, logprobs=logprobs,
-                               constraint=constraint, drafter=drafter)
+                               constraint=constraint, drafter=drafter, images=images)
         with closing(steps):  # a prompt cache records what it holds when the steps close
             pieces = stream_text(steps, tokenizer, stop_ids=stop_ids, stop_strings=stop_strings, should_stop=should_stop)
             result = _collect(pieces, GenerationResult(prompt_ids=list(prompt_ids)), on_token, on_text)

@@ -20,6 +20,8 @@ amortized over 128 rows, so the cost is small (see docs/measurements.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lollm.model import Cache, CausalLM
@@ -31,19 +33,27 @@ from lollm.model import Cache, CausalLM
 PREFILL_CHUNK_TOKENS = 128
 
 
-def run_prompt(model: CausalLM, ids: list[int], cache: Cache, device: torch.device) -> torch.Tensor:
+def run_prompt(model: CausalLM, ids: list[int], cache: Cache, device: torch.device, images: Any = None) -> torch.Tensor:
     """Run ``ids`` after what ``cache`` holds, in chunks of at most :data:`PREFILL_CHUNK_TOKENS`.
 
     ``ids``: a non-empty list of ints; ``cache``: the model's cache (``model.new_cache``),
-    which the forwards advance by ``len(ids)`` positions. Returns the logits of the
+    which the forwards advance by ``len(ids)`` positions. ``images``: the prompt's
+    :class:`lollm.vision.spec.ImageBatch` (docs/vision.md) or None; each forward receives it,
+    and a chunk that would end inside an image runs on to the image's end (an image's tokens
+    attend to each other, so one forward holds all of them). Returns the logits of the
     last position, (1, 1, vocab) float. Errors are the model's (a full cache, an id
     outside the vocabulary), raised by the chunk that meets them; ValueError for no ids.
     """
     chunk = max(1, int(PREFILL_CHUNK_TOKENS))
-    logits = None
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor([ids[start : start + chunk]], dtype=torch.long, device=device)
-        logits = model(piece, cache, logits_to_keep=1)
+    spans = [] if images is None else images.spans()  # positions from 0 = the cache's first
+    extra = {} if images is None else {"images": images}
+    logits, start, offset = None, 0, cache.length
+    while start < len(ids):
+        end = min(start + chunk, len(ids))
+        end = max([end] + [b - offset for a, b in spans if a - offset < end < b - offset])  # never cut an image
+        piece = torch.tensor([ids[start:end]], dtype=torch.long, device=device)
+        logits = model(piece, cache, logits_to_keep=1, **extra)
+        start = end
     if logits is None:
         raise ValueError("run_prompt got no ids: a prefill needs at least one position")
     return logits

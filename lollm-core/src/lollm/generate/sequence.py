@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -158,6 +158,8 @@ class Sequence:
     constraint: the output follows it (a fresh :class:`TokenMatcher` per sequence).
     stop_ids:   ids that end it (the engine's end-of-sequence ids; the loop leaves them to
                 :func:`lollm.generate.loop.stream_text`, which also flushes the text).
+    images:     the prompt's :class:`lollm.vision.spec.ImageBatch` (docs/vision.md), passed to the
+                prefill's forwards; None for text.
 
     ``cache`` is the loop's own cache (:meth:`prefill` makes it, or a prompt cache hands one over);
     the engine keeps a sequence's keys in its pool instead and never sets it.
@@ -165,8 +167,8 @@ class Sequence:
 
     def __init__(self, model: CausalLM, prompt_ids: list[int], sampling: SamplingParams, *, budget: int, context: int,
                  logprobs: int | None = None, constraint: CompiledConstraint | None = None,
-                 stop_ids: frozenset[int] = frozenset()):
-        self.model, self.prompt_ids, self.logprobs = model, list(prompt_ids), logprobs
+                 stop_ids: frozenset[int] = frozenset(), images: Any = None):
+        self.model, self.prompt_ids, self.logprobs, self.images = model, list(prompt_ids), logprobs, images
         self.budget, self.context, self.stop_ids = budget, context, frozenset(stop_ids)
         self.device = next(model.parameters()).device
         self.sampler = Sampler(sampling)
@@ -182,7 +184,7 @@ class Sequence:
         """
         self.cache = self.model.new_cache(min(len(self.prompt_ids) + self.budget + extra, self.context))
         # in chunks of lollm.generate.prefill.PREFILL_CHUNK_TOKENS: the activations stay bounded whatever the prompt's length
-        return run_prompt(self.model, self.prompt_ids, self.cache, self.device)[0, -1]
+        return run_prompt(self.model, self.prompt_ids, self.cache, self.device, self.images)[0, -1]
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """One step: the logits (len(ids), V) of ``ids`` run after what its cache holds."""

@@ -31,7 +31,7 @@ from lollm.serve.guard import check_authorization
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
                                   Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
-                                  longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
+                                  longest_token_bytes, number, parse_body, read_messages, refuse_images, response_format, short_repr,
                                   stops, stream_options, text_bytes)
 from lollm.serve.reasoning import EFFORTS, after_thinking, opening
 from lollm.serve.tool_formats import ToolRequestError
@@ -260,10 +260,13 @@ class ModelServer:
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
+        images: list = []
         try:
-            messages = read_messages(body.get("messages"))
+            messages = read_messages(body.get("messages"), images)
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
+        if images:
+            refuse_images(self.name, self.loaded)
         flags = {**self.template_flags, **self.thinking_flag(body)}
         extra = body.get("chat_template_kwargs")
         if extra is not None:

@@ -241,9 +241,12 @@ def chat_logprobs(body: Body) -> int | None:
     return None
 
 
-def read_messages(value: object) -> list[dict[str, object]]:
+def read_messages(value: object, images: list | None = None) -> list[dict[str, object]]:
     """The chat messages as the template takes them: role, content (text parts joined), name, and an assistant's
-    tool calls (arguments as objects: :func:`lollm.serve.tools.template_tool_calls`); ApiError 400 naming the message."""
+    tool calls (arguments as objects: :func:`lollm.serve.tools.template_tool_calls`); ApiError 400 naming the message.
+
+    ``images``: a list that receives each ``image_url`` part's decoded image, in order (:func:`read_image_part`);
+    None: image parts are refused like any other non-text part."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
     out = []
@@ -261,9 +264,13 @@ def read_messages(value: object) -> list[dict[str, object]]:
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
-        if isinstance(content, list):  # content parts: text only
+        if isinstance(content, list):  # content parts: text, and images when the caller collects them
             texts = []
             for j, part in enumerate(content):
+                if images is not None and isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                    images.append(read_image_part(part, f"{where}.content[{j}]", len(images) + 1))
+                    texts.append(IMAGE_MARK)
+                    continue
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise ApiError(400, f"{where}.content[{j}]: only text parts are supported",
                                    param=f"{where}.content[{j}]")
@@ -281,6 +288,52 @@ def read_messages(value: object) -> list[dict[str, object]]:
             entry["tool_calls"] = template_tool_calls(message["tool_calls"], where)
         out.append(entry)
     return out
+
+
+# -- image parts (docs/vision.md) -----------------------------------------------------------
+
+#: Content part types that carry media: images are read, video and audio refused by name.
+MEDIA_PARTS = ("image_url", "input_audio", "video_url", "input_video")
+#: Where an image part stood in a message's text, until the model's own placeholder replaces it.
+IMAGE_MARK = "\ue000image\ue001"
+
+
+def read_image_part(part: dict, where: str, number: int) -> object:
+    """One ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` part -> an RGB PIL image.
+
+    Only ``data:`` URLs: the server fetches nothing. ApiError 400 naming ``where`` for another URL,
+    bad base64, a hostile image (lollm.vision.image: bomb, truncated, CMYK, 16-bit, animated, 0x0),
+    and for video or audio parts (not supported).
+    """
+    from lollm.errors import ImageError
+    from lollm.vision.image import decode_data_url, decode_image
+    from lollm.vision.prompt import UNSUPPORTED_MEDIA
+
+    kind = part.get("type")
+    if kind != "image_url":
+        raise ApiError(400, f"{where}: {UNSUPPORTED_MEDIA['audio' if 'audio' in kind else 'video']}", param=where)
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    name = f"image {number} of the request ({where})"
+    try:
+        return decode_image(decode_data_url(url, name=name), name=name)
+    except ImageError as error:
+        raise ApiError(400, str(error), param=f"{where}.image_url.url") from None
+
+
+def refuse_images(model: str, loaded: object) -> NoReturn:
+    """ApiError for a chat request whose images were read and checked: the server cannot run them yet.
+
+    A model without a vision tower: 400 naming it. One with a tower: 501, since the engine that
+    serves requests does not take images yet (``lollm run --image`` does; docs/vision.md says what is built).
+    """
+    family = getattr(getattr(loaded, "family", None), "family", None)
+    if family is None or not family.capabilities.vision:
+        raise ApiError(400, f"model {model!r} has no vision tower: it reads text only, and the request holds an image",
+                       param="messages")
+    raise ApiError(501, f"model {model!r} reads images, but lollm serve does not run image requests yet (the engine's "
+                        "image path is not built); lollm run --image reads them", param="messages",
+                   kind="not_implemented_error")
 
 
 # -- response_format: structured output (lollm.generate.structured, docs/structured-output.md) ----------
