@@ -174,3 +174,30 @@ def test_weight_errors_name_the_tensor(checkpoint):
         state_from_mmproj(lambda n: torch.zeros(1), ["v.blk.0.attn_q.weight"], "f.gguf")
     with pytest.raises(ValueError, match="gives 16 patches but pixel_values has 15"):
         tower(torch.zeros(15, tower.config.patch_dim), [(1, 4, 4)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_our_embeddings_and_positions_give_transformers_logits(family, checkpoint):
+    """Our tower's features scattered at the image tokens + our M-RoPE positions, fed to transformers'
+    decoder (inputs_embeds, position_ids), give the logits of transformers' own multimodal forward
+    (pixel_values, image_grid_thw) at every position: the pieces compose as the decoder needs them."""
+    from lollm_qwen3_5.vision_positions import mrope_positions
+    from test_vision_positions import prompt
+
+    folder = checkpoint(family)
+    raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    reference = tiny.reference_class(family, "multimodal").from_pretrained(str(folder), dtype=torch.float32).eval()
+    pixel_values, grids = inputs(TWO_IMAGES)
+    ids, types = prompt(raw, grids)
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        want = reference(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=torch.tensor(grids),
+                         mm_token_type_ids=torch.tensor([types])).logits[0]
+        embeds = reference.get_input_embeddings()(input_ids)  # (1, T, C)
+        image_rows = input_ids[0] == raw["image_token_id"]
+        embeds[0, image_rows] = torch.cat(tower_from_safetensors(folder)(pixel_values, grids))
+        positions, _ = mrope_positions(ids, raw["image_token_id"], grids, merge_size=2)
+        got = reference(inputs_embeds=embeds, position_ids=positions[:, None, :]).logits[0]
+    cos = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=-1)
+    assert cos.min() >= MIN_COSINE, f"min cosine {cos.min():.6f}"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
