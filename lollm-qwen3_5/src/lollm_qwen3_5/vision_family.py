@@ -106,11 +106,12 @@ def load_vision(checkpoint, options) -> Qwen3_5Vision | None:
     return _finish(tower, processor, checkpoint.config, options)
 
 
-def tower_from_mmproj(path, config: dict, options) -> Qwen3_5Vision:
+def tower_from_mmproj(path, config: dict, options, budget: ProcessorConfig | None = None) -> Qwen3_5Vision:
     """The tower from llama.cpp's mmproj GGUF at ``path``; ``config``: the decoder's (for image_token_id).
 
-    The processor numbers come from the file's ``clip.vision.image_mean`` / ``image_std``; the pixel
-    budget is Qwen3.5's published one.
+    Patch, merge, mean and std come from the file (``clip.vision.*``). The file does not carry the
+    pixel budget: ``budget``'s min_pixels / max_pixels (e.g. a preprocessor_config.json), else
+    Qwen3.5's published one.
     """
     from lollm.gguf.reader import GGUFTensorSource
 
@@ -119,8 +120,9 @@ def tower_from_mmproj(path, config: dict, options) -> Qwen3_5Vision:
     vision = VisionConfig.from_mmproj(source.metadata, {n: source.shape(n) for n in names}, str(path))
     tower = load_tower(VisionTower(vision), state_from_mmproj(source.read, names, str(path)), str(path))
     meta = source.metadata
+    budget = budget or ProcessorConfig()
     processor = ProcessorConfig(
-        patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+        min_pixels=budget.min_pixels, max_pixels=budget.max_pixels, patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
         temporal_patch_size=vision.temporal_patch_size,
         image_mean=tuple(meta["clip.vision.image_mean"]), image_std=tuple(meta["clip.vision.image_std"]),
     )
