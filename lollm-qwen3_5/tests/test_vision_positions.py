@@ -15,7 +15,9 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 
 import qwen3_5_tiny as tiny
 from lollm_qwen3_5.qwen3_5.blocks import rope_inverse_frequencies
-from lollm_qwen3_5.vision_positions import mrope_axis_of_frequency, mrope_cos_sin, mrope_positions
+from lollm_qwen3_5.vision_positions import (
+    mrope_axis_of_frequency, mrope_cos_sin, mrope_positions, mrope_positions_window,
+)
 
 #: patch grids (t, h, w): square, wide, tall, and one merged token
 GRIDS = [(1, 4, 4), (1, 4, 10), (1, 12, 2), (1, 2, 2)]
@@ -97,3 +99,19 @@ def test_placeholders_that_disagree_with_the_grids_are_refused():
         mrope_positions([1, img, 2], img, [(1, 2, 2), (1, 2, 2)], merge_size=2)
     with pytest.raises(ValueError, match="beyond the 1 image grid"):
         mrope_positions([img, 1, img], img, [(1, 2, 2)], merge_size=2)
+
+
+@pytest.mark.parametrize("window", [(0, None), (0, 5), (3, 30), (20, 7), (41, 1), (60, 40)])
+def test_window_positions_from_spans_equal_the_whole_prompts(reference_model, window):
+    """A chunk (or one decode step) gets the positions of the whole prompt's computation, from spans only."""
+    raw, _ = reference_model
+    ids, _ = prompt(raw, GRIDS)
+    whole, delta = mrope_positions(ids, raw["image_token_id"], GRIDS, merge_size=2)
+    starts = [i for i, x in enumerate(ids) if x == raw["image_token_id"] and ids[i - 1] != x]
+    images = [(s, (t, h // 2, w // 2)) for s, (t, h, w) in zip(starts, GRIDS)]
+    start, T = window
+    T = len(ids) - start if T is None else T
+    got, got_delta = mrope_positions_window(images, start, T)
+    assert got_delta == delta
+    want = torch.cat([whole, torch.arange(len(ids), max(len(ids), start + T)).expand(3, -1) + delta], dim=1)[:, start:start + T]
+    assert torch.equal(got, want)

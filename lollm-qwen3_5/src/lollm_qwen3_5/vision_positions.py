@@ -100,3 +100,36 @@ def mrope_cos_sin(
     angles = chosen.T * inv_freq[None, :]  # (T, R/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, R)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def mrope_positions_window(
+    images: Sequence[tuple[int, Sequence[int]]], start: int, T: int
+) -> tuple[torch.Tensor, int]:
+    """The (3, T) M-RoPE positions of sequence indices ``start .. start+T-1``, from the images' spans alone.
+
+    What a decoder needs for one forward of a chunked prefill or a decode step, without the
+    earlier ids: images is ``[(first index, merged grid (t, h', w')), ...]`` of the whole
+    sequence (core's ``PlacedImage.start`` and ``.grid``), an image taking t*h'*w' indices from
+    its first. Returns the positions and ``delta``, the shift after every image
+    (sum of max(h', w') - t*h'*w'): a text index i past all images sits at i + delta.
+
+    Rule (the same as :func:`mrope_positions`): a text index i sits at i plus the shifts of the
+    images that end before it; an image starting at index s sits at p = s + (those shifts), its
+    k-th token (raster order) at (p + frame, p + row, p + column).
+    """
+    index = torch.arange(start, start + T)
+    positions = index.expand(3, -1).clone()
+    spans = []
+    shift = 0
+    for first, (t, h, w) in sorted((int(s), tuple(int(n) for n in g)) for s, g in images):
+        n = t * h * w
+        spans.append((first, n, (t, h, w), first + shift))  # p: where the image's positions start
+        positions[:, index >= first + n] += max(h, w) - n
+        shift += max(h, w) - n
+    for first, n, (t, h, w), p in spans:
+        inside = (index >= first) & (index < first + n)
+        k = index[inside] - first  # the token's rank inside the image, raster order
+        positions[0, inside] = p + k // (h * w)
+        positions[1, inside] = p + (k // w) % h
+        positions[2, inside] = p + k % w
+    return positions, shift
