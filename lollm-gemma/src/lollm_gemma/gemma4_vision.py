@@ -343,6 +343,15 @@ class Gemma4Vision(nn.Module):
         """How many placeholder tokens an image of ``num_patches`` patches takes: N / k²."""
         return num_patches // self.config.pooling_kernel_size**2
 
+    def placeholder_ids(self, soft_tokens: int) -> list[int]:
+        """What one image occupies in the prompt: <boi>, the image token once per soft token, <eoi>.
+
+        transformers' Gemma4Processor expands each image token of the text to this run; the
+        soft tokens replace the image tokens, one for one, before the decoder.
+        """
+        c = self.config
+        return [c.boi_token_id] + [c.image_token_id] * soft_tokens + [c.eoi_token_id]
+
     def forward(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """patches (N, 3·p·p) in [0, 1] and positions (N, 2) int64 (x, y) -> soft tokens (N / k², C_text).
 
