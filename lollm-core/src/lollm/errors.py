@@ -53,3 +53,8 @@ class GenerationError(LollmError):
 
 class AttentionBackendError(LollmError):
     """An unknown attention backend name (``--attn``, ``LOLLM_ATTN``), or one that cannot run here."""
+
+
+class ImageError(LollmError):
+    """An image is refused (lollm.vision): unreadable, truncated, too large, of a refused kind, or sent to a
+    model without a vision tower; the message names the image (its path, or "image 2 of the request")."""

@@ -33,6 +33,8 @@ from lollm.sampling_params import check_sampling_value
 #: ``load`` signature); adding optional fields or hook arguments does not need a bump.
 #:
 #: Contract 2 (this one): ``load(checkpoint, options)`` with a :class:`lollm.load.options.LoadOptions`.
+#: "Contract 3: vision" (docs/vision.md) adds, optionally, ``Capabilities(vision=True)`` and
+#: ``Family.vision``; added optional fields, so the version stays 2 and text families change nothing.
 #: Contract 1 was ``load(raw_config, weights, fmt, device, dtype, progress)``, with the
 #: quantization and the tensor-parallel group set as attributes on ``weights``.
 CONTRACT_VERSION = 2
@@ -64,10 +66,13 @@ class Capabilities:
                       lists it; ``--think`` / ``--no-think`` are decided from the checkpoint's own template,
                       see :meth:`lollm.tokenizer.Tokenizer.chat_template_reads`).
     speculative_head: the checkpoint may carry a draft head for self-speculative decoding (``--mtp``).
+    vision:           the family's checkpoints may carry a vision tower, loaded by ``Family.vision``
+                      (contract 3: vision, docs/vision.md); ``--image`` and image content need it.
     """
 
     thinking_toggle: bool = False
     speculative_head: bool = False
+    vision: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,10 @@ class Family:
                           parity gate, called as ``build(checkpoint, dtype)`` and returning a
                           callable ``ids -> (logits, hidden_states)``; ``None`` means the
                           default, ``transformers.AutoModelForCausalLM`` on the same folder.
+      vision:             ``"module:function"`` of the vision-tower loader (contract 3: vision), called as
+                          ``load_vision(checkpoint, options)`` on the same checkpoint and options as ``load``;
+                          it returns a :class:`lollm.vision.spec.VisionTower`, or None when this checkpoint
+                          has no tower. Given exactly when ``capabilities.vision`` is True.
       description:        one line for ``lollm families``.
       registered_by:      set by core when it registers the family (``"plugin 'qwen' (lollm-qwen 0.1.0)"``),
                           for error messages; a plugin leaves it empty. Not compared.
@@ -109,6 +118,7 @@ class Family:
     capabilities: Capabilities = Capabilities()
     parity_reference: str | None = None
     description: str = ""
+    vision: str | None = None
     registered_by: str = field(default="", compare=False)
 
     def resolve(self, attribute: str = "load") -> Callable[..., Any]:
@@ -239,6 +249,11 @@ def validate_family(family: object, *, plugin: str) -> Family:
         raise PluginError(f"{where} declares no model types and no GGUF architectures")
     load = _target(family.load, "load", where)
     parity_reference = None if family.parity_reference is None else _target(family.parity_reference, "parity_reference", where)
+    vision = None if family.vision is None else _target(family.vision, "vision", where)
+    capabilities = _capabilities(family.capabilities, where)
+    if capabilities.vision != (vision is not None):
+        raise PluginError(f"{where}: capabilities.vision is {capabilities.vision} but vision is {vision!r}: "
+                          "a family with a vision tower sets both (docs/vision.md), a text family neither")
     if not isinstance(family.description, str):
         raise PluginError(f"{where}: description must be a string, got {type(family.description).__name__}")
     return Family(
@@ -248,9 +263,10 @@ def validate_family(family: object, *, plugin: str) -> Family:
         load=load,
         gguf_architectures=gguf_architectures,
         sampling_defaults=_sampling_defaults(family.sampling_defaults, where),
-        capabilities=_capabilities(family.capabilities, where),
+        capabilities=capabilities,
         parity_reference=parity_reference,
         description=family.description,
+        vision=vision,
     )
 
 

@@ -122,6 +122,35 @@ class CausalLM(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
 
+class VisionLM(CausalLM, Protocol):
+    """A decoder that reads images (plugin contract 3: vision; docs/vision.md).
+
+    Its family declares ``Capabilities(vision=True)`` and a ``Family.vision`` loader that returns the
+    :class:`lollm.vision.spec.VisionTower`; the decoder itself takes one more keyword:
+
+    ``forward(input_ids, cache, *, images=None, ...)``
+
+    images: a :class:`lollm.vision.spec.ImageBatch` (the sequence's images, each with its (n, C)
+            embeddings already projected to the decoder's width, its start position and pixel hash),
+            or None for text. The family embeds ``input_ids`` (the image positions hold the placeholder
+            id), then calls :func:`lollm.vision.prompt.scatter_images` to put each image's rows in place,
+            then applies its own rule for image positions: Gemma 3 lets the tokens of one image attend
+            to each other in both directions; Qwen3.5 gives them M-RoPE positions from ``grid``.
+            An image's positions must all fall in one forward (a prefill chunk never cuts one);
+            decode steps pass ``images=None``.
+    """
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Cache | None = None,
+        *,
+        logits_to_keep: int | torch.Tensor = 0,
+        hidden_states: list[torch.Tensor] | None = None,
+        images: Any = None,
+    ) -> torch.Tensor: ...
+
+
 class LensModel(CausalLM, Protocol):
     """A model that ``lollm trace`` can read layer by layer (optional: a family without it gets no logit lens).
 

@@ -28,8 +28,9 @@ def families() -> list[Family]:
             load=manifest.LOAD,
             gguf_architectures=manifest.GGUF_ARCHITECTURES,
             sampling_defaults=dict(manifest.SAMPLING_DEFAULTS),
-            capabilities=Capabilities(),
+            capabilities=Capabilities(vision=getattr(manifest, "VISION", None) is not None),
             description=manifest.DESCRIPTION,
+            vision=getattr(manifest, "VISION", None),  # contract 3: vision (a manifest without VISION: text only)
         )
         for manifest in (gemma2, gemma3, gemma4)
     ]

@@ -5,7 +5,7 @@ This file is the family's manifest: plain constants that the plugin
 
 Read the family in this order: ``modeling_gemma3.py`` (the forward pass, top to
 bottom) -> ``config.py`` (the numbers it reads) -> ``blocks.py`` -> ``kv.py`` ->
-``weights.py``. The learner's pages are
+``weights.py``; then ``vision.py`` (images in). The learner's pages are
 docs/gemma3.md (what changed since Gemma 2) and docs/sliding-window.md (the cache).
 """
 
@@ -13,7 +13,7 @@ NAME = "gemma3"
 
 #: config.json ``model_type`` values this family serves:
 #: ``gemma3_text`` (Gemma3ForCausalLM: 270M, 1B) and ``gemma3`` (Gemma3ForConditionalGeneration:
-#: 4B, 12B, 27B; only the language model is loaded, the vision tower is skipped).
+#: 4B, 12B, 27B; the language model by LOAD, the vision tower by VISION when images are given).
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
 #: GGUF ``general.architecture`` values this family serves (llama.cpp's converter;
@@ -30,5 +30,9 @@ SAMPLING_DEFAULTS = {
 
 #: ``module:function`` of the loader, imported only when a model is loaded.
 LOAD = "lollm_gemma.gemma3.weights:load"
+
+#: ``module:function`` of the vision-tower loader (plugin contract 3: vision; docs/vision.md): the
+#: SigLIP tower and projector of a ``gemma3`` checkpoint (4B, 12B, 27B), None for ``gemma3_text``.
+VISION = "lollm_gemma.gemma3.vision:load_vision"
 
 DESCRIPTION = "Gemma 3 text decoder: sandwich norms, QK-norm, GeGLU, 5:1 sliding-window/global layers, two RoPE bases"

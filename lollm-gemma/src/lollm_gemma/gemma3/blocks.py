@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lollm.attention import attend
+from lollm.attention import attend, key_positions
 
 from .config import Gemma3Config, RopeConfig
 
@@ -150,7 +150,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(D, config.rms_norm_eps)
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, start: int, window: int | None, cache) -> torch.Tensor:
+    def forward(self, x, cos, sin, start: int, window: int | None, cache, blocks=None) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # project, split into heads, normalise each head: (1, T, H*D) -> (1, T, H, D) -> (1, H, T, D)
@@ -167,10 +167,38 @@ class Gemma3Attention(nn.Module):
         # lollm.batch.Batch) k, v are the layer's paged pool, read in position order
         # through the block tables: attend ignores ring there.
         ring = window is not None and cache is not None and T == 1
+        if blocks is not None:  # images in this prefill: the mask of image_visible (vision.md)
+            mask = image_visible(start, T, k.shape[2], window, blocks)  # (T, S)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=H != K)
+            return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,
                      layer=self.layer_idx)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
         return self.o_proj(out)  # (1, T, C)
+
+
+def image_visible(start: int, T: int, S: int, window: int | None, blocks: torch.Tensor) -> torch.Tensor:
+    """Who may see whom in a prefill holding images: a bool (T, S) mask, True where query i reads key j.
+
+    Text is causal, as everywhere; the tokens of one image also see each other in both
+    directions (an image is not read left to right), as transformers' Gemma 3 does
+    (``create_masks_for_vision_model``)::
+
+        full layer:     causal  OR  same image
+        sliding layer: (causal  OR  same image)  AND  key > query - W
+
+    blocks: (T,) int64, the image number of each new token, -1 for text. Keys before ``start``
+    (cached) are never inside an image of this forward: a forward holds whole images.
+    """
+    query_pos = torch.arange(start, start + T, device=blocks.device)[:, None]  # (T, 1)
+    key_pos = key_positions(start, T, S, device=blocks.device)[None, :]  # (1, S)
+    new = key_pos[0] - start  # index of each key among the new tokens (< 0: cached)
+    key_block = torch.where(new >= 0, blocks[new.clamp(min=0)], -1)[None, :]  # (1, S)
+    same_image = (blocks[:, None] == key_block) & (key_block >= 0)  # (T, S)
+    mask = (key_pos <= query_pos) | same_image
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    return mask
 
 
 # ---------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lollm.batch import CacheLayer, keep_logit_rows, token_positions
+from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
+from lollm.vision.prompt import scatter_images
+from lollm.vision.spec import ImageBatch
 
 from .blocks import Gemma3Attention, Gemma3MLP, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma3Config
@@ -59,8 +61,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = Gemma3MLP(config)
         self.post_feedforward_layernorm = RMSNorm(C, eps)
 
-    def forward(self, x, cos, sin, start: int, window: int | None, cache) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache))
+    def forward(self, x, cos, sin, start: int, window: int | None, cache, blocks=None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache, blocks))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x
 
@@ -129,6 +132,7 @@ class Gemma3ForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -139,6 +143,9 @@ class Gemma3ForCausalLM(nn.Module):
         ``logits_to_keep`` a tensor of rows (lollm.batch explains the seam).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
+        ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
+        vision.py; those inside these T positions replace their placeholder rows after step 1, and
+        attend inside themselves both ways (step 3). Single-sequence forwards only.
         """
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
@@ -148,6 +155,9 @@ class Gemma3ForCausalLM(nn.Module):
         # 1. Embed, then scale by sqrt(C): Gemma's embeddings are stored small (they double
         #    as the output head), the scale brings them to the size the layers expect.
         x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
+        blocks = self._image_blocks(images, start, T, input_ids.device)  # (T,) image number per token, -1 text; None: no image
+        if blocks is not None:  # 1b. the images' rows replace their placeholders' (after the scale, as HF)
+            x = scatter_images(x, images, start)
         if hidden_states is not None:
             hidden_states.append(x)
 
@@ -159,14 +169,15 @@ class Gemma3ForCausalLM(nn.Module):
 
         # 3. Who may attend to whom: every layer causally, a sliding layer only within the
         #    last W positions (window None: a global layer). The masks themselves are built
-        #    where attention runs (lollm.attention), from these windows and the positions.
+        #    where attention runs (lollm.attention), from these windows and the positions;
+        #    with images in this forward, by blocks.image_visible (an image sees all of itself).
         windows = {t: self.config.sliding_window if t == SLIDING else None for t in set(self.config.layer_types)}
 
         # 4. The decoder layers; each writes its keys/values into its own cache.
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             cos, sin = rope[layer.layer_type]
-            x = layer(x, cos, sin, start, windows[layer.layer_type], cache)  # (1, T, C)
+            x = layer(x, cos, sin, start, windows[layer.layer_type], cache, blocks)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:
@@ -182,6 +193,24 @@ class Gemma3ForCausalLM(nn.Module):
         #    An engine step passes a tensor: the row of each sequence's last token.
         x = keep_logit_rows(x, logits_to_keep)
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
+
+    @staticmethod
+    def _image_blocks(images: ImageBatch | None, start, T: int, device: torch.device) -> torch.Tensor | None:
+        """(T,) int64: for each new token the number of the image it belongs to, -1 for text; None without images.
+
+        Raises ValueError for images in an engine step (the engine does not take images yet).
+        """
+        if images is None or not images.images:
+            return None
+        if isinstance(start, Batch):
+            raise ValueError("gemma3: images reach the decoder in single-sequence forwards only (not in an engine step)")
+        inside = images.within(start, T)
+        if not inside:
+            return None
+        blocks = torch.full((T,), -1, dtype=torch.int64, device=device)
+        for number, im in enumerate(inside):
+            blocks[im.start - start:im.end - start] = number
+        return blocks
 
     def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
         """The logit lens (``lollm trace``): a residual stream read the way steps 5-6 of forward read the last one.
