@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lollm"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("__init__", "_moved", "errors", "hookspecs", "family", "model", "sampling_params")),
     ("files", ("files", "gguf.", "tokenizer.")),
-    ("model seams", ("batch", "attention", "kernels.", "native.", "trace.")),
+    ("model seams", ("batch", "attention", "kernels.", "native.", "trace.", "vision.")),
     ("load", ("load.",)),
     ("generate", ("generate.",)),
     ("engine", ("engine.",)),
