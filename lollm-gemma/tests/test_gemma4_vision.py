@@ -202,6 +202,9 @@ def test_config_errors_name_the_key(checkpoints):
     good = VisionConfig.from_dict(json.loads((checkpoints["e2b"] / "config.json").read_text(encoding="utf-8")))
     with pytest.raises(ValueError, match=r"patches must be \(N, 768\)"):
         from_safetensors(checkpoints["e2b"])(torch.zeros(9, 10), torch.zeros(9, 2, dtype=torch.long))
+    wide = torch.stack([torch.arange(66 * 3) % 66, torch.arange(66 * 3) // 66], dim=-1)  # a 66x3 grid: x up to 65
+    with pytest.raises(ValueError, match=r"0\.\.63 .*position_embedding_size"):
+        from_safetensors(checkpoints["e2b"])(torch.zeros(66 * 3, 768), wide)
     assert (good.soft_tokens_per_image, good.image_token_id) == (280, 510)
 
 

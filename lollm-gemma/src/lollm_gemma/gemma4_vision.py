@@ -356,12 +356,17 @@ class Gemma4Vision(nn.Module):
         """patches (N, 3·p·p) in [0, 1] and positions (N, 2) int64 (x, y) -> soft tokens (N / k², C_text).
 
         The patches and positions are those of gemma4_vision_preprocess.preprocess (one image).
-        Raises ValueError on mismatched shapes or a grid the pooling cannot tile.
+        Raises ValueError on mismatched shapes, a position outside the position table, or a grid
+        the pooling cannot tile.
         """
         c = self.config
         if patches.ndim != 2 or patches.shape[1] != 3 * c.patch_size**2 or positions.shape != (patches.shape[0], 2):
             raise ValueError(f"patches must be (N, {3 * c.patch_size**2}) and positions (N, 2); got "
                              f"{tuple(patches.shape)} and {tuple(positions.shape)}")
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= c.position_embedding_size):
+            raise ValueError(f"patch positions must lie in 0..{c.position_embedding_size - 1} (the position table's "
+                             f"size, vision_config.position_embedding_size); got {int(positions.min())}.."
+                             f"{int(positions.max())}")
         tower = self.vision_tower
         # 1. Patch embedding: pixels to [-1, 1], a linear per patch, plus the learned x and y embeddings.
         x = tower.patch_embedder(patches, positions)  # (N, C)
