@@ -1,0 +1,89 @@
+"""The gemma4 vision tower as plugin contract 3 (lollm.vision) drives it: ``load_vision`` and a VisionTower.
+
+The tower itself is gemma4_vision.py; this file only adapts it:
+
+* ``preprocess(image)``: step 1-2 of gemma4_vision_preprocess (resize keeping the aspect ratio
+  within the soft-token budget, ÷ 255) -> pixels (3, H, W) float32 in [0, 1]. The pixels, not
+  the patches, are what core hashes for the prefix cache and what ``num_tokens`` reads.
+* ``num_tokens(pixels)``: (H/p)·(W/p) / k², the image's soft tokens (at most 280 on E2B).
+* ``tower(pixels)``: steps 3-4 of the preprocessing (patches in (row, column, channel) order,
+  (x, y) positions), then the tower and projector -> (n, C_text).
+
+The prompt: a chat template writes ``<|image|>`` per image; core turns each into
+``<|image>`` + ``<|image|>`` × n + ``<image|>``, as transformers' Gemma4Processor does.
+
+What the decoder must still do with the ImageBatch (modeling_gemma4.py, not changed here):
+embed the ids with ``<pad>`` at the image slots (the per-layer table reads ``<pad>`` there),
+scale by sqrt(C), ``scatter_images``, and compute the per-layer inputs from the scattered
+embeddings. E2B attends causally over images (``use_bidirectional_attention`` null); the
+26B/31B models (``"vision"``) make the *sliding* layers bidirectional inside each image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lollm.load.loader import Checkpoint
+from lollm.load.options import LoadOptions
+from lollm.vision.preprocess import rescale, to_tensor
+from lollm.vision.spec import VisionSpec
+
+from .gemma4_vision import Gemma4Vision, VisionConfig
+from .gemma4_vision_preprocess import ProcessorConfig, patchify, resize
+from .gemma4_vision_weights import HF_PREFIXES, build
+
+#: Gemma 4's image tokens as its tokenizer spells them (tokenizer_config.json of gemma-4-E2B-it):
+#: the placeholder repeated per soft token (also what the chat template writes per image),
+#: and the tokens around one image's run.
+IMAGE_TOKEN, BOI, EOI = "<|image|>", "<|image>", "<image|>"
+
+
+class Gemma4VisionTower(nn.Module):
+    """A :class:`Gemma4Vision` behind the :class:`lollm.vision.spec.VisionTower` protocol."""
+
+    def __init__(self, vision: Gemma4Vision):
+        super().__init__()
+        c = vision.config
+        self.vision = vision
+        self.processor = ProcessorConfig(patch_size=c.patch_size, max_soft_tokens=c.soft_tokens_per_image,
+                                         pooling_kernel_size=c.pooling_kernel_size)
+        self.spec = VisionSpec(
+            image_size=None, patch_size=c.patch_size, image_mean=(0.0, 0.0, 0.0), image_std=(1.0, 1.0, 1.0),
+            merge=c.pooling_kernel_size, image_token=IMAGE_TOKEN, image_token_id=c.image_token_id,
+            placeholder=IMAGE_TOKEN, begin_text=BOI, end_text=EOI, resample="bicubic",
+        )
+
+    def preprocess(self, image: Any) -> torch.Tensor:
+        """An RGB PIL image -> (3, H, W) float32 in [0, 1], H and W multiples of k·p within the budget."""
+        return rescale(to_tensor(resize(image, self.processor)))
+
+    def num_tokens(self, pixels: torch.Tensor) -> int:
+        """(H/p)·(W/p) patches, one soft token per k×k block of them."""
+        p = self.processor.patch_size
+        return (pixels.shape[1] // p) * (pixels.shape[2] // p) // self.processor.pooling_kernel_size**2
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels (3, H, W) -> soft tokens (num_tokens(pixels), C_text) in the tower's dtype and device."""
+        weight = self.vision.embed_vision.embedding_projection.weight
+        patches, positions = patchify(pixels.permute(1, 2, 0), self.processor.patch_size)  # (N, p·p·3), (N, 2)
+        return self.vision(patches.to(weight.device, weight.dtype), positions.to(weight.device))
+
+
+def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4VisionTower | None:
+    """The ``vision`` of the gemma4 Family: the tower of a ``gemma4`` safetensors checkpoint, or None.
+
+    None for a ``gemma4_text`` checkpoint, one without ``vision_config``, and a GGUF file (the
+    tower is then in an mmproj file: gemma4_vision_weights.from_mmproj). Raises ValueError
+    naming the missing config key or the missing, unexpected or misshapen tensors.
+    """
+    cfg = checkpoint.config
+    if checkpoint.fmt != "safetensors" or cfg.get("model_type") != "gemma4" or not cfg.get("vision_config"):
+        return None
+    config = VisionConfig.from_dict(cfg, where=str(checkpoint.path / "config.json"))
+    weights = checkpoint.weights
+    state = {name.removeprefix("model."): weights.read(name) for name in weights.names() if name.startswith(HF_PREFIXES)}
+    vision = build(config, state, source=str(checkpoint.path), dtype=options.torch_dtype, device=options.torch_device)
+    return Gemma4VisionTower(vision).eval()
