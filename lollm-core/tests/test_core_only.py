@@ -64,7 +64,7 @@ def test_run_on_a_qwen2_checkpoint_names_the_type_and_the_distribution(tmp_path:
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("error:")
     assert "'qwen2'" in done.stderr
-    assert "lollm-qwen" in done.stderr and "pip install lollm-qwen" in done.stderr
+    assert "lollm-qwen" in done.stderr and "pip install ./lollm-qwen" in done.stderr
     assert "No family plugin is installed" in done.stderr
 
 

@@ -56,7 +56,7 @@ def expected_family(model_type: str, distribution: str) -> str:
     from lollm.load.plugins import get_registry
 
     entry = get_registry().by_model_type.get(model_type)
-    return entry.family.name if entry else f"none installed (pip install {distribution})"
+    return entry.family.name if entry else f"none installed (pip install ./{distribution})"
 
 
 def run_lollm(tmp_path: Path, hub: Path, lollm_cache: Path, *args: str) -> subprocess.CompletedProcess:

@@ -304,7 +304,8 @@ def test_a_plugin_declares_where_other_types_live():
         reg.route("qwen2")
     lines = str(info.value).splitlines()
     assert lines[1].startswith("It is provided by the distribution 'lollm-qwen[extra]': pip install lollm-qwen[extra]")
-    assert lines[2] == ("It is provided by the distribution 'lollm-qwen': pip install lollm-qwen "
+    # first-party families are folders of the repository, not on PyPI
+    assert lines[2] == ("It is provided by the distribution 'lollm-qwen': pip install ./lollm-qwen "
                         "(hint from lollm-core's table of first-party distributions)")
     # a type nobody hints at gets no pip line
     with pytest.raises(UnknownModelType) as info:
@@ -324,7 +325,7 @@ def test_a_hint_for_an_installed_but_left_out_distribution_says_so(eps):
 
 def test_the_first_party_table_covers_model_types_and_gguf_architectures():
     reg = build_registry(entry_points=[], allowlist="")
-    with pytest.raises(UnknownModelType, match="pip install lollm-qwen3_5"):
+    with pytest.raises(UnknownModelType, match=r"pip install \./lollm-qwen3_5 "):
         reg.route(gguf_architecture="qwen35moe")
     # only first-party distributions, each named in both tables
     assert set(FIRST_PARTY_MODEL_TYPES.values()) == set(FIRST_PARTY_GGUF_ARCHITECTURES.values()) == {

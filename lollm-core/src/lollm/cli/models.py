@@ -69,7 +69,7 @@ def _family(registry: Registry, *, model_type: object = None, gguf_architecture:
     except LollmError as exc:
         hints = registry.install_hints(kind, key)
         if hints:
-            return f"none installed (pip install {hints[0].install})"
+            return f"none installed ({hints[0].command()})"
         first = str(exc).splitlines()[0]
         return "none installed" if "no installed lollm family" in first else first
 

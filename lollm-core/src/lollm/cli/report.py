@@ -157,7 +157,8 @@ def families_table(registry: Registry) -> None:
         out.print(f"No family plugin is loaded: {LOAD_PLUGINS_ENV} leaves out every installed one.")
     elif not registry.families:
         firsts = ", ".join(sorted(set(FIRST_PARTY_MODEL_TYPES.values())))
-        out.print(f"No family plugin is installed. Install one, e.g. pip install lollm-qwen (first-party: {firsts})")
+        out.print(f"No family plugin is installed. Install one, e.g. pip install ./lollm-qwen from the lollm repository "
+                  f"(first-party: {firsts})")
     else:
         table = Table(title="Installed lollm families")
         for col in ("family", "model types", "GGUF", "distribution", "version", "contract", "capabilities"):

@@ -47,6 +47,9 @@ FIRST_PARTY_GGUF_ARCHITECTURES = {
     "qwen35moe": "lollm-qwen3_5",
 }
 
+#: The ``source`` of a hint from the two tables above.
+FIRST_PARTY_SOURCE = "lollm-core's table of first-party distributions"
+
 #: The environment variable holding the allowlist of plugin distributions.
 LOAD_PLUGINS_ENV = "LOLLM_LOAD_PLUGINS"
 
@@ -102,6 +105,13 @@ class InstallHint:
     key: str
     install: str  # a pip requirement: a distribution name, with extras at most
     source: str
+
+    def command(self) -> str:
+        """The pip command to show. First-party families ship as folders of the lollm repository, not on
+        PyPI, so theirs installs the folder (``pip install ./lollm-gemma``); a plugin's hint is taken as given."""
+        if self.source == FIRST_PARTY_SOURCE:
+            return f"pip install ./{self.install}"
+        return f"pip install {self.install}"
 
 
 @dataclass(frozen=True)
@@ -241,7 +251,7 @@ class Registry:
         found = [h for h in self.hints if h.kind == kind and h.key == key]
         table = FIRST_PARTY_MODEL_TYPES if kind == MODEL_TYPE else FIRST_PARTY_GGUF_ARCHITECTURES
         if key in table and not any(normalize_name(h.install) == normalize_name(table[key]) for h in found):
-            found.append(InstallHint(kind, key, table[key], "lollm-core's table of first-party distributions"))
+            found.append(InstallHint(kind, key, table[key], FIRST_PARTY_SOURCE))
         return found
 
     def warnings(self) -> list[str]:
@@ -277,7 +287,7 @@ class Registry:
                 lines.append(f"It is provided by the distribution {hint.install!r}, which is installed but left out "
                              f"by {LOAD_PLUGINS_ENV}: add it to the list (hint from {hint.source})")
             else:
-                lines.append(f"It is provided by the distribution {hint.install!r}: pip install {hint.install} "
+                lines.append(f"It is provided by the distribution {hint.install!r}: {hint.command()} "
                              f"(hint from {hint.source})")
         return "\n".join(lines + self._installed_lines())
 
