@@ -1,5 +1,5 @@
 """One layer's attention in an engine step: the SDPA path (decode rows in one padded call, a chunk in its own
-call) against lollm's native paged kernel (docs/batching.md, section 9). Qwen2.5-0.5B's shapes, random keys.
+call) against lollm's native paged kernel (docs/batch-invariance.md, "Batch invariance in attention"). Qwen2.5-0.5B's shapes, random keys.
 
     python lollm-core/benchmarks/bench_paged_attention.py [THREADS]   (default 2)
 """

@@ -2,7 +2,7 @@
 
 On a CPU with the ``sdpa`` backend and the native library built, ``attend(start=Batch)`` runs every
 sequence of a step through one kernel that computes each (query, head) by one fixed float32 order
-(docs/batching.md, section 9). What is held here:
+(docs/batch-invariance.md, "Batch invariance in attention"). What is held here:
 
 * the kernel against the attention arithmetic in float64 (``eager_probs``): GQA, windows (blocks
   released before the window are -1 and NaN), soft-caps, scales, mixed decode and prefill steps,
@@ -210,7 +210,7 @@ def test_the_thread_count_changes_nothing():
 
 def test_sdpa_moves_a_rows_last_bits_with_its_chunk():
     """Why the kernel exists: the path without it (SDPA per chunk) gives a prompt's rows other bits
-    in chunks than in one call (on torch's CPU kernels as of this writing; see docs/batching.md, section 9)."""
+    in chunks than in one call (on torch's CPU kernels as of this writing; see docs/batch-invariance.md, "Batch invariance in attention")."""
     T = 300
     q, k_pool, v_pool, batch = make_step(14, 2, 64, [0], [T], seed=11)
     real = attention.paged_attention_op
@@ -250,7 +250,7 @@ class RowByRow(torch.nn.Module):
     """A float32 linear computed one row at a time, as a lone decode step computes it.
 
     torch's float32 GEMM gives a row other last bits at M rows than at one (its blocking follows
-    M; measured in docs/batching.md, section 9), so the toy model's layers are made row-independent
+    M; measured in docs/batch-invariance.md, "Batch invariance in attention"), so the toy model's layers are made row-independent
     here, to hold everything else of an engine step to bit-for-bit equality: attention, the KV
     writes, positions, the recurrent state, the greedy pick."""
 

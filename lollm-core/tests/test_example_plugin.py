@@ -104,6 +104,25 @@ def test_families_lists_the_toy(toy_site):
     assert toy and toy[0]["distribution"] == "lollm-toy" and toy[0]["model_types"] == ["lollm_toy"]
 
 
+def test_the_lessons_checkpoint_script_makes_a_toy_that_runs(toy_site, tmp_path):
+    """docs/toy.md's "Run it": make_checkpoint.py writes a folder lollm run takes, with and without the chat template."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "toy-checkpoint"
+    made = subprocess.run([sys.executable, str(EXAMPLE / "make_checkpoint.py"), str(folder)], capture_output=True,
+                          text=True, env=child_env(toy_site), timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    for chat in ((), ("--no-chat",)):
+        done = run_lollm("run", "-m", str(folder), "-p", "hello", *chat, "--temperature", "0", "-n", "4",
+                         sites=(toy_site,))
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+        assert "lollm_toy on cpu" in done.stderr
+    again = subprocess.run([sys.executable, str(EXAMPLE / "make_checkpoint.py"), str(folder)], capture_output=True,
+                           text=True, env=child_env(toy_site), timeout=300)
+    assert again.returncode != 0 and "Traceback" not in again.stderr  # an existing folder is refused
+
+
 def test_lollm_run_on_the_toy_checkpoint(toy_site, toy_checkpoint):
     done = run_lollm("run", "-m", str(toy_checkpoint), "-p", "hello world", "--no-chat", "--temperature", "0", "-n", "5",
                      sites=(toy_site,))

@@ -48,7 +48,7 @@ class TestQwen3_5Conformance(FamilyConformance):
     # Batch invariance: the routed experts, the router and the DeltaNet's decay and write gates
     # (in_proj_a, in_proj_b) stay float32 matmuls over the step's rows (weights.QUANTIZABLE), and the
     # chunked delta rule's float32 products run over chunks the token budget cuts: torch's float32
-    # GEMM rounds a row differently with the rows beside it (docs/batching.md, section 9). With int8
+    # GEMM rounds a row differently with the rows beside it (docs/batch-invariance.md, "Batch invariance in attention"). With int8
     # weights, int8 activations magnify those last bits (0.02 to 0.07 in a logit of this sensitive
     # checkpoint), so the check runs on float32 weights: same tokens, within this bound.
     batch_invariance_weights = "float"
@@ -74,7 +74,7 @@ class TestQwen3_5MoeConformance(FamilyConformance):
     # Batch invariance: the routed experts, the router and the DeltaNet's decay and write gates
     # (in_proj_a, in_proj_b) stay float32 matmuls over the step's rows (weights.QUANTIZABLE), and the
     # chunked delta rule's float32 products run over chunks the token budget cuts: torch's float32
-    # GEMM rounds a row differently with the rows beside it (docs/batching.md, section 9). With int8
+    # GEMM rounds a row differently with the rows beside it (docs/batch-invariance.md, "Batch invariance in attention"). With int8
     # weights, int8 activations magnify those last bits (0.02 to 0.07 in a logit of this sensitive
     # checkpoint), so the check runs on float32 weights: same tokens, within this bound.
     batch_invariance_weights = "float"

@@ -286,7 +286,7 @@ def paged_attention_op():
     float32; the pools ``(blocks, block_size, K, D)`` float32, bfloat16 or float16; tables
     ``(B, max_blocks)`` int64 (-1: no block), starts and counts ``(B,)`` int64; window an int or
     None, softcap a float or None, scale a float. Returns ``(N, H, D)`` float32, each query's row
-    computed alone (docs/batching.md, section 9). :func:`lollm.native.paged.paged_attention` calls
+    computed alone (docs/batch-invariance.md, "Batch invariance in attention"). :func:`lollm.native.paged.paged_attention` calls
     it for an engine step. Built with :func:`block_int8_op`, in the same library.
     """
     built = ops()

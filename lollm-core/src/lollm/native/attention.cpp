@@ -1,6 +1,6 @@
 // Paged attention on the CPU for an engine step, with every query computed alone.
 //
-// Read it next to docs/batching.md, section 9. The engine runs the new tokens of B
+// Read it next to docs/batch-invariance.md, "Batch invariance in attention". The engine runs the new tokens of B
 // sequences as one step (lollm/batch.py); each sequence's keys and values sit in
 // blocks of a shared pool, found through its block table (lollm/engine/cache.py).
 // torch's scaled_dot_product_attention gives a query's row different last bits

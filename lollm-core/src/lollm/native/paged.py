@@ -6,7 +6,7 @@ library is built. The kernel reads every sequence's keys and values in place thr
 block table, and computes each (query, head) by one fixed sequence of float32 operations
 that depends on nothing but that query and the keys it sees: a request's attention rows are
 the same bits alone, beside any other requests, and in prompt chunks of any size
-(docs/batching.md, section 9; the arithmetic is at the top of ``attention.cpp``).
+(docs/batch-invariance.md, "Batch invariance in attention"; the arithmetic is at the top of ``attention.cpp``).
 
 This module only lays the step out as the kernel wants it: the block tables as one
 ``(B, max_blocks)`` int64 tensor padded with -1, each sequence's start and query count.

@@ -61,7 +61,7 @@ def path_noise(model: CausalLM, prompt: list[int], decode: int = 8) -> float:
     One forward over the whole prompt (many rows at once, as in a prefill or a full engine
     step) against a prefill of all but the last ``decode`` tokens and then one token at a
     time (a decode step's one row). A float model gives float rounding (about 1e-5). Packed GGUF
-    weights give every row the same bits at any row count (docs/batching.md, section 10), but the
+    weights give every row the same bits at any row count (docs/batch-invariance.md, "The same bits alone and in any batch"), but the
     single-sequence loop attends through torch's SDPA, whose sums follow the call's shape, and the
     next layer's int8 activations magnify a last-bit difference into a code: their logits part by
     more (about 0.1 to 0.3). A caller that compares an engine run with a lone run of the loop on
