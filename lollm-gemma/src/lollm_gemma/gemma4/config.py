@@ -100,6 +100,7 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "enable_moe_block": False,
     "use_double_wide_mlp": False,
     "tie_word_embeddings": True,
+    "pad_token_id": 0,
 }
 
 #: transformers' default ``global_head_dim`` (when neither it nor ``per_layer_config`` is given).
@@ -156,6 +157,11 @@ class Gemma4Config:
     tie_word_embeddings:         the output head reuses the embedding matrix.
     eos_token_ids:               end-of-sequence ids from ``eos_token_id`` (int or list).
     multimodal:                  True for ``model_type`` "gemma4" (decoder under ``model.language_model.*``).
+    pad_token_id:                the id embedded at an image's positions (0, ``<pad>``; docs/gemma4.md, Vision);
+                                 None when a GGUF file names no padding id.
+    images_bidirectional:        ``use_bidirectional_attention: "vision"`` (26B, 31B): the sliding layers
+                                 attend both ways inside an image (False on E2B: causal, like text);
+                                 None when the checkpoint does not say (a GGUF file: no key holds it).
     """
 
     vocab_size: int
@@ -182,6 +188,8 @@ class Gemma4Config:
     tie_word_embeddings: bool = True
     eos_token_ids: tuple[int, ...] = ()
     multimodal: bool = False
+    pad_token_id: int | None = 0
+    images_bidirectional: bool | None = False
 
     # -- per-layer shapes --------------------------------------------------
     def rope_for(self, layer_type: str) -> RopeConfig:
@@ -248,8 +256,10 @@ class Gemma4Config:
         eos = read.token_ids("eos_token_id") if multimodal else ()
         tie = read.boolean("tie_word_embeddings")
         ple = read.integer("hidden_size_per_layer_input", at_most=MAX_WIDTH)  # 0: no per-layer embeddings
+        vocab = read.positive_int("vocab_size", at_most=MAX_VOCAB)
+        pad = read.integer("pad_token_id", at_most=vocab - 1)  # what an image's positions embed (modeling_gemma4.py)
         return cls(
-            vocab_size=read.positive_int("vocab_size", at_most=MAX_VOCAB),
+            vocab_size=vocab,
             hidden_size=read.positive_int("hidden_size", at_most=MAX_WIDTH),
             intermediate_size=read.positive_int("intermediate_size", at_most=MAX_WIDTH),
             num_hidden_layers=num_layers,
@@ -274,6 +284,8 @@ class Gemma4Config:
             tie_word_embeddings=top.boolean("tie_word_embeddings", default=tie) if multimodal else tie,
             eos_token_ids=tuple(dict.fromkeys(eos + top.token_ids("eos_token_id"))),
             multimodal=multimodal,
+            pad_token_id=pad,
+            images_bidirectional=read.value("use_bidirectional_attention", False) == "vision",
         )
 
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
@@ -574,6 +586,8 @@ def _from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int
         tie_word_embeddings="output.weight" not in tensor_shapes,
         eos_token_ids=tuple(dict.fromkeys(i for ids in eos for i in ids)),
         multimodal=False,
+        pad_token_id=read.integer("tokenizer.ggml.padding_token_id", default=None, at_most=vocab - 1),
+        images_bidirectional=None,  # llama.cpp writes no key for use_bidirectional_attention
     )
 
 
