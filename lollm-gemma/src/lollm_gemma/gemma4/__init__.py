@@ -4,7 +4,7 @@ This file is the family's manifest: plain constants that the plugin
 (``lollm_gemma.plugin``) reads without importing torch or any model code.
 
 Read the family in this order: ``modeling_gemma4.py`` (the forward pass, top to
-bottom) -> ``config.py`` (the numbers it reads) -> ``blocks.py`` -> ``kv.py`` ->
+bottom) -> ``config.py`` (the numbers it reads; ``config_gguf.py`` from a GGUF file) -> ``blocks.py`` -> ``kv.py`` ->
 ``weights.py``, ``shared_kv_names.py``; then images in: ``../gemma4_vision_contract.py`` (the
 tower as core drives it) -> ``../gemma4_vision.py`` -> ``../gemma4_vision_preprocess.py``. The learner's pages are
 docs/gemma4.md (what changed since Gemma 3) and docs/sliding-window.md (the cache).
