@@ -159,3 +159,21 @@ def test_mutants_fail_the_bound(loaded, runs, mutant):
         model.config = right
     with pytest.raises(AssertionError, match="argmax differs|cosine"):
         assert_close_logits(got, ref, ids)
+
+
+def test_the_config_reads_the_image_rules_from_the_hub_configs():
+    """E2B: causal images (``use_bidirectional_attention`` null); 26B-A4B: "vision" (its MoE block aside);
+    both embed <pad> (0) at image positions; a pad id outside the vocabulary is refused naming the key."""
+    from _gemma_testing import hub_config
+
+    from lollm.errors import ConfigError
+    from lollm_gemma.gemma4.config import Gemma4Config
+
+    e2b = Gemma4Config.from_hf(hub_config("google__gemma-4-E2B-it"))
+    big = hub_config("google__gemma-4-26B-A4B")
+    big["text_config"]["enable_moe_block"] = False  # not implemented; the image rule is what is read here
+    assert (e2b.pad_token_id, e2b.images_bidirectional) == (0, False)
+    assert (Gemma4Config.from_hf(big).pad_token_id, Gemma4Config.from_hf(big).images_bidirectional) == (0, True)
+    big["text_config"]["pad_token_id"] = big["text_config"]["vocab_size"]
+    with pytest.raises(ConfigError, match="pad_token_id"):
+        Gemma4Config.from_hf(big)
