@@ -243,7 +243,7 @@ class Gemma4ForCausalLM(nn.Module):
         c = self.config
         if c.pad_token_id is None or c.images_bidirectional is None:
             raise ValueError("gemma4: this checkpoint does not say which id an image's positions embed ('pad_token_id') "
-                             "or how its images attend ('use_bidirectional_attention'): a GGUF file holds neither")
+                             "or how its images attend ('use_bidirectional_attention'); a GGUF file never says the latter")
         blocks = torch.full((T,), -1, dtype=torch.int64, device=device)
         for number, im in enumerate(inside):
             blocks[im.start - start:im.end - start] = number
