@@ -136,6 +136,21 @@ def test_an_image_cut_by_the_forward_is_refused(loaded, runs):
         model(torch.tensor([ids[:inside]]), images=batch)
 
 
+def test_a_config_without_the_mask_rule_refuses_images(loaded, runs):
+    """As from a GGUF file (``images_bidirectional`` None): images are refused naming the key, text still runs."""
+    _, _, model, _ = loaded
+    ids, batch, _ = runs["1 image"]
+    right = model.config
+    model.config = dataclasses.replace(right, images_bidirectional=None)
+    try:
+        with pytest.raises(ValueError, match="use_bidirectional_attention"):
+            model(torch.tensor([ids]), images=batch)
+        with torch.inference_mode():
+            model(torch.tensor([ids[:5]]))
+    finally:
+        model.config = right
+
+
 def _other_mask_rule(model):
     model.config = dataclasses.replace(model.config, images_bidirectional=not model.config.images_bidirectional)
 
