@@ -11,7 +11,8 @@
   Three mutants of our tower (x and y swapped, no position table, clamps off) fail that bound,
   so the bound can fail.
 * The decoder's logits on a prompt with two images, the soft tokens put in by a local hook
-  on the embedding (the decoder file is not changed), equal transformers' at every position.
+  on the embedding (the tower's soft tokens alone, apart from the decoder's own ``images=``
+  path, which test_gemma4_vision_decoder.py proves), equal transformers' at every position.
 * llama.cpp's converter (``--mmproj``) writes the tower's GGUF (of the standardized variant:
   every kind of tensor); lollm's GGUF reader reads it and gives the same soft tokens as the
   safetensors, bit for bit.

@@ -1,11 +1,9 @@
 """The gemma4 vision tower through plugin contract 3 (lollm.vision): load_vision, VisionTower, placement.
 
 The same tiny checkpoint as test_gemma4_vision.py. Core's own pieces do the work here:
-``encode_images`` (preprocess, hash, tower), ``expand_placeholders`` on the text form,
-``place_images`` on the ids and ``scatter_images`` into the decoder's embeddings (through a
-forward hook: the gemma4 decoder takes no ``images=`` yet). The soft tokens equal
-transformers' ``get_image_features``; the logits on a prompt with two images equal
-transformers' at every position.
+``encode_images`` (preprocess, hash, tower) and ``expand_placeholders`` on the text form.
+The soft tokens equal transformers' ``get_image_features``. (The placement and the decoder's
+own ``images=``, logits against transformers': test_gemma4_vision_decoder.py.)
 """
 
 from __future__ import annotations
@@ -14,11 +12,9 @@ import dataclasses
 
 import pytest
 import torch
-from _gemma_testing import assert_close_logits
 from test_gemma4_vision import drawing, reference_features, write_checkpoint
 
-from lollm.vision.prompt import encode_images, expand_placeholders, place_images, scatter_images
-from lollm.vision.spec import ImageBatch
+from lollm.vision.prompt import encode_images, expand_placeholders
 from lollm_gemma.gemma4_vision_contract import BOI, EOI, IMAGE_TOKEN, load_vision
 
 COSINE_MIN = 0.9999
@@ -61,41 +57,18 @@ def test_spec_and_prompt_expansion(loaded):
     assert text == f"a {BOI}{IMAGE_TOKEN * 4}{EOI} b"
 
 
-def test_logits_through_core_placement_equal_transformers(loaded):
-    from transformers import Gemma4ForConditionalGeneration
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    folder, model, tower = loaded
-    ours, cfg = model.model, tower.vision.config
-    images = [drawing(200, 120, 1), drawing(333, 517, 2)]
-    encoded = encode_images(tower, images)
-    text = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(5)).tolist()
-    ids = [2] + text[:6]
-    for i, e in enumerate(encoded):  # the expanded prompt, as the tokenizer would give it
-        ids += tower.vision.placeholder_ids(e.embeds.shape[0]) + text[6 + 5 * i: 11 + 5 * i]
-    batch = place_images(ids, tower.spec, encoded, max_context=ours.max_context)
-
-    with torch.inference_mode():
-        reference = Gemma4ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
-        pixels = Gemma4ImageProcessorPil(max_soft_tokens=70)(images=images, return_tensors="pt")
-        ref = reference(input_ids=torch.tensor([ids]), pixel_values=pixels["pixel_values"],
-                        image_position_ids=pixels["image_position_ids"], use_cache=False).logits[0]
-
-    pad = 0  # text_config.pad_token_id: the per-layer table reads <pad> at the image slots
-    text_ids = torch.tensor([pad if t == cfg.image_token_id else t for t in ids])[None]
-    # the hook runs before forward's x sqrt(C), which the soft tokens must not get: divide by it first
-    unscaled = ImageBatch([dataclasses.replace(im, embeds=im.embeds / ours.embed_scale) for im in batch.images])
-    hook = ours.model.embed_tokens.register_forward_hook(lambda module, args, out: scatter_images(out, unscaled, 0))
-    try:
-        with torch.inference_mode():
-            got = ours(text_ids)[0]
-    finally:
-        hook.remove()
-    assert_close_logits(got, ref, ids)
-
-
 def test_no_tower_for_gguf_or_text_only(loaded):
     _, model, _ = loaded
     assert load_vision(dataclasses.replace(model.checkpoint, fmt="gguf"), model.options) is None
     text_only = {k: v for k, v in model.checkpoint.config.items() if k != "vision_config"}
     assert load_vision(dataclasses.replace(model.checkpoint, config=text_only), model.options) is None
+
+
+def test_an_mmproj_gguf_is_refused_naming_the_reason(loaded):
+    """A GGUF decoder cannot take images (its file does not hold the mask rule): refused before any encoding."""
+    from lollm.errors import ConfigError
+
+    _, model, _ = loaded
+    mmproj = dataclasses.replace(model.checkpoint, fmt="gguf", config={"general.architecture": "clip"})
+    with pytest.raises(ConfigError, match="GGUF model are not supported.*use_bidirectional_attention"):
+        load_vision(mmproj, model.options)

@@ -223,7 +223,10 @@ def test_gemma4_from_gguf_equals_from_hf(tiny, tmp_path, name):
     if not ref.hidden_size_per_layer_input:
         ref = dataclasses.replace(ref, vocab_size_per_layer_input=0)
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)  # GGUF stores it as float32
-    assert dataclasses.replace(ours, rms_norm_eps=ref.rms_norm_eps) == ref
+    # no key holds the image mask rule (nor, in this file, a padding id): unknown, so images are refused
+    assert ours.images_bidirectional is None and ours.pad_token_id == metadata.get("tokenizer.ggml.padding_token_id")
+    assert dataclasses.replace(ours, rms_norm_eps=ref.rms_norm_eps, pad_token_id=ref.pad_token_id,
+                               images_bidirectional=ref.images_bidirectional) == ref
     assert ours.rope_global.rope_type == "proportional" and ours.rope_global.rotary_fraction == 0.25
 
 

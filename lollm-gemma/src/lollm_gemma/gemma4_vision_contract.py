@@ -12,11 +12,10 @@ The tower itself is gemma4_vision.py; this file only adapts it:
 The prompt: a chat template writes ``<|image|>`` per image; core turns each into
 ``<|image>`` + ``<|image|>`` × n + ``<image|>``, as transformers' Gemma4Processor does.
 
-What the decoder must still do with the ImageBatch (modeling_gemma4.py, not changed here):
-embed the ids with ``<pad>`` at the image slots (the per-layer table reads ``<pad>`` there),
-scale by sqrt(C), ``scatter_images``, and compute the per-layer inputs from the scattered
-embeddings. E2B attends causally over images (``use_bidirectional_attention`` null); the
-26B/31B models (``"vision"``) make the *sliding* layers bidirectional inside each image.
+What the decoder does with the ImageBatch: gemma4/modeling_gemma4.py, ``Gemma4ForCausalLM.embed``
+(``<pad>`` at the image slots, scale by sqrt(C), ``scatter_images``, the per-layer inputs from
+the scattered embeddings) and gemma4/blocks.py, ``image_visible`` (26B/31B: the sliding layers
+bidirectional inside each image).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lollm.errors import ConfigError
 from lollm.load.loader import Checkpoint
 from lollm.load.options import LoadOptions
 from lollm.vision.preprocess import rescale, to_tensor
@@ -75,11 +75,18 @@ class Gemma4VisionTower(nn.Module):
 def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4VisionTower | None:
     """The ``vision`` of the gemma4 Family: the tower of a ``gemma4`` safetensors checkpoint, or None.
 
-    None for a ``gemma4_text`` checkpoint, one without ``vision_config``, and a GGUF file (the
-    tower is then in an mmproj file: gemma4_vision_weights.from_mmproj). Raises ValueError
-    naming the missing config key or the missing, unexpected or misshapen tensors.
+    None for a ``gemma4_text`` checkpoint, one without ``vision_config``, and a text GGUF file.
+    An mmproj GGUF (``--mmproj``) raises ConfigError: gemma4_vision_weights.from_mmproj reads
+    its tower, but a GGUF decoder cannot take the images (no key of its file says how images
+    attend, ``use_bidirectional_attention``; docs/gemma4.md, Vision), so lollm refuses before
+    encoding any. Raises ValueError naming the missing config key or the missing, unexpected
+    or misshapen tensors.
     """
     cfg = checkpoint.config
+    if checkpoint.fmt == "gguf" and cfg.get("general.architecture") == "clip":
+        raise ConfigError(f"gemma4: images with a GGUF model are not supported ({checkpoint.spec}): the text GGUF "
+                          "does not say how its images attend (use_bidirectional_attention); use the safetensors "
+                          "checkpoint, whose config.json does")
     if checkpoint.fmt != "safetensors" or cfg.get("model_type") != "gemma4" or not cfg.get("vision_config"):
         return None
     config = VisionConfig.from_dict(cfg, where=str(checkpoint.path / "config.json"))

@@ -18,11 +18,13 @@ the reference the tests compare against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lollm.attention import attend
+from lollm.attention import attend, key_positions
 
 from .config import Gemma4Config, RopeConfig
 
@@ -172,7 +174,8 @@ class Gemma4Attention(nn.Module):
             self.v_norm = RMSNorm(D, eps, with_scale=False)
         self.o_proj = nn.Linear(H * D, C, bias=False)
 
-    def forward(self, x, cos, sin, start: int, window: int | None, cache, shared_kv: dict) -> torch.Tensor:
+    def forward(self, x, cos, sin, start: int, window: int | None, cache, shared_kv: dict,
+                images: "ImageBlocks | None" = None) -> torch.Tensor:
         _, T, _ = x.shape
         H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
         # queries: project, split into heads, normalise each head, rotate
@@ -195,11 +198,55 @@ class Gemma4Attention(nn.Module):
             ring = window is not None and cache is not None and T == 1
             if self.stores_kv:
                 shared_kv[self.layer_type] = (k, v, ring)
+        if images is not None and window is not None:  # 26B/31B, images in this prefill: image_visible's mask
+            mask = image_visible(start, T, k.shape[2], window, images, ring=ring)  # (T, S)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=H != K)
+            return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         # attention: causal, a sliding layer only the last W positions (p - W < j <= p); scale 1
         # (QK-norm already fixed the size of q and k). Query head h reads K/V head h // (H/K) (GQA).
         out = attend(q, k, v, start=start, ring=ring, window=window, scale=1.0, layer=self.layer_idx)  # (1, H, T, D)
         out = out.transpose(1, 2).reshape(1, T, H * D)  # heads side by side again
         return self.o_proj(out)  # (1, T, C)
+
+
+@dataclass(frozen=True)
+class ImageBlocks:
+    """Which of this forward's positions belong to which image, for the sliding layers' mask.
+
+    start:  the position of ``ids[0]`` (the forward's first token).
+    ids:    (T,) int64, for each of the forward's T tokens the number of its image, -1 for text.
+    """
+
+    start: int
+    ids: torch.Tensor
+
+    def of(self, positions: torch.Tensor) -> torch.Tensor:
+        """(n,) positions -> (n,) image number of each, -1 for text and for positions outside this forward."""
+        index = positions - self.start
+        inside = (index >= 0) & (index < self.ids.shape[0])
+        return torch.where(inside, self.ids[index.clamp(0, self.ids.shape[0] - 1)], -1)
+
+
+def image_visible(start: int, T: int, S: int, window: int, images: ImageBlocks, *, ring: bool = False) -> torch.Tensor:
+    """A sliding layer's mask in a prefill holding images (26B, 31B): bool (T, S), True where query i reads key j.
+
+    transformers' Gemma 4 (``create_masks_for_vision_model``): inside one image the tokens see
+    each other both ways (an image is not read left to right), but only on the sliding layers;
+    the global layers stay causal, and take the ordinary mask (attend)::
+
+        sliding layer:  (key <= query  OR  same image)  AND  key > query - W
+
+    The queries sit at ``start .. start+T-1`` (``start`` may be past ``images.start``: the
+    KV-sharing layers may carry the last positions only); the keys at
+    :func:`lollm.attention.key_positions`. Keys cached before this forward are text or whole
+    earlier images, never part of an image of this forward (a prefill chunk holds whole images).
+    """
+    query = torch.arange(start, start + T, device=images.ids.device)  # (T,)
+    key = key_positions(start, T, S, ring=ring, device=images.ids.device)  # (S,)
+    query_image, key_image = images.of(query)[:, None], images.of(key)[None, :]  # (T, 1), (1, S)
+    same_image = (query_image == key_image) & (key_image >= 0)  # (T, S)
+    causal = key[None, :] <= query[:, None]  # (T, S)
+    return (causal | same_image) & (key[None, :] > query[:, None] - window)
 
 
 # ---------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 ::
 
-    input_ids (1, T) ──────────────────────────────┐
+    input_ids (1, T) ──────────────────────────────┐  (image positions: <pad>)
         │ embed_tokens, × sqrt(C)                  │ embed_tokens_per_layer, × sqrt(P)
+        │ images: their rows replace <pad>'s       │
         ▼                                          ▼
     x (1, T, C) ── per_layer_model_projection ──► per-layer inputs (1, T, L, P)
         │                                          │  (one P-wide vector per token per layer)
@@ -33,6 +34,8 @@
 Module names mirror transformers' Gemma4ForCausalLM (``model.embed_tokens_per_layer``,
 ``model.layers.N.per_layer_input_gate``, ``model.layers.N.layer_scalar`` …), so the
 name map from a Hugging Face checkpoint is the identity (weights.py).
+Images (plugin contract 3, docs/vision.md; the tower is gemma4_vision.py) enter at the
+embedding: see :meth:`Gemma4ForCausalLM.embed` and docs/gemma4.md, Vision.
 Shape letters as in blocks.py.
 """
 
@@ -42,10 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lollm.batch import CacheLayer, keep_logit_rows, token_positions
+from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
 from lollm.trace import record_series, record_softcap, tracing
+from lollm.vision.prompt import scatter_images
+from lollm.vision.spec import ImageBatch
 
-from .blocks import Gemma4Attention, Gemma4MLP, RMSNorm, RotaryEmbedding
+from .blocks import Gemma4Attention, Gemma4MLP, ImageBlocks, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma4Config
 from .kv import Gemma4Cache
 
@@ -89,8 +94,10 @@ class Gemma4DecoderLayer(nn.Module):
         # a checkpoint buffer, not a parameter: a fixed per-layer scale of the residual stream
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, per_layer_input, cos, sin, start: int, window: int | None, cache, shared_kv) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache, shared_kv))
+    def forward(self, x, per_layer_input, cos, sin, start: int, window: int | None, cache, shared_kv,
+                images: ImageBlocks | None = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, start, window, cache, shared_kv, images)
+        x = x + self.post_attention_layernorm(attn)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if self.has_per_layer_input:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh")  # (1, T, P)
@@ -129,7 +136,7 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(nn.Module):
-    """A gemma4 causal language model (text only), following :class:`lollm.model.CausalLM`."""
+    """A gemma4 causal language model, following :class:`lollm.model.VisionLM` (a CausalLM that takes images)."""
 
     def __init__(self, config: Gemma4Config):
         super().__init__()
@@ -193,6 +200,55 @@ class Gemma4ForCausalLM(nn.Module):
         projected = m.per_layer_projection_norm(projected.view(1, T, L, P))
         return (projected + from_table) * 2.0**-0.5
 
+    def embed(self, input_ids: torch.Tensor, start, images: ImageBatch | None):
+        """Steps 1-2 of forward: (1, T) ids -> x (1, T, C), per-layer inputs (1, T, L, P) or None, ImageBlocks or None.
+
+        Text: x = embed_tokens(ids) * sqrt(C), and the per-layer inputs read the ids and x.
+        With images inside these T positions (docs/gemma4.md, Vision), as transformers'
+        Gemma4Model does:
+
+          a. each image position's id becomes ``pad_token_id`` (<pad>): the placeholder id has
+             no meaning of its own, and <pad> is what both tables read there;
+          b. embed and scale as text; then the image's rows (the tower's soft tokens, already C
+             wide and not scaled) replace the <pad> rows (lollm.vision.prompt.scatter_images);
+          c. the per-layer inputs: the table's row of <pad> at the image positions, and the
+             projection of x *with the images in*, so each layer still sees the image.
+
+        The third value says which positions belong to which image (blocks.ImageBlocks), for the
+        sliding layers' mask; None unless the config makes them bidirectional (26B, 31B) and an
+        image falls here. start: an int, or an engine step's Batch (no images there: ValueError).
+        ValueError, too, for images given to a config that lacks ``pad_token_id`` or does not say
+        how images attend (a GGUF file).
+        """
+        c = self.config
+        blocks = self._image_numbers(images, start, input_ids.shape[1], input_ids.device)  # (T,), -1: text
+        if blocks is not None:
+            input_ids = input_ids.masked_fill(blocks[None] >= 0, c.pad_token_id)  # a.
+        x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
+        if blocks is not None:
+            x = scatter_images(x, images, start)  # b. (1, T, C), the images' rows in place
+        ple = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None  # c. (1, T, L, P)
+        bidirectional = blocks is not None and c.images_bidirectional
+        return x, ple, ImageBlocks(start, blocks) if bidirectional else None
+
+    def _image_numbers(self, images: ImageBatch | None, start, T: int, device: torch.device) -> torch.Tensor | None:
+        """(T,) int64: for each new token the number of the image it belongs to, -1 for text; None without images here."""
+        if images is None or not images.images:
+            return None
+        if isinstance(start, Batch):
+            raise ValueError("gemma4: images reach the decoder in single-sequence forwards only (not in an engine step)")
+        inside = images.within(start, T)  # ValueError for an image this forward would cut
+        if not inside:
+            return None
+        c = self.config
+        if c.pad_token_id is None or c.images_bidirectional is None:
+            raise ValueError("gemma4: this checkpoint does not say which id an image's positions embed ('pad_token_id') "
+                             "or how its images attend ('use_bidirectional_attention'); a GGUF file never says the latter")
+        blocks = torch.full((T,), -1, dtype=torch.int64, device=device)
+        for number, im in enumerate(inside):
+            blocks[im.start - start:im.end - start] = number
+        return blocks
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -200,6 +256,7 @@ class Gemma4ForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -210,6 +267,10 @@ class Gemma4ForCausalLM(nn.Module):
         ``logits_to_keep`` a tensor of rows (lollm.batch explains the seam).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
+        ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
+        gemma4_vision.py; those inside these T positions go in at steps 1-2 (:meth:`embed`) and,
+        on the 26B/31B, attend both ways inside themselves on the sliding layers (step 4).
+        Single-sequence forwards only (ValueError in an engine step).
         """
         c = self.config
         T = input_ids.shape[1]
@@ -217,13 +278,11 @@ class Gemma4ForCausalLM(nn.Module):
         if cache is not None:
             cache.check_room(T)
 
-        # 1. Embed, then scale by sqrt(C).
-        x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
+        # 1-2. Embed, scale by sqrt(C), put the images in; then the per-layer embeddings (PLE):
+        #      one P-wide input per token for every layer (see embed).
+        x, ple, image_blocks = self.embed(input_ids, start, images)  # (1, T, C), (1, T, L, P) or None
         if hidden_states is not None:
             hidden_states.append(x)
-
-        # 2. Per-layer embeddings (PLE): one P-wide input per token for every layer.
-        ple = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None  # (1, T, L, P)
 
         # 3. Positions, and the cos/sin of their RoPE angles per layer type (the head
         #    widths differ: 256 for sliding layers, 512 for global ones on E2B).
@@ -231,7 +290,8 @@ class Gemma4ForCausalLM(nn.Module):
         rope = {t: emb(positions, x.dtype) for t, emb in self.model.rotary_emb.items()}  # t -> (cos, sin)
 
         # 4. Who may attend to whom, per layer type: causally, a sliding layer only within the
-        #    last W positions (None: global). The masks are built where attention runs (lollm.attention).
+        #    last W positions (None: global). The masks are built where attention runs (lollm.attention);
+        #    with image_blocks (26B/31B, images in this forward) a sliding layer's by blocks.image_visible.
         windows = {t: c.sliding_window if t == SLIDING else None for t in rope}
 
         # 5. The decoder layers. Layers that compute keys/values write them to their cache;
@@ -253,7 +313,8 @@ class Gemma4ForCausalLM(nn.Module):
                 q_start = start + T - cut
             t = layer.layer_type
             cos, sin = rope[t]
-            x = layer(x, None if ple is None else ple[:, :, i], cos, sin, q_start, windows[t], cache, shared_kv)  # (1, T, C)
+            x = layer(x, None if ple is None else ple[:, :, i], cos, sin, q_start, windows[t], cache, shared_kv,
+                      image_blocks)  # (1, T, C)
             if hidden_states is not None and i < last:
                 hidden_states.append(x)
         if cache is not None:
