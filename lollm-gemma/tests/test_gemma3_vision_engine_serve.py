@@ -1,0 +1,161 @@
+"""Image requests through ``lollm serve`` (issue 39), with the official ``openai`` and ``anthropic`` SDKs.
+
+The tiny Gemma 3 with a vision tower of test_gemma3_vision_cli.py (its tokenizer knows Gemma 3's
+image tokens), given a chat template of ours that writes ``<start_of_image>`` for an image content
+part, as Gemma 3's own does. The server runs requests through the batched engine. The reference
+is lollm's single-sequence loop (``generate(..., images=)``, held to transformers by
+test_gemma3_vision.py) on the prompt built by hand: the template's text, the placeholder expanded,
+tokenized.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image, ImageDraw
+
+from lollm.generate.loop import generate
+from lollm.sampling_params import SamplingParams
+from lollm.serve.app import create_app
+from lollm.serve.model_server import ModelServer
+from lollm.testing import serving
+from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.vision.load import open_vision
+from lollm.vision.prompt import encode_images, expand_placeholders, place_images
+
+from test_gemma3_vision import tiny_gemma3_vision
+from test_gemma3_vision_cli import with_image_tokens
+
+NAME, CONTEXT, NEW = "tiny-gemma3-vision", 128, 8
+#: ChatML whose user content may be a list of parts; an image part is Gemma 3's placeholder.
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+            "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def picture(seed: int, size=(70, 40)) -> Image.Image:
+    img = Image.new("RGB", size, (20 + 30 * seed, 90, 200))
+    ImageDraw.Draw(img).polygon([(10, 30), (60, 30), (50, 38), (20, 38)], fill=(120, 60 + seed, 20))
+    return img
+
+
+def png_b64(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def openai_image(img: Image.Image) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_b64(img)}}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+
+    folder = with_image_tokens(write_tiny_checkpoint(tiny_gemma3_vision(), tmp_path_factory.mktemp("gemma3-vision-serve"),
+                                                     init_std=SENSITIVE_INIT_STD))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    server = ModelServer(loaded, name=NAME, context=CONTEXT)
+    assert server.engine_loop is not None  # the batched engine serves the images
+    try:
+        with serving.app_in_thread(create_app(server)) as root:
+            server.root = root
+            yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def tower(loaded):
+    return open_vision(loaded)
+
+
+def reference(loaded, server, tower, text: str, images: list) -> tuple[int, str, list[float]]:
+    """(prompt tokens, greedy text, each token's log-probability) of lollm's single-sequence loop on one user turn: parts of ``text``, then ``images``."""
+    rendered = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": text}] + [{"type": "image"}] * len(images)}])
+    encoded = encode_images(tower, images)
+    ids = loaded.tokenizer.encode(expand_placeholders(rendered, tower.spec, [e.embeds.shape[0] for e in encoded]),
+                                  add_special_tokens=False)
+    placed = place_images(ids, tower.spec, encoded, max_context=CONTEXT)
+    result = generate(loaded.model, ids, max_new_tokens=NEW, sampling=SamplingParams(temperature=0.0),
+                      stop_ids=server.stop_ids, tokenizer=loaded.tokenizer, images=placed, logprobs=1)
+    return len(ids), result.text, [lp.logprob for lp in result.logprobs]
+
+
+def test_openai_image_request_gives_the_single_sequence_answer(loaded, server, tower):
+    client = serving.openai_client(server.root + "/v1")
+    images = [picture(1), picture(2, (33, 90))]
+    reply = client.chat.completions.create(
+        model=NAME, max_tokens=NEW, temperature=0, logprobs=True,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "what is"}] + [openai_image(i) for i in images]}])
+    prompt_tokens, text, logprobs = reference(loaded, server, tower, "what is", images)
+    assert reply.usage.prompt_tokens == prompt_tokens and reply.choices[0].message.content == text
+    # the tiny model's greedy text is a run of newlines: its log-probabilities carry the evidence
+    got = [item.logprob for item in reply.choices[0].logprobs.content]
+    assert len(got) == len(logprobs) and max(abs(a - b) for a, b in zip(got, logprobs)) < 1e-4, (got, logprobs)
+
+
+def test_anthropic_image_blocks_give_the_same_answer(loaded, server, tower):
+    from anthropic import Anthropic
+
+    client = Anthropic(base_url=server.root, api_key="unused", max_retries=0, timeout=120)
+    image = picture(3)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png_b64(image)}}
+    reply = client.messages.create(model=NAME, max_tokens=NEW, extra_body={"temperature": 0},  # SDK 2.17 has no temperature
+                                   messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}, block]}])
+    prompt_tokens, text, _ = reference(loaded, server, tower, "hello", [image])
+    assert reply.usage.input_tokens == prompt_tokens and "".join(b.text for b in reply.content) == text
+
+
+def test_anthropic_url_source_is_a_400_naming_the_rule(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.root, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError, match="only base64 image sources"):
+        client.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+
+
+def test_more_images_than_the_context_holds_is_a_400_naming_it(server):
+    import openai
+
+    client = serving.openai_client(server.root + "/v1")
+    with pytest.raises(openai.BadRequestError, match=r"7 image\(s\) take 112 tokens") as info:
+        client.chat.completions.create(model=NAME, max_tokens=4, messages=[
+            {"role": "user", "content": [openai_image(picture(i)) for i in range(7)]}])
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_client_typing_the_placeholder_gets_text_not_an_image_slot(loaded, server, tower):
+    client = serving.openai_client(server.root + "/v1")
+    reply = client.chat.completions.create(model=NAME, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "<start_of_image>"}, openai_image(picture(4))]}])
+    assert reply.usage.prompt_tokens > reference(loaded, server, tower, "", [picture(4)])[0]  # its text, as plain pieces
+
+
+def test_the_prefix_cache_reuses_an_image_only_for_the_same_pixels(server):
+    client = serving.openai_client(server.root + "/v1")
+
+    def cached(img) -> int:
+        reply = client.chat.completions.create(model=NAME, max_tokens=1, messages=[
+            {"role": "user", "content": [openai_image(img), {"type": "text", "text": "describe it in a word"}]}])
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.usage.prompt_tokens
+
+    client.chat.completions.create(model=NAME, max_tokens=1, messages=[{"role": "user", "content": [openai_image(picture(5))]}])
+    first, n = cached(picture(6))
+    again, _ = cached(picture(6))
+    other, _ = cached(picture(7))
+    assert first == 0 and again == (n - 1) // 16 * 16 > 16 and other == 0  # the image starts in block 0
