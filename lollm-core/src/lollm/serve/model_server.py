@@ -285,11 +285,22 @@ class ModelServer:
         self.check_text_size(body, text_bytes(messages) + text_bytes(extra) + text_bytes(flags.get("tools")))
         try:
             if images:  # the tower first: a text model's 400 names the model
-                return image_prompt(messages, images, self.towers.tower(), self.tokenizer, model=self.name,
-                                    context=self.context, **flags)
+                tower = self.towers.tower()
+                self.check_image_path()
+                return image_prompt(messages, images, tower, self.tokenizer, model=self.name, context=self.context, **flags)
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags), None
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
             raise ApiError(400, str(error), param="messages") from None
+
+    def check_image_path(self) -> None:
+        """ApiError 400 when this server cannot run an image request on its model: a decoder that does not take
+        images in an engine step (``batches_images``), or a model split over ranks (--tp: the ranks share no images)."""
+        if self.group is not None:
+            raise ApiError(400, f"model {self.name!r} is split over ranks (--tp), which do not run images: serve it "
+                                "on one process", param="messages")
+        if self.engine_loop is not None and not getattr(self.model, "batches_images", False):
+            raise ApiError(400, f"model {self.name!r} reads images, but its decoder does not take them in the batched "
+                                "engine yet (batches_images): lollm run --image reads them", param="messages")
 
     def thinking_flag(self, body: Body) -> dict[str, bool]:
         """``{"enable_thinking": bool}`` from the request's ``reasoning_effort`` (``{}`` when absent; "none": off,

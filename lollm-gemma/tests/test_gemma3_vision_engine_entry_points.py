@@ -1,4 +1,4 @@
-"""Image requests through ``lollm serve`` (issue 39), with the official ``openai`` and ``anthropic`` SDKs.
+"""Images through ``lollm serve`` (the official ``openai`` and ``anthropic`` SDKs) and ``lollm chat``'s ``/image`` (issue 39).
 
 The tiny Gemma 3 with a vision tower of test_gemma3_vision_cli.py (its tokenizer knows Gemma 3's
 image tokens), given a chat template of ours that writes ``<start_of_image>`` for an image content
@@ -82,17 +82,23 @@ def tower(loaded):
     return open_vision(loaded)
 
 
-def reference(loaded, server, tower, text: str, images: list) -> tuple[int, str, list[float]]:
-    """(prompt tokens, greedy text, each token's log-probability) of lollm's single-sequence loop on one user turn: parts of ``text``, then ``images``."""
-    rendered = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": text}] + [{"type": "image"}] * len(images)}])
+def reference(loaded, server, tower, text: str, images: list, *, images_first: bool = False) -> tuple[int, str, list[float]]:
+    """(prompt tokens, greedy text, each token's log-probability) of lollm's single-sequence loop on one user
+    turn: the part ``text``, then one image part per image (before it with ``images_first``)."""
+    parts = [{"type": "text", "text": text}]
+    parts = [{"type": "image"}] * len(images) + parts if images_first else parts + [{"type": "image"}] * len(images)
+    rendered = loaded.tokenizer.apply_chat_template([{"role": "user", "content": parts}])
     encoded = encode_images(tower, images)
     ids = loaded.tokenizer.encode(expand_placeholders(rendered, tower.spec, [e.embeds.shape[0] for e in encoded]),
                                   add_special_tokens=False)
     placed = place_images(ids, tower.spec, encoded, max_context=CONTEXT)
     result = generate(loaded.model, ids, max_new_tokens=NEW, sampling=SamplingParams(temperature=0.0),
-                      stop_ids=server.stop_ids, tokenizer=loaded.tokenizer, images=placed, logprobs=1)
+                      stop_ids=stop_ids(server), tokenizer=loaded.tokenizer, images=placed, logprobs=1)
     return len(ids), result.text, [lp.logprob for lp in result.logprobs]
+
+
+def stop_ids(server) -> set[int]:
+    return set(server.stop_ids) if server is not None else {1}
 
 
 def test_openai_image_request_gives_the_single_sequence_answer(loaded, server, tower):
@@ -159,3 +165,25 @@ def test_the_prefix_cache_reuses_an_image_only_for_the_same_pixels(server):
     again, _ = cached(picture(6))
     other, _ = cached(picture(7))
     assert first == 0 and again == (n - 1) // 16 * 16 > 16 and other == 0  # the image starts in block 0
+
+
+def test_chat_image_goes_with_the_next_message(loaded, server, tower, tmp_path):
+    from lollm.cli.chat import _command
+    from lollm.generate.conversation import ChatSession
+
+    path = tmp_path / "boat.png"
+    picture(8).save(path)
+    session = ChatSession(loaded, sampling=SamplingParams(temperature=0.0), stop_ids=stop_ids(server),
+                          max_new_tokens=NEW, context=CONTEXT)
+    notes: list[str] = []
+    _command(session, f"/image {tmp_path / 'missing.png'}", notes.append)
+    assert notes[-1].startswith("error:") and "missing.png" in notes[-1] and not session.pending
+    _command(session, f"/image {path}", notes.append)
+    assert "1 image(s) go with your next message" in notes[-1]
+    result = session.reply("what is")
+    prompt_tokens, text, _ = reference(loaded, server, tower, "what is", [Image.open(path).convert("RGB")],
+                                       images_first=True)
+    assert session.cache.last.prompt_tokens == prompt_tokens and result.text == text
+    assert not session.pending and session.cache.last.how.startswith("off")
+    session.reply("and then?")  # the image stays in the conversation: its prompt expands it again
+    assert session.cache.last.prompt_tokens > prompt_tokens
