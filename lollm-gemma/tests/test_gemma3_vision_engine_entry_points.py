@@ -54,14 +54,19 @@ def openai_image(img: Image.Image) -> dict:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    from lollm.load.options import LoadOptions
-    from lollm.load.pipeline import open_model
-
+def folder(tmp_path_factory):
     folder = with_image_tokens(write_tiny_checkpoint(tiny_gemma3_vision(), tmp_path_factory.mktemp("gemma3-vision-serve"),
                                                      init_std=SENSITIVE_INIT_STD))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+
     return open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
 
 
@@ -187,3 +192,27 @@ def test_chat_image_goes_with_the_next_message(loaded, server, tower, tmp_path):
     assert not session.pending and session.cache.last.how.startswith("off")
     session.reply("and then?")  # the image stays in the conversation: its prompt expands it again
     assert session.cache.last.prompt_tokens > prompt_tokens
+
+
+def test_parity_with_images_passes_and_a_broken_mask_fails(folder, tmp_path, monkeypatch):
+    """``lollm parity --image`` (two images of other sizes) against transformers' Gemma3ForConditionalGeneration;
+    the same run with the image attended causally (the mask of the bidirectional image made causal) fails."""
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+    from lollm.proof.parity import run_parity
+    from lollm_gemma.gemma3 import blocks
+
+    paths = []
+    for i, size in enumerate([(70, 40), (31, 77)]):
+        paths.append(str(tmp_path / f"p{i}.png"))
+        picture(i, size).save(paths[-1])
+    result = CliRunner().invoke(app, ["parity", str(folder), "--image", paths[0], "--image", paths[1], "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["num_tokens"] > 2 * 16 and report["min_cosine"] >= 0.9999
+    visible = blocks.image_visible
+    causal = lambda start, T, S, window, numbers: visible(start, T, S, window, numbers * 0 - 1)  # noqa: E731
+    monkeypatch.setattr(blocks, "image_visible", causal)
+    assert not run_parity(str(folder), images=paths).passed

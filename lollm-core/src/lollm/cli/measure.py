@@ -40,6 +40,7 @@ def parity(
     group_size: GroupSize = 32,
     tp: with_help(Tp, "Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md).") = 1,
     model_opt: ModelOpt = None,
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Compare the image path too (repeatable): the prompt gets each image, ours reads it through the family's vision tower, the reference is transformers' whole *ForConditionalGeneration on the same pixels (docs/vision.md)."),
 ) -> None:
     """Compare our logits with transformers' at every prompt position. Exit 1 on failure."""
     model, _ = which_model(model_opt, model_arg)
@@ -50,7 +51,8 @@ def parity(
     from lollm.proof.parity import DEFAULT_PROMPT, run_parity
     from lollm.load.process_group import current
 
-    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine)
+    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine,
+                        images=image or ())
     group = current()  # --tp: every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict
     silence_followers(group, err)
     show.parity(report, as_json)
