@@ -216,3 +216,24 @@ def test_parity_with_images_passes_and_a_broken_mask_fails(folder, tmp_path, mon
     causal = lambda start, T, S, window, numbers: visible(start, T, S, window, numbers * 0 - 1)  # noqa: E731
     monkeypatch.setattr(blocks, "image_visible", causal)
     assert not run_parity(str(folder), images=paths).passed
+
+
+def test_trace_with_an_image_draws_its_tokens_and_their_attention(folder, tmp_path):
+    """``lollm trace --image``: the page holds the image's 4 x 4 token grid and, for the last positions, the
+    attention each token received: recorded weights that sum (with the text's) to 1 per row."""
+    from lollm.cli.trace.run import run_trace
+
+    path = tmp_path / "p.png"
+    picture(2).save(path)
+    result = run_trace(str(folder), prompt="what is it", output=tmp_path / "trace.html", images=[str(path)])
+    (view,) = result.trace.images
+    assert (view.rows, view.cols) == (4, 4) and view.end - view.start == 16
+    assert view.attention and view.attention[-1][0] == len(result.trace.ids) - 1
+    assert all(0 < share <= 1 and abs(sum(weights) - share) < 1e-5 for _, _, weights, share in view.attention)
+    assert len(result.trace.attention) == loaded_layers(folder)  # every layer recorded, the image's forward too
+    page = (tmp_path / "trace.html").read_text()
+    assert "image 1: positions" in page and "% on the image" in page and "data:image/png;base64," in page
+
+
+def loaded_layers(folder) -> int:
+    return json.loads((folder / "config.json").read_text())["text_config"]["num_hidden_layers"]

@@ -73,6 +73,7 @@ def trace(
     device: Device = "auto",
     dtype: with_help(Dtype, "float32 (the default: the numbers of the parity gate), bfloat16, float16.") = "float32",
     max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Put an image in the prompt (repeatable): the page draws its tokens on the picture and the attention the last positions gave each of them (docs/vision.md)."),
 ) -> None:
     """Run a prompt through the model once and draw what happens inside as an HTML page.
 
@@ -98,7 +99,7 @@ def trace(
 
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, options=options, max_tokens=max_tokens,
-                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
+                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True), images=image or ())
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
     out.print(escape(trace_summary(result)), soft_wrap=True)

@@ -22,17 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from lollm.errors import LollmError
-from lollm.vision.spec import ImageBatch
+from lollm.vision.spec import ImageBatch, VisionSpec
 
 
 @dataclass
 class ImagePrompt:
-    """What both sides of an image parity run read: ids, our placed images, the pixels, the image token's id."""
+    """What both sides of an image parity run read (and ``lollm trace --image``): ids, our placed images, the
+    pixels, the image token's id, the tower's spec."""
 
     ids: list[int]
     images: ImageBatch
     pixels: torch.Tensor  # (n_images, 3, H, W) float32, our preprocessing
     image_token_id: int
+    spec: VisionSpec  # the tower's numbers (mean and std: lollm trace draws the pixels back)
 
 
 def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: str) -> ImagePrompt:
@@ -48,7 +50,7 @@ def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: st
     images = [read_image_file(path) for path in paths]
     tower = require_tower(open_vision(loaded), model)
     if tower.spec.image_size is None:
-        raise LollmError(f"lollm parity --image: {model}'s tower has a dynamic resolution (its images' patches are "
+        raise LollmError(f"--image: {model}'s tower has a dynamic resolution (its images' patches are "
                          "concatenated, each with its grid): the reference's inputs for it are not built yet")
     placeholder = tower.spec.placeholder
     text = prompt if placeholder in prompt else " ".join([placeholder] * len(images) + [prompt])
@@ -57,7 +59,7 @@ def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: st
     ready = prepare_prompt(text, images, tower, loaded.tokenizer, model=model, max_context=loaded.model.max_context,
                            add_special_tokens=not chat)
     pixels = torch.stack([tower.preprocess(image) for image in images])
-    return ImagePrompt(ready.ids, ready.images, pixels, tower.spec.image_token_id)
+    return ImagePrompt(ready.ids, ready.images, pixels, tower.spec.image_token_id, tower.spec)
 
 
 def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):

@@ -22,6 +22,7 @@ from torch import nn
 
 from lollm.attention import attend, key_positions
 from lollm.batch import Batch
+from lollm.trace.attention import AttentionRecord, active_recording
 
 from .config import Gemma3Config, RopeConfig
 
@@ -173,7 +174,10 @@ class Gemma3Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         if blocks is not None:  # images in this prefill: the mask of image_visible (vision.md)
             mask = image_visible(start, T, k.shape[2], window, blocks)  # (T, S)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=H != K)
+            if active_recording() is not None:  # lollm trace: the weights written out, recorded
+                out = record_masked(q, k, v, mask, self.scale, start, window, self.layer_idx)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=H != K)
             return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,
                      layer=self.layer_idx)  # (1, H, T, D)
@@ -203,6 +207,22 @@ def image_visible(start: int, T: int, S: int, window: int | None, blocks: torch.
     if window is not None:
         mask = mask & (key_pos > query_pos - window)
     return mask
+
+
+def record_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, start: int,
+                  window: int | None, layer: int) -> torch.Tensor:
+    """Attention under ``mask`` (T, S) written out, its weights added to ``lollm trace``'s recording: (1, H, T, D).
+
+    q (1, H, T, D); k, v (1, K, S, D), each K/V head read by H/K query heads (GQA).
+    """
+    H, K = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)  # (1, H, S, D)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (1, H, T, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    T, S = mask.shape
+    active_recording().records.append(AttentionRecord(layer, probs, torch.arange(start, start + T, device=q.device),
+                                                      key_positions(start, T, S, device=q.device), window))
+    return (probs @ v.float()).to(q.dtype)
 
 
 def attend_images_in_step(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
