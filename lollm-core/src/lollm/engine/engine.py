@@ -23,6 +23,10 @@ Each :meth:`Engine.step` is the whole lesson in four moves:
    their blocks go back to the pool; new full blocks are named for the prefix cache (and
    the sliding-window layers' blocks that left every window went back before the step).
 
+A request may carry images (``add_request(..., images=ImageBatch)``, docs/vision.md section 6): its
+prefill chunks never cut one, the forward of a step holding image positions gets each sequence's
+images, and the prefix cache names image blocks by their pixels (:func:`lollm.engine.scheduler.block_name`).
+
 The single-sequence loop (:mod:`lollm.generate.loop`) stays the reference: the tests hold every
 request's greedy tokens to those of the same request run alone.
 """
