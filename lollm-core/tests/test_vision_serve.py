@@ -1,16 +1,17 @@
-"""``lollm serve``'s image parts (OpenAI ``image_url``): data: URLs only, every hostile image a 400 naming the part."""
+"""``lollm serve``'s image parts (OpenAI ``image_url``, Anthropic ``image`` blocks): data: URLs (base64 sources)
+only, every hostile image a 400 naming the part. The image requests themselves run on a tiny Gemma 3 with a
+tower: lollm-gemma/tests/test_gemma3_vision_engine_serve.py."""
 
 from __future__ import annotations
 
 import base64
 import io
-from types import SimpleNamespace
 
 import pytest
 from PIL import Image
 
-from lollm.family import Capabilities
-from lollm.serve.requests import IMAGE_MARK, ApiError, read_messages, refuse_images
+from lollm.serve.messages import chat_messages
+from lollm.serve.requests import ApiError, read_messages
 
 
 def data_url(data: bytes, media: str = "image/png") -> str:
@@ -40,13 +41,18 @@ def refused(messages, *words, status=400) -> ApiError:
     return info.value
 
 
-def test_image_parts_are_decoded_and_marked_in_the_text():
+def test_image_parts_are_decoded_and_left_as_image_parts_for_the_template():
     images: list = []
     messages = read_messages(user({"type": "text", "text": "what is"}, image_part(data_url(png_bytes())),
                                   {"type": "text", "text": "and"}, image_part(data_url(png_bytes((5, 5)), "image/png"))),
                              images)
-    assert messages[0]["content"] == f"what is\n{IMAGE_MARK}\nand\n{IMAGE_MARK}"
+    assert messages[0]["content"] == [{"type": "text", "text": "what is"}, {"type": "image"},
+                                      {"type": "text", "text": "and"}, {"type": "image"}]
     assert [im.size for im in images] == [(12, 8), (5, 5)] and images[0].getpixel((0, 0)) == (200, 30, 40)
+
+
+def test_text_parts_alone_stay_one_string():
+    assert read_messages(user({"type": "text", "text": "a"}, {"type": "text", "text": "b"}), [])[0]["content"] == "a\nb"
 
 
 def test_without_a_collector_image_parts_stay_refused():
@@ -75,12 +81,27 @@ def test_audio_and_video_are_refused_by_name(part, word):
     refused(user(part), f"{word} input is not supported")
 
 
-def test_refuse_images_names_the_model_and_the_missing_piece():
-    text_only = SimpleNamespace(family=SimpleNamespace(family=SimpleNamespace(capabilities=Capabilities())))
-    with pytest.raises(ApiError, match="model 'tiny' has no vision tower") as info:
-        refuse_images("tiny", text_only)
-    assert info.value.status == 400
-    seeing = SimpleNamespace(family=SimpleNamespace(family=SimpleNamespace(capabilities=Capabilities(vision=True))))
-    with pytest.raises(ApiError, match="does not run image requests yet") as info:
-        refuse_images("tiny", seeing)
-    assert info.value.status == 501
+def anthropic(*blocks) -> dict:
+    return {"messages": [{"role": "user", "content": list(blocks)}]}
+
+
+def test_anthropic_base64_image_blocks_become_data_url_parts():
+    data = base64.b64encode(png_bytes()).decode()
+    out = chat_messages(anthropic({"type": "text", "text": "what is"},
+                                  {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}))
+    assert out == [{"role": "user", "content": [{"type": "text", "text": "what is"},
+                                                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]
+    images: list = []
+    read_messages(out, images)
+    assert [im.size for im in images] == [(12, 8)]
+
+
+@pytest.mark.parametrize("source,where", [({"type": "url", "url": "https://example.com/cat.png"}, "source"),
+                                          ({"type": "base64", "media_type": "image/png"}, "source"),
+                                          ({"type": "base64", "media_type": "image/png", "data": "", "x": 1}, "source.x")])
+def test_anthropic_url_sources_and_broken_blocks_are_400s_naming_the_rule(source, where):
+    with pytest.raises(ApiError) as info:
+        chat_messages(anthropic({"type": "image", "source": source}))
+    assert info.value.status == 400 and info.value.param == f"messages[0].content[0].{where}"
+    if source["type"] == "url":
+        assert "only base64 image sources" in info.value.message and "fetches nothing" in info.value.message

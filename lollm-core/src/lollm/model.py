@@ -138,6 +138,10 @@ class VisionLM(CausalLM, Protocol):
             to each other in both directions; Qwen3.5 gives them M-RoPE positions from ``grid``.
             An image's positions must all fall in one forward (a prefill chunk never cuts one);
             decode steps pass ``images=None``.
+
+    ``batches_images = True`` (a class attribute) says the forward also takes images in an engine step:
+    ``images`` is then a list with one ImageBatch or None per sequence of the step's Batch
+    (:mod:`lollm.vision.step` has the helpers). Without it the engine refuses image requests.
     """
 
     def forward(

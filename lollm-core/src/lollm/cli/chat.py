@@ -4,6 +4,7 @@
 
     >>> you type a message          ─► ChatSession.reply (lollm.generate.conversation) streams the answer
     >>> /stats  /drop N  /reset     ─► commands on the session
+    >>> /image PATH                 ─► an image for the next message (ChatSession.attach_image)
     Ctrl-C                          ─► the answer stops at its next token (the conversation stays)
     Ctrl-D or /quit                 ─► leave
 
@@ -33,6 +34,7 @@ HELP = """commands:
   /stats   tokens of the last turn: reused from the cache, prefilled, generated; speed
   /drop N  forget the oldest N turns (1 when left out); the system message stays
   /reset   forget the conversation (the system message stays)
+  /image PATH  attach an image to your next message (a model with a vision tower; docs/vision.md)
   /quit    leave (Ctrl-D too)
 Ctrl-C stops an answer and keeps the conversation; the text so far stays in it.
 When the context is full, the oldest turns leave by themselves (unless --no-context-shift)."""
@@ -103,6 +105,8 @@ def _command(session: ChatSession, text: str, note: Callable[[str], None]) -> bo
         else:
             gone = session.drop_oldest(int(count))
             note(f"(dropped the oldest {gone} turn(s); {session.turns()} left)")
+    elif command == "/image":
+        _attach(session, text[len(words[0]):].strip(), note)
     elif command == "/stats":
         note(session.stats())
     elif command == "/help":
@@ -110,6 +114,21 @@ def _command(session: ChatSession, text: str, note: Callable[[str], None]) -> bo
     else:
         note(f"unknown command {command}; /help lists them")
     return True
+
+
+def _attach(session: ChatSession, path: str, note: Callable[[str], None]) -> None:
+    """``/image PATH``: the image read, checked (lollm.vision.image) and encoded for the next message; an error is noted."""
+    if not path:
+        note("usage: /image PATH  (attach an image to your next message)")
+        return
+    from lollm.vision.image import read_image_file
+
+    try:
+        waiting = session.attach_image(read_image_file(path))
+    except LollmError as error:  # ImageError: a hostile image, a model without a tower
+        note(f"error: {error}")
+        return
+    note(f"(image {path} attached: {waiting} image(s) go with your next message)")
 
 
 def _turn_line(session: ChatSession, result: GenerationResult) -> str:

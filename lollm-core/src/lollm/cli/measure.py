@@ -40,6 +40,7 @@ def parity(
     group_size: GroupSize = 32,
     tp: with_help(Tp, "Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md).") = 1,
     model_opt: ModelOpt = None,
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Compare the image path too (repeatable): the prompt gets each image, ours reads it through the family's vision tower, the reference is transformers' whole *ForConditionalGeneration on the same pixels (docs/vision.md)."),
 ) -> None:
     """Compare our logits with transformers' at every prompt position. Exit 1 on failure."""
     model, _ = which_model(model_opt, model_arg)
@@ -50,7 +51,8 @@ def parity(
     from lollm.proof.parity import DEFAULT_PROMPT, run_parity
     from lollm.load.process_group import current
 
-    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine)
+    report = run_parity(model, prompt=prompt or DEFAULT_PROMPT, chat=chat, options=options, min_cosine=min_cosine,
+                        images=image or ())
     group = current()  # --tp: every rank holds rank 0's report: rank 0 prints it, every rank exits with its verdict
     silence_followers(group, err)
     show.parity(report, as_json)
@@ -71,6 +73,7 @@ def trace(
     device: Device = "auto",
     dtype: with_help(Dtype, "float32 (the default: the numbers of the parity gate), bfloat16, float16.") = "float32",
     max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
+    image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Put an image in the prompt (repeatable): the page draws its tokens on the picture and the attention the last positions gave each of them (docs/vision.md)."),
 ) -> None:
     """Run a prompt through the model once and draw what happens inside as an HTML page.
 
@@ -96,7 +99,7 @@ def trace(
 
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, options=options, max_tokens=max_tokens,
-                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True))
+                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True), images=image or ())
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
     out.print(escape(trace_summary(result)), soft_wrap=True)

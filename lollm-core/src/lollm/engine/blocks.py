@@ -32,8 +32,9 @@ from collections import OrderedDict
 from lollm.errors import GenerationError
 
 
-def block_hash(previous: bytes, tokens: list[int]) -> bytes:
-    """The name of a full block: sha256 of the previous block's name and this block's token ids.
+def block_hash(previous: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    """The name of a full block: sha256 of the previous block's name, this block's token ids and ``extra``
+    (the pixel hashes of the images whose tokens it holds: :func:`lollm.engine.scheduler.block_name`).
 
     Chaining makes the name cover the whole prefix, so two blocks with the same 16
     tokens after different prefixes never share keys (their keys differ: attention
@@ -42,6 +43,8 @@ def block_hash(previous: bytes, tokens: list[int]) -> bytes:
     """
     digest = hashlib.sha256(previous)
     digest.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    if extra:
+        digest.update(b"images:" + extra)
     return digest.digest()
 
 

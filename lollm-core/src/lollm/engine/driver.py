@@ -52,6 +52,7 @@ from lollm.generate.structured import CompiledConstraint
 from lollm.model import CausalLM
 from lollm.sampling_params import SamplingParams
 from lollm.tokenizer.tokenizer import Tokenizer
+from lollm.vision.spec import ImageBatch
 
 log = logging.getLogger("lollm.serve.server")
 
@@ -75,7 +76,8 @@ class Job(Protocol):
     ids: the prompt's token ids; max_tokens: its token budget; sampling, logprobs (N or None),
     constraint (compiled, or None): as :func:`lollm.generate.loop.generate` takes them; stop: stop strings;
     cancel: set it to end the request (a client that went away); on_token(id, logprobs or None) and
-    on_text(piece): called as its tokens come; tools: the tools view of its answer, or None.
+    on_text(piece): called as its tokens come; tools: the tools view of its answer, or None;
+    images (optional): the prompt's placed :class:`lollm.vision.spec.ImageBatch`, or None.
     """
 
     ids: list[int]
@@ -108,6 +110,7 @@ class EngineJob:
     cancel: threading.Event = field(default_factory=threading.Event)
     tools: ToolsView | None = None
     index: int = 0
+    images: ImageBatch | None = None
 
 
 def serve_kv_blocks(model: CausalLM, context: int, max_running: int, block_size: int) -> int:
@@ -314,7 +317,7 @@ class EngineLoop:
         try:
             run.request_id = self.engine.add_request(job.ids, sampling=job.sampling, max_new_tokens=job.max_tokens,
                                                      stop_ids=self.stop_ids, logprobs=job.logprobs,
-                                                     constraint=job.constraint)
+                                                     constraint=job.constraint, images=getattr(job, "images", None))
         except GenerationError as error:
             self._settle(run, error, "failed")
             return

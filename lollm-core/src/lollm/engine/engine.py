@@ -23,6 +23,10 @@ Each :meth:`Engine.step` is the whole lesson in four moves:
    their blocks go back to the pool; new full blocks are named for the prefix cache (and
    the sliding-window layers' blocks that left every window went back before the step).
 
+A request may carry images (``add_request(..., images=ImageBatch)``, docs/vision.md section 6): its
+prefill chunks never cut one, the forward of a step holding image positions gets each sequence's
+images, and the prefix cache names image blocks by their pixels (:func:`lollm.engine.scheduler.block_name`).
+
 The single-sequence loop (:mod:`lollm.generate.loop`) stays the reference: the tests hold every
 request's greedy tokens to those of the same request run alone.
 """
@@ -47,6 +51,7 @@ from lollm.generate.sequence import Sequence, Step, check_request
 from lollm.generate.structured import CompiledConstraint
 from lollm.model import CausalLM
 from lollm.sampling_params import SamplingParams
+from lollm.vision.spec import ImageBatch
 
 #: Positions per KV block (vLLM's default). Smaller blocks waste less of a sequence's last
 #: block and share prefixes at a finer grain; larger ones mean shorter block tables.
@@ -175,15 +180,20 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], *, sampling: SamplingParams, max_new_tokens: int,
                     request_id: str | None = None, stop_ids: frozenset[int] | set[int] = frozenset(),
-                    logprobs: int | None = None, constraint: CompiledConstraint | None = None) -> str:
+                    logprobs: int | None = None, constraint: CompiledConstraint | None = None,
+                    images: ImageBatch | None = None) -> str:
         """Queue a request; it joins the running batch at a coming step. Returns its id.
+
+        images: the prompt's images, placed and encoded (:func:`lollm.vision.load.prepare_prompt`: the
+        tower ran once, before this call); each forward that holds some of its image positions gets them.
 
         Raises GenerationError for what :func:`lollm.generate.sequence.check_request` refuses (an empty
         prompt, ``max_new_tokens < 1``, a prompt that fills the context, ids outside the vocabulary, a
-        constraint for another vocabulary), a request that could not fit the whole pool even alone, or a
-        duplicate id.
+        constraint for another vocabulary), a request that could not fit the whole pool even alone, a
+        duplicate id, and images the engine cannot run (:meth:`_check_images`).
         """
         budget = check_request(self.model, prompt_ids, max_new_tokens, constraint=constraint)
+        self._check_images(images, len(prompt_ids))
         if len(prompt_ids) + budget > self.capacity:
             raise GenerationError(f"a request of {len(prompt_ids)} prompt + {budget} new tokens cannot fit the KV pool "
                                   f"({self.capacity} positions): give the engine more blocks (kv_blocks) or ask for fewer tokens")
@@ -194,10 +204,28 @@ class Engine:
             if request_id in self.requests:
                 raise GenerationError(f"a request named {request_id!r} is already in the engine")
             req = Request(request_id, list(prompt_ids), len(prompt_ids), budget, seq,
-                          arrival=time.perf_counter())
+                          arrival=time.perf_counter(), images=images if images is not None and images.images else None)
             self.requests[request_id] = req
             self._inbox.append(req)
         return request_id
+
+    def _check_images(self, images: ImageBatch | None, prompt_len: int) -> None:
+        """GenerationError unless the engine can run these images: a decoder that takes images in an engine
+        step (``batches_images``), each image inside the prompt and no larger than ``max_batch_tokens``
+        (one forward holds a whole image, and a step holds at most that many tokens)."""
+        if images is None or not images.images:
+            return
+        if not getattr(self.model, "batches_images", False):
+            raise GenerationError(f"the {type(self.model).__name__} decoder does not take images in an engine step "
+                                  "(batches_images): run the prompt alone (lollm run --image)")
+        for number, im in enumerate(images.images, 1):
+            if im.start < 0 or im.end > prompt_len:
+                raise GenerationError(f"image {number} sits at positions {im.start}..{im.end - 1}, outside the "
+                                      f"prompt of {prompt_len} tokens")
+            if im.end - im.start > self.config.max_batch_tokens:
+                raise GenerationError(f"image {number} takes {im.end - im.start} tokens, more than the engine's "
+                                      f"max_batch_tokens ({self.config.max_batch_tokens}): one step must hold a "
+                                      "whole image; raise max_batch_tokens")
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away): its blocks return to the pool at the next step."""
@@ -274,7 +302,12 @@ class Engine:
                       window=self.window if windowed else None)
         ids = [t for req, n in plan for t in req.tokens[req.computed : req.computed + n]]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
-        return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows)[0]  # (B, V)
+        # images: one ImageBatch or None per sequence, given only when some chunk holds image positions
+        # (lollm.vision.step); decode steps and text chunks pass none, as the single-sequence loop does
+        images = [req.images if req.images is not None and req.images.within(req.computed, n) else None
+                  for req, n in plan]
+        extra = {"images": images} if any(im is not None for im in images) else {}
+        return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows, **extra)[0]  # (B, V)
 
     def _choose(self, req: Request, logits_row: torch.Tensor, greedy_pick: int | None) -> Step:
         """The request's next token from its row (by its own sampler, unless the batch's argmax already

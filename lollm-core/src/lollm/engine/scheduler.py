@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from lollm.engine.blocks import BlockPool, block_hash
 from lollm.engine.snapshots import StateSnapshots
 from lollm.generate.sequence import Sequence
+from lollm.vision.spec import ImageBatch
 
 
 @dataclass(eq=False)
@@ -55,6 +56,9 @@ class Request:
     names:        the prefix-cache names of its full blocks, in order.
     slot:         its row in the recurrent-state storage while it runs.
     cached_tokens: prompt tokens the prefix cache supplied on admission.
+    images:       the prompt's images (:class:`lollm.vision.spec.ImageBatch`, embeddings computed once
+                  at admission), or None: a prefill chunk never cuts one, and the prefix cache names
+                  a block holding image tokens by the images' pixel hashes too.
     """
 
     request_id: str
@@ -71,6 +75,7 @@ class Request:
     preemptions: int = 0
     arrival: float = 0.0
     first_token_time: float | None = None
+    images: ImageBatch | None = None
 
     @property
     def generated(self) -> int:
@@ -114,6 +119,8 @@ class Scheduler:
             if req not in self.running:  # preempted a moment ago, to make room for an older one
                 continue
             n = self._chunk(req, budget)
+            if n == 0:  # an image it must take whole, and the budget left this step is too small
+                continue
             if self._make_room(req, req.computed + n):
                 plan.append((req, n))
                 budget -= n
@@ -121,7 +128,7 @@ class Scheduler:
             req = self.waiting[0]
             self._attach_prefix(req)
             n = self._chunk(req, budget)
-            if not self._reserve(req, req.computed + n):
+            if n == 0 or not self._reserve(req, req.computed + n):
                 # no blocks for its first chunk: it waits, and so does everyone behind it. It lets go of the
                 # cached blocks it took: a waiting request pinning them could starve the running ones
                 # (and a recurrent model's snapshot may be gone by its next try). It attaches again then.
@@ -152,7 +159,7 @@ class Scheduler:
             boundary = min(req.computed + n, len(req.tokens) - 1) // size * size
             if req.computed < boundary < req.computed + n:
                 n = boundary - req.computed
-        return n
+        return _whole_images(req, n, budget)
 
     def _make_room(self, req: Request, positions: int) -> bool:
         """Blocks for ``positions``, preempting the newest running requests if needed; False if ``req`` itself went."""
@@ -194,7 +201,7 @@ class Scheduler:
             return
         size, previous = self.pool.block_size, b""
         for i in range((len(req.tokens) - 1) // size):
-            name = block_hash(previous, req.tokens[i * size : (i + 1) * size])
+            name = block_name(previous, req, i, size)
             block = self.pool.lookup(name)
             if block is None:
                 break
@@ -205,7 +212,8 @@ class Scheduler:
             while req.names and req.names[-1] not in self.snapshots:
                 req.names.pop()
                 self.pool.release(req.blocks.pop())
-        while not self._attach_window(req):  # back to a length whose window blocks are all cached
+        # back to a length that cuts no image (a forward holds whole images) and whose window blocks are all cached
+        while _inside_image(req, len(req.blocks) * size) or not self._attach_window(req):
             req.names.pop()
             self.pool.release(req.blocks.pop())
         req.computed = len(req.blocks) * size
@@ -237,7 +245,7 @@ class Scheduler:
             return
         size = self.pool.block_size
         for i in range(len(req.names), req.computed // size):
-            name = block_hash(req.names[-1] if req.names else b"", req.tokens[i * size : (i + 1) * size])
+            name = block_name(req.names[-1] if req.names else b"", req, i, size)
             self.pool.name(req.blocks[i], name)
             if self.window_pool is not None and req.window_table[i] >= 0:
                 self.window_pool.name(req.window_table[i], name)
@@ -269,3 +277,39 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+
+
+def block_name(previous: bytes, req: Request, i: int, size: int) -> bytes:
+    """The prefix-cache name of req's block i: its token ids chained to ``previous``
+    (:func:`lollm.engine.blocks.block_hash`), and the pixel hash of every image with a token in it.
+
+    Every image's placeholder ids are the same, so ids alone would let two prompts with different
+    images share keys computed from the wrong pixels; with the hashes in the name the same image
+    reuses its blocks and a different one never does (and, chained, nor does any block after it).
+    """
+    lo, hi = i * size, (i + 1) * size
+    hashes = [im.pixel_hash for im in (req.images.images if req.images is not None else [])
+              if im.start < hi and im.end > lo]
+    return block_hash(previous, req.tokens[lo:hi], extra="".join(hashes).encode())
+
+
+def _inside_image(req: Request, position: int) -> bool:
+    """True when ``position`` falls strictly inside one of req's images (a forward starting there would cut it)."""
+    return req.images is not None and any(im.start < position < im.end for im in req.images.images)
+
+
+def _whole_images(req: Request, n: int, budget: int) -> int:
+    """A chunk of ``n`` tokens from ``req.computed``, made to hold whole images (Gemma 3's tokens of one
+    image attend to each other both ways, so one forward holds them all).
+
+    A chunk that would end inside an image ends before it instead; one that starts at the image
+    takes it whole when ``budget`` allows, else 0 (the request waits for a step with room: the
+    engine refused at admission an image larger than the whole budget, ``max_batch_tokens``).
+    """
+    end = req.computed + n
+    for im in ([] if req.images is None else req.images.images):
+        if im.start < end < im.end:
+            if im.start > req.computed:
+                return im.start - req.computed
+            return im.end - req.computed if im.end - req.computed <= budget else 0
+    return n

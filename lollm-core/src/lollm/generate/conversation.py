@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 
 from lollm.errors import GenerationError, LollmError
 from lollm.generate.loop import GenerationResult, generate
-from lollm.generate.prompt_cache import PromptCache
+from lollm.generate.prompt_cache import CacheReuse, PromptCache
 from lollm.sampling_params import SamplingParams
 from lollm.load.pipeline import LoadedModel
 
@@ -85,6 +85,8 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         self.last: GenerationResult | None = None
         self.dropped = 0  # the oldest turns the last answer made room by dropping
+        self.tower = None  # the model's vision tower, opened by the first attach_image
+        self.pending: list = []  # images (lollm.vision.prompt.EncodedImage) for the next user message
         self.reset()
 
     def reset(self) -> None:
@@ -92,6 +94,7 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.cache.reset()
         self.last = None
+        self.pending = []
 
     # -- turns: a user message and its answer; the oldest go first when the context is full --
 
@@ -131,6 +134,39 @@ class ChatSession:
             f"or restart with --context-shift (the oldest turns then go by themselves) or a larger --ctx-size"
         )
 
+    def attach_image(self, image) -> int:
+        """Attach a checked RGB ``PIL.Image`` (lollm.vision.image) to the next user message; how many wait now.
+
+        It goes through the model's vision tower at once (opened on the first image). Raises ImageError
+        for a model without a tower. A conversation holding images prefills its whole prompt every turn:
+        the prompt cache matches prompts by ids, and every image's placeholder ids are the same.
+        """
+        from lollm.vision.load import open_vision
+        from lollm.vision.prompt import encode_images, require_tower
+
+        if self.tower is None:
+            self.tower = require_tower(open_vision(self.loaded), self.loaded.checkpoint.spec)
+        self.pending.extend(encode_images(self.tower, [image]))
+        return len(self.pending)
+
+    def _encode(self, messages: list[dict]) -> list[int]:
+        """The chat prompt of ``messages``; with images among them, each placeholder the template wrote expanded
+        into its image's tokens (docs/vision.md). ImageError when the template wrote another number."""
+        images = [e for m in messages for e in m.get("images", ())]
+        if not images:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **self.template_flags)
+        from lollm.errors import ImageError
+        from lollm.vision.prompt import expand_placeholders
+
+        spec = self.tower.spec
+
+        def expand(text: str) -> str:
+            if text.count(spec.placeholder) != len(images):
+                raise ImageError(f"the chat template wrote {text.count(spec.placeholder)} image placeholder(s) "
+                                 f"({spec.placeholder!r}) for the conversation's {len(images)} image(s)")
+            return expand_placeholders(text, spec, [e.embeds.shape[0] for e in images])
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, rewrite=expand, **self.template_flags)
+
     def prompt(self, text: str) -> tuple[list[dict[str, str]], list[int], int]:
         """The next prompt with the user message ``text``: ``(messages, ids, dropped)``.
 
@@ -141,14 +177,17 @@ class ChatSession:
         Raises GenerationError (see :meth:`_too_long`) when the prompt cannot fit:
         without ``context_shift``, or with this message alone too long.
         """
-        messages = self.messages + [{"role": "user", "content": text}]
+        user: dict = {"role": "user", "content": text}
+        if self.pending:  # the template writes the family's placeholder for each image part (docs/vision.md)
+            user = {"role": "user", "content": [{"type": "image"}] * len(self.pending) + [{"type": "text", "text": text}],
+                    "images": list(self.pending)}
+        messages = self.messages + [user]
         context, older = self.cache.max_tokens, self.turns()
         encoded: dict[int, list[int]] = {}
 
         def ids_without(n: int) -> list[int]:
             if n not in encoded:
-                encoded[n] = self.tokenizer.encode_chat(self._without_oldest(messages, n), add_generation_prompt=True,
-                                                        **self.template_flags)
+                encoded[n] = self._encode(self._without_oldest(messages, n))
             return encoded[n]
 
         room = self.answer_room() if self.context_shift else 1
@@ -186,14 +225,29 @@ class ChatSession:
         messages, ids, dropped = self.prompt(text)
         if dropped and on_drop is not None:
             on_drop(dropped)
+        images = self._placed(messages, ids)
+        if images is not None:
+            self.cache.reset()  # its ids say nothing of the pixels: the whole prompt runs (docs/vision.md)
         result = generate(
             self.loaded.model, ids, max_new_tokens=self.max_new_tokens, sampling=self.sampling, stop_ids=self.stop_ids,
             tokenizer=self.tokenizer, on_text=on_text, speculative_tokens=self.speculative_tokens,
-            prompt_cache=self.cache, should_stop=should_stop,
+            prompt_cache=self.cache if images is None else None, should_stop=should_stop, images=images,
         )
+        if images is not None:
+            self.cache.last = CacheReuse(len(ids), 0, len(ids), "off: the prompt holds images")
+        self.pending = []
         self.messages = messages + [{"role": "assistant", "content": result.text}]
         self.last, self.dropped = result, dropped
         return result
+
+    def _placed(self, messages: list[dict], ids: list[int]):
+        """The ImageBatch of the images in ``messages`` (in order) over ``ids``, or None without images."""
+        images = [e for m in messages for e in m.get("images", ())]
+        if not images:
+            return None
+        from lollm.vision.prompt import place_images
+
+        return place_images(ids, self.tower.spec, images, max_context=self.cache.max_tokens)
 
     def stats(self) -> str:
         """The last turn's token counts and speed, and how full the cache is."""

@@ -40,7 +40,7 @@ import functools
 import gc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,6 +53,7 @@ from lollm.load.pipeline import open_model, pick_device, route
 from lollm.load.registry import InstalledFamily
 from lollm.load.quantized import WeightsSummary
 from lollm.load.ranks import leader_decides
+from lollm.proof.parity_images import ImagePrompt, image_prompt, image_reference
 
 # Lazy imports below: transformers, in load_reference_model, the optional ``lollm-core[parity]`` extra.
 
@@ -263,6 +264,7 @@ def run_parity(
     chat: bool = False,
     options: LoadOptions = PARITY_OPTIONS,
     min_cosine: float | None = None,
+    images: Sequence[str] = (),
 ) -> ParityReport:
     """Run ours, then the reference, on the same ids; return the report (it does not raise on failure).
 
@@ -283,7 +285,13 @@ def run_parity(
     our sharded forward; rank 0 alone builds the reference and compares, then
     broadcasts the report (or its error) so that every rank returns the same
     report (or raises the same LollmError).
+
+    ``images``: image files (``lollm parity --image``): the prompt gets one placeholder per image, ours
+    reads them through the family's tower and the reference is the whole ``*ForConditionalGeneration``
+    on the same pixels (:mod:`lollm.proof.parity_images`). Not with ``ids`` or ``tp`` > 1.
     """
+    if images and (ids is not None or options.tp > 1):
+        raise LollmError("lollm parity --image builds its own prompt ids and runs on one process (no --tp)")
     # 0. Refuse at once a backend that cannot run, or weights transformers would not read as we do.
     resolve_backend(options.attn, pick_device(options.device))
     checkpoint = load_checkpoint(spec)
@@ -295,14 +303,18 @@ def run_parity(
     del checkpoint
     summary = getattr(loaded.model, "weights_summary", None)
     packed = summary is not None and summary.packed > 0
-    if ids is None:  # the tokenizer is read only when the ids are not given
+    pictured = image_prompt(loaded, list(images), prompt, chat=chat, model=spec) if images else None
+    if pictured is not None:
+        ids = pictured.ids
+    elif ids is None:  # the tokenizer is read only when the ids are not given
         tokenizer = loaded.tokenizer
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     check_prompt_ids(ids, loaded.model.vocab_size)  # a clear error, not an IndexError inside the embedding
     input_ids = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     hidden: list[torch.Tensor] = []
+    extra = {} if pictured is None else {"images": pictured.images}
     with torch.inference_mode(), use_backend(loaded.attn):
-        ours_logits = loaded.model(input_ids, None, hidden_states=hidden)[0].float().cpu()
+        ours_logits = loaded.model(input_ids, None, hidden_states=hidden, **extra)[0].float().cpu()
     hidden = [h.float().cpu() for h in hidden]
     checkpoint, installed, dt, dev = loaded.checkpoint, loaded.family, loaded.dtype, loaded.device
     attn_name, group = loaded.attn, loaded.tp
@@ -310,14 +322,15 @@ def run_parity(
     gc.collect()
     reference_and_compare = functools.partial(
         _reference_and_compare, spec, checkpoint, installed, dt, dev, attn_name, ids, input_ids, ours_logits, hidden,
-        min_cosine, packed, summary, options.tp)
+        min_cosine, packed, summary, options.tp, pictured)
     return leader_decides(group, reference_and_compare)  # --tp: rank 0 builds the reference; every rank gets the report
 
 
 def _reference_and_compare(spec: str, checkpoint: Checkpoint, installed: InstalledFamily, dt: torch.dtype,
                            dev: torch.device, attn_name: str, ids: list[int], input_ids: torch.Tensor,
                            ours_logits: torch.Tensor, hidden: list[torch.Tensor], min_cosine: float | None,
-                           packed: bool, summary: WeightsSummary | None, tp: int) -> ParityReport:
+                           packed: bool, summary: WeightsSummary | None, tp: int,
+                           pictured: ImagePrompt | None = None) -> ParityReport:
     """Steps 2 and 3 of :func:`run_parity`: build the reference, run it on ``input_ids``, compare with ours.
 
     ``input_ids``: (1, T) int64; ``ours_logits``: (T, V) float32 on the CPU; ``hidden``: ours, each
@@ -326,7 +339,9 @@ def _reference_and_compare(spec: str, checkpoint: Checkpoint, installed: Install
     """
     # 2. The reference, built the way the family says (default: transformers AutoModelForCausalLM).
     build: Callable[[Checkpoint, torch.dtype], Reference]
-    if installed.family.parity_reference:
+    if pictured is not None:  # --image: the whole *ForConditionalGeneration on the same pixels
+        build = functools.partial(image_reference, prompt=pictured)
+    elif installed.family.parity_reference:
         build = installed.family.resolve("parity_reference")
     else:
         build = default_reference

@@ -120,23 +120,46 @@ def _assistant(blocks: list[object], where: str) -> dict[str, object]:
     return message
 
 
+def _image(block: dict, at: str) -> dict[str, object]:
+    """An image block ``{"type": "image", "source": {"type": "base64", "media_type", "data"}}`` as the OpenAI
+    content part lollm.serve.requests reads (a ``data:`` URL); ApiError 400 for any other source (a ``url``
+    source too: the server fetches nothing)."""
+    _check_fields(block, {"type", "source"}, at)
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, dict) else source
+        raise _refuse(f"{at}.source", f"only base64 image sources are supported (the server fetches nothing), "
+                                      f"got {short_repr(kind)}")
+    _check_fields(source, {"type", "media_type", "data"}, f"{at}.source")
+    media, data = source.get("media_type"), source.get("data")
+    if not isinstance(media, str) or not isinstance(data, str):
+        raise _refuse(f"{at}.source", "a base64 source needs 'media_type' and 'data' strings")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
 def _user(blocks: list[object], where: str) -> list[dict[str, object]]:
-    """A user message's blocks: each tool_result its own tool message (first), then the text as a user message."""
-    results, texts = [], []
+    """A user message's blocks: each tool_result its own tool message (first), then the text (and images,
+    as OpenAI content parts) as a user message."""
+    results, parts = [], []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             _check_fields(block, {"type", "text"}, at)
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image(block, at))
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
             _check_fields(block, {"type", "tool_use_id", "content", "is_error"}, at)
             content = _text_of(block.get("content", ""), f"{at}.content")
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
         else:
-            raise _refuse(at, "a user's content blocks must be text or tool_result {tool_use_id, content} (images and "
-                              f"documents are not supported); got {short_repr(block)}")
-    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+            raise _refuse(at, "a user's content blocks must be text, image (a base64 source) or tool_result "
+                              f"{{tool_use_id, content}} (documents are not supported); got {short_repr(block)}")
+    if any(p["type"] == "image_url" for p in parts):
+        return results + [{"role": "user", "content": parts}]
+    text = "\n".join(p["text"] for p in parts)
+    return results + ([{"role": "user", "content": text}] if parts or not results else [])
 
 
 def chat_messages(body: Body) -> list[dict[str, object]]:

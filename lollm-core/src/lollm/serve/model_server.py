@@ -28,14 +28,16 @@ from lollm.engine.engine import why_not_batched
 from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import SHUTDOWN, request_line
 from lollm.serve.guard import check_authorization
+from lollm.serve.images import Towers, image_prompt
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
                                   Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
-                                  longest_token_bytes, number, parse_body, read_messages, refuse_images, response_format, short_repr,
+                                  longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
                                   stops, stream_options, text_bytes)
 from lollm.serve.reasoning import EFFORTS, after_thinking, opening
 from lollm.serve.tool_formats import ToolRequestError
 from lollm.serve.tools import ToolRequest, read_tools
+from lollm.vision.spec import ImageBatch
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
@@ -92,6 +94,7 @@ class ModelServer:
         self.token_bytes_bound = longest_token_bytes(self.tokenizer)
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
+        self.towers = Towers(loaded, name)  # the vision tower, opened by the first image request
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         #: jobs submitted whose Future is not done yet, by id(job); closing: the server is shutting down
         self.live: dict[int, Job] = {}
@@ -184,8 +187,9 @@ class ModelServer:
         wanted = response_format(body.get("response_format"))
         constraint = self.compile(wanted)
         tools = self.tools(body, constraint) if kind == "chat" else None
-        ids = self.chat_ids(body, tools) if kind == "chat" else self.completion_ids(body)
+        ids, images = self.chat_ids(body, tools) if kind == "chat" else (self.completion_ids(body), None)
         job = self.job(body, ids, limit, sampling, stop + (tools.stops() if tools else []), logprobs)
+        job.images = images
         job.tools = tools
         job.reasoning = opening(self.tokenizer, ids) if kind == "chat" else None
         param = "response_format"
@@ -256,7 +260,8 @@ class ModelServer:
             raise self._too_long(body, f"the prompt has {size:,} bytes of text, at least {size // self.token_bytes_bound:,} "
                                        f"tokens (no token of this model stands for more than {self.token_bytes_bound} bytes)")
 
-    def chat_ids(self, body: Body, tools: ToolRequest | None = None) -> list[int]:
+    def chat_ids(self, body: Body, tools: ToolRequest | None = None) -> tuple[list[int], ImageBatch | None]:
+        """The chat prompt's ids and, when its messages hold images, their ImageBatch (lollm.serve.images)."""
         if self.tokenizer.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
@@ -265,8 +270,6 @@ class ModelServer:
             messages = read_messages(body.get("messages"), images)
         except ToolRequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
-        if images:
-            refuse_images(self.name, self.loaded)
         flags = {**self.template_flags, **self.thinking_flag(body)}
         extra = body.get("chat_template_kwargs")
         if extra is not None:
@@ -281,9 +284,23 @@ class ModelServer:
             flags["tools"] = tools.tools
         self.check_text_size(body, text_bytes(messages) + text_bytes(extra) + text_bytes(flags.get("tools")))
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags)
+            if images:  # the tower first: a text model's 400 names the model
+                tower = self.towers.tower()
+                self.check_image_path()
+                return image_prompt(messages, images, tower, self.tokenizer, model=self.name, context=self.context, **flags)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, **flags), None
         except LollmError as error:  # the template rejected the messages (raise_exception) or failed
             raise ApiError(400, str(error), param="messages") from None
+
+    def check_image_path(self) -> None:
+        """ApiError 400 when this server cannot run an image request on its model: a decoder that does not take
+        images in an engine step (``batches_images``), or a model split over ranks (--tp: the ranks share no images)."""
+        if self.group is not None:
+            raise ApiError(400, f"model {self.name!r} is split over ranks (--tp), which do not run images: serve it "
+                                "on one process", param="messages")
+        if self.engine_loop is not None and not getattr(self.model, "batches_images", False):
+            raise ApiError(400, f"model {self.name!r} reads images, but its decoder does not take them in the batched "
+                                "engine yet (batches_images): lollm run --image reads them", param="messages")
 
     def thinking_flag(self, body: Body) -> dict[str, bool]:
         """``{"enable_thinking": bool}`` from the request's ``reasoning_effort`` (``{}`` when absent; "none": off,
@@ -461,8 +478,9 @@ class ModelServer:
             self.model, job.ids, max_new_tokens=job.max_tokens, sampling=job.sampling, stop_ids=self.stop_ids,
             stop_strings=job.stop, tokenizer=job.tools.text_of(self.tokenizer) if job.tools else self.tokenizer,
             on_text=job.on_text, on_token=job.on_token,
-            speculative_tokens=self.draft_tokens, prompt_cache=self.cache, logprobs=job.logprobs,
-            should_stop=should_stop, constraint=job.constraint,
+            speculative_tokens=self.draft_tokens, logprobs=job.logprobs, should_stop=should_stop, constraint=job.constraint,
+            # images: no prompt cache (it matches prompts by ids, and every image's placeholder ids are the same)
+            prompt_cache=self.cache if job.images is None else None, images=job.images,
         )
 
     # -- --tp: the ranks other than 0 (lollm.load.ranks) ------------------------------------------

@@ -17,7 +17,7 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from lollm.errors import TokenizerError
 from lollm.generate.sequence import TokenLogprobs
@@ -265,18 +265,8 @@ def read_messages(value: object, images: list | None = None) -> list[dict[str, o
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, list):  # content parts: text, and images when the caller collects them
-            texts = []
-            for j, part in enumerate(content):
-                if images is not None and isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
-                    images.append(read_image_part(part, f"{where}.content[{j}]", len(images) + 1))
-                    texts.append(IMAGE_MARK)
-                    continue
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ApiError(400, f"{where}.content[{j}]: only text parts are supported",
-                                   param=f"{where}.content[{j}]")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if not isinstance(content, str):
+            content = _content_parts(content, where, images)
+        if not isinstance(content, (str, list)):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
         entry: dict[str, object] = {"role": role, "content": content}
         for key in ("name", "reasoning_content", "tool_call_id"):
@@ -294,8 +284,25 @@ def read_messages(value: object, images: list | None = None) -> list[dict[str, o
 
 #: Content part types that carry media: images are read, video and audio refused by name.
 MEDIA_PARTS = ("image_url", "input_audio", "video_url", "input_video")
-#: Where an image part stood in a message's text, until the model's own placeholder replaces it.
-IMAGE_MARK = "\ue000image\ue001"
+
+
+def _content_parts(content: list, where: str, images: list | None) -> str | list[dict[str, str]]:
+    """A message's content parts: their text joined by newlines; with an image among them, the parts as the
+    chat template takes them, ``[{"type": "text", "text": ...}, {"type": "image"}, ...]`` (the template writes
+    the family's placeholder for each image: lollm.serve.images). Each image is read into ``images``."""
+    parts: list[dict[str, str]] = []
+    for j, part in enumerate(content):
+        if images is not None and isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+            images.append(read_image_part(part, f"{where}.content[{j}]", len(images) + 1))
+            parts.append({"type": "image"})
+            continue
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ApiError(400, f"{where}.content[{j}]: only text parts are supported",
+                           param=f"{where}.content[{j}]")
+        parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def read_image_part(part: dict, where: str, number: int) -> object:
@@ -319,21 +326,6 @@ def read_image_part(part: dict, where: str, number: int) -> object:
         return decode_image(decode_data_url(url, name=name), name=name)
     except ImageError as error:
         raise ApiError(400, str(error), param=f"{where}.image_url.url") from None
-
-
-def refuse_images(model: str, loaded: object) -> NoReturn:
-    """ApiError for a chat request whose images were read and checked: the server cannot run them yet.
-
-    A model without a vision tower: 400 naming it. One with a tower: 501, since the engine that
-    serves requests does not take images yet (``lollm run --image`` does; docs/vision.md says what is built).
-    """
-    family = getattr(getattr(loaded, "family", None), "family", None)
-    if family is None or not family.capabilities.vision:
-        raise ApiError(400, f"model {model!r} has no vision tower: it reads text only, and the request holds an image",
-                       param="messages")
-    raise ApiError(501, f"model {model!r} reads images, but lollm serve does not run image requests yet (the engine's "
-                        "image path is not built); lollm run --image reads them", param="messages",
-                   kind="not_implemented_error")
 
 
 # -- response_format: structured output (lollm.generate.structured, docs/structured-output.md) ----------
@@ -405,6 +397,7 @@ class Job:
     reasoning: str | None = None  # where the answer begins for lollm.serve.reasoning (None: no thinking to separate)
     shutdown: bool = False  # ended because the server stops (lollm.serve.shutdown): a 503, or finish_reason "shutdown"
     on_shutdown: Callable[[], None] | None = None  # called (any thread) when it is so ended: a stream ends at once
+    images: Any = None  # the prompt's ImageBatch (lollm.serve.images), None for text
 
 
 @dataclass

@@ -280,7 +280,8 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], *, add_generation_prompt: bool = True, parse_special: bool = True, **template_kwargs: object
+        self, messages: list[dict], *, add_generation_prompt: bool = True, parse_special: bool = True,
+        rewrite: Callable[[str], str] | None = None, **template_kwargs: object
     ) -> list[int]:
         """Token ids of the chat prompt: the rendered template encoded without adding bos/eos again.
 
@@ -301,17 +302,23 @@ class Tokenizer:
         them the ids are the same as with ``parse_special=True``. A tokenizer
         that matches special tokens only after normalization cannot keep the
         two apart: it refuses (``TokenizerError``) instead of guessing.
+
+        ``rewrite``: a function applied to the rendered text before it is encoded (lollm.serve.images
+        expands each image placeholder the template wrote into the image's tokens there); with
+        ``parse_special=False`` the special-token text of the messages is still hidden from it, so it
+        sees only the template's own.
         """
         render = dict(add_generation_prompt=add_generation_prompt, **template_kwargs)
+        rewrite = rewrite or (lambda text: text)
         if parse_special:
-            return self.encode(self.apply_chat_template(messages, **render), add_special_tokens=False)
+            return self.encode(rewrite(self.apply_chat_template(messages, **render)), add_special_tokens=False)
         # everything the caller's client wrote that the template may print
         untrusted = {"messages": messages, **{key: render[key] for key in _UNTRUSTED_KWARGS if render.get(key) is not None}}
         strings = list(_strings(untrusted))
         specials = sorted({t.content for t in self._added.tokens if t.special}, key=lambda c: (-len(c), c))
         found = [c for c in specials if any(c in text for text in strings)]
         if not found:
-            return self.encode(self.apply_chat_template(messages, **render), add_special_tokens=False)
+            return self.encode(rewrite(self.apply_chat_template(messages, **render)), add_special_tokens=False)
         late = [t.content for t in self._added.tokens if t.special and t.normalized]
         if late:
             raise TokenizerError(
@@ -326,7 +333,7 @@ class Tokenizer:
         literal = {mark: content for content, mark in placeholder.items()}
         hide = regex.compile("|".join(regex.escape(c) for c in found))
         hidden = _map_strings(untrusted, lambda text: hide.sub(lambda m: placeholder[m.group()], text))
-        text = self.apply_chat_template(hidden.pop("messages"), **{**render, **hidden})
+        text = rewrite(self.apply_chat_template(hidden.pop("messages"), **{**render, **hidden}))
         show = regex.compile("|".join(regex.escape(m) for m in literal))
         ids: list[int] = []
         restore = lambda piece: show.sub(lambda m: literal[m.group()], piece)  # noqa: E731

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lollm.attention import attend, key_positions
+from lollm.batch import Batch
+from lollm.trace.attention import AttentionRecord, active_recording
 
 from .config import Gemma3Config, RopeConfig
 
@@ -167,9 +169,15 @@ class Gemma3Attention(nn.Module):
         # lollm.batch.Batch) k, v are the layer's paged pool, read in position order
         # through the block tables: attend ignores ring there.
         ring = window is not None and cache is not None and T == 1
+        if blocks is not None and isinstance(start, Batch):  # an engine step holding images
+            out = attend_images_in_step(q, k, v, start, window, blocks, self.scale, self.layer_idx)
+            return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         if blocks is not None:  # images in this prefill: the mask of image_visible (vision.md)
             mask = image_visible(start, T, k.shape[2], window, blocks)  # (T, S)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=H != K)
+            if active_recording() is not None:  # lollm trace: the weights written out, recorded
+                out = record_masked(q, k, v, mask, self.scale, start, window, self.layer_idx)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=H != K)
             return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         out = attend(q, k, v, start=start, ring=ring, window=window, scale=self.scale,
                      layer=self.layer_idx)  # (1, H, T, D)
@@ -199,6 +207,53 @@ def image_visible(start: int, T: int, S: int, window: int | None, blocks: torch.
     if window is not None:
         mask = mask & (key_pos > query_pos - window)
     return mask
+
+
+def record_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, start: int,
+                  window: int | None, layer: int) -> torch.Tensor:
+    """Attention under ``mask`` (T, S) written out, its weights added to ``lollm trace``'s recording: (1, H, T, D).
+
+    q (1, H, T, D); k, v (1, K, S, D), each K/V head read by H/K query heads (GQA).
+    """
+    H, K = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)  # (1, H, S, D)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (1, H, T, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    T, S = mask.shape
+    active_recording().records.append(AttentionRecord(layer, probs, torch.arange(start, start + T, device=q.device),
+                                                      key_positions(start, T, S, device=q.device), window))
+    return (probs @ v.float()).to(q.dtype)
+
+
+def attend_images_in_step(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch,
+                          window: int | None, blocks: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
+    """Attention for an engine step in which some sequences bring images: (1, H, N, D).
+
+    q (1, H, N, D); k_pool, v_pool: the layer's paged pool (blocks, block_size, K, D), as
+    ``cache.update`` returns it in an engine step; blocks (N,): image number per token, -1 text.
+
+    1. Every row first goes through the engine's paged attention (causal, the window): right for
+       every sequence whose rows of this step hold no image.
+    2. A sequence with image tokens among its rows gets them again, with the mask of
+       :func:`image_visible`: its keys gathered from its blocks in position order (a sliding
+       layer from the block its first query's window starts in, as lollm.attention does), then
+       one SDPA call. Its rows of step 1 are thrown away: the price of keeping the paged path
+       untouched, paid once per image (one prefill chunk), never in a decode step.
+    """
+    out = attend(q, k_pool, v_pool, start=batch, window=window, scale=scale, layer=layer)  # (1, H, N, D)
+    K, D, size = k_pool.shape[2], k_pool.shape[3], batch.block_size
+    for (lo, hi), first, table in zip(batch.segments(), batch.starts, batch.tables_for(window)):
+        if not bool((blocks[lo:hi] >= 0).any()):
+            continue
+        skip = max(0, first - window + 1) // size if window is not None else 0
+        S = first + (hi - lo) - skip * size  # the keys end at the newest query (key_positions' rule)
+        ids = torch.tensor(table[skip:], dtype=torch.long, device=k_pool.device)
+        k = k_pool.index_select(0, ids).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
+        v = v_pool.index_select(0, ids).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
+        mask = image_visible(first, hi - lo, S, window, blocks[lo:hi])  # (T_b, S)
+        out[:, :, lo:hi] = F.scaled_dot_product_attention(q[:, :, lo:hi], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                          scale=scale, enable_gqa=q.shape[1] != K)
+    return out
 
 
 # ---------------------------------------------------------------------------

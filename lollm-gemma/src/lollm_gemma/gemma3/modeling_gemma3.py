@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
-from lollm.vision.prompt import scatter_images
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
+from lollm.vision.step import image_numbers, scatter_step_images
 from lollm.vision.spec import ImageBatch
 
 from .blocks import Gemma3Attention, Gemma3MLP, RMSNorm, RotaryEmbedding
@@ -88,6 +88,9 @@ class Gemma3TextModel(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """A gemma3 causal language model, following :class:`lollm.model.CausalLM`."""
 
+    #: its forward takes images in an engine step too (lollm.model.VisionLM; lollm.vision.step)
+    batches_images = True
+
     def __init__(self, config: Gemma3Config):
         super().__init__()
         self.config = config
@@ -132,7 +135,7 @@ class Gemma3ForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
-        images: ImageBatch | None = None,
+        images: ImageBatch | list[ImageBatch | None] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -145,7 +148,8 @@ class Gemma3ForCausalLM(nn.Module):
         the embeddings, each layer's output but the last, the final-normed output.
         ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
         vision.py; those inside these T positions replace their placeholder rows after step 1, and
-        attend inside themselves both ways (step 3). Single-sequence forwards only.
+        attend inside themselves both ways (step 3). In an engine step, a list of one ImageBatch or
+        None per sequence of the Batch (``batches_images``; lollm.vision.step).
         """
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
@@ -156,9 +160,10 @@ class Gemma3ForCausalLM(nn.Module):
         #    as the output head), the scale brings them to the size the layers expect.
         x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
         # 1b. Images (docs/vision.md): their rows replace their placeholders' (after the scale, as HF).
-        blocks = self._image_blocks(images, start, T, input_ids.device)  # (T,) image number, -1 text; None: no image
+        #     In an engine step ``images`` is a list, one ImageBatch or None per sequence (lollm.vision.step).
+        blocks = image_numbers(images, start, T, input_ids.device)  # (T,) image number, -1 text; None: no image
         if blocks is not None:
-            x = scatter_images(x, images, start)
+            x = scatter_step_images(x, images, start)
         if hidden_states is not None:
             hidden_states.append(x)
 
@@ -194,24 +199,6 @@ class Gemma3ForCausalLM(nn.Module):
         #    An engine step passes a tensor: the row of each sequence's last token.
         x = keep_logit_rows(x, logits_to_keep)
         return self.lm_head(x)  # (1, T or logits_to_keep, vocab)
-
-    @staticmethod
-    def _image_blocks(images: ImageBatch | None, start, T: int, device: torch.device) -> torch.Tensor | None:
-        """(T,) int64: for each new token the number of the image it belongs to, -1 for text; None without images.
-
-        Raises ValueError for images in an engine step (the engine does not take images yet).
-        """
-        if images is None or not images.images:
-            return None
-        if isinstance(start, Batch):
-            raise ValueError("gemma3: images reach the decoder in single-sequence forwards only (not in an engine step)")
-        inside = images.within(start, T)
-        if not inside:
-            return None
-        blocks = torch.full((T,), -1, dtype=torch.int64, device=device)
-        for number, im in enumerate(inside):
-            blocks[im.start - start:im.end - start] = number
-        return blocks
 
     def logit_lens(self, hidden: torch.Tensor, *, normed: bool = False) -> torch.Tensor:
         """The logit lens (``lollm trace``): a residual stream read the way steps 5-6 of forward read the last one.

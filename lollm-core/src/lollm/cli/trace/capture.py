@@ -98,6 +98,7 @@ class Trace:
     vocab: dict[int, str] = field(default_factory=dict)  # pieces of every id the page names
     divergence: Divergence | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)  # lollm.cli.trace.images.ImageView per image of the prompt
 
 
 def _on_position_grid(record: AttentionRecord, T: int) -> torch.Tensor:
@@ -149,13 +150,14 @@ def _texts(ids: list[int], to_text: Callable[[list[int]], list[str]]) -> dict[in
 
 
 def capture(model: Any, ids: list[int], *, pieces: Callable[[list[int]], list[str]] | None = None,
-            device: torch.device | str = "cpu") -> Trace:
+            device: torch.device | str = "cpu", images: Any = None) -> Trace:
     """Run ``ids`` once through ``model`` (no cache) and record what a trace shows.
 
     model:  a :class:`lollm.model.CausalLM` on ``device``; ``model.logit_lens`` is optional
             (without it the trace has no lens, and says why).
     ids:    the prompt's token ids (at least one).
     pieces: the tokenizer's ``pieces`` (readable text of each id); None: ids as text.
+    images: the prompt's ImageBatch (``lollm trace --image``), given to the forward; None: text.
     Raises LollmError when the model hands back hidden states that do not follow the contract.
     """
     if not ids:
@@ -164,7 +166,8 @@ def capture(model: Any, ids: list[int], *, pieces: Callable[[list[int]], list[st
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     hidden: list[torch.Tensor] = []
     with torch.inference_mode(), recording() as attn, recording_internals(model) as own:
-        logits = model(input_ids, None, hidden_states=hidden)[0].float().cpu()  # (T, V)
+        extra = {} if images is None else {"images": images}
+        logits = model(input_ids, None, hidden_states=hidden, **extra)[0].float().cpu()  # (T, V)
         num_layers = int(getattr(model, "num_layers", len(hidden) - 1))
         if len(hidden) != num_layers + 1:
             raise LollmError(f"lollm trace: the model handed back {len(hidden)} hidden states for {num_layers} layers "

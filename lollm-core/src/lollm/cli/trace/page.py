@@ -38,12 +38,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lollm.cli.trace.images import images_html
+
 import torch
 
 from lollm.errors import LollmError
 from lollm.cli.trace.capture import Trace
 
-_MARKERS = ("/*@CSS@*/", "/*@VENDOR@*/", "/*@SCRIPT@*/", "@DATA@", "@TITLE@", "@META@", "@TOKENS@", "@SELECTED@")
+_MARKERS = ("/*@CSS@*/", "/*@VENDOR@*/", "/*@SCRIPT@*/", "@DATA@", "@TITLE@", "@META@", "@TOKENS@", "@SELECTED@", "@IMAGES@")
 #: how a token's whitespace is shown (as trace.js shows it in its tables): a space, a line break, a tab, a return
 _VISIBLE = str.maketrans({" ": "·", "\n": "↵", "\t": "⇥", "\r": "␍"})
 VENDOR_FILES = ("chart.umd.min.js", "chartjs-chart-matrix.min.js")
@@ -172,7 +174,7 @@ def render(trace: Trace) -> str:
             raise LollmError(f"lollm trace: the page template must hold {marker} exactly once")
     vendor = "\n".join(_vendor(name) for name in VENDOR_FILES)
     parts = {"/*@CSS@*/": _static("trace.css"), "/*@VENDOR@*/": vendor, "/*@SCRIPT@*/": _static("trace.js"),
-             "@DATA@": data, "@TITLE@": title, **first_view(trace)}
+             "@DATA@": data, "@TITLE@": title, "@IMAGES@": images_html(trace.images), **first_view(trace)}
     # one pass, in the order the markers sit, so no inserted text is searched again
     out, rest = [], page
     for marker in sorted(parts, key=page.index):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -83,7 +83,8 @@ TRACE_OPTIONS = LoadOptions(dtype="float32")
 
 def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
               think: bool | None = None, compare_reference: bool = False, options: LoadOptions = TRACE_OPTIONS,
-              max_tokens: int = MAX_TOKENS, log: Callable[[str], None] = lambda line: None) -> TraceResult:
+              max_tokens: int = MAX_TOKENS, log: Callable[[str], None] = lambda line: None,
+              images: Sequence[str] = ()) -> TraceResult:
     """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
 
     compare_reference: also run the parity gate's reference (transformers) and store the
@@ -92,6 +93,9 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     max_tokens:        refuse longer prompts (the page keeps T² attention weights per head).
     log:               called with one progress line before each long step (loading, the forward pass,
                        the reference, writing the page); ``lollm trace`` prints them on stderr.
+    images:            image files (``lollm trace --image``): the prompt gets them (lollm.proof.parity_images'
+                       prompt), and the page draws each image's tokens and the attention they received
+                       (:mod:`lollm.cli.trace.images`). Not with ``compare_reference`` or ``system``.
     Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
     longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
     (:func:`lollm.cli.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
@@ -99,10 +103,25 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     output = check_output(output)  # before anything loads
     log(f"loading {model_label(spec)} with {options.dtype} weights (a packed GGUF is unpacked first) ...")
     loaded = open_model(spec, options)
-    ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
+    pictured = None
+    if images:
+        if compare_reference or system:
+            raise LollmError("lollm trace --image: not with --compare or --system yet")
+        from lollm.proof.parity_images import image_prompt
+
+        templated = chat and loaded.tokenizer.chat_template is not None
+        pictured = image_prompt(loaded, list(images), prompt, chat=templated, model=model_label(spec))
+        ids = pictured.ids
+    else:
+        ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
     check_capture(loaded.model, ids, max_tokens=max_tokens, device=loaded.device)
     log(f"forward pass: {len(ids)} tokens through the model, keeping every layer's attention and hidden states ...")
-    trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device)
+    trace = capture(loaded.model, ids, pieces=loaded.tokenizer.pieces, device=loaded.device,
+                    images=pictured.images if pictured else None)
+    if pictured is not None:
+        from lollm.cli.trace.images import image_views
+
+        trace.images = image_views(trace, pictured.images, list(pictured.pixels), pictured.spec)
     trace.meta = {
         "model": model_label(spec), "family": loaded.family.family.name, "format": loaded.checkpoint.fmt,
         "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(loaded.device),

@@ -1,0 +1,86 @@
+"""Images in a chat request (docs/vision.md, "lollm serve"): from content parts to the engine's ImageBatch.
+
+A client sends images as content parts (OpenAI ``image_url`` with a ``data:`` URL, Anthropic
+``image`` blocks with a base64 source: lollm.serve.messages turns those into the former).
+:func:`lollm.serve.requests.read_messages` decodes and checks each one (every hostile image a
+400 naming its part) and leaves an ``{"type": "image"}`` part where it stood. Then, here:
+
+1. the chat template renders the messages; for each image part it writes the family's
+   placeholder (Gemma 3's template: ``<start_of_image>``) as template text, so it becomes the
+   placeholder's control token, while the client's own text is encoded with special tokens kept
+   plain (``encode_chat(parse_special=False)``): a client that types ``<start_of_image>`` gets
+   text, never an image slot;
+2. in the rendered text (before it is tokenized, so the ids are those transformers' processor
+   gives) each placeholder becomes ``begin_text + image_token * n + end_text``, n the image's
+   tokens (:func:`lollm.vision.prompt.expand_placeholders`); the client's text is hidden from
+   this step (``encode_chat(rewrite=...)``);
+3. the images go through the tower once (in the request's preparing thread, before the engine
+   sees the request) and are placed: :func:`lollm.vision.prompt.place_images`.
+
+Every refusal is an ApiError 400 naming the rule: a template that writes no placeholder for an
+image, more image tokens than the server's context holds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from lollm.errors import ImageError
+from lollm.serve.error_shapes import ApiError
+from lollm.vision.load import open_vision
+from lollm.vision.prompt import encode_images, expand_placeholders, place_images
+from lollm.vision.spec import ImageBatch, VisionTower
+
+
+class Towers:
+    """The served model's vision tower, opened on the first image request (a text request never pays for it)."""
+
+    def __init__(self, loaded: object, name: str):
+        self.loaded, self.name = loaded, name
+        self._tower: VisionTower | None = None
+        self._lock = threading.Lock()
+
+    def tower(self) -> VisionTower:
+        """The tower; ApiError 400 when the model has none (a text-only model, a checkpoint without one)."""
+        with self._lock:
+            if self._tower is None:
+                self._tower = open_vision(self.loaded)
+            if self._tower is None:
+                raise ApiError(400, f"model {self.name!r} has no vision tower: it reads text only, and the request "
+                                    "holds an image", param="messages")
+            return self._tower
+
+
+def image_prompt(messages: list[dict], images: list, tower: VisionTower, tokenizer, *, model: str, context: int,
+                 **template_flags: object) -> tuple[list[int], ImageBatch]:
+    """The chat prompt of ``messages`` (whose image parts are ``{"type": "image"}``) as ids, and its placed images.
+
+    images:  the request's RGB ``PIL.Image`` s, in order; they go through the tower here, once.
+    context: the positions one request may use (``lollm serve --ctx-size``): the prompt must leave one free.
+    template_flags: the template variables (``enable_thinking``, ``tools``) as ``encode_chat`` takes them.
+    Returns (ids, ImageBatch). ApiError 400 (param ``messages``) when the template wrote another number of
+    placeholders than there are images, or the images make the prompt longer than the context.
+    The template's error (a LollmError) passes through, for the caller's 400.
+    """
+    spec = tower.spec
+    encoded = encode_images(tower, images)
+    counts = [e.embeds.shape[0] for e in encoded]
+
+    def expand(text: str) -> str:  # the rendered text, the client's special-token text hidden from us
+        found = text.count(spec.placeholder)
+        if found != len(images):
+            raise ApiError(400, f"the chat template of {model!r} wrote {found} image placeholder(s) "
+                                f"({spec.placeholder!r}) for the request's {len(images)} image(s): its template does "
+                                "not render image content parts", param="messages")
+        return expand_placeholders(text, spec, counts)
+
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, rewrite=expand,
+                                **template_flags)
+    if len(ids) >= context:
+        raise ApiError(400, f"{len(images)} image(s) take {sum(counts)} tokens; with the text the prompt is {len(ids)} "
+                            f"tokens, but the server's context is {context} (lollm serve --ctx-size) and the answer needs "
+                            "one more: send fewer or smaller images", param="messages", code="context_length_exceeded")
+    try:
+        return ids, place_images(ids, spec, encoded, max_context=context)
+    except ImageError as error:
+        raise ApiError(400, str(error), param="messages") from None
