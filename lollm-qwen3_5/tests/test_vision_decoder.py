@@ -180,3 +180,60 @@ def test_both_families_register_their_vision_tower():
         family = validate_family(family, plugin="qwen3_5")
         assert family.capabilities.vision and family.vision == "lollm_qwen3_5.vision_family:load_vision"
         assert family.resolve("vision").__name__ == "load_vision"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mrope_section_is_read_and_a_bad_one_names_the_key(family):
+    """config.json's rope_parameters.mrope_section reaches the config; absent, transformers' default; else refused."""
+    import importlib
+
+    from lollm.errors import ConfigError
+
+    module = importlib.import_module(f"lollm_qwen3_5.{family}.config")
+    parse = getattr(module, "Qwen3_5Config" if family == "qwen3_5" else "Qwen3_5MoeConfig").from_hf
+    raw = tiny.tiny_config(family, "multimodal")
+    rope = raw["text_config"]["rope_parameters"]
+    assert parse(raw).mrope_section == tuple(rope["mrope_section"])
+    rope["mrope_section"] = [8, 12, 12]
+    assert parse(raw).mrope_section == (8, 12, 12)
+    del rope["mrope_section"]
+    assert parse(raw).mrope_section == (11, 11, 10)  # Qwen3_5TextRotaryEmbedding's default
+    for bad in ([11, 11], [11, "11", 10], 32):
+        rope["mrope_section"] = bad
+        with pytest.raises(ConfigError, match="'mrope_section'"):
+            parse(raw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_speculative_decoding_after_an_image_equals_greedy(family, tiny_checkpoint, load_ours, monkeypatch):
+    """``--mtp`` with an image: the tokens equal plain greedy decoding's, with the random head's drafts
+    (all rejected: one-token verify steps) and with drafts that are right but every third token, so
+    that verify forwards of several tokens (images=None) and their rollbacks must give the positions of
+    one-token steps (whose shift test_chunked_prefill_then_decode_keeps_the_shifted_positions proves).
+    The real head runs in both (its catch-up reads the M-RoPE angles of the image)."""
+    from lollm.generate.loop import generate
+    from lollm.load.loader import load_checkpoint
+    from lollm.sampling_params import SamplingParams
+    from lollm_qwen3_5.vision_family import load_vision
+
+    folder = tiny_checkpoint(family, "multimodal", mtp=True, lively=True)
+    model, tower = load_ours(folder), load_vision(load_checkpoint(folder), LoadOptions(device="cpu", dtype="float32"))
+    raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    encoded = encode_images(tower, [drawing(300, 200, seed=40)])  # Qwen3.5's own budget: at least 256 x 256 px
+    ids, _ = prompt(raw, [(t, 2 * h, 2 * w) for t, h, w in (e.grid for e in encoded)])
+    batch = place_images(ids, tower.spec, encoded, max_context=model.max_context)
+    greedy = SamplingParams(temperature=0.0)
+    plain = generate(model, ids, max_new_tokens=24, sampling=greedy, images=batch)
+    spec = generate(model, ids, max_new_tokens=24, sampling=greedy, images=batch, speculative_tokens=3)
+    assert spec.new_ids == plain.new_ids and len(set(plain.new_ids)) > 4 and spec.drafted > 0
+    truth, real_draft = ids + plain.new_ids, model.draft
+
+    def mostly_right(cache, pending, num_tokens):
+        real_draft(cache, pending, num_tokens)
+        start = cache.length + 1  # `pending` sits at cache.length; the drafts follow it
+        return [t if (start + k) % 3 else (t + 1) % model.vocab_size
+                for k, t in enumerate(truth[start:start + num_tokens])]
+
+    monkeypatch.setattr(model, "draft", mostly_right)
+    spec = generate(model, ids, max_new_tokens=24, sampling=greedy, images=batch, speculative_tokens=3)
+    assert spec.new_ids == plain.new_ids and spec.accepted > 4
