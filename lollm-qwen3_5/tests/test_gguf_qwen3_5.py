@@ -350,6 +350,7 @@ def test_a_flat_shared_expert_gate_loads(broken_moe_gguf, gguf_file):
     ({"{arch}.full_attention_interval": 3}, "{arch}.full_attention_interval"),  # contradicts recurrent_layers
     ({"{arch}.attention.recurrent_layers": [True] * 9}, "{arch}.attention.recurrent_layers"),  # an MTP block recurrent
     ({"{arch}.block_count": None}, "{arch}.block_count"),  # missing
+    ({"{arch}.rope.dimension_sections": [11, 11]}, "{arch}.rope.dimension_sections"),  # M-RoPE needs (t, h, w)
 ])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bad_gguf_metadata_is_named(family, change, key, gguf_file):

@@ -18,8 +18,9 @@ from lollm.hookspecs import hookimpl
 from lollm_qwen3_5 import qwen3_5, qwen3_5_moe
 
 # Both families: the chat template reads `enable_thinking` (--think / --no-think),
-# and checkpoints may carry an MTP head (mtp.*) for self-speculative decoding (--mtp).
-_CAPABILITIES = Capabilities(thinking_toggle=True, speculative_head=True)
+# checkpoints may carry an MTP head (mtp.*) for self-speculative decoding (--mtp),
+# and every published checkpoint reads images (contract 3: the ViT in vision.py).
+_CAPABILITIES = Capabilities(thinking_toggle=True, speculative_head=True, vision=True)
 
 
 def families() -> list[Family]:
@@ -33,6 +34,7 @@ def families() -> list[Family]:
             gguf_architectures=qwen3_5.GGUF_ARCHITECTURES,
             sampling_defaults=dict(qwen3_5.SAMPLING_DEFAULTS),
             capabilities=_CAPABILITIES,
+            vision=qwen3_5.VISION,
             description=qwen3_5.DESCRIPTION,
         ),
         Family(
@@ -43,6 +45,7 @@ def families() -> list[Family]:
             gguf_architectures=qwen3_5_moe.GGUF_ARCHITECTURES,
             sampling_defaults=dict(qwen3_5_moe.SAMPLING_DEFAULTS),
             capabilities=_CAPABILITIES,
+            vision=qwen3_5_moe.VISION,
             description=qwen3_5_moe.DESCRIPTION,
         ),
     ]

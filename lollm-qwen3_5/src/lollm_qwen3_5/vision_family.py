@@ -15,9 +15,10 @@ The prompt: Qwen3.5's chat template writes ``<|vision_start|><|image_pad|><|visi
 an image; core replaces it by ``<|vision_start|>`` + n x ``<|image_pad|>`` + ``<|vision_end|>``.
 
 Weights: the full ``Qwen3_5(Moe)ForConditionalGeneration`` safetensors (``model.visual.*``).
-A GGUF decoder keeps its tower in llama.cpp's separate mmproj file; reading it is
-:func:`lollm_qwen3_5.vision.state_from_mmproj` (tested), and :func:`tower_from_mmproj` builds
-the tower from one, for when core passes an mmproj path to the loader.
+A GGUF decoder keeps its tower in llama.cpp's separate mmproj file (``lollm run X.gguf --mmproj
+mmproj.gguf``): core opens it as a checkpoint of its own (``general.architecture`` "clip") with
+the text model's tokenizer, and :func:`load_vision` builds the tower from it
+(:func:`lollm_qwen3_5.vision.state_from_mmproj` reads the tensors).
 """
 
 from __future__ import annotations
@@ -88,22 +89,45 @@ def vision_spec(config: dict, processor: ProcessorConfig):
 def load_vision(checkpoint, options) -> Qwen3_5Vision | None:
     """``Family.vision`` of qwen3_5 / qwen3_5_moe: the tower of a multimodal safetensors checkpoint, or None.
 
-    None for the text-only layout (no ``vision_config``) and for GGUF (the tower is in an mmproj file).
-    preprocessor_config.json beside config.json is read when present (else Qwen3.5's published values).
-    ConfigError / WeightsError name the key or tensor.
-    """
-    import json
+    * a multimodal safetensors checkpoint: the tower beside the decoder (``model.visual.*``);
+    * an mmproj GGUF (``general.architecture`` "clip", given with ``--mmproj``): the tower alone, the
+      image token's id from the text model's tokenizer, which core hands over with it;
+    * None for the text-only layout (no ``vision_config``) and a text GGUF (give its mmproj file).
 
+    preprocessor_config.json beside config.json (or beside the mmproj file) is read when present,
+    else Qwen3.5's published values. ConfigError / WeightsError name the key or tensor.
+    """
+    if checkpoint.fmt == "gguf" and checkpoint.config.get("general.architecture") == "clip":
+        return _mmproj_checkpoint_tower(checkpoint, options)
     if checkpoint.fmt != "safetensors" or "vision_config" not in checkpoint.config:
         return None
     where = str(checkpoint.path / "config.json")
     config = VisionConfig.from_config(checkpoint.config, where)
     names = list(checkpoint.weights.names())
     tower = load_tower(VisionTower(config), state_from_checkpoint(checkpoint.weights.read, names), where)
-    pre = checkpoint.path / "preprocessor_config.json"
-    processor = (ProcessorConfig.from_file_dict(json.loads(pre.read_text(encoding="utf-8")), str(pre))
-                 if pre.is_file() else ProcessorConfig())
-    return _finish(tower, processor, checkpoint.config, options)
+    return _finish(tower, _processor_beside(checkpoint.path) or ProcessorConfig(), checkpoint.config, options)
+
+
+def _processor_beside(folder) -> ProcessorConfig | None:
+    """The ProcessorConfig of ``folder``/preprocessor_config.json, or None when there is none."""
+    import json
+
+    pre = folder / "preprocessor_config.json"
+    if not pre.is_file():
+        return None
+    return ProcessorConfig.from_file_dict(json.loads(pre.read_text(encoding="utf-8")), str(pre))
+
+
+def _mmproj_checkpoint_tower(checkpoint, options) -> Qwen3_5Vision:
+    """The tower of an mmproj GGUF that core opened as a checkpoint (``--mmproj``; its ``path`` is the file's folder)."""
+    from lollm.errors import ConfigError
+
+    image_token_id = checkpoint.tokenizer.token_to_id(IMAGE_TOKEN)
+    if image_token_id is None:
+        raise ConfigError(f"qwen3_5 mmproj {checkpoint.spec}: the text model's tokenizer has no {IMAGE_TOKEN!r}, "
+                          "so the image tokens cannot be placed (is this the mmproj file of this model?)")
+    return _tower_from_source(checkpoint.weights, checkpoint.spec, {"image_token_id": image_token_id}, options,
+                              _processor_beside(checkpoint.path))
 
 
 def tower_from_mmproj(path, config: dict, options, budget: ProcessorConfig | None = None) -> Qwen3_5Vision:
@@ -115,10 +139,14 @@ def tower_from_mmproj(path, config: dict, options, budget: ProcessorConfig | Non
     """
     from lollm.gguf.reader import GGUFTensorSource
 
-    source = GGUFTensorSource(path)
+    return _tower_from_source(GGUFTensorSource(path), str(path), config, options, budget)
+
+
+def _tower_from_source(source, where: str, config: dict, options, budget: ProcessorConfig | None) -> Qwen3_5Vision:
+    """:func:`tower_from_mmproj` on an open ``GGUFTensorSource``; ``where`` names the file in errors."""
     names = source.names()
-    vision = VisionConfig.from_mmproj(source.metadata, {n: source.shape(n) for n in names}, str(path))
-    tower = load_tower(VisionTower(vision), state_from_mmproj(source.read, names, str(path)), str(path))
+    vision = VisionConfig.from_mmproj(source.metadata, {n: source.shape(n) for n in names}, where)
+    tower = load_tower(VisionTower(vision), state_from_mmproj(source.read, names, where), where)
     meta = source.metadata
     budget = budget or ProcessorConfig()
     processor = ProcessorConfig(

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from lollm.batch import Batch
+
 
 def mrope_positions(
     input_ids: Sequence[int], image_token_id: int, grids: Sequence[Sequence[int]], merge_size: int
@@ -133,3 +135,53 @@ def mrope_positions_window(
         positions[1, inside] = p + (k // w) % h
         positions[2, inside] = p + k % w
     return positions, shift
+
+
+def sequence_cos_sin(
+    rotary_emb, section: Sequence[int], spans: Sequence[tuple[int, Sequence[int]]], start: int, T: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, R) of the decoder's RoPE for sequence indices ``start .. start+T-1``.
+
+    rotary_emb: the decoder's ``RotaryEmbedding`` (1-D RoPE; its ``inv_freq`` (R/2,) float32);
+    section:    the config's ``mrope_section``;
+    spans:      the sequence's images, ``[(first index, merged grid (t, h', w')), ...]`` ([] for text),
+                as the decoder keeps them in its cache (a decode step gets no images, only the cache).
+
+    A text-only sequence takes the text path unchanged: 1-D RoPE at ``start .. start+T-1``. A
+    sequence with images takes M-RoPE (:func:`mrope_positions_window`) for every forward, the
+    decode steps after the images included: their three axes are equal (index + delta), so
+    M-RoPE gives the 1-D angles of the shifted position, bit for bit.
+    """
+    device = rotary_emb.inv_freq.device
+    if not spans:
+        return rotary_emb(torch.arange(start, start + T, device=device), dtype)
+    positions, _ = mrope_positions_window(spans, start, T)  # (3, T)
+    return mrope_cos_sin(positions.to(device), rotary_emb.inv_freq, section, dtype)
+
+
+def sequence_image_spans(images, start, T: int, cache) -> list[tuple[int, tuple[int, int, int]]]:
+    """The images of the sequence a forward belongs to, ``[(first index, merged grid (t, h', w')), ...]``; [] for text.
+
+    images: the forward's :class:`lollm.vision.spec.ImageBatch` or None; start: its first index (an
+    int; a ``lollm.batch.Batch`` in an engine step); cache: the sequence's cache or None.
+    With images (the forwards of a prefill): read from them, checked, and kept in ``cache.image_spans``
+    for the forwards that follow; without (decode steps): what the cache kept.
+    ValueError for an image this forward cuts, an image without a grid or whose grid does not
+    count its tokens, and for images in an engine step (the engine does not take images yet).
+    """
+    if images is None or not images.images:
+        return [] if cache is None or isinstance(start, Batch) else cache.image_spans
+    if isinstance(start, Batch):
+        raise ValueError("qwen3_5: images reach the decoder in single-sequence forwards only (not in an engine step)")
+    images.within(start, T)  # raises for an image cut by this forward's edges
+    spans = []
+    for k, im in enumerate(images.images):
+        t, h, w = (int(n) for n in im.grid) if im.grid is not None else (0, 0, 0)
+        if t * h * w != im.end - im.start:
+            raise ValueError(f"image {k + 1} has {im.end - im.start} tokens but its grid is {im.grid}: "
+                             "M-RoPE needs each image's merged (t, h, w) grid from the tower")
+        spans.append((im.start, (t, h, w)))
+    if cache is not None:
+        cache.image_spans = spans
+    return spans

@@ -25,7 +25,9 @@ each token three positions (time, height, width) for image and video patches.
 For text every token's three positions are the same number, so every channel
 pair turns by ``position * inv_freq`` whichever section it belongs to: M-RoPE
 reduces exactly to ordinary 1-D RoPE (checked against transformers by the
-parity tests). lollm takes text only, so the sections are read and ignored.
+parity tests). Image tokens do get three different positions; which frequencies
+follow height and width is ``mrope_section`` (kept in the config, used by
+``lollm_qwen3_5.vision_positions`` when a prompt holds images).
 
 The rule is *hard-fail, never guess*: a missing key the math needs, a RoPE
 type we do not implement, a layer type we do not know, or a setting that
@@ -63,6 +65,9 @@ from . import GGUF_ARCHITECTURES, MODEL_TYPES
 #: ``mrope_*`` only matter for image/video positions (see the module docstring).
 ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 
+#: M-RoPE's (time, height, width) frequency counts when a config gives none (transformers' and llama.cpp's).
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+
 #: The two kinds of token mixer a layer can have.
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -95,6 +100,8 @@ class Qwen3_5Config:
     eos_token_ids:            end-of-sequence ids from ``eos_token_id`` (int or list).
     mtp_num_hidden_layers:    decoder layers of the MTP draft head (1), used only when the
                               checkpoint carries ``mtp.*`` tensors.
+    mrope_section:            M-RoPE's (time, height, width) frequency counts, interleaved
+                              T H W T H W ... (11, 11, 10): image tokens only (vision_positions.py).
     """
 
     vocab_size: int
@@ -118,6 +125,7 @@ class Qwen3_5Config:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     mtp_num_hidden_layers: int = 1
+    mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -163,7 +171,7 @@ class Qwen3_5Config:
         k_heads = read.positive_int("linear_num_key_heads", at_most=MAX_HEADS)
         v_heads = read.positive_int("linear_num_value_heads", at_most=MAX_HEADS)
         read.check(v_heads % k_heads == 0, f"'linear_num_value_heads' ({v_heads}) is not a multiple of 'linear_num_key_heads' ({k_heads})")
-        theta, factor = _read_rope(read)
+        theta, factor, section = _read_rope(read)
         rotary_dim = int(head_dim * factor)
         read.check(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
                    f"'partial_rotary_factor' {factor} gives {rotary_dim} rotary channels of {head_dim}; need an even number")
@@ -190,6 +198,7 @@ class Qwen3_5Config:
             tie_word_embeddings=tie,
             eos_token_ids=eos,
             mtp_num_hidden_layers=read.integer("mtp_num_hidden_layers", default=1, at_most=MAX_LAYERS),
+            mrope_section=section,
         )
 
     def check_weights(self, shapes: Mapping[str, tuple[int, ...]], fmt: str = "safetensors") -> None:
@@ -262,8 +271,8 @@ def _read_layer_types(read: ConfigReader, num_layers: int) -> tuple[str, ...]:
     return types
 
 
-def _read_rope(read: ConfigReader) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from ``rope_parameters`` (or the hub's ``rope_scaling`` + ``rope_theta``).
+def _read_rope(read: ConfigReader) -> tuple[float, float, tuple[int, int, int]]:
+    """(rope_theta, partial_rotary_factor, mrope_section) from ``rope_parameters`` (or the hub's ``rope_scaling`` + ``rope_theta``).
 
     transformers' rules: theta and the factor are looked up in the RoPE dict
     first, then at the top level; the factor defaults to 0.25 for this family.
@@ -286,7 +295,25 @@ def _read_rope(read: ConfigReader) -> tuple[float, float]:
     read.check(inner is None or outer is None or inner == outer,
                f"'partial_rotary_factor' is {outer} at the top level but {inner} in {where!r}; cannot tell which one holds")
     factor = inner if inner is not None else outer if outer is not None else 0.25
-    return (read.rope_theta("rope_theta") if theta is None else theta), factor
+    section = _mrope_section(rope, "mrope_section", rope.value("mrope_section", None))
+    return (read.rope_theta("rope_theta") if theta is None else theta), factor, section
+
+
+def _mrope_section(read: ConfigReader, key: str, value: object) -> tuple[int, int, int]:
+    """M-RoPE's (time, height, width) frequency counts from ``value``: config.json's ``mrope_section``
+    (three ints) or GGUF's ``rope.dimension_sections`` (four, the last 0). Absent: (11, 11, 10), the
+    default of transformers' Qwen3_5TextRotaryEmbedding and of llama.cpp's converter. (The hub's
+    ``mrope_interleaved`` is not read: transformers interleaves for Qwen3.5 whatever it says.)
+    ConfigError naming ``key`` for anything else.
+    """
+    if value is None:
+        return DEFAULT_MROPE_SECTION
+    counts = list(value) if isinstance(value, (list, tuple)) else []
+    if len(counts) == 4 and counts[3] == 0:
+        counts = counts[:3]
+    read.check(len(counts) == 3 and all(type(n) is int and 0 <= n <= MAX_WIDTH for n in counts),
+               f"{key!r} is {show(value)}: expected three counts (time, height, width) of M-RoPE frequencies")
+    return (counts[0], counts[1], counts[2])
 
 
 # ---------------------------------------------------------------------------
@@ -313,7 +340,7 @@ GGUF_ARCH_KEYS_READ = (
     "full_attention_interval",          # must agree with recurrent_layers
     "rope.freq_base",                   # -> rope_theta
     "rope.dimension_count",             # -> rotary_dim (head_dim * partial_rotary_factor)
-    "rope.dimension_sections",          # M-RoPE sections: text-only, so read and ignored (module docstring)
+    "rope.dimension_sections",          # -> mrope_section (image tokens' M-RoPE)
     "ssm.conv_kernel",                  # -> linear_conv_kernel_dim
     "ssm.state_size",                   # -> linear_key_head_dim
     "ssm.group_count",                  # -> linear_num_key_heads
@@ -354,7 +381,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
     {arch}.full_attention_interval        must agree with recurrent_layers
     {arch}.rope.freq_base                 rope_theta
     {arch}.rope.dimension_count           rotary_dim
-    {arch}.rope.dimension_sections        M-RoPE sections: ignored for text
+    {arch}.rope.dimension_sections        mrope_section (its first three; absent: 11, 11, 10)
     {arch}.ssm.conv_kernel                linear_conv_kernel_dim
     {arch}.ssm.state_size                 linear_key_head_dim
     {arch}.ssm.group_count                linear_num_key_heads
@@ -383,7 +410,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
     read.check(value_length == head_dim, f"{key('attention.value_length')!r} ({value_length}) differs from {key('attention.key_length')!r} ({head_dim})")
     rotary_dim = read.positive_int(key("rope.dimension_count"), at_most=head_dim)
     read.check(rotary_dim % 2 == 0, f"{key('rope.dimension_count')!r} is {rotary_dim}; RoPE needs an even number of channels")
-    read.value(key("rope.dimension_sections"), None)  # M-RoPE's sections: for text every section turns alike
+    section = _mrope_section(read, key("rope.dimension_sections"), read.value(key("rope.dimension_sections"), None))
     k_heads, v_heads, v_dim = _gguf_delta_net(read, key)
     layer_types = _gguf_layer_types(read, key, blocks, num_layers)
     first_full = layer_types.index("full_attention") if "full_attention" in layer_types else num_layers
@@ -410,6 +437,7 @@ def config_from_gguf(metadata: dict[str, Any], tensor_shapes: Mapping[str, tuple
         tie_word_embeddings="output.weight" not in tensor_shapes,
         eos_token_ids=read.token_ids("tokenizer.ggml.eos_token_id"),
         mtp_num_hidden_layers=mtp,
+        mrope_section=section,
     )
 
 

@@ -25,6 +25,11 @@ SAMPLING_DEFAULTS: dict = {}
 #: ``module:function`` of the loader, imported only when a model is loaded.
 LOAD = "lollm_qwen3_5.qwen3_5_moe.weights:load"
 
+#: ``module:function`` of the vision-tower loader (plugin contract 3: vision; docs/vision.md): the
+#: ViT of a ``*ForConditionalGeneration`` checkpoint (``model.visual.*``); None for a text-only one.
+#: Shared by qwen3_5 and qwen3_5_moe: their towers are the same (lollm_qwen3_5/vision.py).
+VISION = "lollm_qwen3_5.vision_family:load_vision"
+
 DESCRIPTION = (
     "Qwen3.5 / Qwen3.6 MoE hybrid decoder: Gated DeltaNet + gated attention (3:1), "
     "top-k routed experts + gated shared expert; MTP draft head"

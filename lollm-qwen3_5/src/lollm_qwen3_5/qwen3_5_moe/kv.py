@@ -110,6 +110,9 @@ class Qwen3_5MoeHybridCache:
       conv:        (DeltaNet layers, W-1, conv_dim), model dtype: each layer's last W-1 conv inputs.
       recurrent:   (DeltaNet layers, Hv, Dk, Dv), float32: each layer's delta-rule memory.
       length:      positions filled so far; the next forward's tokens start there.
+      image_spans: the sequence's images ``[(first position, merged grid (t, h', w'))]`` ([] for text),
+                   set by the prefill's forwards, read by every later one for M-RoPE
+                   (lollm_qwen3_5.vision_positions.sequence_image_spans).
       max_tokens:  capacity in positions.
       recording:   True during a forward whose states are kept for rollback (see the module docstring).
     """
@@ -126,6 +129,7 @@ class Qwen3_5MoeHybridCache:
         state_shape = (n_linear, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.recurrent = torch.zeros(state_shape, device=device, dtype=torch.float32)
         self.length = 0
+        self.image_spans: list[tuple[int, tuple[int, int, int]]] = []
         self.max_tokens = max_tokens
         self._kernel = c.linear_conv_kernel_dim
 

@@ -39,6 +39,10 @@ from torch import nn
 
 from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
 from lollm.errors import GenerationError
+from lollm.vision.prompt import scatter_images
+from lollm.vision.spec import ImageBatch
+
+from ..vision_positions import sequence_cos_sin, sequence_image_spans
 
 from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeSparseMoeBlock, RMSNorm, RotaryEmbedding
 from .config import Qwen3_5MoeConfig
@@ -144,6 +148,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -155,6 +160,11 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         DeltaNet states of each sequence are reached).
         ``hidden_states``, when a list, receives transformers' ``output_hidden_states``:
         the embeddings, each layer's output but the last, the final-normed output.
+        ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
+        vision_family.py; those inside these T positions replace their placeholder rows (step 1b),
+        and every forward of a sequence with images turns by M-RoPE (step 2). The cache keeps
+        the images' spans, so decode steps (images=None) get their shifted positions.
+        Single-sequence forwards only.
         """
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
@@ -165,14 +175,24 @@ class Qwen3_5MoeForCausalLM(nn.Module):
 
         # 1. Embed: each token id becomes a row of the embedding matrix.
         x = self.model.embed_tokens(input_ids)  # (1, T, C)
+        # 1b. Images (docs/vision.md): their rows replace their placeholders' rows. `spans` lists
+        #     the sequence's images (from `images`, or, in a decode step, kept by the cache).
+        spans = sequence_image_spans(images, start, T, cache)  # [(first index, merged grid (t, h', w'))]
+        x = scatter_images(x, images, start)  # (1, T, C); x itself without images here
         if hidden_states is not None:
             hidden_states.append(x)
 
         # 2. Positions of the new tokens and the cos/sin of their RoPE angles (R channels),
         #    shared by every attention layer. DeltaNet layers need no positions: the
-        #    order of tokens is in their recurrence.
-        positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
-        cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
+        #    order of tokens is in their recurrence. A sequence with images takes M-RoPE
+        #    (vision_positions.py): an image token turns by the (time, row, column) of its
+        #    place in the image, and the text after an image of h' x w' tokens resumes at
+        #    p + max(h', w'), not p + h' * w': every later position is shifted (delta <= 0).
+        if spans:
+            cos, sin = sequence_cos_sin(self.model.rotary_emb, self.config.mrope_section, spans, start, T, x.dtype)
+        else:
+            positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
+            cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
 
         # 3. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
         #    The attention layers read their keys causally (the mask is made where attention
@@ -217,5 +237,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             raise GenerationError("this checkpoint has no MTP head (no mtp.* tensors), so it cannot draft")
         return self.mtp.draft(
             cache, pending, num_tokens,
-            embed_tokens=self.model.embed_tokens, rotary_emb=self.model.rotary_emb, lm_head=self.lm_head,
+            embed_tokens=self.model.embed_tokens, lm_head=self.lm_head,
+            rope=lambda first, T, dtype: sequence_cos_sin(
+                self.model.rotary_emb, self.config.mrope_section, cache.image_spans, first, T, dtype),
         )

@@ -98,7 +98,7 @@ class Qwen3_5MoeMTP(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def draft(self, cache, pending: int, num_tokens: int, *, embed_tokens, rotary_emb, lm_head) -> list[int]:
+    def draft(self, cache, pending: int, num_tokens: int, *, embed_tokens, rope, lm_head) -> list[int]:
         """Propose ``num_tokens`` greedy tokens after ``pending`` (see :meth:`Qwen3_5MoeForCausalLM.draft`).
 
         1. Catch up: the MTP layer's K/V holds confirmed values for positions
@@ -129,8 +129,7 @@ class Qwen3_5MoeMTP(nn.Module):
         # 1. Catch up positions first .. L-1 with the main model's hidden states.
         hidden = cache.hidden[first:L]  # (T1, C): h_first .. h_{L-1}
         next_ids = torch.cat((cache.ids[first + 1 : L], torch.tensor([pending], device=device)))
-        positions = torch.arange(first, L, device=device)
-        cos, sin = rotary_emb(positions, hidden.dtype)
+        cos, sin = rope(first, L - first, hidden.dtype)  # (T1, R): the main model's RoPE of positions first .. L-1
         h = self(embed_tokens(next_ids)[None], hidden[None], cos, sin, cache, first)  # (1, T1, C)
         cache.mtp_length = L
         h = h[:, -1:]
@@ -140,7 +139,7 @@ class Qwen3_5MoeMTP(nn.Module):
         # 2. Chain further drafts on the head's own output.
         for i in range(1, num_tokens):
             position = L - 1 + i
-            cos, sin = rotary_emb(torch.tensor([position], device=device), h.dtype)
+            cos, sin = rope(position, 1, h.dtype)
             h = self(embed_tokens(torch.tensor([[token]], device=device)), h, cos, sin, cache, position)
             token = int(lm_head(h)[0, -1].argmax())
             drafts.append(token)
