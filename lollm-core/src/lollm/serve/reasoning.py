@@ -41,7 +41,8 @@ STATES = ("start", "inside", "gap", "answer")
 #: What the templates write between ``</think>`` and the answer (the constrained grammar writes the same).
 GAP = "\n\n"
 #: Reasoning efforts (OpenAI's ``reasoning_effort``, ``reasoning.effort``): "none" turns thinking off, any
-#: other turns it on (lollm does not budget the thinking: the model ends it, within the token limit).
+#: other turns it on (an effort sets no budget: the model ends its thinking, within the token limit; the
+#: Messages API's ``thinking.budget_tokens`` is a budget, kept by lollm.serve.thinking_budget).
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
