@@ -21,8 +21,15 @@ Three pieces here, each small:
 
 :func:`thinking_switch` reads a request's on/off for thinking (``reasoning_effort``, the
 Responses API's ``reasoning.effort``, the Messages API's ``thinking``), which becomes the
-template's ``enable_thinking`` flag. Gemma 4's thinking channel is not read here (its
-markers are different): its text stays in the content.
+template's ``enable_thinking`` flag.
+
+Gemma 4's thinking channel is not read here. Its model writes
+``<|channel>thought\n`` + thinking + ``<channel|>`` + answer, and both markers are special
+tokens of its tokenizer (``soc_token``, ``eoc_token``), which generated text leaves out: a
+Gemma 4 client gets ``thought``, a newline, the thinking and the answer run together in the
+content, and no reasoning field (docs/serving.md, "Thinking, kept apart"). Splitting it needs
+the decoder to keep those two ids (as :class:`lollm.serve.tools.MarkerText` keeps the tool-call
+markers) and the splitter to take each template's markers in place of :data:`OPEN` / :data:`CLOSE`.
 """
 
 from __future__ import annotations
