@@ -99,6 +99,9 @@ def test_a_thinking_closed_before_the_budget_is_the_models_own(often):
             closed += 1
             assert kept.content[0].thinking == free.content[0].thinking, seed
             assert [b.type for b in kept.content][:2] == ["thinking", "text"], kept
+            if closed == 1:  # the stream of a budget the model did not need: the same blocks
+                with client.messages.stream(**request, thinking={"type": "enabled", "budget_tokens": 200}) as stream:
+                    assert [b.to_dict() for b in stream.get_final_message().content] == [b.to_dict() for b in kept.content]
     assert closed >= 2  # most seeds close the thinking (some 30 tokens in)
 
 

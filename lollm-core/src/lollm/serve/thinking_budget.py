@@ -34,8 +34,10 @@ from concurrent.futures import Future
 
 from lollm.generate.loop import GenerationResult
 from lollm.generate.structured import CompiledConstraint
+from lollm.serve.model_server import ModelServer
 from lollm.serve.reasoning import CLOSE, GAP, ReasoningSplitter
-from lollm.serve.requests import ApiError, Job
+from lollm.serve.requests import ApiError, Job, PreparedRequest
+from lollm.tokenizer import Tokenizer
 
 #: Phase 1 ends with these stop reasons only when the budget or "</think>" ended it; any other is the answer's end.
 _GO_ON = ("max_new_tokens", "stop_string")
@@ -63,7 +65,7 @@ def check_budget(budget: ThinkingBudget, job: Job) -> None:
                        param="thinking.budget_tokens")
 
 
-def between(tokenizer, budget: ThinkingBudget, result: GenerationResult) -> tuple[str, list[int]] | None:
+def between(tokenizer: Tokenizer, budget: ThinkingBudget, result: GenerationResult) -> tuple[str, list[int]] | None:
     """What comes between the phases, as (text, ids the server adds); None when phase 1 ended the answer itself.
 
     Phase 1 stopped at ``</think>`` (the model closed its thinking): the text ``</think>``
@@ -94,7 +96,7 @@ def joined(first: GenerationResult, text: str, ids: list[int], second: Generatio
                             reused_tokens=first.reused_tokens, logprobs=first.logprobs + second.logprobs)
 
 
-def submit(server, budget: ThinkingBudget, job: Job) -> Future[GenerationResult | None]:
+def submit(server: ModelServer, budget: ThinkingBudget, job: Job) -> Future[GenerationResult | None]:
     """Run ``job`` on ``server`` in the budget's two phases; a Future of the joined result (as ``server.submit``'s).
 
     Both phases share ``job``'s cancel flag and callbacks (``on_text`` gets phase 1's text,
@@ -140,17 +142,17 @@ def submit(server, budget: ThinkingBudget, job: Job) -> Future[GenerationResult 
 class BudgetedServer:
     """A ModelServer whose :meth:`submit` runs a thinking budget's two phases; every other attribute is the server's."""
 
-    def __init__(self, server, budget: ThinkingBudget):
+    def __init__(self, server: ModelServer, budget: ThinkingBudget):
         self.server, self.budget = server, budget
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> object:  # any other attribute: the server's own
         return getattr(self.server, name)
 
     def submit(self, job: Job) -> Future[GenerationResult | None]:
         return submit(self.server, self.budget, job)
 
 
-def budgeted(server, plan):
+def budgeted(server: ModelServer, plan: PreparedRequest) -> ModelServer | BudgetedServer:
     """``server``, or the :class:`BudgetedServer` that keeps the plan's thinking budget (``plan.extra["thinking_budget"]``)."""
     budget = plan.extra.get("thinking_budget")
     return server if budget is None else BudgetedServer(server, budget)
