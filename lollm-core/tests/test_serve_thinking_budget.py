@@ -6,7 +6,8 @@ and Qwen3's real templates, through the official ``anthropic`` client.
   those two pieces (the reference), and the stream's blocks equal the whole answer's;
 * a model that closes its thinking before the budget keeps its own thinking (the same as without a budget);
 * a JSON schema binds the answer after a cut thinking (8 seeds, temperature 1);
-* Qwen3's template (the model chooses whether it thinks) with a budget and a schema: a 400 naming the field.
+* Qwen3's template (the model chooses whether it thinks): an answer begun without thinking is not cut by the
+  budget; with a budget and a schema, a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -122,3 +123,17 @@ def test_a_budget_with_a_schema_where_the_model_may_not_think_is_refused(qwen3):
             model=NAME, max_tokens=50, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": BUDGET},
             output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
     assert "thinking.budget_tokens" in caught.value.body["error"]["message"]
+
+
+def test_a_budget_where_the_model_chooses_whether_it_thinks(qwen3):
+    """Qwen3's template: the greedy toy answers at once, without <think>; the budget cuts nothing (phase 2 goes on
+    with the answer), so the answer is the one without a budget, and the stream equals it."""
+    client = anthropic_client(qwen3)
+    request = dict(model=NAME, max_tokens=30, messages=QUESTION, thinking={"type": "enabled", "budget_tokens": BUDGET},
+                   extra_body={"temperature": 0})
+    reply = client.messages.create(**request)
+    assert reply.usage.output_tokens == 30 and reply.stop_reason == "max_tokens", reply
+    assert reply.content == client.messages.create(**{**request, "thinking": {"type": "adaptive"}}).content
+    with client.messages.stream(**request) as stream:
+        assert [b.to_dict() for b in stream.get_final_message().content] == [b.to_dict() for b in reply.content]
+
