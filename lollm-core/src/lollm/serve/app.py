@@ -32,6 +32,7 @@ from lollm.serve.guard import Guard, GuardConfig
 from lollm.serve.openapi import openapi_schema
 from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
 from lollm.serve.stream import ChunkShaper, stream
+from lollm.serve.thinking_budget import budgeted
 
 # Lazy imports below: starlette and uvicorn are the optional ``serve`` extra, imported inside the
 # functions that use them (and here for type checkers only), so this module loads without them.
@@ -246,6 +247,7 @@ class Routes:
         async with self.model_for(raw) as server:
             plan = await run_in_threadpool(prepare, server, raw)
             plan.job.endpoint = request.url.path
+            server = budgeted(server, plan)  # a thinking budget runs in two phases (lollm.serve.thinking_budget)
             if plan.streaming:
                 return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
             result = await wait(server, request, plan.job)

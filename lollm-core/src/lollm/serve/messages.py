@@ -20,6 +20,7 @@ the Anthropic way, whole (:func:`answer`) or as its stream of named events
       disable_parallel_tool_use            -> parallel_tool_calls: false
     output_config.format (json_schema)     -> response_format json_schema
     thinking enabled / adaptive / disabled -> the template's enable_thinking on / on / off
+      budget_tokens                        -> the thinking ends at that many tokens (lollm.serve.thinking_budget)
 
 A field this server cannot honour is a 400 in Anthropic's error shape (:func:`lollm.serve.error_shapes.anthropic_error`)
 naming it; ``cache_control`` on any block and ``metadata`` are accepted and change nothing.
@@ -36,8 +37,9 @@ from lollm.generate.loop import GenerationResult
 from lollm.serve.answers import answer_parts
 from lollm.serve.error_shapes import anthropic_error
 from lollm.serve.model_server import ModelServer
-from lollm.serve.requests import ApiError, Body, PreparedRequest, parse_body, short_repr
+from lollm.serve.requests import ApiError, Body, PreparedRequest, parse_body, response_format, short_repr
 from lollm.serve.stream import sse
+from lollm.serve.thinking_budget import ThinkingBudget, check_budget
 from lollm.serve.tool_formats import ToolCall
 
 #: The request fields read here; any other is a 400 (IGNORED_FIELDS are accepted and change nothing).
@@ -276,10 +278,30 @@ def chat_body(body: Body, *, counting: bool = False) -> Body:
     return chat
 
 
+def thinking_budget(server: ModelServer, body: Body, chat: Body, plan: PreparedRequest) -> None:
+    """``thinking.budget_tokens`` kept (lollm.serve.thinking_budget): the plan's ``extra["thinking_budget"]``, when the
+    request enables thinking with a budget and the template leaves the model a thinking to write."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled" or plan.job.reasoning in (None, "answer"):
+        return
+    tools = plan.job.tools
+    if tools is not None and tools.grammar is not None:
+        wanted, param = tools.grammar, "tools"
+    else:
+        wanted, param = response_format(chat.get("response_format")), "response_format"
+    budget = ThinkingBudget(thinking["budget_tokens"], plan.job.reasoning, server.compile(wanted, param))
+    check_budget(budget, plan.job)
+    plan.extra["thinking_budget"] = budget
+
+
 def prepare(server: ModelServer, raw: bytes) -> PreparedRequest:
     """A Messages request body read, translated and prepared (:meth:`ModelServer.prepare_body`); errors in its names."""
     try:
-        return server.prepare_body(chat_body(parse_body(raw)), "chat")
+        body = parse_body(raw)
+        chat = chat_body(body)
+        plan = server.prepare_body(chat, "chat")
+        thinking_budget(server, body, chat, plan)
+        return plan
     except ApiError as error:
         raise renamed(error) from None
 

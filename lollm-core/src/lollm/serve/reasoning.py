@@ -21,8 +21,15 @@ Three pieces here, each small:
 
 :func:`thinking_switch` reads a request's on/off for thinking (``reasoning_effort``, the
 Responses API's ``reasoning.effort``, the Messages API's ``thinking``), which becomes the
-template's ``enable_thinking`` flag. Gemma 4's thinking channel is not read here (its
-markers are different): its text stays in the content.
+template's ``enable_thinking`` flag.
+
+Gemma 4's thinking channel is not read here. Its model writes
+``<|channel>thought\n`` + thinking + ``<channel|>`` + answer, and both markers are special
+tokens of its tokenizer (``soc_token``, ``eoc_token``), which generated text leaves out: a
+Gemma 4 client gets ``thought``, a newline, the thinking and the answer run together in the
+content, and no reasoning field (docs/serving.md, "Thinking, kept apart"). Splitting it needs
+the decoder to keep those two ids (as :class:`lollm.serve.tools.MarkerText` keeps the tool-call
+markers) and the splitter to take each template's markers in place of :data:`OPEN` / :data:`CLOSE`.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ STATES = ("start", "inside", "gap", "answer")
 #: What the templates write between ``</think>`` and the answer (the constrained grammar writes the same).
 GAP = "\n\n"
 #: Reasoning efforts (OpenAI's ``reasoning_effort``, ``reasoning.effort``): "none" turns thinking off, any
-#: other turns it on (lollm does not budget the thinking: the model ends it, within the token limit).
+#: other turns it on (an effort sets no budget: the model ends its thinking, within the token limit; the
+#: Messages API's ``thinking.budget_tokens`` is a budget, kept by lollm.serve.thinking_budget).
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
