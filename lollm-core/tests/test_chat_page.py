@@ -211,7 +211,9 @@ def test_a_base_models_banner_shows_a_plain_completion(loaded, monkeypatch):  # 
 
 
 def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
-    """serve()'s announcer logs the banner only after uvicorn has bound the port: its URLs answer at that moment."""
+    """serve()'s announcer logs the banner only after uvicorn has bound the port, with the port it bound (here
+    ``--port 0``: the OS chooses): at the moment each line is logged, the chat page it names answers."""
+    import re
     import threading
     import urllib.request
 
@@ -220,13 +222,13 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
     from lollm.serve.app import announce
 
     server = ModelServer(loaded, name=NAME, context=64)
-    port = serving.free_port()
-    runner = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning",
+    runner = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=0, log_level="warning",
                                            lifespan="off"))
     seen: list[tuple[str, int]] = []
 
-    class Probe(logging.Handler):  # at the moment each line is logged, fetch the chat page it names
+    class Probe(logging.Handler):  # at the moment each line is logged, fetch the chat page at the port it names
         def emit(self, record: logging.LogRecord) -> None:
+            port = re.search(r"http://127\.0\.0\.1:(\d+)/", record.getMessage()).group(1)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as answer:
                 seen.append((record.getMessage(), answer.status))
 
@@ -235,7 +237,12 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
     logger.addHandler(probe)
     before = logger.level
     logger.setLevel(logging.INFO)
-    lines = banner(server, "toy on cpu", "127.0.0.1", port)
+    made: list[list[str]] = []
+
+    def lines(port: int) -> list[str]:
+        made.append(banner(server, "toy on cpu", "127.0.0.1", port)[:3])  # the lines that name a URL
+        return made[-1]
+
     announcer = threading.Thread(target=announce, args=(runner, lines), daemon=True)
     announcer.start()
     thread = threading.Thread(target=runner.run, daemon=True)
@@ -248,5 +255,23 @@ def test_the_banner_comes_once_the_server_listens(loaded):  # noqa: F811
         thread.join(timeout=30)
         logger.removeHandler(probe)
         logger.setLevel(before)
-    assert seen == [(line, 200) for line in lines]
-    assert f"http://127.0.0.1:{port}/" in lines[1]
+    assert len(made) == 1 and seen == [(line, 200) for line in made[0]]
+    assert ":0/" not in "".join(made[0])
+
+
+def test_the_banner_names_the_port_the_os_chose(caplog):
+    """``--port 0``: the banner's URLs carry the port the socket was bound to, not 0 (they must answer)."""
+    import socket
+    from types import SimpleNamespace
+
+    from lollm.serve.app import announce
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        bound = sock.getsockname()[1]
+        runner = SimpleNamespace(started=True, should_exit=False, config=SimpleNamespace(port=0),
+                                 servers=[SimpleNamespace(sockets=[sock])])
+        with caplog.at_level(logging.INFO, logger="lollm.serve.server"):
+            announce(runner, lambda port: [f"chat page: http://127.0.0.1:{port}/"])
+    assert [r.getMessage() for r in caplog.records] == [f"chat page: http://127.0.0.1:{bound}/"]
+    assert bound != 0

@@ -398,11 +398,14 @@ def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: 
     # second Ctrl-C (force quit), would log starlette's CancelledError traceback
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")
     runner = DrainingServer(config, models, shutdown_timeout)
-    lines = banner(first, family, host, port)
-    if len(models.entries) > 1:
-        budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""
-        lines.insert(1, f"also served (loaded on first use{budget}): "
-                        + ", ".join(name for name in models.names if name != first.name))
+    def lines(bound: int) -> list[str]:  # the banner, made once the port is known (--port 0: the one the OS chose)
+        text = banner(first, family, host, bound)
+        if len(models.entries) > 1:
+            budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""
+            text.insert(1, f"also served (loaded on first use{budget}): "
+                           + ", ".join(name for name in models.names if name != first.name))
+        return text
+
     threading.Thread(target=announce, args=(runner, lines), name="lollm-banner", daemon=True).start()
     try:
         runner.run()
@@ -414,13 +417,18 @@ def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: 
     return True
 
 
-def announce(runner: uvicorn.Server, lines: list[str]) -> None:
-    """Log ``lines`` (the :func:`banner`) once the uvicorn ``runner`` listens (its ``started`` flag); nothing if it stops first."""
+def announce(runner: uvicorn.Server, lines: Callable[[int], list[str]]) -> None:
+    """Log ``lines(port)`` (the :func:`banner`) once the uvicorn ``runner`` listens (its ``started`` flag), with the port
+    it bound (``--port 0`` lets the OS choose one: the URLs printed must answer); nothing if it stops first."""
     while not runner.started:
         if runner.should_exit:
             return
         time.sleep(0.05)
-    for line in lines:
+    port = runner.config.port
+    for server in getattr(runner, "servers", []):
+        for sock in server.sockets:
+            port = sock.getsockname()[1]
+    for line in lines(port):
         log.info("%s", line)
 
 
