@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
 from lollm.trace import record_series, record_softcap, tracing
 from lollm.vision.spec import ImageBatch
 from lollm.vision.step import image_numbers, scatter_step_images
