@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lollm.attention import attend, key_positions
+from lollm.batch import Batch
 
 from .config import Gemma4Config, RopeConfig
 
@@ -198,6 +199,9 @@ class Gemma4Attention(nn.Module):
             ring = window is not None and cache is not None and T == 1
             if self.stores_kv:
                 shared_kv[self.layer_type] = (k, v, ring)
+        if images is not None and window is not None and isinstance(start, Batch):  # the same, in an engine step
+            out = attend_images_in_step(q, k, v, start, window, images.ids, self.layer_idx)  # (1, H, N, D)
+            return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         if images is not None and window is not None:  # 26B/31B, images in this prefill: image_visible's mask
             mask = image_visible(start, T, k.shape[2], window, images, ring=ring)  # (T, S)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=H != K)
@@ -213,11 +217,13 @@ class Gemma4Attention(nn.Module):
 class ImageBlocks:
     """Which of this forward's positions belong to which image, for the sliding layers' mask.
 
-    start:  the position of ``ids[0]`` (the forward's first token).
-    ids:    (T,) int64, for each of the forward's T tokens the number of its image, -1 for text.
+    start:  the position of ``ids[0]`` (the forward's first token); in an engine step the
+            step's lollm.batch.Batch (each sequence's rows then start at its own position).
+    ids:    (T,) int64, for each of the forward's T tokens the number of its image, -1 for text
+            (in an engine step numbered across the step: lollm.vision.step.image_numbers).
     """
 
-    start: int
+    start: int | Batch
     ids: torch.Tensor
 
     def of(self, positions: torch.Tensor) -> torch.Tensor:
@@ -247,6 +253,37 @@ def image_visible(start: int, T: int, S: int, window: int, images: ImageBlocks, 
     same_image = (query_image == key_image) & (key_image >= 0)  # (T, S)
     causal = key[None, :] <= query[:, None]  # (T, S)
     return (causal | same_image) & (key[None, :] > query[:, None] - window)
+
+
+def attend_images_in_step(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch, window: int,
+                          ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """A sliding layer's attention in an engine step where some sequence brings images (26B, 31B): (1, H, N, D).
+
+    q (1, H, N, D); k_pool, v_pool: the layer's paged pool (blocks, block_size, K, D), its own
+    (``cache.update`` in an engine step) or, on a KV-sharing layer, its source layer's; ids (N,):
+    image number per token, numbered across the step, -1 text. Scale 1, as every gemma4 layer.
+
+    1. Every row goes through the engine's paged attention (causal, the window): right for each
+       sequence whose rows of this step hold no image token.
+    2. A sequence with image tokens among its rows is done again under :func:`image_visible`'s
+       mask: its keys gathered from its block table in position order (from the block its first
+       query's window starts in, as lollm.attention does), then one SDPA call; its rows of step 1
+       are thrown away. Paid once per image (the prefill chunk holding it), never in a decode step.
+    """
+    out = attend(q, k_pool, v_pool, start=batch, window=window, scale=1.0, layer=layer)  # (1, H, N, D)
+    K, D, size = k_pool.shape[2], k_pool.shape[3], batch.block_size
+    for (lo, hi), first, table in zip(batch.segments(), batch.starts, batch.tables_for(window)):
+        if not bool((ids[lo:hi] >= 0).any()):
+            continue
+        skip = max(0, first - window + 1) // size  # blocks wholly before the first query's window
+        S = first + (hi - lo) - skip * size  # keys skip*size .. first+T_b-1, the last S (key_positions' rule)
+        rows = torch.tensor(table[skip:], dtype=torch.long, device=k_pool.device)
+        k = k_pool.index_select(0, rows).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)  # (1, K, S, D)
+        v = v_pool.index_select(0, rows).reshape(-1, K, D)[:S].transpose(0, 1).unsqueeze(0)
+        mask = image_visible(first, hi - lo, S, window, ImageBlocks(first, ids[lo:hi]))  # (T_b, S)
+        out[:, :, lo:hi] = F.scaled_dot_product_attention(q[:, :, lo:hi], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                          scale=1.0, enable_gqa=q.shape[1] != K)
+    return out
 
 
 # ---------------------------------------------------------------------------

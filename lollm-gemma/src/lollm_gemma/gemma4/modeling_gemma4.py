@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
+from lollm.batch import CacheLayer, keep_logit_rows, token_positions
 from lollm.trace import record_series, record_softcap, tracing
-from lollm.vision.prompt import scatter_images
 from lollm.vision.spec import ImageBatch
+from lollm.vision.step import image_numbers, scatter_step_images
 
 from .blocks import Gemma4Attention, Gemma4MLP, ImageBlocks, RMSNorm, RotaryEmbedding
 from .config import SLIDING, Gemma4Config
@@ -138,6 +138,9 @@ class Gemma4TextModel(nn.Module):
 class Gemma4ForCausalLM(nn.Module):
     """A gemma4 causal language model, following :class:`lollm.model.VisionLM` (a CausalLM that takes images)."""
 
+    #: its forward takes images in an engine step too (lollm.model.VisionLM; lollm.vision.step)
+    batches_images = True
+
     def __init__(self, config: Gemma4Config):
         super().__init__()
         self.config = config
@@ -200,7 +203,7 @@ class Gemma4ForCausalLM(nn.Module):
         projected = m.per_layer_projection_norm(projected.view(1, T, L, P))
         return (projected + from_table) * 2.0**-0.5
 
-    def embed(self, input_ids: torch.Tensor, start, images: ImageBatch | None):
+    def embed(self, input_ids: torch.Tensor, start, images: ImageBatch | list[ImageBatch | None] | None):
         """Steps 1-2 of forward: (1, T) ids -> x (1, T, C), per-layer inputs (1, T, L, P) or None, ImageBlocks or None.
 
         Text: x = embed_tokens(ids) * sqrt(C), and the per-layer inputs read the ids and x.
@@ -210,15 +213,17 @@ class Gemma4ForCausalLM(nn.Module):
           a. each image position's id becomes ``pad_token_id`` (<pad>): the placeholder id has
              no meaning of its own, and <pad> is what both tables read there;
           b. embed and scale as text; then the image's rows (the tower's soft tokens, already C
-             wide and not scaled) replace the <pad> rows (lollm.vision.prompt.scatter_images);
+             wide and not scaled) replace the <pad> rows (lollm.vision.step.scatter_step_images);
           c. the per-layer inputs: the table's row of <pad> at the image positions, and the
              projection of x *with the images in*, so each layer still sees the image.
 
         The third value says which positions belong to which image (blocks.ImageBlocks), for the
         sliding layers' mask; None unless the config makes them bidirectional (26B, 31B) and an
-        image falls here. start: an int, or an engine step's Batch (no images there: ValueError).
-        ValueError, too, for images given to a config that lacks ``pad_token_id`` or does not say
-        how images attend (a GGUF file).
+        image falls here. start: an int, or an engine step's Batch; then ``images`` is a list of
+        one ImageBatch or None per sequence, and a-c run on each sequence's rows of the N
+        (lollm.vision.step: the images are numbered across the step, so two sequences' images
+        never count as one). ValueError for images given to a config that lacks ``pad_token_id``
+        or does not say how images attend (a GGUF file), and for an image this forward would cut.
         """
         c = self.config
         blocks = self._image_numbers(images, start, input_ids.shape[1], input_ids.device)  # (T,), -1: text
@@ -226,27 +231,23 @@ class Gemma4ForCausalLM(nn.Module):
             input_ids = input_ids.masked_fill(blocks[None] >= 0, c.pad_token_id)  # a.
         x = self.model.embed_tokens(input_ids) * self.embed_scale  # (1, T, C)
         if blocks is not None:
-            x = scatter_images(x, images, start)  # b. (1, T, C), the images' rows in place
+            x = scatter_step_images(x, images, start)  # b. (1, T, C), the images' rows in place
         ple = self.per_layer_inputs(input_ids, x) if c.hidden_size_per_layer_input else None  # c. (1, T, L, P)
         bidirectional = blocks is not None and c.images_bidirectional
         return x, ple, ImageBlocks(start, blocks) if bidirectional else None
 
-    def _image_numbers(self, images: ImageBatch | None, start, T: int, device: torch.device) -> torch.Tensor | None:
-        """(T,) int64: for each new token the number of the image it belongs to, -1 for text; None without images here."""
-        if images is None or not images.images:
-            return None
-        if isinstance(start, Batch):
-            raise ValueError("gemma4: images reach the decoder in single-sequence forwards only (not in an engine step)")
-        inside = images.within(start, T)  # ValueError for an image this forward would cut
-        if not inside:
-            return None
+    def _image_numbers(self, images, start, T: int, device: torch.device) -> torch.Tensor | None:
+        """(T,) int64: for each new token the number of the image it belongs to, -1 for text; None without images here.
+
+        images and start as :func:`lollm.vision.step.image_numbers` (an ImageBatch and an int, or
+        one ImageBatch-or-None per sequence and a Batch); ValueError for a cut image, or for a
+        config that cannot place images.
+        """
+        blocks = image_numbers(images, start, T, device)  # None: no image among these T tokens
         c = self.config
-        if c.pad_token_id is None or c.images_bidirectional is None:
+        if blocks is not None and (c.pad_token_id is None or c.images_bidirectional is None):
             raise ValueError("gemma4: this checkpoint does not say which id an image's positions embed ('pad_token_id') "
                              "or how its images attend ('use_bidirectional_attention'); a GGUF file never says the latter")
-        blocks = torch.full((T,), -1, dtype=torch.int64, device=device)
-        for number, im in enumerate(inside):
-            blocks[im.start - start:im.end - start] = number
         return blocks
 
     def forward(
@@ -256,7 +257,7 @@ class Gemma4ForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
-        images: ImageBatch | None = None,
+        images: ImageBatch | list[ImageBatch | None] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -269,8 +270,9 @@ class Gemma4ForCausalLM(nn.Module):
         the embeddings, each layer's output but the last, the final-normed output.
         ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
         gemma4_vision.py; those inside these T positions go in at steps 1-2 (:meth:`embed`) and,
-        on the 26B/31B, attend both ways inside themselves on the sliding layers (step 4).
-        Single-sequence forwards only (ValueError in an engine step).
+        on the 26B/31B, attend both ways inside themselves on the sliding layers (step 4). In an
+        engine step, a list of one ImageBatch or None per sequence of the Batch (``batches_images``;
+        lollm.vision.step).
         """
         c = self.config
         T = input_ids.shape[1]
