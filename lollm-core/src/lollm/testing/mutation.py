@@ -69,8 +69,8 @@ CONVERTER_TESTS = ("test_converter_gguf_parity_with_the_reference", "test_conver
 KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS + CONVERTER_TESTS + VISION_TESTS
 #: What it runs on each mutant: the two float32 parity tests, the bfloat16 one and the config-schema one
 #: (coverage and sensitivity are the checkpoint's, proven once on the unchanged copy). Every mutant of
-#: :data:`MUTANTS` but those of :data:`BLIND_SPOT_BUGS` fails the cached-decode one; ``--all-checks`` adds
-#: the self-consistency test, to see which checks catch what (docs/conformance-kit.md).
+#: :data:`MUTANTS` but those of :data:`BLIND_SPOT_BUGS` and the vision bugs (:data:`VISION_TESTS` judge
+#: those) fails the cached-decode one; ``--all-checks`` adds self-consistency, to see which checks catch what (docs/conformance-kit.md).
 JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 #: The bug classes only the bfloat16 and config-schema tests can see (issue 38): every float32 test passes them.
@@ -84,9 +84,13 @@ GGUF_READER_BUGS = ("gguf_gate_up_swapped", "gguf_norm_shift_kept")
 MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",) + CONVERTER_TESTS + VISION_TESTS
 #: Class attributes the suite gives a family's kit run (what the family's own test class states, and why there);
 #: the copies ``lollm new-family`` makes state them too (:func:`stated_attributes`).
-#: None today: qwen3_5 and qwen3_5_moe stated bf16_error_fraction = 1.0 until their DeltaNet's beta took its
+#: No bf16_error_fraction today: qwen3_5 and qwen3_5_moe stated 1.0 until their DeltaNet's beta took its
 #: sigmoid in the model dtype, as transformers does; since then every family rounds where transformers does.
-FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {}
+#: The vision check (lollm.testing.vision_checks) runs for gemma3; the other vision families wait for their
+#: VisionSetup (their own tests compare their towers with transformers: tests/test_gemma4_vision.py, test_vision_tower.py).
+_VISION_LATER = "the kit's vision check has no VisionSetup for this family yet (issue 39: gemma3 first); its own vision tests compare the tower with transformers"
+FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {name: {"vision_waiver": _VISION_LATER}
+                                                   for name in ("gemma4", "qwen3_5", "qwen3_5_moe")}
 
 
 def stated_attributes(model_types: Iterable[str]) -> dict[str, object]:
