@@ -203,11 +203,15 @@ def test_the_conformance_kit_passes_on_the_toy(toy_site, toy_checkpoint, tmp_pat
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     total = len(conformance_tests())
-    # the tests against transformers are skipped (the toy has no reference), and say why
+    # the tests against transformers are skipped (the toy has no reference), and so is the vision check
+    # (the toy reads no images); each says why
     from lollm.testing.conformance import REFERENCE_TESTS
+    from lollm.testing.vision_checks import VISION_TESTS
 
-    assert f"{total - len(REFERENCE_TESTS)} passed, {len(REFERENCE_TESTS)} skipped" in summary, done.stdout[-3000:]
+    skipped = len(REFERENCE_TESTS) + len(VISION_TESTS)
+    assert f"{total - skipped} passed, {skipped} skipped" in summary, done.stdout[-3000:]
     assert done.stdout.count("reference_available = False") == len(REFERENCE_TESTS), done.stdout[-3000:]
+    assert "declares no vision (Capabilities.vision is False)" in done.stdout, done.stdout[-3000:]
 
 
 def break_the_toy(project: Path) -> None:

@@ -60,13 +60,18 @@ What the inherited tests prove (each one is a method below, read them):
    kit tokenizer's ids on lollm's held-in corpus (:mod:`lollm.testing.converter_checks`; a
    copied family's file is converted under the reference's model type and relabelled to
    ``converter_architecture``).
+13. for a family that declares vision (``Capabilities.vision``): on a tiny random
+   ``*ForConditionalGeneration`` checkpoint with spread weights, for 1 and 2 drawn images of
+   different sizes, the tower's features equal transformers' ``get_image_features`` and the logits
+   at every position equal transformers' (same argmax, cosine >= ``vision_min_cosine``)
+   (:mod:`lollm.testing.vision_checks`; the family gives a ``vision_setup`` or a ``vision_waiver``).
 
 Where each check lives: this module holds :class:`FamilyConformance`, its fixtures and
 sections 0 to 2; it inherits sections 3 to 6 from :mod:`lollm.testing.model_checks`, section 7
 and the engine tests from :mod:`lollm.testing.generation_checks` (with the checks a family's own
 tests call alone: :func:`check_speculation_is_exact`, :func:`check_chunked_prefill_is_exact`,
 :func:`check_prompt_cache_turns`), sections 8 to 11 from :mod:`lollm.testing.parity_checks`, section 12 from
-:mod:`lollm.testing.converter_checks`; the
+:mod:`lollm.testing.converter_checks`, section 13 from :mod:`lollm.testing.vision_checks`; the
 parity bound and the sensitivity come from :mod:`lollm.testing.reference`, the prompt's length and
 chunk schedules from :mod:`lollm.testing.schedules`.
 
@@ -113,6 +118,7 @@ from lollm.testing.reference import (BF16_ERROR_FRACTION, BOUND_FLOOR, NOISE_FAC
                                      SENSITIVITY_CHECKS_HELP, NoiseFloor, cached_reference, measure_noise_floor,
                                      reference_sensitivity, with_layer_types)
 from lollm.testing.schedules import MAX_WINDOWED_PROMPT, SEQUENCE_LENGTH, chunk_schedules, sliding_window_of
+from lollm.testing.vision_checks import VisionChecks
 
 # The checks live in the modules above, by what they check; every name families and their tests
 # import stays importable from here (``from lollm.testing.conformance import check_speculation_is_exact``).
@@ -122,7 +128,7 @@ __all__ = ["BF16_ERROR_FRACTION", "BOUND_FLOOR", "FamilyConformance", "NOISE_FAC
            "measure_noise_floor", "prefill_chunk_sizes", "reference_sensitivity", "refused_imports", "repeating_prompt"]
 
 
-class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks, ConverterChecks):
+class FamilyConformance(ModelChecks, GenerationChecks, ParityChecks, ConverterChecks, VisionChecks):
     """Inherit from this in a ``Test…`` class and provide the fixtures ``family_name`` and ``checkpoint_dir``.
 
     Class attributes to adjust:

@@ -53,6 +53,7 @@ from lollm.testing.reference import NoiseFloor, measure_noise_floor
 from lollm.testing.schedules import SEQUENCE_LENGTH
 from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
+from lollm.testing.vision_checks import VISION_TESTS
 
 __all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "CONVERTER_TESTS", "FAMILY_ATTRIBUTES", "GGUF_READER_BUGS", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
            "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit", "stated_attributes"]
@@ -63,12 +64,13 @@ NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_t
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 #: The kit's section 12: llama.cpp's converter writes the GGUF the family reads (lollm.testing.converter_checks).
 CONVERTER_TESTS = ("test_converter_gguf_parity_with_the_reference", "test_converter_gguf_tokenizer_gives_the_checkpoints_ids")
-#: What the mutation suite runs on the unchanged copy: the coverage check, the numeric tests, the converter's GGUF.
-KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS + CONVERTER_TESTS
+#: What the mutation suite runs on the unchanged copy: the coverage check, the numeric tests, the converter's GGUF,
+#: the vision check (:mod:`lollm.testing.vision_checks`; it skips for a family without vision, saying so).
+KIT_CHECKS = ("test_checkpoint_covers_every_feature",) + NUMERIC_TESTS + CONVERTER_TESTS + VISION_TESTS
 #: What it runs on each mutant: the two float32 parity tests, the bfloat16 one and the config-schema one
 #: (coverage and sensitivity are the checkpoint's, proven once on the unchanged copy). Every mutant of
-#: :data:`MUTANTS` but those of :data:`BLIND_SPOT_BUGS` fails the cached-decode one; ``--all-checks`` adds
-#: the self-consistency test, to see which checks catch what (docs/conformance-kit.md).
+#: :data:`MUTANTS` but those of :data:`BLIND_SPOT_BUGS` and the vision bugs (:data:`VISION_TESTS` judge
+#: those) fails the cached-decode one; ``--all-checks`` adds self-consistency, to see which checks catch what (docs/conformance-kit.md).
 JUDGING_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
                  "test_bfloat16_parity_with_the_reference", "test_both_config_schemas_give_the_same_logits")
 #: The bug classes only the bfloat16 and config-schema tests can see (issue 38): every float32 test passes them.
@@ -78,12 +80,17 @@ BLIND_SPOT_BUGS = ("norm_cast_before_scale", "local_rope_from_rope_theta")
 GGUF_READER_BUGS = ("gguf_gate_up_swapped", "gguf_norm_shift_kept")
 #: The checks the unchanged copy may skip, with the kit's reason (the suite's report shows it): the converter's
 #: GGUF skips for qwen3_5 and qwen3_5_moe (no tokenizer the converter reads that a tiny checkpoint can carry).
-MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",) + CONVERTER_TESTS
+#: The vision check skips for a family that declares no vision, or states a ``vision_waiver`` (:data:`FAMILY_ATTRIBUTES`).
+MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",) + CONVERTER_TESTS + VISION_TESTS
 #: Class attributes the suite gives a family's kit run (what the family's own test class states, and why there);
 #: the copies ``lollm new-family`` makes state them too (:func:`stated_attributes`).
-#: None today: qwen3_5 and qwen3_5_moe stated bf16_error_fraction = 1.0 until their DeltaNet's beta took its
+#: No bf16_error_fraction today: qwen3_5 and qwen3_5_moe stated 1.0 until their DeltaNet's beta took its
 #: sigmoid in the model dtype, as transformers does; since then every family rounds where transformers does.
-FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {}
+#: The vision check (lollm.testing.vision_checks) runs for gemma3; the other vision families wait for their
+#: VisionSetup (their own tests compare their towers with transformers: tests/test_gemma4_vision.py, test_vision_tower.py).
+_VISION_LATER = "the kit's vision check has no VisionSetup for this family yet (issue 39: gemma3 first); its own vision tests compare the tower with transformers"
+FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {name: {"vision_waiver": _VISION_LATER}
+                                                   for name in ("gemma4", "qwen3_5", "qwen3_5_moe")}
 
 
 def stated_attributes(model_types: Iterable[str]) -> dict[str, object]:
@@ -132,7 +139,7 @@ def mutant_registry(package: str, family_name: str, copy: str, folder: str | Pat
 
     The copy (made by :func:`copy_family` in ``folder``) is put on ``sys.path``;
     the Family record is the installed one with ``package`` replaced by ``copy``
-    in its ``load`` target (and ``parity_reference``, when the family has one
+    in its ``load`` target (and ``parity_reference`` and ``vision``, when the family has them
     inside its package).
     """
     folder = str(Path(folder))
@@ -146,6 +153,7 @@ def mutant_registry(package: str, family_name: str, copy: str, folder: str | Pat
     family = dataclasses.replace(
         family, load=family.load.replace(package, copy),
         parity_reference=None if family.parity_reference is None else family.parity_reference.replace(package, copy),
+        vision=None if family.vision is None else family.vision.replace(package, copy),
     )
     plugin = types.ModuleType(f"{copy}_plugin")
 
@@ -270,6 +278,9 @@ BUG_CLASSES = {
     "local_rope_from_rope_theta": "sliding layers reading 'rope_theta' for 'rope_local_base_freq' from a hub config.json",
     "gguf_gate_up_swapped": "the GGUF name map swapping ffn_gate and ffn_up (safetensors untouched)",
     "gguf_norm_shift_kept": "Gemma's GGUF norm shift (+1) undone for the layer norms only, not the QK and final norms",
+    "patch_order_transposed": "the vision tower reads its patches column by column (the patch grid transposed)",
+    "position_embedding_dropped": "the vision tower's position embedding not added to the patches",
+    "merge_one_token_off": "the image embeddings merged one position late (the scatter shifted by one token)",
 }
 
 
@@ -376,6 +387,8 @@ def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[s
         shift = 'return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor'
         out["gguf_norm_shift_kept"] = Mutant("gguf_norm_shift_kept", {"weights.py": [(
             shift, shift.replace('"norm.weight"', '"layernorm.weight"'))]}, CONVERTER_TESTS[:1])
+    if name == "gemma3":  # the vision check's three (lollm.testing.vision_checks): SigLIP's patches, positions, the merge
+        out.update(_gemma3_vision())
     if name == "gemma3":  # the family that reads both spellings of two RoPE bases
         local = 'local_base = read.rope_theta("rope_local_base_freq")'
         out["local_rope_from_rope_theta"] = Mutant("local_rope_from_rope_theta", {"config.py": [(
@@ -385,6 +398,22 @@ def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[s
         out["local_layers_on_global_rope"] = Mutant("local_layers_on_global_rope", {"config.py": [(pick, "return self.rope_global")]})
         out["global_layers_on_local_rope"] = Mutant("global_layers_on_local_rope", {"config.py": [(pick, "return self.rope_local")]})
     return out
+
+
+def _gemma3_vision() -> dict[str, Mutant]:
+    """The bugs only the vision check sees: the text tests never give the tower or the merge an image."""
+    flatten = "x = x.flatten(2).transpose(1, 2)  # (1, P, D): patches in reading order, row by row"
+    positions = "return x + self.position_embedding.weight[None]  # patch i gets position vector i"
+    merge = "x = scatter_step_images(x, images, start)"
+    return {
+        "patch_order_transposed": Mutant("patch_order_transposed", {"vision.py": [(
+            flatten, flatten.replace("x.flatten(2)", "x.transpose(2, 3).flatten(2)"))]}, VISION_TESTS),
+        "position_embedding_dropped": Mutant("position_embedding_dropped", {"vision.py": [(
+            positions, "return x  # the position table never added")]}, VISION_TESTS),
+        # an image placed at p lands at p + 1 (an int start only: the kit's forward; the text tests never scatter)
+        "merge_one_token_off": Mutant("merge_one_token_off", {"modeling_gemma3.py": [(
+            merge, merge.replace("start)", "start - 1 if isinstance(start, int) else start)"))]}, VISION_TESTS),
+    }
 
 
 _GEMMA_ROPE = [("inv_freq = 1.0 / (rope.theta**exponents)", "inv_freq = 1.0 / ((1.5 * rope.theta)**exponents)")]
