@@ -164,7 +164,7 @@ def test_a_text_only_sequence_keeps_the_1d_path(lively):
     assert cache.image_spans == [] and torch.equal(plain, cached)
 
 
-def test_images_in_an_engine_step_or_cut_by_a_forward_are_refused(lively):
+def test_an_image_cut_by_a_forward_is_refused(lively):
     _, model, _, _ = lively("qwen3_5")
     _, _, ids, batch, _ = ours_and_theirs(lively, "qwen3_5", 1)
     first = batch.images[0].start

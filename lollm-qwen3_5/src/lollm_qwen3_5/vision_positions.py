@@ -34,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from lollm.batch import Batch
+from lollm.batch import Batch, token_positions
 
 
 def mrope_positions(
@@ -160,28 +160,60 @@ def sequence_cos_sin(
     return mrope_cos_sin(positions.to(device), rotary_emb.inv_freq, section, dtype)
 
 
-def sequence_image_spans(images, start, T: int, cache) -> list[tuple[int, tuple[int, int, int]]]:
-    """The images of the sequence a forward belongs to, ``[(first index, merged grid (t, h', w')), ...]``; [] for text.
+def image_spans(images) -> list[tuple[int, tuple[int, int, int]]]:
+    """``[(first index, merged grid (t, h', w')), ...]`` of an :class:`lollm.vision.spec.ImageBatch` (None: []).
 
-    images: the forward's :class:`lollm.vision.spec.ImageBatch` or None; start: its first index (an
-    int; a ``lollm.batch.Batch`` in an engine step); cache: the sequence's cache or None.
-    With images (the forwards of a prefill): read from them, checked, and kept in ``cache.image_spans``
-    for the forwards that follow; without (decode steps): what the cache kept.
-    ValueError for an image this forward cuts, an image without a grid or whose grid does not
-    count its tokens, and for images in an engine step (the engine does not take images yet).
+    ValueError for an image without a grid or whose grid does not count its tokens.
     """
-    if images is None or not images.images:
-        return [] if cache is None or isinstance(start, Batch) else cache.image_spans
-    if isinstance(start, Batch):
-        raise ValueError("qwen3_5: images reach the decoder in single-sequence forwards only (not in an engine step)")
-    images.within(start, T)  # raises for an image cut by this forward's edges
     spans = []
-    for k, im in enumerate(images.images):
+    for k, im in enumerate([] if images is None else images.images):
         t, h, w = (int(n) for n in im.grid) if im.grid is not None else (0, 0, 0)
         if t * h * w != im.end - im.start:
             raise ValueError(f"image {k + 1} has {im.end - im.start} tokens but its grid is {im.grid}: "
                              "M-RoPE needs each image's merged (t, h, w) grid from the tower")
         spans.append((im.start, (t, h, w)))
+    return spans
+
+
+def sequence_image_spans(images, start: int, T: int, cache) -> list[tuple[int, tuple[int, int, int]]]:
+    """The images of the sequence a single-sequence forward belongs to, ``[(first index, merged grid), ...]``; [] for text.
+
+    images: the forward's :class:`lollm.vision.spec.ImageBatch` or None; start: its first index;
+    cache: the sequence's cache or None. With images (the forwards of a prefill): read from them
+    (:func:`image_spans`), checked, and kept in ``cache.image_spans`` for the forwards that follow;
+    without (decode steps): what the cache kept. ValueError for an image this forward cuts.
+    """
+    if images is None or not images.images:
+        return [] if cache is None else cache.image_spans
+    images.within(start, T)  # raises for an image cut by this forward's edges
+    spans = image_spans(images)
     if cache is not None:
         cache.image_spans = spans
     return spans
+
+
+def forward_cos_sin(rotary_emb, section: Sequence[int], images, start: int | Batch, T: int, cache,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, R) of one forward's T tokens, M-RoPE for each sequence that has images.
+
+    Single sequence (``start`` an int): :func:`sequence_image_spans` then :func:`sequence_cos_sin`.
+    An engine step (``start`` a Batch): ``images`` None, or one ImageBatch-or-None per sequence,
+    which the engine gives in every step of a sequence with images (its decode steps too, so
+    their positions are shifted; docs/vision.md section 6). Every row first takes 1-D RoPE at its
+    own position; the rows of a sequence with images are then replaced by its M-RoPE angles.
+    A step without images is the text path, unchanged.
+    """
+    if not isinstance(start, Batch):
+        spans = sequence_image_spans(images, start, T, cache)
+        return sequence_cos_sin(rotary_emb, section, spans, start, T, dtype)
+    cos, sin = rotary_emb(token_positions(start, T, rotary_emb.inv_freq.device), dtype)  # (T, R) each
+    if images is None:
+        return cos, sin
+    if not isinstance(images, (list, tuple)) or len(images) != len(start.counts):
+        raise ValueError(f"an engine step of {len(start.counts)} sequences wants images as a list of as many "
+                         f"ImageBatch-or-None, got {type(images).__name__}")
+    for (lo, hi), first, im in zip(start.segments(), start.starts, images):
+        spans = image_spans(im)
+        if spans:
+            cos[lo:hi], sin[lo:hi] = sequence_cos_sin(rotary_emb, section, spans, first, hi - lo, dtype)
+    return cos, sin

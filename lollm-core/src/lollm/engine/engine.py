@@ -302,10 +302,10 @@ class Engine:
                       window=self.window if windowed else None)
         ids = [t for req, n in plan for t in req.tokens[req.computed : req.computed + n]]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, N)
-        # images: one ImageBatch or None per sequence, given only when some chunk holds image positions
-        # (lollm.vision.step); decode steps and text chunks pass none, as the single-sequence loop does
-        images = [req.images if req.images is not None and req.images.within(req.computed, n) else None
-                  for req, n in plan]
+        # images: one ImageBatch or None per sequence (lollm.vision.step), given in every step where some
+        # sequence has images, its decode steps too: a decoder whose positions depend on earlier images
+        # (Qwen3.5's M-RoPE) needs them; one that does not reads only the images inside the step's rows
+        images = [req.images for req, _ in plan]
         extra = {"images": images} if any(im is not None for im in images) else {}
         return self.model(input_ids, PagedCache(self.kv, batch), logits_to_keep=batch.last_rows, **extra)[0]  # (B, V)
 

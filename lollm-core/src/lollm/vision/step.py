@@ -3,7 +3,9 @@
 In an engine step (docs/batching.md) the forward's T tokens are those of B sequences end to
 end, and ``start`` is a Batch. A decoder that reads images then receives ``images`` as a list
 of B entries, one per sequence of the Batch: that sequence's ImageBatch (its positions count
-from its own first token, as always), or None for a sequence without images in this step::
+from its own first token, as always), or None for a sequence without images. The engine gives it
+in every step of a sequence that has images, its decode steps too (Qwen3.5's M-RoPE positions
+depend on the images before them); the helpers here skip the images outside the step's rows::
 
     Batch    counts [1, 21, 1]     starts [40, 0, 7]      N = 23 tokens
     images   [None, ImageBatch([PlacedImage(start=3, 16 rows)]), None]

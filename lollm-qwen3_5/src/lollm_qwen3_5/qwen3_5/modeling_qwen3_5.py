@@ -36,12 +36,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lollm.batch import Batch, CacheLayer, keep_logit_rows, token_positions
+from lollm.batch import Batch, CacheLayer, keep_logit_rows
 from lollm.errors import GenerationError
-from lollm.vision.prompt import scatter_images
 from lollm.vision.spec import ImageBatch
+from lollm.vision.step import scatter_step_images
 
-from ..vision_positions import sequence_cos_sin, sequence_image_spans
+from ..vision_positions import forward_cos_sin, sequence_cos_sin
 
 from .blocks import Qwen3_5Attention, Qwen3_5GatedDeltaNet, Qwen3_5MLP, RMSNorm, RotaryEmbedding
 from .config import Qwen3_5Config
@@ -103,6 +103,9 @@ class Qwen3_5Model(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     """A qwen3_5 causal language model, following :class:`lollm.model.CausalLM` (and ``DraftModel`` with MTP)."""
 
+    #: its forward takes images in an engine step too (lollm.model.VisionLM; lollm.vision.step)
+    batches_images = True
+
     def __init__(self, config: Qwen3_5Config, *, with_mtp: bool = False):
         super().__init__()
         self.config = config
@@ -147,7 +150,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         *,
         logits_to_keep: int | torch.Tensor = 0,
         hidden_states: list[torch.Tensor] | None = None,
-        images: ImageBatch | None = None,
+        images: ImageBatch | list[ImageBatch | None] | None = None,
     ) -> torch.Tensor:
         """input_ids (1, T) int64 -> logits (1, T or logits_to_keep, vocab).
 
@@ -162,8 +165,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         ``images`` (plugin contract 3: vision, docs/vision.md): the sequence's images, encoded by
         vision_family.py; those inside these T positions replace their placeholder rows (step 1b),
         and every forward of a sequence with images turns by M-RoPE (step 2). The cache keeps
-        the images' spans, so decode steps (images=None) get their shifted positions.
-        Single-sequence forwards only.
+        the images' spans, so decode steps (images=None) get their shifted positions. In an engine
+        step (``batches_images``) ``images`` is a list, one ImageBatch or None per sequence of the
+        Batch, given in every step of a sequence with images (lollm.vision.step).
         """
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.length  # an int; in an engine step, a lollm.batch.Batch
@@ -174,10 +178,9 @@ class Qwen3_5ForCausalLM(nn.Module):
 
         # 1. Embed: each token id becomes a row of the embedding matrix.
         x = self.model.embed_tokens(input_ids)  # (1, T, C)
-        # 1b. Images (docs/vision.md): their rows replace their placeholders' rows. `spans` lists
-        #     the sequence's images (from `images`, or, in a decode step, kept by the cache).
-        spans = sequence_image_spans(images, start, T, cache)  # [(first index, merged grid (t, h', w'))]
-        x = scatter_images(x, images, start)  # (1, T, C); x itself without images here
+        # 1b. Images (docs/vision.md): their rows replace their placeholders' rows.
+        #     In an engine step `images` is a list, one ImageBatch or None per sequence (lollm.vision.step).
+        x = scatter_step_images(x, images, start)  # (1, T, C); x itself without images here
         if hidden_states is not None:
             hidden_states.append(x)
 
@@ -187,11 +190,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         #    (vision_positions.py): an image token turns by the (time, row, column) of its
         #    place in the image, and the text after an image of h' x w' tokens resumes at
         #    p + max(h', w'), not p + h' * w': every later position is shifted (delta <= 0).
-        if spans:
-            cos, sin = sequence_cos_sin(self.model.rotary_emb, self.config.mrope_section, spans, start, T, x.dtype)
-        else:
-            positions = token_positions(start, T, input_ids.device)  # (T,): start .. start+T-1, or each token's own
-            cos, sin = self.model.rotary_emb(positions, x.dtype)  # (T, R) each
+        #    In an engine step each sequence takes its own: M-RoPE with images, 1-D RoPE without.
+        cos, sin = forward_cos_sin(self.model.rotary_emb, self.config.mrope_section, images, start, T, cache,
+                                   x.dtype)  # (T, R) each
 
         # 3. The decoder layers; each writes its K/V or its DeltaNet states into the cache.
         #    The attention layers read their keys causally (the mask is made where attention
