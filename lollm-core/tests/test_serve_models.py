@@ -367,3 +367,32 @@ def _metrics_text(root: str) -> str:
 
     with urllib.request.urlopen(root + "/metrics", timeout=30) as answer:
         return answer.read().decode()
+
+
+def test_lollm_serve_keeps_no_reference_to_an_unloaded_first_model(folders, monkeypatch):
+    """``lollm serve A B``, in this process: once the model loaded at start is unloaded, nothing holds it.
+
+    The command's own frames (the banner's model, the --tp check) once kept the first model's ModelServer
+    for the server's whole life, so unloading it freed nothing (issue 40: RSS never went down). uvicorn's
+    run is replaced by the check: unload the first model, then look for it with a weak reference.
+    """
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+    from lollm.serve.shutdown import DrainingServer
+
+    seen: dict[str, object] = {}
+
+    def run(runner: DrainingServer) -> None:
+        models = runner.model_server
+        first = models.first
+        model, engine = weakref.ref(first.server.model), weakref.ref(first.server.engine_loop.engine)
+        models.unload(first, why="in the test")
+        gc.collect()
+        seen.update(model=model(), engine=engine(), loaded=first.server)
+
+    monkeypatch.setattr(DrainingServer, "run", run)
+    done = CliRunner().invoke(app, ["serve", str(folders["qwen"]), str(folders["gemma"]), "--ctx-size", str(CONTEXT),
+                                    "--port", "0"])
+    assert done.exit_code == 0, done.output
+    assert seen == {"model": None, "engine": None, "loaded": None}

@@ -15,6 +15,7 @@ import json
 import logging
 import shlex
 import threading
+import weakref
 import time
 from importlib import resources
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
@@ -398,7 +399,13 @@ def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: 
     # second Ctrl-C (force quit), would log starlette's CancelledError traceback
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")
     runner = DrainingServer(config, models, shutdown_timeout)
+    loaded_first = weakref.ref(first)  # not the model itself: this frame lives as long as the server, and an
+    del first, server                  # unloaded model must be freed (the registry alone holds a loaded one)
+
     def lines(bound: int) -> list[str]:  # the banner, made once the port is known (--port 0: the one the OS chose)
+        first = loaded_first()
+        if first is None:  # a request for another model unloaded it before the banner came (a tight budget)
+            return [f"lollm serve: {models.served_list()} at http://{host}:{bound}/v1"]
         text = banner(first, family, host, bound)
         if len(models.entries) > 1:
             budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""
