@@ -396,3 +396,22 @@ def test_lollm_serve_keeps_no_reference_to_an_unloaded_first_model(folders, monk
                                     "--port", "0"])
     assert done.exit_code == 0, done.output
     assert seen == {"model": None, "engine": None, "loaded": None}
+
+
+def test_a_packed_gguf_is_estimated_at_the_size_it_loads_in(folders, tmp_path):
+    """A GGUF loaded with its blocks packed (``--weights auto``) counts its matrices at their file bytes.
+
+    Measured on the loaded model (lollm.load.quantized.model_bytes); counted as float32, the estimate
+    was about 4 times the loaded size, and a small --memory-budget refused the model at start (issue 40).
+    """
+    from lollm.load.pipeline import open_model
+    from lollm.load.quantized import model_bytes
+    from lollm.testing.gguf_writer import write_tiny_gguf
+
+    path = write_tiny_gguf(folders["qwen"], tmp_path / "qwen.gguf", "Q8_0")
+    loaded = open_model(str(path), LoadOptions(device="cpu", dtype="float32", weights="auto"))
+    assert loaded.options.quantization.mode == "gguf"
+    held, weights = model_bytes(loaded.model), loaded.checkpoint.weights
+    estimate = weight_bytes(weights, 4, packed=True)
+    assert abs(estimate - held) <= 0.05 * held, (estimate, held)
+    assert weight_bytes(weights, 4) > 2 * held  # the float32 count the estimate was before

@@ -191,7 +191,9 @@ def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_s
         return ModelServer(loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
                            template_flags=prepared.template_flags, **settings)
 
-    size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4))
+    quantization = prepared.options.quantization
+    size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4),
+                        packed=quantization is not None and quantization.mode == "gguf")
     return ModelEntry(name, spec, size, load=load)
 
 

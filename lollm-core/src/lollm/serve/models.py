@@ -15,8 +15,8 @@
                    the request runs on that ModelServer as on a one-model server
 
 Each model is a :class:`ModelEntry`: its name, what the user gave for it, its weights' size
-estimated before it loads (:func:`weight_bytes`: every tensor of the checkpoint at the dtype it
-loads in) and how to load it (a callable that returns a :class:`ModelServer`). The first model
+estimated before it loads (:func:`weight_bytes`: every tensor at the dtype it loads in, a GGUF's
+packed matrices at their bytes in the file) and how to load it (a callable that returns a :class:`ModelServer`). The first model
 loads when the server starts (:meth:`ServedModels.load_first`); the others on first use.
 
 A model is never unloaded while one of its requests is in flight: from the moment a handler
@@ -57,14 +57,27 @@ def gb(size: int) -> str:
     return f"{size / GB:.3g} GB"
 
 
-def weight_bytes(weights: object, dtype_bytes: int) -> int:
-    """Bytes a checkpoint's weights take once loaded: every tensor's elements times ``dtype_bytes``.
+def weight_bytes(weights: object, dtype_bytes: int, packed: bool = False) -> int:
+    """Bytes a checkpoint's weights take once loaded, estimated before the load.
 
-    weights:     a checkpoint's tensor source (``names()`` and ``shape(name)``: safetensors or GGUF).
+    weights:     a checkpoint's tensor source (``names()``, ``shape(name)``, ``dtype(name)``, ``fmt``: safetensors or GGUF).
     dtype_bytes: the element size of the dtype it loads in (4 for float32, 2 for bfloat16).
-    An estimate made before loading: a GGUF kept quantized in memory (``--weights`` packed) takes less.
+    packed:      the load keeps a GGUF's blocks packed (``--weights auto``, the default for a GGUF: the resolved
+                 options' ``quantization.mode == "gguf"``, lollm.load.quantized).
+    A tensor counts its elements times ``dtype_bytes``, except, with ``packed``, a GGUF matrix (2 or more
+    dimensions) of a quantized ggml type: it counts its bytes in the file, the size its packed form keeps
+    (Q4_K, Q6_K, Q8_0 ... in the file's bits; the load summary names the few it dequantizes instead).
+    Without ``packed`` a 486 MB Q4 GGUF was estimated at 2.5 GB of float32, and no small budget could serve it.
     """
-    return sum(math.prod(weights.shape(name)) for name in weights.names()) * dtype_bytes
+    from lollm.gguf.quants import ggml_type
+
+    total = 0
+    for name in weights.names():
+        shape = weights.shape(name)
+        elements = math.prod(shape)
+        kind = ggml_type(weights.dtype(name)) if packed and getattr(weights, "fmt", None) == "gguf" else None
+        total += kind.nbytes(elements) if kind is not None and kind.is_quantized and len(shape) >= 2 else elements * dtype_bytes
+    return total
 
 
 @dataclass
