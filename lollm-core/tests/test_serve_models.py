@@ -71,8 +71,9 @@ def expected(references: dict[str, serving.Reference], name: str, max_tokens: in
         return reference.generate(reference.chat_ids(QUESTION), max_tokens).text
 
 
-def entry(name: str, folder: Path, references: dict[str, serving.Reference]) -> ModelEntry:
-    """The model ``folder`` as ``lollm serve`` would serve it, named ``name`` (float32 on the CPU)."""
+def entry(name: str, folder: Path, references: dict[str, serving.Reference], **fields: object) -> ModelEntry:
+    """The model ``folder`` as ``lollm serve`` would serve it, named ``name`` (float32 on the CPU); ``fields``: more
+    of ModelEntry's fields (``has_template``)."""
     from lollm.load.pipeline import open_model
 
     def load() -> ModelServer:
@@ -80,7 +81,7 @@ def entry(name: str, folder: Path, references: dict[str, serving.Reference]) -> 
                            context=CONTEXT)
 
     size = weight_bytes(references[name].loaded.checkpoint.weights, 4) if name in references else 0
-    return ModelEntry(name, str(folder), size, load=load)
+    return ModelEntry(name, str(folder), size, load=load, **fields)
 
 
 @contextmanager
@@ -415,3 +416,30 @@ def test_a_packed_gguf_is_estimated_at_the_size_it_loads_in(folders, tmp_path):
     estimate = weight_bytes(weights, 4, packed=True)
     assert abs(estimate - held) <= 0.05 * held, (estimate, held)
     assert weight_bytes(weights, 4) > 2 * held  # the float32 count the estimate was before
+
+
+def test_a_chat_request_to_a_model_without_a_chat_template_evicts_nothing(folders, references):
+    """A chat request (Chat Completions, Messages, count_tokens, Responses) to an unloaded model whose tokenizer has
+    no chat template is a 400 at once: nothing is unloaded, nothing loaded (it took a 9 s load to learn it, issue 40).
+    /v1/models tells which models chat (lollm's ``chat`` field)."""
+    entries = [entry("qwen", folders["qwen"], references), entry("gemma", folders["gemma"], references,
+                                                                 has_template=lambda: False)]
+    with served(entries, max(e.weight_bytes for e in entries) + 1) as (root, models):
+        conversation = [{"role": "user", "content": "Hi"}]
+        for path, body, field, shape in (
+                ("/v1/chat/completions", {"messages": conversation}, "messages", "openai"),
+                ("/v1/messages", {"messages": conversation, "max_tokens": 4}, "messages", "anthropic"),
+                ("/v1/messages/count_tokens", {"messages": conversation}, "messages", "anthropic"),
+                ("/v1/responses", {"input": "Hi"}, "input", "openai")):
+            status, answer = serving.http(root + path, json.dumps({"model": "gemma", **body}).encode())
+            assert status == 400, (path, answer)
+            error = answer["error"]
+            assert "'gemma' has no chat template" in error["message"], (path, answer)
+            if shape == "openai":
+                assert error["param"] == field, (path, answer)
+            else:
+                assert answer["type"] == "error" and error["type"] == "invalid_request_error", (path, answer)
+        assert loaded_flags(root) == {"qwen": True, "gemma": False}
+        assert models.entries["gemma"].loads == 0
+        status, listing = serving.http(root + "/v1/models")
+        assert {m["id"]: m["chat"] for m in listing["data"]} == {"qwen": True, "gemma": False}

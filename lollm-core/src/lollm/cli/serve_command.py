@@ -194,7 +194,8 @@ def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_s
     quantization = prepared.options.quantization
     size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4),
                         packed=quantization is not None and quantization.mode == "gguf")
-    return ModelEntry(name, spec, size, load=load)
+    return ModelEntry(name, spec, size, load=load,
+                      has_template=lambda: prepared.checkpoint.tokenizer.chat_template is not None)
 
 
 def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, shutdown_timeout: float,

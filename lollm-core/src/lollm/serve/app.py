@@ -201,10 +201,11 @@ class Routes:
         self.responses = Responses()  # the Responses API and its store of responses (previous_response_id)
 
     @contextlib.asynccontextmanager
-    async def model_for(self, raw: bytes) -> AsyncIterator[ModelServer]:
+    async def model_for(self, raw: bytes, chat: str | None = None) -> AsyncIterator[ModelServer]:
         """The ModelServer of the model the body names (:meth:`ServedModels.use`: loaded first if need be), held
-        while inside; ApiError 413 when the body is over that model's own limit."""
-        async with self.served.use(raw) as server:
+        while inside; ApiError 413 when the body is over that model's own limit. ``chat``: the conversation's
+        field when the request needs a chat template (refused before a load when the model has none)."""
+        async with self.served.use(raw, chat) as server:
             if len(raw) > server.max_body_bytes:
                 raise too_large(server.max_body_bytes)
             yield server
@@ -213,7 +214,7 @@ class Routes:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
         self.served.check_auth(request.headers.get("authorization"))
         raw = await read_limited(request, self.served.max_body_bytes)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, "messages" if kind == "chat" else None) as server:
             return await self.generate(request, server, raw, kind)
 
     async def generate(self, request: Request, server: ModelServer, raw: bytes, kind: str) -> Response:
@@ -238,14 +239,16 @@ class Routes:
         self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None), x_api_key=True)
         return await read_limited(request, self.served.max_body_bytes)
 
-    async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable) -> Response:
+    async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable,
+                             chat: str) -> Response:
         """POST of one of the other APIs (Messages, Responses): ``prepare(server, raw)`` makes the plan,
-        ``shaper(server, plan)`` shapes its stream, ``answer(server, plan, result)`` its whole answer."""
+        ``shaper(server, plan)`` shapes its stream, ``answer(server, plan, result)`` its whole answer;
+        ``chat``: the API's conversation field (both need a chat template)."""
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         raw = await self.authorized_body(request)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, chat) as server:
             plan = await run_in_threadpool(prepare, server, raw)
             plan.job.endpoint = request.url.path
             server = budgeted(server, plan)  # a thinking budget runs in two phases (lollm.serve.thinking_budget)
@@ -259,7 +262,7 @@ class Routes:
     @guarded_as(anthropic_error)
     async def messages(self, request: Request) -> Response:
         return await self.api_generation(request, anthropic_messages.prepare, anthropic_messages.MessagesShaper,
-                                         anthropic_messages.answer)
+                                         anthropic_messages.answer, "messages")
 
     @guarded_as(anthropic_error)
     async def count_tokens(self, request: Request) -> Response:
@@ -267,13 +270,13 @@ class Routes:
         from starlette.responses import JSONResponse
 
         raw = await self.authorized_body(request)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, "messages") as server:
             return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, server, raw))
 
     @guarded
     async def create_response(self, request: Request) -> Response:
         api = self.responses
-        return await self.api_generation(request, api.prepare, api.shaper, api.answer)
+        return await self.api_generation(request, api.prepare, api.shaper, api.answer, "input")
 
     @guarded
     async def get_response(self, request: Request) -> Response:
@@ -292,10 +295,11 @@ class Routes:
 
     @guarded
     async def models(self, request: Request) -> Response:
+        from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         self.served.check_auth(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": self.served.listing()})
+        return JSONResponse({"object": "list", "data": await run_in_threadpool(self.served.listing)})
 
     @guarded
     async def chat_page(self, request: Request) -> Response:

@@ -88,13 +88,18 @@ class ModelEntry:
     source:       what the user gave for it (a folder, a .gguf file, a local name, a hub id), for messages.
     weight_bytes: its weights' bytes, estimated before it loads (:func:`weight_bytes`); 0: unknown.
     load:         makes its :class:`ModelServer` (loads the weights); raises on a broken model.
+    has_template: whether it has a chat template, read from its tokenizer alone (no weights); None: not known
+                  before it loads. A chat request to an unloaded model without one is refused before any
+                  load or unload (:meth:`ServedModels.check_chat`).
     """
 
     name: str
     source: str
     weight_bytes: int
     load: Callable[[], ModelServer]
+    has_template: Callable[[], bool] | None = None
     server: ModelServer | None = None
+    chat: bool | None = None  # has_template's answer, once asked (None: not asked yet, or unknown)
     error: str | None = None  # why its load failed (kept: its requests get it until the server restarts)
     resident_bytes: int = 0  # its weights' bytes while loaded, measured (lollm.load.quantized.model_bytes)
     last_used: float = 0.0  # time.monotonic() of its last request's start or end
@@ -176,14 +181,18 @@ class ServedModels:
 
     # -- using a model, loading it, unloading others ---------------------------------------------
     @contextlib.asynccontextmanager
-    async def use(self, raw: bytes) -> AsyncIterator[ModelServer]:
+    async def use(self, raw: bytes, chat: str | None = None) -> AsyncIterator[ModelServer]:
         """The ModelServer of the model ``raw`` names, loaded (after a wait in the queue) and held while inside.
 
+        chat: the request's conversation field (``"messages"``, ``"input"``) when it needs a chat template:
+        a model known to have none is then refused before it loads (:meth:`check_chat`), evicting nothing.
         ApiError 400/404 for a missing or unknown name (:meth:`entry_for`, its JSON parsed off the event loop),
         500 ``model_load_failed`` naming the model and the cause when its load failed, 503 when the server
         shuts down while the request waits for room.
         """
         entry = self.first if len(self.entries) == 1 else await asyncio.to_thread(self.entry_for, raw)
+        if chat is not None and entry.server is None:
+            await asyncio.to_thread(self.check_chat, entry, chat)
         entry.users += 1
         entry.last_used = time.monotonic()
         try:
@@ -191,6 +200,23 @@ class ServedModels:
         finally:
             entry.users -= 1
             entry.last_used = time.monotonic()
+
+    def can_chat(self, entry: ModelEntry) -> bool | None:
+        """Whether ``entry`` has a chat template (its tokenizer, read once; None: not known). Blocking: in a thread."""
+        if entry.server is not None:
+            return entry.server.tokenizer.chat_template is not None
+        if entry.chat is None and entry.has_template is not None and entry.error is None:
+            try:
+                entry.chat = bool(entry.has_template())
+            except Exception:  # a broken tokenizer: its load says so, with the file and the cause
+                entry.chat = None
+        return entry.chat
+
+    def check_chat(self, entry: ModelEntry, field: str) -> None:
+        """ApiError 400 naming ``field`` when ``entry`` is known to have no chat template (before it loads)."""
+        if self.can_chat(entry) is False:
+            raise ApiError(400, f"the model {entry.name!r} has no chat template; use /v1/completions with a plain "
+                                f"prompt", param=field)
 
     async def _ready(self, entry: ModelEntry) -> ModelServer:
         """``entry``'s server, loading it first if needed (one load at a time, the others' requests go on)."""
@@ -271,9 +297,10 @@ class ServedModels:
 
     # -- what the server tells: /v1/models, /health, /metrics --------------------------------------
     def listing(self) -> list[dict[str, object]]:
-        """``/v1/models``' ``data``: every model, with ``loaded`` (lollm's extension field)."""
+        """``/v1/models``' ``data``: every model, with lollm's extension fields ``loaded`` and ``chat`` (it has a
+        chat template: false means Completions only; null: not known before it loads). Blocking: in a thread."""
         return [{"id": e.name, "object": "model", "created": e.created, "owned_by": "lollm",
-                 "loaded": e.server is not None} for e in self.entries.values()]
+                 "loaded": e.server is not None, "chat": self.can_chat(e)} for e in self.entries.values()]
 
     def render_metrics(self) -> bytes:
         """Prometheus' text of every loaded model: one model as it is; several, each series labelled ``model``."""
