@@ -50,6 +50,8 @@ log = logging.getLogger("lollm.serve.server")  # one logger for the whole server
 #: Seconds between two looks at whether a busy model has become idle, while a load waits for room.
 ROOM_POLL_SECONDS = 0.05
 GB = 1e9
+#: Seconds an unload waits for the model's engine thread to finish its current step.
+ENGINE_STOP_SECONDS = 30.0
 
 
 def gb(size: int) -> str:
@@ -268,18 +270,32 @@ class ServedModels:
             idle = [e for e in self.entries.values()
                     if e.server is not None and e.users == 0 and e.server.live_jobs() == 0]
             if idle:
-                self.unload(min(idle, key=lambda e: e.last_used), why=f"to make room for {entry.name}")
+                victim = min(idle, key=lambda e: e.last_used)  # a thread: the wait for its engine thread to end
+                await asyncio.to_thread(self.unload, victim, f"to make room for {entry.name}")
                 continue
             if self.closing:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="server_shutting_down")
             await asyncio.sleep(ROOM_POLL_SECONDS)
 
     def unload(self, entry: ModelEntry, why: str) -> None:
-        """Close ``entry``'s engine and let its memory go (it loads again on its next request)."""
+        """Close ``entry``'s engine and let its memory go (it loads again on its next request). Blocking (up to
+        :data:`ENGINE_STOP_SECONDS`): call it in a thread.
+
+        The model, its engine and its ModelServer refer to each other (the engine loop reports to the server),
+        so only the cycle collector frees them, and only once the engine thread, which holds the loop, has
+        ended: the thread is waited for, then ``gc.collect()`` runs. (Collected before the thread ended, the
+        cycle stayed until some later collection: its memory was never seen to go, issue 40.)
+        """
         server, entry.server = entry.server, None
         server.close()
+        thread = getattr(server.engine_loop, "thread", None)
+        if thread is not None:
+            thread.join(ENGINE_STOP_SECONDS)  # it ends after its current step
+            if thread.is_alive():
+                log.info("%s: its engine thread is still in a step after %s s; its memory goes when it ends",
+                         entry.name, ENGINE_STOP_SECONDS)
         freed, entry.resident_bytes = entry.resident_bytes, 0
-        del server
+        del server, thread
         gc.collect()
         log.info("unloaded %s (least recently used, %s) %s; --memory-budget %s", entry.name, gb(freed), why,
                  gb(self.budget_bytes or 0))
