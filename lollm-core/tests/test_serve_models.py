@@ -196,7 +196,7 @@ class Busy:
     """A stand-in ModelServer whose requests are in flight until :attr:`done` is set (no model)."""
 
     def __init__(self, name: str):
-        self.name, self.model, self.done = name, None, False
+        self.name, self.model, self.done, self.engine_loop = name, None, False, None
         self.closed = False
 
     def live_jobs(self) -> int:
