@@ -108,14 +108,19 @@ def loaded_flags(root: str) -> dict[str, bool]:
     return {m["id"]: m["loaded"] for m in body["data"]}
 
 
-def test_two_models_answer_interleaved_and_at_once(folders, references):
+def test_two_models_answer_interleaved_and_at_once(folders, references, caplog):
+    import logging
+
     want = {name: expected(references, name) for name in folders}
     assert want["qwen"] != want["gemma"]  # two different models, so a mix-up would show
     with served([entry(n, f, references) for n, f in folders.items()]) as (root, models):
         assert loaded_flags(root) == {"qwen": True, "gemma": False}  # the first at start, the others on first use
         client = serving.openai_client(root + "/v1")
-        for name in ["gemma", "qwen", "gemma", "qwen"]:
-            assert ask(client, name) == want[name]
+        with caplog.at_level(logging.INFO, logger="lollm.serve.server"):
+            for name in ["gemma", "qwen", "gemma", "qwen"]:
+                assert ask(client, name) == want[name]
+        lines = [r.getMessage() for r in caplog.records if ": prompt " in r.getMessage()]
+        assert [line.split(":")[0] for line in lines] == [f"/v1/chat/completions ({n})" for n in ["gemma", "qwen"] * 2]
         assert loaded_flags(root) == {"qwen": True, "gemma": True}
         answers: dict[int, str] = {}
         order = ["qwen", "gemma"] * 3

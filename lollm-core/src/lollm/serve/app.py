@@ -223,7 +223,7 @@ class Routes:
         from starlette.responses import JSONResponse
 
         plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
-        plan.job.endpoint = request.url.path
+        plan.job.endpoint = self.log_name(request, server)
         base = answer_base(server.name, kind)
         if plan.streaming:
             shaper = ChunkShaper(CHUNKS[kind](server.tokenizer, base), plan.include_usage)
@@ -232,6 +232,11 @@ class Routes:
         if result is None:
             raise ApiError(499, "the request was cancelled")
         return JSONResponse(ANSWERS[kind](server.tokenizer, base, plan.job, result))
+
+    def log_name(self, request: Request, server: ModelServer) -> str:
+        """What a request's log line starts with: its path, and with several models the model's name
+        (``/v1/chat/completions (gemma)``)."""
+        return request.url.path if len(self.served.entries) == 1 else f"{request.url.path} ({server.name})"
 
     async def authorized_body(self, request: Request) -> bytes:
         """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
@@ -250,7 +255,7 @@ class Routes:
         raw = await self.authorized_body(request)
         async with self.model_for(raw, chat) as server:
             plan = await run_in_threadpool(prepare, server, raw)
-            plan.job.endpoint = request.url.path
+            plan.job.endpoint = self.log_name(request, server)
             server = budgeted(server, plan)  # a thinking budget runs in two phases (lollm.serve.thinking_budget)
             if plan.streaming:
                 return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
