@@ -15,8 +15,8 @@ import json
 import logging
 import shlex
 import threading
-import weakref
 import time
+import weakref
 from importlib import resources
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
