@@ -135,12 +135,14 @@ def test_page_picks_a_model_and_folds_the_thinking(loaded, browser, monkeypatch)
     monkeypatch.setattr(model_server_module, "opening", lambda tokenizer, ids: "start")  # as Qwen3's template leaves it
     entries = [ModelEntry(name, name, 0, load=lambda name=name: ModelServer(loaded, name=name, context=64, batched=False))
                for name in (NAME, "other")]
+    entries.append(ModelEntry("base", "base", 0, load=lambda: None, has_template=lambda: False))  # never loads
     models = ServedModels(entries, max_body_bytes=1 << 20)
     models.load_first()
     try:
         with serving.app_in_thread(create_app(models)) as root:
             _open(browser, root + "/")
-            assert browser.texts("#model option") == [NAME, "other (loads on first use)"]
+            assert browser.texts("#model option") == [NAME, "other (loads on first use)", "base (no chat template)"]
+            assert browser.js("return document.querySelector('#model option[value=base]').disabled") is True
             browser.js("const s = document.getElementById('model'); s.value = 'other'; s.dispatchEvent(new Event('change'))")
             _say(browser, "hello")
             assert browser.texts(".msg.error") == []
@@ -148,7 +150,7 @@ def test_page_picks_a_model_and_folds_the_thinking(loaded, browser, monkeypatch)
             assert browser.texts(".msg.assistant details.thinking .text") == ["I ponder"]
             assert browser.texts(".msg.assistant > .text") == ["The answer"]
             assert browser.js("return document.querySelector('.msg details.thinking').open") is False
-            assert browser.texts("#model option") == [NAME, "other"]  # loaded now
+            assert browser.texts("#model option") == [NAME, "other", "base (no chat template)"]  # loaded now
             assert browser.errors() == []
     finally:
         models.close()

@@ -71,8 +71,9 @@ def expected(references: dict[str, serving.Reference], name: str, max_tokens: in
         return reference.generate(reference.chat_ids(QUESTION), max_tokens).text
 
 
-def entry(name: str, folder: Path, references: dict[str, serving.Reference]) -> ModelEntry:
-    """The model ``folder`` as ``lollm serve`` would serve it, named ``name`` (float32 on the CPU)."""
+def entry(name: str, folder: Path, references: dict[str, serving.Reference], **fields: object) -> ModelEntry:
+    """The model ``folder`` as ``lollm serve`` would serve it, named ``name`` (float32 on the CPU); ``fields``: more
+    of ModelEntry's fields (``has_template``)."""
     from lollm.load.pipeline import open_model
 
     def load() -> ModelServer:
@@ -80,7 +81,7 @@ def entry(name: str, folder: Path, references: dict[str, serving.Reference]) -> 
                            context=CONTEXT)
 
     size = weight_bytes(references[name].loaded.checkpoint.weights, 4) if name in references else 0
-    return ModelEntry(name, str(folder), size, load=load)
+    return ModelEntry(name, str(folder), size, load=load, **fields)
 
 
 @contextmanager
@@ -107,14 +108,19 @@ def loaded_flags(root: str) -> dict[str, bool]:
     return {m["id"]: m["loaded"] for m in body["data"]}
 
 
-def test_two_models_answer_interleaved_and_at_once(folders, references):
+def test_two_models_answer_interleaved_and_at_once(folders, references, caplog):
+    import logging
+
     want = {name: expected(references, name) for name in folders}
     assert want["qwen"] != want["gemma"]  # two different models, so a mix-up would show
     with served([entry(n, f, references) for n, f in folders.items()]) as (root, models):
         assert loaded_flags(root) == {"qwen": True, "gemma": False}  # the first at start, the others on first use
         client = serving.openai_client(root + "/v1")
-        for name in ["gemma", "qwen", "gemma", "qwen"]:
-            assert ask(client, name) == want[name]
+        with caplog.at_level(logging.INFO, logger="lollm.serve.server"):
+            for name in ["gemma", "qwen", "gemma", "qwen"]:
+                assert ask(client, name) == want[name]
+        lines = [r.getMessage() for r in caplog.records if ": prompt " in r.getMessage()]
+        assert [line.split(":")[0] for line in lines] == [f"/v1/chat/completions ({n})" for n in ["gemma", "qwen"] * 2]
         assert loaded_flags(root) == {"qwen": True, "gemma": True}
         answers: dict[int, str] = {}
         order = ["qwen", "gemma"] * 3
@@ -195,7 +201,7 @@ class Busy:
     """A stand-in ModelServer whose requests are in flight until :attr:`done` is set (no model)."""
 
     def __init__(self, name: str):
-        self.name, self.model, self.done = name, None, False
+        self.name, self.model, self.done, self.engine_loop = name, None, False, None
         self.closed = False
 
     def live_jobs(self) -> int:
@@ -367,3 +373,78 @@ def _metrics_text(root: str) -> str:
 
     with urllib.request.urlopen(root + "/metrics", timeout=30) as answer:
         return answer.read().decode()
+
+
+def test_lollm_serve_keeps_no_reference_to_an_unloaded_first_model(folders, monkeypatch):
+    """``lollm serve A B``, in this process: once the model loaded at start is unloaded, nothing holds it.
+
+    The command's own frames (the banner's model, the --tp check) once kept the first model's ModelServer
+    for the server's whole life, so unloading it freed nothing (issue 40: RSS never went down). uvicorn's
+    run is replaced by the check: unload the first model, then look for it with a weak reference.
+    """
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+    from lollm.serve.shutdown import DrainingServer
+
+    seen: dict[str, object] = {}
+
+    def run(runner: DrainingServer) -> None:
+        models = runner.model_server
+        first = models.first
+        model, engine = weakref.ref(first.server.model), weakref.ref(first.server.engine_loop.engine)
+        models.unload(first, why="in the test")
+        gc.collect()
+        seen.update(model=model(), engine=engine(), loaded=first.server)
+
+    monkeypatch.setattr(DrainingServer, "run", run)
+    done = CliRunner().invoke(app, ["serve", str(folders["qwen"]), str(folders["gemma"]), "--ctx-size", str(CONTEXT),
+                                    "--port", "0"])
+    assert done.exit_code == 0, done.output
+    assert seen == {"model": None, "engine": None, "loaded": None}
+
+
+def test_a_packed_gguf_is_estimated_at_the_size_it_loads_in(folders, tmp_path):
+    """A GGUF loaded with its blocks packed (``--weights auto``) counts its matrices at their file bytes.
+
+    Measured on the loaded model (lollm.load.quantized.model_bytes); counted as float32, the estimate
+    was about 4 times the loaded size, and a small --memory-budget refused the model at start (issue 40).
+    """
+    from lollm.load.pipeline import open_model
+    from lollm.load.quantized import model_bytes
+    from lollm.testing.gguf_writer import write_tiny_gguf
+
+    path = write_tiny_gguf(folders["qwen"], tmp_path / "qwen.gguf", "Q8_0")
+    loaded = open_model(str(path), LoadOptions(device="cpu", dtype="float32", weights="auto"))
+    assert loaded.options.quantization.mode == "gguf"
+    held, weights = model_bytes(loaded.model), loaded.checkpoint.weights
+    estimate = weight_bytes(weights, 4, packed=True)
+    assert abs(estimate - held) <= 0.05 * held, (estimate, held)
+    assert weight_bytes(weights, 4) > 2 * held  # the float32 count the estimate was before
+
+
+def test_a_chat_request_to_a_model_without_a_chat_template_evicts_nothing(folders, references):
+    """A chat request (Chat Completions, Messages, count_tokens, Responses) to an unloaded model whose tokenizer has
+    no chat template is a 400 at once: nothing is unloaded, nothing loaded (it took a 9 s load to learn it, issue 40).
+    /v1/models tells which models chat (lollm's ``chat`` field)."""
+    entries = [entry("qwen", folders["qwen"], references), entry("gemma", folders["gemma"], references,
+                                                                 has_template=lambda: False)]
+    with served(entries, max(e.weight_bytes for e in entries) + 1) as (root, models):
+        conversation = [{"role": "user", "content": "Hi"}]
+        for path, body, field, shape in (
+                ("/v1/chat/completions", {"messages": conversation}, "messages", "openai"),
+                ("/v1/messages", {"messages": conversation, "max_tokens": 4}, "messages", "anthropic"),
+                ("/v1/messages/count_tokens", {"messages": conversation}, "messages", "anthropic"),
+                ("/v1/responses", {"input": "Hi"}, "input", "openai")):
+            status, answer = serving.http(root + path, json.dumps({"model": "gemma", **body}).encode())
+            assert status == 400, (path, answer)
+            error = answer["error"]
+            assert "'gemma' has no chat template" in error["message"], (path, answer)
+            if shape == "openai":
+                assert error["param"] == field, (path, answer)
+            else:
+                assert answer["type"] == "error" and error["type"] == "invalid_request_error", (path, answer)
+        assert loaded_flags(root) == {"qwen": True, "gemma": False}
+        assert models.entries["gemma"].loads == 0
+        status, listing = serving.http(root + "/v1/models")
+        assert {m["id"]: m["chat"] for m in listing["data"]} == {"qwen": True, "gemma": False}

@@ -104,9 +104,13 @@ def serve(
                for i, spec in enumerate(specs)]
     models = ServedModels(entries, budget_bytes=None if memory_budget is None else int(memory_budget * 1e9),
                           api_key=api_key, max_body_bytes=body_limit(ctx_size or DEFAULT_CONTEXT))
-    loaded = models.load_first().loaded
-    label = f"{loaded.family.family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
+    label = banner_label(models.load_first().loaded, tp)  # no local keeps the first model: it may be unloaded
     serve_or_follow(models, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
+
+
+def banner_label(loaded, tp: int) -> str:
+    """The banner's family and device (``"qwen2 on cpu"``, ``", --tp 2"`` under --tp)."""
+    return f"{loaded.family.family.name} on {loaded.device}" + ("" if loaded.tp is None else f", --tp {tp}")
 
 
 #: Bytes of one weight element in each dtype a model loads in (LoadOptions.dtype, resolved).
@@ -187,8 +191,11 @@ def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_s
         return ModelServer(loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
                            template_flags=prepared.template_flags, **settings)
 
-    size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4))
-    return ModelEntry(name, spec, size, load=load)
+    quantization = prepared.options.quantization
+    size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4),
+                        packed=quantization is not None and quantization.mode == "gguf")
+    return ModelEntry(name, spec, size, load=load,
+                      has_template=lambda: prepared.checkpoint.tokenizer.chat_template is not None)
 
 
 def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, shutdown_timeout: float,
@@ -202,8 +209,10 @@ def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, s
         server.follow()  # every generation rank 0 runs, until rank 0 stops
         finish(tp)
         return
+    if tp is None:
+        server = None  # only --tp needs it below; held here, an unloaded first model could never be freed
     try:  # the banner (URL, model, family, context, a curl line, the chat page) comes once it listens
-        served = models if len(models.entries) > 1 else server  # one model: served as a one-model server always was
+        served = models if len(models.entries) > 1 else models.first.server  # one model: as a one-model server always was
         signalled = run_server(served, host=host, port=port, family=label, shutdown_timeout=shutdown_timeout, guard=guard)
     finally:
         if tp is not None and server.stop_followers():

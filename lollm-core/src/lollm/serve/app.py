@@ -16,6 +16,7 @@ import logging
 import shlex
 import threading
 import time
+import weakref
 from importlib import resources
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
@@ -200,10 +201,11 @@ class Routes:
         self.responses = Responses()  # the Responses API and its store of responses (previous_response_id)
 
     @contextlib.asynccontextmanager
-    async def model_for(self, raw: bytes) -> AsyncIterator[ModelServer]:
+    async def model_for(self, raw: bytes, chat: str | None = None) -> AsyncIterator[ModelServer]:
         """The ModelServer of the model the body names (:meth:`ServedModels.use`: loaded first if need be), held
-        while inside; ApiError 413 when the body is over that model's own limit."""
-        async with self.served.use(raw) as server:
+        while inside; ApiError 413 when the body is over that model's own limit. ``chat``: the conversation's
+        field when the request needs a chat template (refused before a load when the model has none)."""
+        async with self.served.use(raw, chat) as server:
             if len(raw) > server.max_body_bytes:
                 raise too_large(server.max_body_bytes)
             yield server
@@ -212,7 +214,7 @@ class Routes:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
         self.served.check_auth(request.headers.get("authorization"))
         raw = await read_limited(request, self.served.max_body_bytes)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, "messages" if kind == "chat" else None) as server:
             return await self.generate(request, server, raw, kind)
 
     async def generate(self, request: Request, server: ModelServer, raw: bytes, kind: str) -> Response:
@@ -221,7 +223,7 @@ class Routes:
         from starlette.responses import JSONResponse
 
         plan = await run_in_threadpool(server.prepare, raw, kind)  # JSON, checks, template, tokens: off the loop
-        plan.job.endpoint = request.url.path
+        plan.job.endpoint = self.log_name(request, server)
         base = answer_base(server.name, kind)
         if plan.streaming:
             shaper = ChunkShaper(CHUNKS[kind](server.tokenizer, base), plan.include_usage)
@@ -231,22 +233,29 @@ class Routes:
             raise ApiError(499, "the request was cancelled")
         return JSONResponse(ANSWERS[kind](server.tokenizer, base, plan.job, result))
 
+    def log_name(self, request: Request, server: ModelServer) -> str:
+        """What a request's log line starts with: its path, and with several models the model's name
+        (``/v1/chat/completions (gemma)``)."""
+        return request.url.path if len(self.served.entries) == 1 else f"{request.url.path} ({server.name})"
+
     async def authorized_body(self, request: Request) -> bytes:
         """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
         key = request.headers.get("x-api-key")
         self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None), x_api_key=True)
         return await read_limited(request, self.served.max_body_bytes)
 
-    async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable) -> Response:
+    async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable,
+                             chat: str) -> Response:
         """POST of one of the other APIs (Messages, Responses): ``prepare(server, raw)`` makes the plan,
-        ``shaper(server, plan)`` shapes its stream, ``answer(server, plan, result)`` its whole answer."""
+        ``shaper(server, plan)`` shapes its stream, ``answer(server, plan, result)`` its whole answer;
+        ``chat``: the API's conversation field (both need a chat template)."""
         from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         raw = await self.authorized_body(request)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, chat) as server:
             plan = await run_in_threadpool(prepare, server, raw)
-            plan.job.endpoint = request.url.path
+            plan.job.endpoint = self.log_name(request, server)
             server = budgeted(server, plan)  # a thinking budget runs in two phases (lollm.serve.thinking_budget)
             if plan.streaming:
                 return stream(server, plan, shaper(server, plan), f"POST {request.url.path}")
@@ -258,7 +267,7 @@ class Routes:
     @guarded_as(anthropic_error)
     async def messages(self, request: Request) -> Response:
         return await self.api_generation(request, anthropic_messages.prepare, anthropic_messages.MessagesShaper,
-                                         anthropic_messages.answer)
+                                         anthropic_messages.answer, "messages")
 
     @guarded_as(anthropic_error)
     async def count_tokens(self, request: Request) -> Response:
@@ -266,13 +275,13 @@ class Routes:
         from starlette.responses import JSONResponse
 
         raw = await self.authorized_body(request)
-        async with self.model_for(raw) as server:
+        async with self.model_for(raw, "messages") as server:
             return JSONResponse(await run_in_threadpool(anthropic_messages.count_tokens, server, raw))
 
     @guarded
     async def create_response(self, request: Request) -> Response:
         api = self.responses
-        return await self.api_generation(request, api.prepare, api.shaper, api.answer)
+        return await self.api_generation(request, api.prepare, api.shaper, api.answer, "input")
 
     @guarded
     async def get_response(self, request: Request) -> Response:
@@ -291,10 +300,11 @@ class Routes:
 
     @guarded
     async def models(self, request: Request) -> Response:
+        from starlette.concurrency import run_in_threadpool
         from starlette.responses import JSONResponse
 
         self.served.check_auth(request.headers.get("authorization"))
-        return JSONResponse({"object": "list", "data": self.served.listing()})
+        return JSONResponse({"object": "list", "data": await run_in_threadpool(self.served.listing)})
 
     @guarded
     async def chat_page(self, request: Request) -> Response:
@@ -398,7 +408,13 @@ def serve(server: ModelServer | ServedModels, *, host: str = "127.0.0.1", port: 
     # second Ctrl-C (force quit), would log starlette's CancelledError traceback
     config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="off")
     runner = DrainingServer(config, models, shutdown_timeout)
+    loaded_first = weakref.ref(first)  # not the model itself: this frame lives as long as the server, and an
+    del first, server                  # unloaded model must be freed (the registry alone holds a loaded one)
+
     def lines(bound: int) -> list[str]:  # the banner, made once the port is known (--port 0: the one the OS chose)
+        first = loaded_first()
+        if first is None:  # a request for another model unloaded it before the banner came (a tight budget)
+            return [f"lollm serve: {models.served_list()} at http://{host}:{bound}/v1"]
         text = banner(first, family, host, bound)
         if len(models.entries) > 1:
             budget = f", --memory-budget {models.budget_bytes / 1e9:g} GB" if models.budget_bytes is not None else ""

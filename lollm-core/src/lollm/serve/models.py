@@ -15,8 +15,8 @@
                    the request runs on that ModelServer as on a one-model server
 
 Each model is a :class:`ModelEntry`: its name, what the user gave for it, its weights' size
-estimated before it loads (:func:`weight_bytes`: every tensor of the checkpoint at the dtype it
-loads in) and how to load it (a callable that returns a :class:`ModelServer`). The first model
+estimated before it loads (:func:`weight_bytes`: every tensor at the dtype it loads in, a GGUF's
+packed matrices at their bytes in the file) and how to load it (a callable that returns a :class:`ModelServer`). The first model
 loads when the server starts (:meth:`ServedModels.load_first`); the others on first use.
 
 A model is never unloaded while one of its requests is in flight: from the moment a handler
@@ -50,6 +50,8 @@ log = logging.getLogger("lollm.serve.server")  # one logger for the whole server
 #: Seconds between two looks at whether a busy model has become idle, while a load waits for room.
 ROOM_POLL_SECONDS = 0.05
 GB = 1e9
+#: Seconds an unload waits for the model's engine thread to finish its current step.
+ENGINE_STOP_SECONDS = 30.0
 
 
 def gb(size: int) -> str:
@@ -57,14 +59,43 @@ def gb(size: int) -> str:
     return f"{size / GB:.3g} GB"
 
 
-def weight_bytes(weights: object, dtype_bytes: int) -> int:
-    """Bytes a checkpoint's weights take once loaded: every tensor's elements times ``dtype_bytes``.
+def weight_bytes(weights: object, dtype_bytes: int, packed: bool = False) -> int:
+    """Bytes a checkpoint's weights take once loaded, estimated before the load.
 
-    weights:     a checkpoint's tensor source (``names()`` and ``shape(name)``: safetensors or GGUF).
+    weights:     a checkpoint's tensor source (``names()``, ``shape(name)``, ``dtype(name)``, ``fmt``: safetensors or GGUF).
     dtype_bytes: the element size of the dtype it loads in (4 for float32, 2 for bfloat16).
-    An estimate made before loading: a GGUF kept quantized in memory (``--weights`` packed) takes less.
+    packed:      the load keeps a GGUF's blocks packed (``--weights auto``, the default for a GGUF: the resolved
+                 options' ``quantization.mode == "gguf"``, lollm.load.quantized).
+    A tensor counts its elements times ``dtype_bytes``, except, with ``packed``, a GGUF matrix (2 or more
+    dimensions) of a quantized ggml type: it counts its bytes in the file, the size its packed form keeps
+    (Q4_K, Q6_K, Q8_0 ... in the file's bits; the load summary names the few it dequantizes instead).
+    Without ``packed`` a 486 MB Q4 GGUF was estimated at 2.5 GB of float32, and no small budget could serve it.
     """
-    return sum(math.prod(weights.shape(name)) for name in weights.names()) * dtype_bytes
+    from lollm.gguf.quants import ggml_type
+
+    total = 0
+    for name in weights.names():
+        shape = weights.shape(name)
+        elements = math.prod(shape)
+        kind = ggml_type(weights.dtype(name)) if packed and getattr(weights, "fmt", None) == "gguf" else None
+        total += kind.nbytes(elements) if kind is not None and kind.is_quantized and len(shape) >= 2 else elements * dtype_bytes
+    return total
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``); False where there is none (not glibc).
+
+    Freed tensors under glibc's mmap threshold go back to the heap, which keeps them for the next
+    allocations: after an unload the process's resident memory would stay higher than the models loaded.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):  # no C library by that name, or one without malloc_trim (musl, macOS)
+        return False
 
 
 @dataclass
@@ -75,13 +106,18 @@ class ModelEntry:
     source:       what the user gave for it (a folder, a .gguf file, a local name, a hub id), for messages.
     weight_bytes: its weights' bytes, estimated before it loads (:func:`weight_bytes`); 0: unknown.
     load:         makes its :class:`ModelServer` (loads the weights); raises on a broken model.
+    has_template: whether it has a chat template, read from its tokenizer alone (no weights); None: not known
+                  before it loads. A chat request to an unloaded model without one is refused before any
+                  load or unload (:meth:`ServedModels.check_chat`).
     """
 
     name: str
     source: str
     weight_bytes: int
     load: Callable[[], ModelServer]
+    has_template: Callable[[], bool] | None = None
     server: ModelServer | None = None
+    chat: bool | None = None  # has_template's answer, once asked (None: not asked yet, or unknown)
     error: str | None = None  # why its load failed (kept: its requests get it until the server restarts)
     resident_bytes: int = 0  # its weights' bytes while loaded, measured (lollm.load.quantized.model_bytes)
     last_used: float = 0.0  # time.monotonic() of its last request's start or end
@@ -163,14 +199,18 @@ class ServedModels:
 
     # -- using a model, loading it, unloading others ---------------------------------------------
     @contextlib.asynccontextmanager
-    async def use(self, raw: bytes) -> AsyncIterator[ModelServer]:
+    async def use(self, raw: bytes, chat: str | None = None) -> AsyncIterator[ModelServer]:
         """The ModelServer of the model ``raw`` names, loaded (after a wait in the queue) and held while inside.
 
+        chat: the request's conversation field (``"messages"``, ``"input"``) when it needs a chat template:
+        a model known to have none is then refused before it loads (:meth:`check_chat`), evicting nothing.
         ApiError 400/404 for a missing or unknown name (:meth:`entry_for`, its JSON parsed off the event loop),
         500 ``model_load_failed`` naming the model and the cause when its load failed, 503 when the server
         shuts down while the request waits for room.
         """
         entry = self.first if len(self.entries) == 1 else await asyncio.to_thread(self.entry_for, raw)
+        if chat is not None and entry.server is None:
+            await asyncio.to_thread(self.check_chat, entry, chat)
         entry.users += 1
         entry.last_used = time.monotonic()
         try:
@@ -178,6 +218,23 @@ class ServedModels:
         finally:
             entry.users -= 1
             entry.last_used = time.monotonic()
+
+    def can_chat(self, entry: ModelEntry) -> bool | None:
+        """Whether ``entry`` has a chat template (its tokenizer, read once; None: not known). Blocking: in a thread."""
+        if entry.server is not None:
+            return entry.server.tokenizer.chat_template is not None
+        if entry.chat is None and entry.has_template is not None and entry.error is None:
+            try:
+                entry.chat = bool(entry.has_template())
+            except Exception:  # a broken tokenizer: its load says so, with the file and the cause
+                entry.chat = None
+        return entry.chat
+
+    def check_chat(self, entry: ModelEntry, field: str) -> None:
+        """ApiError 400 naming ``field`` when ``entry`` is known to have no chat template (before it loads)."""
+        if self.can_chat(entry) is False:
+            raise ApiError(400, f"the model {entry.name!r} has no chat template; use /v1/completions with a plain "
+                                f"prompt", param=field)
 
     async def _ready(self, entry: ModelEntry) -> ModelServer:
         """``entry``'s server, loading it first if needed (one load at a time, the others' requests go on)."""
@@ -229,19 +286,34 @@ class ServedModels:
             idle = [e for e in self.entries.values()
                     if e.server is not None and e.users == 0 and e.server.live_jobs() == 0]
             if idle:
-                self.unload(min(idle, key=lambda e: e.last_used), why=f"to make room for {entry.name}")
+                victim = min(idle, key=lambda e: e.last_used)  # a thread: the wait for its engine thread to end
+                await asyncio.to_thread(self.unload, victim, f"to make room for {entry.name}")
                 continue
             if self.closing:
                 raise ApiError(503, "the server is shutting down", kind="server_error", code="server_shutting_down")
             await asyncio.sleep(ROOM_POLL_SECONDS)
 
     def unload(self, entry: ModelEntry, why: str) -> None:
-        """Close ``entry``'s engine and let its memory go (it loads again on its next request)."""
+        """Close ``entry``'s engine and let its memory go (it loads again on its next request). Blocking (up to
+        :data:`ENGINE_STOP_SECONDS`): call it in a thread.
+
+        The model, its engine and its ModelServer refer to each other (the engine loop reports to the server),
+        so only the cycle collector frees them, and only once the engine thread, which holds the loop, has
+        ended: the thread is waited for, then ``gc.collect()`` runs. (Collected before the thread ended, the
+        cycle stayed until some later collection: its memory was never seen to go, issue 40.)
+        """
         server, entry.server = entry.server, None
         server.close()
+        thread = getattr(server.engine_loop, "thread", None)
+        if thread is not None:
+            thread.join(ENGINE_STOP_SECONDS)  # it ends after its current step
+            if thread.is_alive():
+                log.info("%s: its engine thread is still in a step after %s s; its memory goes when it ends",
+                         entry.name, ENGINE_STOP_SECONDS)
         freed, entry.resident_bytes = entry.resident_bytes, 0
-        del server
+        del server, thread
         gc.collect()
+        trim_heap()
         log.info("unloaded %s (least recently used, %s) %s; --memory-budget %s", entry.name, gb(freed), why,
                  gb(self.budget_bytes or 0))
 
@@ -258,9 +330,10 @@ class ServedModels:
 
     # -- what the server tells: /v1/models, /health, /metrics --------------------------------------
     def listing(self) -> list[dict[str, object]]:
-        """``/v1/models``' ``data``: every model, with ``loaded`` (lollm's extension field)."""
+        """``/v1/models``' ``data``: every model, with lollm's extension fields ``loaded`` and ``chat`` (it has a
+        chat template: false means Completions only; null: not known before it loads). Blocking: in a thread."""
         return [{"id": e.name, "object": "model", "created": e.created, "owned_by": "lollm",
-                 "loaded": e.server is not None} for e in self.entries.values()]
+                 "loaded": e.server is not None, "chat": self.can_chat(e)} for e in self.entries.values()]
 
     def render_metrics(self) -> bytes:
         """Prometheus' text of every loaded model: one model as it is; several, each series labelled ``model``."""
