@@ -1,6 +1,6 @@
 """``lollm serve``'s image parts (OpenAI ``image_url``, Anthropic ``image`` blocks): data: URLs (base64 sources)
 only, every hostile image a 400 naming the part. The image requests themselves run on a tiny Gemma 3 with a
-tower: lollm-gemma/tests/test_gemma3_vision_engine_serve.py."""
+tower: lollm-gemma/tests/test_gemma3_vision_engine_entry_points.py."""
 
 from __future__ import annotations
 
