@@ -24,7 +24,7 @@ import torch
 import qwen3_5_tiny as tiny
 from lollm.load.options import LoadOptions
 from lollm.vision.prompt import encode_images, place_images
-from test_vision_positions import prompt
+from test_vision_mrope import prompt
 from test_vision_preprocess import SMALL_BUDGET, drawing, reference_processor
 from test_vision_tower import FAMILIES, MIN_COSINE, liven_vision_weights
 
@@ -95,7 +95,7 @@ def test_logits_equal_transformers_with_images(lively, family, n_images):
 def test_one_dimensional_positions_for_the_image_fail_the_bound(lively, monkeypatch):
     """The mutant: image tokens at 1-D positions (M-RoPE dropped). The logits must leave the bound,
     so the test above can fail on the positions, not only on the scatter."""
-    import lollm_qwen3_5.vision_positions as vp
+    import lollm_qwen3_5.qwen3_5.mrope as vp
 
     def one_d(images, start, T):
         return torch.arange(start, start + T).expand(3, -1), 0

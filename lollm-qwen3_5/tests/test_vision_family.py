@@ -18,7 +18,7 @@ from lollm.load.loader import load_checkpoint
 from lollm.load.options import LoadOptions
 from lollm.vision.prompt import encode_images, expand_placeholders, place_images
 from lollm_qwen3_5.vision_family import load_vision, tower_from_mmproj
-from lollm_qwen3_5.vision_positions import mrope_positions
+from lollm_qwen3_5.qwen3_5.mrope import mrope_positions
 from lollm_qwen3_5.vision_preprocess import ProcessorConfig
 from test_vision_preprocess import SMALL_BUDGET, drawing
 from test_vision_tower import FAMILIES, MIN_COSINE, TWO_IMAGES, checkpoint, inputs  # noqa: F401 (fixture)

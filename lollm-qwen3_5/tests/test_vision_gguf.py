@@ -20,7 +20,7 @@ from lollm.vision.prompt import encode_images, place_images
 from lollm_qwen3_5.vision_family import tower_from_mmproj
 from lollm_qwen3_5.vision_preprocess import ProcessorConfig
 from test_gguf_qwen3_5 import FAMILIES, _ours, _once, gguf_file, references, shared, sources  # noqa: F401 (fixtures)
-from test_vision_positions import prompt
+from test_vision_mrope import prompt
 from test_vision_preprocess import SMALL_BUDGET, drawing, reference_processor
 
 CPU = LoadOptions(device="cpu", dtype="float32")

@@ -181,8 +181,8 @@ def test_our_embeddings_and_positions_give_transformers_logits(family, checkpoin
     """Our tower's features scattered at the image tokens + our M-RoPE positions, fed to transformers'
     decoder (inputs_embeds, position_ids), give the logits of transformers' own multimodal forward
     (pixel_values, image_grid_thw) at every position: the pieces compose as the decoder needs them."""
-    from lollm_qwen3_5.vision_positions import mrope_positions
-    from test_vision_positions import prompt
+    from lollm_qwen3_5.qwen3_5.mrope import mrope_positions
+    from test_vision_mrope import prompt
 
     folder = checkpoint(family)
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -8,7 +8,7 @@ Core (``lollm.vision``, docs/vision.md) decodes an image and calls, per image:
   read the grid off it;
 * ``tower.num_tokens(pixels)`` -> (H/32) * (W/32): one token per 2x2 block of 16-pixel patches;
 * ``tower.grid(pixels)`` -> (1, H/32, W/32), the merged token grid that M-RoPE needs
-  (:func:`lollm_qwen3_5.vision_positions.mrope_positions` with ``merge_size=1``);
+  (:func:`lollm_qwen3_5.qwen3_5.mrope.mrope_positions` with ``merge_size=1``);
 * ``tower(pixels)`` -> (n, C) embeddings in the decoder's width and dtype.
 
 The prompt: Qwen3.5's chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` for

@@ -222,8 +222,10 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     files = sorted(p for p in source.glob("*.py"))
     inner = re.escape(ref_package.split(".", 1)[1])
     others = re.compile(rf"^\s*(?:from|import)\s+{re.escape(ref_top)}(?:\.(?!{inner}\b)\w+|\s+import)", re.MULTILINE)
+    outside = re.compile(r"^\s*from\s+\.\.", re.MULTILINE)  # a relative import above the family folder
     for path in files:
-        hit = others.search(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        hit = others.search(text) or outside.search(text)
         if hit:
             raise NewFamilyError(f"{path} uses {hit.group(0)}, outside the family package {ref_package}; "
                                  f"a family copied with lollm new-family must be self-contained")

@@ -34,7 +34,7 @@ pair turns by ``position * inv_freq`` whichever section it belongs to: M-RoPE
 reduces exactly to ordinary 1-D RoPE (checked against transformers by the
 parity tests). Image tokens do get three different positions; which frequencies
 follow height and width is ``mrope_section`` (kept in the config, used by
-``lollm_qwen3_5.vision_positions`` when a prompt holds images).
+``lollm_qwen3_5.qwen3_5_moe.mrope`` when a prompt holds images).
 
 The rule is *hard-fail, never guess*: a missing key the math needs, a RoPE
 type we do not implement, a layer type we do not know, or a setting that
@@ -112,7 +112,7 @@ class Qwen3_5MoeConfig:
     mtp_num_hidden_layers:    decoder layers of the MTP draft head (1), used only when the
                               checkpoint carries ``mtp.*`` tensors.
     mrope_section:            M-RoPE's (time, height, width) frequency counts, interleaved
-                              T H W T H W ... (11, 11, 10): image tokens only (vision_positions.py).
+                              T H W T H W ... (11, 11, 10): image tokens only (mrope.py).
     """
 
     vocab_size: int

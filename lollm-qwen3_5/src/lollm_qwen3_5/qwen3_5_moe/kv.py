@@ -112,7 +112,7 @@ class Qwen3_5MoeHybridCache:
       length:      positions filled so far; the next forward's tokens start there.
       image_spans: the sequence's images ``[(first position, merged grid (t, h', w'))]`` ([] for text),
                    set by the prefill's forwards, read by every later one for M-RoPE
-                   (lollm_qwen3_5.vision_positions.sequence_image_spans).
+                   (lollm_qwen3_5.qwen3_5_moe.mrope.sequence_image_spans).
       max_tokens:  capacity in positions.
       recording:   True during a forward whose states are kept for rollback (see the module docstring).
     """

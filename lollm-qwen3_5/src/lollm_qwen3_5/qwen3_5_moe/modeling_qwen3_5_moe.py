@@ -42,7 +42,7 @@ from lollm.errors import GenerationError
 from lollm.vision.spec import ImageBatch
 from lollm.vision.step import scatter_step_images
 
-from ..vision_positions import forward_cos_sin, sequence_cos_sin
+from .mrope import forward_cos_sin, sequence_cos_sin
 
 from .blocks import Qwen3_5MoeAttention, Qwen3_5MoeGatedDeltaNet, Qwen3_5MoeSparseMoeBlock, RMSNorm, RotaryEmbedding
 from .config import Qwen3_5MoeConfig
@@ -188,7 +188,7 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         # 2. Positions of the new tokens and the cos/sin of their RoPE angles (R channels),
         #    shared by every attention layer. DeltaNet layers need no positions: the
         #    order of tokens is in their recurrence. A sequence with images takes M-RoPE
-        #    (vision_positions.py): an image token turns by the (time, row, column) of its
+        #    (mrope.py): an image token turns by the (time, row, column) of its
         #    place in the image, and the text after an image of h' x w' tokens resumes at
         #    p + max(h', w'), not p + h' * w': every later position is shifted (delta <= 0).
         #    In an engine step each sequence takes its own: M-RoPE with images, 1-D RoPE without.

@@ -15,7 +15,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedd
 
 import qwen3_5_tiny as tiny
 from lollm_qwen3_5.qwen3_5.blocks import rope_inverse_frequencies
-from lollm_qwen3_5.vision_positions import (
+from lollm_qwen3_5.qwen3_5.mrope import (
     mrope_axis_of_frequency, mrope_cos_sin, mrope_positions, mrope_positions_window,
 )
 
