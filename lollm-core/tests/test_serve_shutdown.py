@@ -142,7 +142,7 @@ def _log(log) -> str:
 
 
 def test_an_idle_server_stops_at_once_on_ctrl_c(toy_site, long_toy):  # noqa: F811
-    """SIGINT (Ctrl-C) with nothing running: no wait for the 30 s deadline, exit status 0."""
+    """SIGINT (Ctrl-C) with nothing running: no wait for the 30 s deadline (25 s allows a busy machine and still tells them apart), exit status 0."""
     child, _, log = start(toy_site, long_toy, "--shutdown-timeout", "30")
     try:
         signalled = time.monotonic()
@@ -152,7 +152,7 @@ def test_an_idle_server_stops_at_once_on_ctrl_c(toy_site, long_toy):  # noqa: F8
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert status == 0 and time.monotonic() - signalled < 10, (status, time.monotonic() - signalled, _log(log))
+    assert status == 0 and time.monotonic() - signalled < 25, (status, time.monotonic() - signalled, _log(log))
 
 
 def start(site, checkpoint, *args: str) -> tuple[subprocess.Popen, int, object]:
