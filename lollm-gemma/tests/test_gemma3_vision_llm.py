@@ -24,10 +24,10 @@ from lollm.errors import GenerationError, ImageError
 from lollm.generate.loop import generate
 from lollm.testing.tiny import write_tiny_checkpoint, write_tiny_tokenizer
 from lollm.vision import load as vision_load
-from lollm.vision.prompt import encode_images, place_images
+from lollm.vision.prompt import encode_images, expand_placeholders, place_images
 
 from test_gemma3_vision import IMAGE, TOKENS
-from test_gemma3_vision_engine_entry_points import folder, picture  # noqa: F401 (a fixture)
+from test_gemma3_vision_engine_entry_points import folder, picture, png_b64  # noqa: F401 (a fixture)
 
 NEW = 6
 GREEDY = SamplingParams(temperature=0.0)
@@ -143,3 +143,33 @@ def test_a_model_without_a_tower_is_an_image_error_naming_it(tmp_path):
     with pytest.raises(ImageError, match="model .*gemma3-1b has no vision tower"):
         text_only.generate(["hi", ImagePrompt("what is this?", [picture(1)])], max_new_tokens=1)
     assert text_only.generate(ImagePrompt("no images: a text prompt", []), max_new_tokens=1)[0].prompt_tokens > 0
+
+
+def test_chat_with_image_parts_gives_the_loop_on_the_templates_prompt(llm):
+    """``LLM.chat``: the template writes the placeholder for each image part (a PIL image, or OpenAI's data: URL);
+    a conversation with images batched with a text one gives the loop's log-probabilities on the prompt made by
+    hand (the template's text, the placeholder expanded, tokenized)."""
+    image = picture(3, (40, 52))
+    parts = [{"type": "text", "text": "what is"}, {"type": "image", "image": image}]
+    url = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_b64(image)}}
+    done = llm.chat([[{"role": "user", "content": "hello"}], [{"role": "user", "content": parts}],
+                     [{"role": "user", "content": [parts[0], url]}]], GREEDY, max_new_tokens=NEW, logprobs=1)
+    tower = llm._vision()
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": [parts[0], {"type": "image"}]}])
+    ids = llm.tokenizer.encode(expand_placeholders(rendered, tower.spec, [TOKENS]), add_special_tokens=False)
+    assert done[1].prompt_ids == done[2].prompt_ids == ids and done[0].prompt_ids.count(IMAGE) == 0
+    expected = loop_logprobs(llm, ids, [image])
+    assert close([lp.logprob for lp in done[1].logprobs], expected) and close([lp.logprob for lp in done[2].logprobs], expected)
+
+
+def test_chat_refuses_a_hostile_image_part_by_name_before_anything_runs(llm, monkeypatch):
+    def tower_must_not_run(*args, **kwargs):
+        raise AssertionError("the tower ran before every image was checked")
+
+    monkeypatch.setattr(llm, "_vision", tower_must_not_run)
+    good = {"type": "image", "image": picture(1)}
+    for part, words in [({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "only data: URLs"),
+                        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}, "not valid base64"),
+                        ({"type": "image", "image": Image.new("CMYK", (4, 4))}, "CMYK")]:
+        with pytest.raises(ImageError, match=r"conversations\[1\]\[0\]\.content\[1\].*" + words):
+            llm.chat([[{"role": "user", "content": [good]}], [{"role": "user", "content": [good, part]}]], max_new_tokens=1)

@@ -24,8 +24,9 @@ one). Token-id prompts (``list[list[int]]``) are taken as they are. :meth:`LLM.c
 conversations (lists of ``{"role", "content"}`` messages) instead.
 
 A prompt may carry images: an :class:`lollm.engine.llm_images.ImagePrompt` (text and images), as
-``lollm run --image`` reads them (lollm.engine.llm_images says how); text and image prompts batch
-together, and the engine's prefix cache shares an image's blocks only for the same pixels.
+``lollm run --image`` reads them, or a conversation's image parts (lollm.engine.llm_images says
+how); text and image prompts batch together, and the engine's prefix cache shares an image's
+blocks only for the same pixels.
 
 What cannot run batched runs one prompt after another through the single-sequence loop
 (:func:`lollm.generate.loop.generate`), with the same results: a family whose model has no
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 
-from lollm.engine.llm_images import ImagePrompt, read_prompt_images, with_placeholders
+from lollm.engine.llm_images import ImagePrompt, read_chat_images, read_prompt_images, with_placeholders
 from lollm.errors import GenerationError, ImageError
 from lollm.generate.structured import CompiledConstraint, OutputConstraint, compile_constraint
 from lollm.sampling_params import SamplingParams, resolve_sampling
@@ -271,21 +272,32 @@ class LLM:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
         Each is rendered by the checkpoint's chat template with the assistant's turn opened, then
-        runs as :meth:`generate` runs its prompts. Raises GenerationError for a checkpoint without a
-        chat template, no conversations, or a conversation that is not a non-empty list of messages.
+        runs as :meth:`generate` runs its prompts. A message's content may be a list of parts with images,
+        ``{"type": "image", "image": X}`` (X a PIL image, a path or bytes) or ``{"type": "image_url",
+        "image_url": {"url": "data:..."}}``: the template writes each image's placeholder
+        (:func:`lollm.engine.llm_images.read_chat_images`). Raises GenerationError for a checkpoint without a
+        chat template, no conversations, or a conversation that is not a non-empty list of messages; ImageError,
+        before anything runs, as :meth:`generate` for its images (naming ``conversations[i][m].content[j]``).
         """
         if self.tokenizer.chat_template is None:
             raise GenerationError("LLM.chat: the checkpoint has no chat template; use LLM.generate(..., chat=False)")
         if isinstance(conversations, (list, tuple)) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         convs = _prompt_list(conversations, what="conversation")
-        ids = []
         for i, conv in enumerate(convs):
             if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
                 raise GenerationError(f"conversation {i}: expected a non-empty list of messages (dicts), got {conv!r:.80}")
-            ids.append(self.tokenizer.encode_chat(list(conv), add_generation_prompt=True, **self.template_flags))
+        read = [read_chat_images(list(conv), i) for i, conv in enumerate(convs)]  # every image checked first
+        ids, images = [], []
+        for i, (messages, pictures) in enumerate(read):
+            if pictures:
+                got = self._encode_chat_images(messages, pictures, i)
+            else:
+                got = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **self.template_flags), None
+            ids.append(got[0])
+            images.append(got[1])
         return self._run(convs, ids, sampling, max_new_tokens=max_new_tokens, stop=stop, logprobs=logprobs,
-                         constraint=constraint, on_completion=on_completion)
+                         constraint=constraint, on_completion=on_completion, images=images)
 
     # -- from prompts to requests -------------------------------------------------------------
 
@@ -337,6 +349,22 @@ class LLM:
         except ImageError as error:
             raise ImageError(f"prompts[{index}]: {error}") from None
         return ready.ids, ready.images
+
+    def _encode_chat_images(self, messages: list[dict], pictures: list, index: int) -> tuple[list[int], ImageBatch]:
+        """The ids and placed images of a conversation whose image parts are ``{"type": "image"}`` (its images read
+        already): the tower, the template's placeholders expanded (:func:`lollm.vision.chat.encode_chat_with_images`),
+        the placement. ImageError naming ``conversations[index]``."""
+        from lollm.vision.chat import encode_chat_with_images
+        from lollm.vision.prompt import encode_images, place_images
+
+        tower = self._vision()
+        encoded = encode_images(tower, pictures)
+        try:
+            ids = encode_chat_with_images(messages, [e.embeds.shape[0] for e in encoded], tower.spec, self.tokenizer,
+                                          model=self.name, parse_special=True, **self.template_flags)
+            return ids, place_images(ids, tower.spec, encoded, max_context=self.model.max_context)
+        except ImageError as error:
+            raise ImageError(f"conversations[{index}]: {error}") from None
 
     def _vision(self) -> VisionTower:
         """The model's vision tower, opened once (``mmproj``: from that file). ImageError naming the model when it

@@ -17,6 +17,9 @@ of an image file, or an image file's bytes (PNG, JPEG, GIF, WebP, BMP). It goes 
    text) and :func:`lollm.vision.load.prepare_prompt`: the tower, the expansion, the tokens, the
    placed :class:`lollm.vision.spec.ImageBatch`, which the engine (or the loop) takes with the ids.
 
+:func:`read_chat_images` reads the image parts of :meth:`lollm.LLM.chat`'s conversations the same
+way (step 1); there the chat template writes each placeholder (lollm.vision.chat).
+
 Only Pillow is imported here (``from lollm import ImagePrompt`` stays torch-free).
 """
 
@@ -91,3 +94,39 @@ def with_placeholders(text: str, count: int, placeholder: str) -> str:
         return text
     return " ".join([placeholder] * count + [text])
 
+
+
+def read_chat_images(conversation: list[dict], index: int) -> tuple[list[dict], list]:
+    """A conversation of :meth:`lollm.LLM.chat` with each image part read: (the messages for the chat template,
+    each image part made ``{"type": "image"}``, whose placeholder the template writes; the images, checked RGB
+    ``PIL.Image`` s in order).
+
+    An image part is ``{"type": "image", "image": X}`` (X a PIL image, a path or bytes, as in an
+    :class:`ImagePrompt`) or OpenAI's ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``
+    (a ``data:`` URL only: nothing is fetched). Other parts stay as they are. Raises ImageError naming
+    ``conversations[index][m].content[j]`` for a refused image or another URL.
+    """
+    from lollm.vision.image import decode_data_url, decode_image
+
+    messages, images = [], []
+    for m, message in enumerate(conversation):
+        content = message.get("content")
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            where = f"conversations[{index}][{m}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                images.append(read_one(part.get("image"), where))
+            elif kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(decode_image(decode_data_url(url, name=where), name=where))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        messages.append({**message, "content": parts})
+    return messages, images
