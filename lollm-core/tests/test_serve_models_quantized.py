@@ -17,6 +17,10 @@ from lollm.serve.models import quantized_matrix_bytes, weight_bytes
 from lollm.testing import serving
 from lollm.testing.tiny import shrink_config, write_tiny_checkpoint, write_tiny_tokenizer
 
+# installed together in the CI session that runs core's tests with the families (nox -s everything)
+pytest.importorskip("lollm_qwen", reason="lollm-qwen loads the tiny qwen2")
+pytest.importorskip("lollm_gemma", reason="lollm-gemma loads the tiny gemma3")
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
