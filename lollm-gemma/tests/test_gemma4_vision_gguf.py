@@ -16,8 +16,8 @@ plus Gemma 4's multimodal tokens at the config's ids, so the converter's tokeniz
 as the checkpoint's does. Then, on prompts with 1 and 2 images of held-out sizes:
 
 * the GGUF decoder's config reads the same rule as config.json;
-* the logits from text GGUF + mmproj equal the safetensors checkpoint's at every position (same
-  argmax, cosine >= 0.9999), and flipping the table's rule breaks that bound;
+* the logits from text GGUF + mmproj equal the safetensors checkpoint's at every position, lollm's
+  and transformers' (same argmax, cosine >= 0.9999), and flipping the table's rule breaks that bound;
 * ``lollm run MODEL.gguf --mmproj mmproj.gguf --image A`` gives the safetensors run's greedy tokens;
 * an mmproj whose width is outside the table is refused naming the width, the table and the way out.
 """
@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 from typer.testing import CliRunner
 
 from _gemma_testing import assert_close_logits
@@ -44,7 +43,8 @@ from lollm.vision.prompt import encode_images, place_images
 
 from test_converter_gguf_gemma import CORPUS
 from test_gemma4_vision import SOFT_TOKENS, drawing, reference_processor, tiny_config
-from test_gemma4_vision_cli import MULTIMODAL_TOKENS
+from test_gemma4_vision_cli import BOI, EOI, IMAGE, MULTIMODAL_TOKENS
+from test_gemma4_vision_decoder import reference_logits
 
 CPU = LoadOptions(device="cpu", dtype="float32")
 #: variant -> (text width, use_bidirectional_attention): one published width of each rule.
@@ -68,6 +68,7 @@ def write_source(folder: Path, width: int, rule: str | None) -> Path:
     write_sentencepiece_tokenizer(folder, CORPUS, style="gemma", vocab_size=505, max_characters=120)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in MULTIMODAL_TOKENS])
+    assert [tok.token_to_id(t) for t in ("<|image>", "<image|>", "<|image|>")] == [BOI, EOI, IMAGE]  # config.json's ids
     tok.save(str(folder / "tokenizer.json"))
     reference_processor().save_pretrained(folder)  # preprocessor_config.json: the mmproj converter reads it
     return folder
@@ -121,15 +122,17 @@ def test_the_gguf_config_reads_the_rule_of_config_json(models):
 
 @pytest.mark.parametrize("n_images", sorted(IMAGE_SETS))
 def test_text_gguf_plus_mmproj_give_the_safetensors_logits(models, n_images):
+    """Against lollm on the safetensors checkpoint, and against transformers on it (same pixels, processor's budget)."""
     _, (source, tower), (converted, mm_tower) = models
     images = [drawing(w, h, seed) for w, h, seed in IMAGE_SETS[n_images]]
     ids, batch = prompt(source, tower, images)
     mm_ids, mm_batch = prompt(converted, mm_tower, images)
-    assert mm_ids == ids and ids.count(tower.spec.image_token_id) == sum(i.embeds.shape[0] for i in batch.images)
+    assert mm_ids == ids and ids.count(IMAGE) == sum(i.embeds.shape[0] for i in batch.images)
     with torch.inference_mode():
         want = source.model(torch.tensor([ids]), images=batch)[0]
         got = converted.model(torch.tensor([ids]), images=mm_batch)[0]
     assert_close_logits(got, want, ids)
+    assert_close_logits(got, reference_logits(source.checkpoint.path, ids, images), ids)
 
 
 def test_the_flipped_rule_fails_the_bound(models, monkeypatch):
@@ -170,7 +173,7 @@ def test_lollm_run_with_mmproj_gives_the_safetensors_greedy_tokens(files, tmp_pa
     drawing(90, 140, 11).save(picture)
     want = lollm_run(str(folder), picture)
     got = lollm_run(str(gguf), picture, "--mmproj", str(mmproj))
-    assert got["prompt_ids"] == want["prompt_ids"] and 510 in want["prompt_ids"]
+    assert got["prompt_ids"] == want["prompt_ids"] and IMAGE in want["prompt_ids"]
     assert (got["ids"], got["text"]) == (want["ids"], want["text"])
 
 
