@@ -206,3 +206,16 @@ def test_a_width_outside_the_table_is_refused(files, models):
             model(torch.tensor([ids]), images=batch)
     finally:
         model.config = right
+
+
+def test_the_budget_beside_the_mmproj(tmp_path):
+    """max_soft_tokens of a preprocessor_config.json beside the file, else the published 280; a budget the
+    processor does not take is refused naming the file and key."""
+    from lollm_gemma.gemma4_vision_weights import PUBLISHED_SOFT_TOKENS, budget_beside
+
+    assert budget_beside(tmp_path) == PUBLISHED_SOFT_TOKENS == 280
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140}), encoding="utf-8")
+    assert budget_beside(tmp_path) == 140
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 100}), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"preprocessor_config.json: 'max_soft_tokens': .*not 100"):
+        budget_beside(tmp_path)
