@@ -104,6 +104,7 @@ def test_parity_fails_with_the_images_one_token_off(folder, tmp_path, monkeypatc
 def test_trace_draws_the_image_grid_and_two_way_attention(folder, tmp_path):
     from PIL import Image
 
+    from lollm.cli.trace.page import decode_attention, page_data
     from lollm.cli.trace.run import run_trace
 
     (path,) = saved(tmp_path, [(150, 64)])
@@ -122,6 +123,38 @@ def test_trace_draws_the_image_grid_and_two_way_attention(folder, tmp_path):
     assert float(block.triu(1).sum()) > 0  # the "vision" rule: image tokens read later image tokens
     page = (tmp_path / "trace.html").read_text()
     assert f"{view.rows} x {view.cols} tokens" in page and "% on the image" in page
+    # the page keeps the two-way half of the sliding layers (ahead), none for the causal global layers
+    data, T = page_data(result.trace), len(result.trace.ids)
+    assert data["image_spans"] == [[view.start, view.end]]
+    for layer, stored in zip(result.trace.attention, data["attention"]):
+        assert (stored["ahead"] is not None) == (layer.window is not None)
+        back = decode_attention(stored["data"], stored["heads"], T, stored["ahead"], [(view.start, view.end)])
+        assert (back - layer.probs).abs().max() < 0.01  # one byte per weight, sqrt-spaced
+
+
+def test_trace_page_shows_the_two_way_attention_in_a_browser(folder, tmp_path):
+    """Clicking an image token on a sliding layer: the bars run to the image's last token, the later ones
+    (orange) as recorded, and the summary says the layer reads both ways there."""
+    from lollm.cli.trace.run import run_trace
+    from lollm.testing import trace_checks
+    from lollm.testing.browser import Browser
+
+    (path,) = saved(tmp_path, [(150, 64)])
+    result = run_trace(str(folder), prompt="what is it", output=tmp_path / "trace.html", images=[path])
+    (view,) = result.trace.images
+    pos = view.start + 3
+    sliding = next(layer for layer in result.trace.attention if layer.window is not None)
+    with Browser() as browser:
+        trace_checks.check_page(browser, result.path, result.trace, click=len(result.trace.ids) - 2)  # text: causal
+        browser.click(f'.tok[data-pos="{pos}"]')
+        browser.js("const s = document.getElementById('attn-layer'); s.value = arguments[0]; "
+                   "s.dispatchEvent(new Event('change'))", str(sliding.layer))
+        bars = browser.js("return Chart.getChart(document.getElementById('attn-bars')).data.datasets[0].data")
+        summary = browser.texts("#attn-summary")[0]
+    assert len(bars) == view.end  # keys 0 .. the image's last token
+    gap = (torch.tensor(bars) - sliding.probs[:, pos, :view.end].mean(0)).abs().max()
+    assert gap <= 0.01 and sum(bars[pos + 1:]) > 0
+    assert f"keys {pos + 1}..{view.end - 1} (orange) come after it" in summary
 
 
 def recorded_turns(monkeypatch) -> list[dict]:
