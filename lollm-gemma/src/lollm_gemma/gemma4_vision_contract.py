@@ -8,6 +8,8 @@ The tower itself is gemma4_vision.py; this file only adapts it:
 * ``num_tokens(pixels)``: (H/p)·(W/p) / k², the image's soft tokens (at most 280 on E2B).
 * ``tower(pixels)``: steps 3-4 of the preprocessing (patches in (row, column, channel) order,
   (x, y) positions), then the tower and projector -> (n, C_text).
+* ``reference_inputs(pixels)``: the same patches and positions, padded as transformers' processor
+  pads them, for the parity gate's reference (``lollm parity --image``).
 
 The prompt: a chat template writes ``<|image|>`` per image; core turns each into
 ``<|image>`` + ``<|image|>`` × n + ``<image|>``, as transformers' Gemma4Processor does.
@@ -71,6 +73,22 @@ class Gemma4VisionTower(nn.Module):
         weight = self.vision.embed_vision.embedding_projection.weight
         patches, positions = patchify(pixels.permute(1, 2, 0), self.processor.patch_size)  # (N, p·p·3), (N, 2)
         return self.vision(patches.to(weight.device, weight.dtype), positions.to(weight.device))
+
+    def reference_inputs(self, pixels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' forward inputs for these images (each (3, H, W) from ``preprocess``), as
+        ``Gemma4ImageProcessorPil`` lays them out: every image's patches padded to the budget.
+
+        Returns ``pixel_values`` (B, max_patches, p·p·3) float32, zeros after an image's patches, and
+        ``image_position_ids`` (B, max_patches, 2) int64, its patches' (x, y), (-1, -1) after them.
+        """
+        p, budget = self.processor.patch_size, self.processor.max_patches
+        values = torch.zeros(len(pixels), budget, p * p * 3)
+        positions = torch.full((len(pixels), budget, 2), -1, dtype=torch.int64)
+        for i, image in enumerate(pixels):
+            patches, where = patchify(image.float().permute(1, 2, 0), p)  # (N, p·p·3), (N, 2)
+            values[i, :patches.shape[0]] = patches
+            positions[i, :patches.shape[0]] = where
+        return {"pixel_values": values, "image_position_ids": positions}
 
 
 def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4VisionTower | None:
