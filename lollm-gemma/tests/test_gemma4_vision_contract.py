@@ -64,11 +64,12 @@ def test_no_tower_for_gguf_or_text_only(loaded):
     assert load_vision(dataclasses.replace(model.checkpoint, config=text_only), model.options) is None
 
 
-def test_an_mmproj_gguf_is_refused_naming_the_reason(loaded):
-    """A GGUF decoder cannot take images (its file does not hold the mask rule): refused before any encoding."""
+def test_an_mmproj_gguf_without_the_text_width_is_refused_naming_the_key(loaded):
+    """The text width decides how a GGUF decoder's images attend (test_gemma4_vision_gguf.py): an mmproj
+    that does not say it is refused before any encoding."""
     from lollm.errors import ConfigError
 
     _, model, _ = loaded
     mmproj = dataclasses.replace(model.checkpoint, fmt="gguf", config={"general.architecture": "clip"})
-    with pytest.raises(ConfigError, match="GGUF model are not supported.*use_bidirectional_attention"):
+    with pytest.raises(ConfigError, match="'clip.vision.projection_dim' \\(the text width\\) is None"):
         load_vision(mmproj, model.options)

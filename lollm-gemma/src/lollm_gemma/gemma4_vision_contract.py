@@ -8,6 +8,8 @@ The tower itself is gemma4_vision.py; this file only adapts it:
 * ``num_tokens(pixels)``: (H/p)·(W/p) / k², the image's soft tokens (at most 280 on E2B).
 * ``tower(pixels)``: steps 3-4 of the preprocessing (patches in (row, column, channel) order,
   (x, y) positions), then the tower and projector -> (n, C_text).
+* ``reference_inputs(pixels)``: the same patches and positions, padded as transformers' processor
+  pads them, for the parity gate's reference (``lollm parity --image``).
 
 The prompt: a chat template writes ``<|image|>`` per image; core turns each into
 ``<|image>`` + ``<|image|>`` × n + ``<image|>``, as transformers' Gemma4Processor does.
@@ -33,7 +35,8 @@ from lollm.vision.spec import VisionSpec
 
 from .gemma4_vision import Gemma4Vision, VisionConfig
 from .gemma4_vision_preprocess import ProcessorConfig, patchify, resize
-from .gemma4_vision_weights import HF_PREFIXES, build
+from .gemma4.config_gguf import require_image_rule
+from .gemma4_vision_weights import HF_PREFIXES, budget_beside, build, mmproj_config, mmproj_state
 
 #: Gemma 4's image tokens as its tokenizer spells them (tokenizer_config.json of gemma-4-E2B-it):
 #: the placeholder repeated per soft token (also what the chat template writes per image),
@@ -71,22 +74,45 @@ class Gemma4VisionTower(nn.Module):
         patches, positions = patchify(pixels.permute(1, 2, 0), self.processor.patch_size)  # (N, p·p·3), (N, 2)
         return self.vision(patches.to(weight.device, weight.dtype), positions.to(weight.device))
 
+    def reference_inputs(self, pixels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' forward inputs for these images (each (3, H, W) from ``preprocess``), as
+        ``Gemma4ImageProcessorPil`` lays them out: every image's patches padded to the budget.
+
+        Returns ``pixel_values`` (B, max_patches, p·p·3) float32, zeros after an image's patches, and
+        ``image_position_ids`` (B, max_patches, 2) int64, its patches' (x, y), (-1, -1) after them.
+        """
+        p, budget = self.processor.patch_size, self.processor.max_patches
+        values = torch.zeros(len(pixels), budget, p * p * 3)
+        positions = torch.full((len(pixels), budget, 2), -1, dtype=torch.int64)
+        for i, image in enumerate(pixels):
+            patches, where = patchify(image.float().permute(1, 2, 0), p)  # (N, p·p·3), (N, 2)
+            values[i, :patches.shape[0]] = patches
+            positions[i, :patches.shape[0]] = where
+        return {"pixel_values": values, "image_position_ids": positions}
+
 
 def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4VisionTower | None:
-    """The ``vision`` of the gemma4 Family: the tower of a ``gemma4`` safetensors checkpoint, or None.
+    """The ``vision`` of the gemma4 Family (contract 3: vision): the tower of this checkpoint, or None.
 
-    None for a ``gemma4_text`` checkpoint, one without ``vision_config``, and a text GGUF file.
-    An mmproj GGUF (``--mmproj``) raises ConfigError: gemma4_vision_weights.from_mmproj reads
-    its tower, but a GGUF decoder cannot take the images (no key of its file says how images
-    attend, ``use_bidirectional_attention``; docs/gemma4.md, Vision), so lollm refuses before
-    encoding any. Raises ValueError naming the missing config key or the missing, unexpected
-    or misshapen tensors.
+    * a ``gemma4`` safetensors checkpoint: the tower beside the decoder (``model.vision_tower.*``,
+      ``model.embed_vision.*``);
+    * an mmproj GGUF (``general.architecture`` "clip", from ``convert_hf_to_gguf.py --mmproj``, given
+      with ``--mmproj``): the tower alone (gemma4_vision_weights.mmproj_state). Core hands it over
+      with the text model's tokenizer, which knows the image tokens' ids; the soft-token budget
+      comes from a preprocessor_config.json beside the file, else the published 280. The text GGUF
+      does not say how its images attend, so the mmproj's ``clip.vision.projection_dim`` (the text
+      width) must be a published checkpoint's (gemma4/config_gguf.py, IMAGE_ATTENTION_BY_WIDTH,
+      the same table the GGUF decoder's config reads): another width is refused before any image
+      is encoded, naming the width and the table;
+    * None for a ``gemma4_text`` checkpoint, one without ``vision_config``, and a text GGUF file.
+
+    Raises ConfigError for the mmproj's width, its missing image tokens or a broken mmproj
+    (naming the file and key or tensor); ValueError naming the missing config key or the missing,
+    unexpected or misshapen tensors of a safetensors checkpoint.
     """
     cfg = checkpoint.config
     if checkpoint.fmt == "gguf" and cfg.get("general.architecture") == "clip":
-        raise ConfigError(f"gemma4: images with a GGUF model are not supported ({checkpoint.spec}): the text GGUF "
-                          "does not say how its images attend (use_bidirectional_attention); use the safetensors "
-                          "checkpoint, whose config.json does")
+        return Gemma4VisionTower(_mmproj_vision(checkpoint, options)).eval()
     if checkpoint.fmt != "safetensors" or cfg.get("model_type") != "gemma4" or not cfg.get("vision_config"):
         return None
     config = VisionConfig.from_dict(cfg, where=str(checkpoint.path / "config.json"))
@@ -94,3 +120,27 @@ def load_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4VisionTow
     state = {name.removeprefix("model."): weights.read(name) for name in weights.names() if name.startswith(HF_PREFIXES)}
     vision = build(config, state, source=str(checkpoint.path), dtype=options.torch_dtype, device=options.torch_device)
     return Gemma4VisionTower(vision).eval()
+
+
+def _mmproj_vision(checkpoint: Checkpoint, options: LoadOptions) -> Gemma4Vision:
+    """The tower of an mmproj GGUF that core opened as a checkpoint (its ``path``: the file's folder).
+
+    1. the mask rule of the text width (``clip.vision.projection_dim``), or ConfigError;
+    2. the image tokens' ids from the text model's tokenizer, or ConfigError;
+    3. config (metadata, shapes, the budget beside the file) and tensors -> the module.
+    """
+    source, where = checkpoint.weights, f"mmproj {checkpoint.spec}"
+    width = checkpoint.config.get("clip.vision.projection_dim")
+    if not isinstance(width, int) or isinstance(width, bool):
+        raise ConfigError(f"gemma4: {where}: 'clip.vision.projection_dim' (the text width) is {width!r}, not a number")
+    require_image_rule(width, where)  # 1.
+    ids = {text: checkpoint.tokenizer.token_to_id(text) for text in (IMAGE_TOKEN, BOI, EOI)}  # 2.
+    if None in ids.values():
+        missing = [text for text, i in ids.items() if i is None]
+        raise ConfigError(f"gemma4: {where}: the text model's tokenizer has no {missing[0]!r}, so images cannot be placed")
+    try:  # 3.
+        config = mmproj_config(source, image_token_id=ids[IMAGE_TOKEN], boi_token_id=ids[BOI], eoi_token_id=ids[EOI],
+                               soft_tokens_per_image=budget_beside(checkpoint.path))
+        return build(config, mmproj_state(source), source=where, dtype=options.torch_dtype, device=options.torch_device)
+    except ValueError as e:
+        raise ConfigError(f"gemma4: {e}") from None

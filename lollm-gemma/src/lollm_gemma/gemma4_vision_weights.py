@@ -19,7 +19,9 @@ renamed every tensor (table :data:`MMPROJ_LAYER_NAMES`) and changed three things
 
 An mmproj file holds no decoder width key that we need: ``clip.vision.projection_dim`` is it.
 It holds no token ids either: those come from the text GGUF (or config.json), so the
-:class:`VisionConfig` of an mmproj file carries the ids the caller passes.
+:class:`VisionConfig` of an mmproj file carries the ids the caller passes. Nor does it hold the
+soft-token budget per image: :func:`budget_beside` reads ``max_soft_tokens`` from a
+preprocessor_config.json beside the file, else takes the published 280.
 """
 
 from __future__ import annotations
@@ -182,8 +184,12 @@ def mmproj_config(source, *, image_token_id: int, boi_token_id: int, eoi_token_i
             raise ValueError(f"{where}: metadata key {key!r} is missing")
         return meta[key]
 
-    if meta.get("clip.vision.projector_type") != "gemma4v":
-        raise ValueError(f"{where}: clip.vision.projector_type is {meta.get('clip.vision.projector_type')!r}, "
+    projector = meta.get("clip.vision.projector_type")
+    if projector == "gemma4uv":
+        raise ValueError(f"{where}: clip.vision.projector_type is 'gemma4uv', the tower of "
+                         "Gemma4UnifiedForConditionalGeneration (no transformer layers), which lollm does not implement")
+    if projector != "gemma4v":
+        raise ValueError(f"{where}: clip.vision.projector_type is {projector!r}, "
                          "not 'gemma4v' (this is not a Gemma 4 vision mmproj)")
     C, H = need("clip.vision.embedding_length"), need("clip.vision.attention.head_count")
     D = source.shape("v.blk.0.attn_q_norm.weight")[0]
@@ -202,6 +208,26 @@ def mmproj_config(source, *, image_token_id: int, boi_token_id: int, eoi_token_i
         soft_tokens_per_image=soft_tokens_per_image,
         image_token_id=image_token_id, boi_token_id=boi_token_id, eoi_token_id=eoi_token_id,
     )
+
+
+#: The soft tokens per image of every published Gemma 4 (config.json ``vision_soft_tokens_per_image``).
+PUBLISHED_SOFT_TOKENS = 280
+
+
+def budget_beside(folder: Path) -> int:
+    """The soft-token budget for an mmproj file in ``folder``: ``max_soft_tokens`` of the
+    preprocessor_config.json there (what transformers' Gemma4ImageProcessor saves), else
+    :data:`PUBLISHED_SOFT_TOKENS`. ValueError naming the file for a budget the processor refuses."""
+    from .gemma4_vision_preprocess import ProcessorConfig
+
+    path = Path(folder) / "preprocessor_config.json"
+    if not path.is_file():
+        return PUBLISHED_SOFT_TOKENS
+    value = json.loads(path.read_text(encoding="utf-8")).get("max_soft_tokens", PUBLISHED_SOFT_TOKENS)
+    try:
+        return ProcessorConfig(max_soft_tokens=value).max_soft_tokens
+    except ValueError as e:
+        raise ValueError(f"{path}: 'max_soft_tokens': {e}") from None
 
 
 def from_mmproj(path: str | Path, *, image_token_id: int, boi_token_id: int, eoi_token_id: int,

@@ -9,7 +9,9 @@ Core (``lollm.vision``, docs/vision.md) decodes an image and calls, per image:
 * ``tower.num_tokens(pixels)`` -> (H/32) * (W/32): one token per 2x2 block of 16-pixel patches;
 * ``tower.grid(pixels)`` -> (1, H/32, W/32), the merged token grid that M-RoPE needs
   (:func:`lollm_qwen3_5.qwen3_5.mrope.mrope_positions` with ``merge_size=1``);
-* ``tower(pixels)`` -> (n, C) embeddings in the decoder's width and dtype.
+* ``tower(pixels)`` -> (n, C) embeddings in the decoder's width and dtype;
+* ``tower.reference_inputs(pixels)`` -> the patches of all images concatenated and their grids, as
+  transformers' processor gives them (for ``lollm parity --image``'s reference).
 
 The prompt: Qwen3.5's chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` for
 an image; core replaces it by ``<|vision_start|>`` + n x ``<|image_pad|>`` + ``<|vision_end|>``.
@@ -72,6 +74,17 @@ class Qwen3_5Vision(nn.Module):
         with torch.no_grad():
             (embeds,) = self.tower(pixel_values.to(device), [grid])
         return embeds.to(self.dtype)
+
+    def reference_inputs(self, pixels: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' forward inputs for these images (each (3, H, W) from ``preprocess``), as
+        ``Qwen2VLImageProcessorPil`` lays them out: every image's patches, concatenated.
+
+        Returns ``pixel_values`` (sum of h*w, C*T*P*P) float32 in merge-block order and
+        ``image_grid_thw`` (B, 3) int64, each image's (1, h, w) grid of patches (before the merge).
+        """
+        cut = [patchify(image.float(), self.processor) for image in pixels]
+        return {"pixel_values": torch.cat([values for values, _ in cut]),
+                "image_grid_thw": torch.tensor([grid for _, grid in cut], dtype=torch.int64)}
 
 
 def vision_spec(config: dict, processor: ProcessorConfig):

@@ -7,12 +7,14 @@ Both models read the same ids and the same pixels:
    writes the family's placeholder), expanded to the image's tokens; the decoder runs with
    ``images=``;
 2. the reference: transformers' ``AutoModelForImageTextToText`` (the whole
-   ``*ForConditionalGeneration``) on the same ids, with ``pixel_values`` = our pixels (the
-   preprocessing is proven equal to transformers' image processor, tensor for tensor, by each
-   family's tests) and ``token_type_ids`` marking the image tokens (Gemma 3's bidirectional mask reads them).
-
-A tower with a dynamic resolution (Qwen3.5: patches of several images concatenated, a grid per
-image) needs its family's own reference inputs: refused, by name, until a family provides them.
+   ``*ForConditionalGeneration``) on the same ids, with the image inputs built from *our* pixels as
+   the family's image processor lays them out (:func:`lollm.vision.reference.reference_inputs`: Gemma 3
+   stacks them; Gemma 4 pads each image's patches and gives their positions; Qwen3.5 concatenates
+   every image's patches and gives each grid, from which transformers computes its M-RoPE positions).
+   The preprocessing itself is proven equal to transformers' image processor, tensor for tensor, by
+   each family's tests. The image tokens are marked for the reference under the names its forward
+   takes (:func:`lollm.vision.reference.token_type_inputs`: ``token_type_ids`` for Gemma 3's
+   bidirectional mask, ``mm_token_type_ids`` for Gemma 4's mask rule and Qwen3.5's positions).
 """
 
 from __future__ import annotations
@@ -32,34 +34,34 @@ class ImagePrompt:
 
     ids: list[int]
     images: ImageBatch
-    pixels: torch.Tensor  # (n_images, 3, H, W) float32, our preprocessing
+    pixels: list[torch.Tensor]  # one (3, H, W) float32 per image, our preprocessing (sizes differ: Gemma 4, Qwen3.5)
     image_token_id: int
     spec: VisionSpec  # the tower's numbers (mean and std: lollm trace draws the pixels back)
+    reference_inputs: dict[str, torch.Tensor]  # the image keyword arguments of transformers' forward
 
 
 def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: str) -> ImagePrompt:
     """The parity prompt with the images of ``paths`` (each checked by lollm.vision.image) for ``loaded``.
 
     Raises ImageError for a hostile image, a model without a tower, a prompt the images make longer
-    than the context; LollmError for a tower with a dynamic resolution (no reference inputs yet).
+    than the context.
     """
     from lollm.vision.image import read_image_file
     from lollm.vision.load import open_vision, prepare_prompt
     from lollm.vision.prompt import require_tower
+    from lollm.vision.reference import reference_inputs
 
     images = [read_image_file(path) for path in paths]
     tower = require_tower(open_vision(loaded), model)
-    if tower.spec.image_size is None:
-        raise LollmError(f"--image: {model}'s tower has a dynamic resolution (its images' patches are "
-                         "concatenated, each with its grid): the reference's inputs for it are not built yet")
     placeholder = tower.spec.placeholder
     text = prompt if placeholder in prompt else " ".join([placeholder] * len(images) + [prompt])
     if chat:
         text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}])
     ready = prepare_prompt(text, images, tower, loaded.tokenizer, model=model, max_context=loaded.model.max_context,
                            add_special_tokens=not chat)
-    pixels = torch.stack([tower.preprocess(image) for image in images])
-    return ImagePrompt(ready.ids, ready.images, pixels, tower.spec.image_token_id, tower.spec)
+    pixels = [tower.preprocess(image) for image in images]
+    return ImagePrompt(ready.ids, ready.images, pixels, tower.spec.image_token_id, tower.spec,
+                       reference_inputs(tower, pixels))
 
 
 def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):
@@ -69,6 +71,8 @@ def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):
     LollmError when transformers is missing or refuses the checkpoint (a GGUF: its tower is in an
     mmproj file transformers does not read).
     """
+    from lollm.vision.reference import token_type_inputs
+
     try:
         from transformers import AutoModelForImageTextToText
     except ImportError:
@@ -84,8 +88,9 @@ def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):
 
     @torch.inference_mode()
     def run(ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        out = model(input_ids=ids, pixel_values=prompt.pixels.to(dtype), token_type_ids=(ids == prompt.image_token_id).long(),
-                    output_hidden_states=True, use_cache=False)
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in prompt.reference_inputs.items()}
+        marks = token_type_inputs(model.forward, ids, prompt.image_token_id)
+        out = model(input_ids=ids, **inputs, **marks, output_hidden_states=True, use_cache=False)
         return out.logits[0].float(), [h.float() for h in out.hidden_states]
 
     return run

@@ -78,6 +78,15 @@ class VisionTower(Protocol):
                     whose decoder positions need it (Qwen3.5's M-RoPE); None otherwise.
     __call__(pixels): the tower and projector -> (num_tokens(pixels), C) embeddings, C the decoder's
                     hidden size, in the decoder's dtype, ready to be scattered.
+    reference_inputs(pixels): optional: ``pixels`` a list of tensors as ``preprocess`` gave them (one
+                    per image, prompt order) -> ``dict[str, Tensor]``, the keyword arguments transformers'
+                    ``*ForConditionalGeneration.forward`` takes for these images, laid out exactly as the
+                    family's image processor lays them out (the parity gate and the kit feed the
+                    reference our own pixels). Gemma 4: ``pixel_values`` (B, max_patches, p*p*3) zero-padded
+                    and ``image_position_ids`` (B, max_patches, 2) int64, (-1, -1) at padding; Qwen3.5:
+                    ``pixel_values`` (sum of h*w, 3*T*P*P) and ``image_grid_thw`` (B, 3) int64. Without it
+                    (a fixed-size tower, Gemma 3): ``{"pixel_values": torch.stack(pixels)}``, (B, 3, H, W);
+                    :func:`lollm.vision.reference.reference_inputs` applies that default.
     """
 
     spec: VisionSpec

@@ -26,6 +26,7 @@ from torch import nn
 
 from lollm.attention import attend, key_positions
 from lollm.batch import Batch
+from lollm.trace.attention import AttentionRecord, active_recording
 
 from .config import Gemma4Config, RopeConfig
 
@@ -204,7 +205,10 @@ class Gemma4Attention(nn.Module):
             return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         if images is not None and window is not None:  # 26B/31B, images in this prefill: image_visible's mask
             mask = image_visible(start, T, k.shape[2], window, images, ring=ring)  # (T, S)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=H != K)
+            if active_recording() is not None:  # lollm trace: the weights written out, recorded (two-way in an image)
+                out = record_masked(q, k, v, mask, start, window, self.layer_idx, ring=ring)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=H != K)
             return self.o_proj(out.transpose(1, 2).reshape(1, T, H * D))
         # attention: causal, a sliding layer only the last W positions (p - W < j <= p); scale 1
         # (QK-norm already fixed the size of q and k). Query head h reads K/V head h // (H/K) (GQA).
@@ -253,6 +257,23 @@ def image_visible(start: int, T: int, S: int, window: int, images: ImageBlocks, 
     same_image = (query_image == key_image) & (key_image >= 0)  # (T, S)
     causal = key[None, :] <= query[:, None]  # (T, S)
     return (causal | same_image) & (key[None, :] > query[:, None] - window)
+
+
+def record_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, start: int, window: int,
+                  layer: int, *, ring: bool = False) -> torch.Tensor:
+    """Attention under ``mask`` (T, S) written out (scale 1), its weights added to ``lollm trace``'s recording.
+
+    q (1, H, T, D); k, v (1, K, S, D), each K/V head read by H/K query heads (GQA). Returns (1, H, T, D),
+    what the SDPA call under the same mask gives, within float rounding.
+    """
+    H, K = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)  # (1, H, S, D)
+    scores = q.float() @ k.float().transpose(-1, -2)  # (1, H, T, S)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    T, S = mask.shape
+    active_recording().records.append(AttentionRecord(layer, probs, torch.arange(start, start + T, device=q.device),
+                                                      key_positions(start, T, S, ring=ring, device=q.device), window))
+    return (probs @ v.float()).to(q.dtype)
 
 
 def attend_images_in_step(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: Batch, window: int,

@@ -161,7 +161,8 @@ class Gemma4Config:
                                  None when a GGUF file names no padding id.
     images_bidirectional:        ``use_bidirectional_attention: "vision"`` (26B, 31B): the sliding layers
                                  attend both ways inside an image (False on E2B: causal, like text);
-                                 None when the checkpoint does not say (a GGUF file: no key holds it).
+                                 None when unknown: no GGUF key holds it, so a GGUF file gets it from its
+                                 width (config_gguf.IMAGE_ATTENTION_BY_WIDTH), None for another width.
     """
 
     vocab_size: int

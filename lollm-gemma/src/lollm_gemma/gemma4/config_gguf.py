@@ -4,6 +4,10 @@ llama.cpp's converter (conversion/gemma.py ``Gemma4Model``) writes the decoder's
 ``gemma4.*`` keys; this file reads them back into a :class:`config.Gemma4Config` (what each key
 holds is listed in ``Gemma4Config.from_gguf``'s docstring), checking each as config.py checks
 config.json. Split from config.py to keep each file short; no torch here either.
+
+One thing a text GGUF never says is how image tokens attend (transformers'
+``use_bidirectional_attention``): :data:`IMAGE_ATTENTION_BY_WIDTH` below decides it from the
+text width, as llama.cpp does, for the published checkpoints only.
 """
 
 from __future__ import annotations
@@ -100,10 +104,11 @@ def config_from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tup
     ple, ple_vocab = _gguf_per_layer_embeddings(read, tensor_shapes)
     k_eq_v = _gguf_k_eq_v(layer_types, num_layers - shared, tensor_shapes)
     vocab = _gguf_vocab(read, tensor_shapes)
+    width = read.positive_int(_gguf_key("embedding_length"), at_most=MAX_WIDTH)
     eos = [read.token_ids(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     return cls(
         vocab_size=vocab,
-        hidden_size=read.positive_int(_gguf_key("embedding_length"), at_most=MAX_WIDTH),
+        hidden_size=width,
         intermediate_size=intermediate,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
@@ -127,8 +132,56 @@ def config_from_gguf(cls, metadata: dict[str, Any], tensor_shapes: dict[str, tup
         eos_token_ids=tuple(dict.fromkeys(i for ids in eos for i in ids)),
         multimodal=False,
         pad_token_id=read.integer("tokenizer.ggml.padding_token_id", default=None, at_most=vocab - 1),
-        images_bidirectional=None,  # llama.cpp writes no key for use_bidirectional_attention
+        # no key holds use_bidirectional_attention: the published checkpoints' rule by width (None: unknown)
+        images_bidirectional=images_bidirectional_for_width(width),
     )
+
+
+# ---------------------------------------------------------------------------
+# How image tokens attend: a rule by text width, since no GGUF key says it
+# ---------------------------------------------------------------------------
+#: The text width (``gemma4.embedding_length``, = ``hidden_size``) of each published Gemma 4 ->
+#: (its name, whether its sliding layers let an image's tokens see each other both ways).
+#:
+#: Why a table: transformers reads ``use_bidirectional_attention`` from config.json (null on
+#: E2B/E4B: image tokens attend causally, like text; ``"vision"`` on 26B-A4B: bidirectional
+#: inside each image, in the sliding layers only), but llama.cpp's converter writes no key for
+#: it. llama.cpp decides at run time from the width instead (tools/mtmd/mtmd.cpp,
+#: ``mtmd_decode_use_non_causal``: projector ``gemma4v`` is causal for n_embd 1536 and 2560,
+#: bidirectional for any other; ``gemma4uv``, the unified tower lollm does not implement, is
+#: always bidirectional). lollm takes the same rule, but only for the widths it can check
+#: against a published config.json, and refuses images for any other width (text still runs).
+#: gemma-4-31B is not listed: its config.json could not be checked here.
+IMAGE_ATTENTION_BY_WIDTH: dict[int, tuple[str, bool]] = {
+    1536: ("gemma-4-E2B", False),      # config.json: use_bidirectional_attention null; llama.cpp: causal
+    2560: ("gemma-4-E4B", False),      # llama.cpp: causal (mtmd.cpp names this width)
+    2816: ("gemma-4-26B-A4B", True),   # config.json: "vision"; llama.cpp: bidirectional
+}
+
+
+def images_bidirectional_for_width(width: int) -> bool | None:
+    """Whether a GGUF decoder of this text width attends both ways inside an image; None when the
+    width is no published checkpoint's (:data:`IMAGE_ATTENTION_BY_WIDTH`), so images are refused."""
+    known = IMAGE_ATTENTION_BY_WIDTH.get(width)
+    return None if known is None else known[1]
+
+
+def require_image_rule(width: int, where: str) -> bool:
+    """:func:`images_bidirectional_for_width`, or ConfigError naming ``where``, the width and the table.
+
+    Called before any image is encoded for a GGUF model (its mmproj's ``clip.vision.projection_dim``
+    is the text width), so the refusal comes first and says how to proceed.
+    """
+    rule = images_bidirectional_for_width(width)
+    if rule is None:
+        table = ", ".join(f"{w} ({name}: {'bidirectional' if both else 'causal'})"
+                          for w, (name, both) in IMAGE_ATTENTION_BY_WIDTH.items())
+        raise ConfigError(
+            f"gemma4: {where}: images with a GGUF model of text width {width} are refused: no GGUF key says how "
+            f"its image tokens attend (use_bidirectional_attention), and lollm knows the rule only for the "
+            f"published widths {table} (lollm_gemma/gemma4/config_gguf.py, IMAGE_ATTENTION_BY_WIDTH). Use the "
+            f"safetensors checkpoint, whose config.json says it")
+    return rule
 
 
 def _check_gguf_keys(metadata: dict[str, Any]) -> None:

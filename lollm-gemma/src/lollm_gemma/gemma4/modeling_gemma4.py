@@ -223,7 +223,8 @@ class Gemma4ForCausalLM(nn.Module):
         one ImageBatch or None per sequence, and a-c run on each sequence's rows of the N
         (lollm.vision.step: the images are numbered across the step, so two sequences' images
         never count as one). ValueError for images given to a config that lacks ``pad_token_id``
-        or does not say how images attend (a GGUF file), and for an image this forward would cut.
+        or does not say how images attend (a GGUF file of a width not in config_gguf's table), and
+        for an image this forward would cut.
         """
         c = self.config
         blocks = self._image_numbers(images, start, input_ids.shape[1], input_ids.device)  # (T,), -1: text
@@ -247,7 +248,8 @@ class Gemma4ForCausalLM(nn.Module):
         c = self.config
         if blocks is not None and (c.pad_token_id is None or c.images_bidirectional is None):
             raise ValueError("gemma4: this checkpoint does not say which id an image's positions embed ('pad_token_id') "
-                             "or how its images attend ('use_bidirectional_attention'); a GGUF file never says the latter")
+                             "or how its images attend ('use_bidirectional_attention'; a GGUF file says it only "
+                             "through its width, gemma4/config_gguf.py IMAGE_ATTENTION_BY_WIDTH)")
         return blocks
 
     def forward(

@@ -17,7 +17,10 @@ What the data weighs, and how it is kept small:
   stored as one byte, ``round(255 * sqrt(p))`` (steps of 0.4 % near 1 and much
   finer near 0, where most weights lie; the page squares it back), only the
   causal half of each T x T grid (row i: keys 0..i), gzip-compressed per layer
-  and base64-encoded; the browser inflates it with its own ``DecompressionStream``;
+  and base64-encoded; the browser inflates it with its own ``DecompressionStream``.
+  A layer in which an image's tokens read the later tokens of the same image
+  (``lollm trace --image``: Gemma 3, Gemma 4's "vision" rule) also keeps those
+  weights, each image's upper triangle (``ahead``, the same encoding);
 * the logit lens keeps 5 tokens per layer and position, probabilities rounded to 4 digits;
 * a family's internals are rounded to 4 significant digits.
 
@@ -76,13 +79,45 @@ def encode_attention(probs: torch.Tensor) -> str:
     return base64.b64encode(gzip.compress(half.numpy().tobytes(), compresslevel=9, mtime=0)).decode("ascii")
 
 
-def decode_attention(blob: str, heads: int, T: int) -> torch.Tensor:
-    """What the page reads back from :func:`encode_attention`: (H, T, T) float32, 0 above the diagonal."""
-    raw = gzip.decompress(base64.b64decode(blob))
-    half = torch.frombuffer(bytearray(raw), dtype=torch.uint8).float().div(255).square().view(heads, -1)
+def _ahead_index(spans: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the weights above the diagonal inside each image span ``[(start, end), ...]``:
+    span by span, each span's strict upper triangle row by row (the order trace.js reads)."""
+    rows, cols = [], []
+    for start, end in spans:
+        r, c = torch.triu_indices(end - start, end - start, 1)
+        rows.append(r + start)
+        cols.append(c + start)
+    if not rows:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return torch.cat(rows), torch.cat(cols)
+
+
+def encode_ahead(probs: torch.Tensor, spans: list[tuple[int, int]]) -> str | None:
+    """(H, T, T) probabilities -> the weights an image's tokens give the *later* tokens of the same image
+    (an image attended both ways: Gemma 3, Gemma 4's "vision" rule), encoded as :func:`encode_attention`;
+    None when the layer gives them none (causal: no two-way image attention to show)."""
+    rows, cols = _ahead_index(spans)
+    ahead = probs[:, rows, cols]  # (H, U)
+    if ahead.numel() == 0 or not bool((ahead > 0).any()):
+        return None
+    packed = ahead.clamp(0, 1).sqrt().mul(255).round().to(torch.uint8)
+    return base64.b64encode(gzip.compress(packed.numpy().tobytes(), compresslevel=9, mtime=0)).decode("ascii")
+
+
+def decode_attention(blob: str, heads: int, T: int, ahead: str | None = None,
+                     spans: list[tuple[int, int]] = ()) -> torch.Tensor:
+    """What the page reads back from :func:`encode_attention` (and :func:`encode_ahead` of ``spans``): (H, T, T)
+    float32, 0 above the diagonal except inside an image attended both ways."""
+    def unpack(text: str) -> torch.Tensor:
+        raw = gzip.decompress(base64.b64decode(text))
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).float().div(255).square().view(heads, -1)
+
     out = torch.zeros(heads, T, T)
     rows, cols = torch.tril_indices(T, T)
-    out[:, rows, cols] = half
+    out[:, rows, cols] = unpack(blob)
+    if ahead is not None:
+        rows, cols = _ahead_index(list(spans))
+        out[:, rows, cols] = unpack(ahead)
     return out
 
 
@@ -108,10 +143,12 @@ def page_data(trace: Trace) -> dict[str, Any]:
             "next_probs": [[_g(p) for p in row] for row in lens.next_probs.tolist()],
             "next_ranks": lens.next_ranks.tolist(),
         }
+    spans = [(view.start, view.end) for view in trace.images]
+    data["image_spans"] = [list(span) for span in spans]
     for layer in trace.attention:
         data["attention"].append({
             "layer": layer.layer, "heads": layer.probs.shape[0], "window": layer.window,
-            "data": encode_attention(layer.probs),
+            "data": encode_attention(layer.probs), "ahead": encode_ahead(layer.probs, spans),
         })
     for rec in trace.internals:
         entry: dict[str, Any] = {"name": rec.name, "kind": rec.kind, "note": rec.note, "where": rec.where,

@@ -56,18 +56,39 @@
     return new Uint8Array(await new Response(stream).arrayBuffer());
   }
   const TRI = (T * (T + 1)) / 2;  // the causal half of a T x T grid, row by row
+  // images attended both ways (page.py, encode_ahead): per image span [start, end), its strict upper
+  // triangle row by row, the spans one after another; OFFSETS[k]: where span k starts in that list
+  const SPANS = D.image_spans || [];
+  const OFFSETS = [];
+  let AHEAD = 0;
+  for (const [s, e] of SPANS) { OFFSETS.push(AHEAD); AHEAD += ((e - s) * (e - s - 1)) / 2; }
   for (const a of D.attention) {
     a.bytes = await inflate(a.data);
     if (a.bytes.length !== a.heads * TRI) throw new Error(`attention of layer ${a.layer}: ${a.bytes.length} bytes, expected ${a.heads * TRI}`);
     delete a.data;
+    if (a.ahead) {
+      a.aheadBytes = await inflate(a.ahead);
+      if (a.aheadBytes.length !== a.heads * AHEAD) throw new Error(`image attention of layer ${a.layer}: ${a.aheadBytes.length} bytes, expected ${a.heads * AHEAD}`);
+      delete a.ahead;
+    }
   }
   const attnByLayer = new Map(D.attention.map((a) => [a.layer, a]));
-  // weight of query i on key j (j <= i), head h or the mean over heads; stored as round(255 sqrt(p))
+  const spanOf = (i) => SPANS.findIndex(([s, e]) => i >= s && i < e);  // the image holding position i, or -1
+  // the last key query i reads: i itself, or the last token of its image in a layer that reads images both ways
+  function lastKey(a, i) {
+    const k = a.aheadBytes ? spanOf(i) : -1;
+    return k < 0 ? i : SPANS[k][1] - 1;
+  }
+  // weight of query i on key j (j <= lastKey(a, i)), head h or the mean over heads; stored as round(255 sqrt(p))
   function weight(a, head, i, j) {
-    const at = i * (i + 1) / 2 + j;
-    if (head !== "mean") { const v = a.bytes[head * TRI + at] / 255; return v * v; }
+    let bytes = a.bytes, size = TRI, at = i * (i + 1) / 2 + j;
+    if (j > i) {  // a later token of the same image
+      const k = spanOf(i), n = SPANS[k][1] - SPANS[k][0], r = i - SPANS[k][0], c = j - SPANS[k][0];
+      bytes = a.aheadBytes; size = AHEAD; at = OFFSETS[k] + r * n - (r * (r + 1)) / 2 + (c - r - 1);
+    }
+    if (head !== "mean") { const v = bytes[head * size + at] / 255; return v * v; }
     let s = 0;
-    for (let h = 0; h < a.heads; h++) { const v = a.bytes[h * TRI + at] / 255; s += v * v; }
+    for (let h = 0; h < a.heads; h++) { const v = bytes[h * size + at] / 255; s += v * v; }
     return s / a.heads;
   }
   const outside = (a, i, j) => a.window !== null && j <= i - a.window;  // hidden by the sliding window
@@ -165,12 +186,15 @@
     const a = attnByLayer.get(state.layer);
     if (!a) return;
     const i = state.pos;
-    const keys = Array.from({ length: i + 1 }, (_, j) => j);
+    const keys = Array.from({ length: lastKey(a, i) + 1 }, (_, j) => j);
     const w = keys.map((j) => (outside(a, i, j) ? 0 : weight(a, state.head, i, j)));
     const top = keys.filter((j) => !outside(a, i, j)).sort((x, y) => w[y] - w[x]).slice(0, 3);
     const who = state.head === "mean" ? "the mean of its heads" : "head " + state.head;
     let text = `Layer ${a.layer}, ${who}: token ${i} ${JSON.stringify(D.tokens[i].piece)} reads most from ` +
       top.map((j) => `${j} ${JSON.stringify(D.tokens[j].piece)} (${w[j].toFixed(3)})`).join(", ") + ".";
+    if (lastKey(a, i) > i) {
+      text += ` Inside its image this layer reads both ways: keys ${i + 1}..${lastKey(a, i)} (orange) come after it.`;
+    }
     if (a.window !== null) {
       text += i - a.window >= 0 ? ` Sliding window of ${a.window}: keys 0..${i - a.window} are outside it.`
         : ` Sliding window of ${a.window}: every earlier key is still inside it.`;
@@ -179,7 +203,7 @@
     $("attn-summary").dataset.pos = String(i);
     $("attn-summary").dataset.layer = String(a.layer);
     const peak = Math.max(...w, 1e-6);
-    const datasets = [{ label: "attention weight", data: w, backgroundColor: keys.map((j) => (j === i ? "#1d4ed8" : "#60a5fa")) }];
+    const datasets = [{ label: "attention weight", data: w, backgroundColor: keys.map((j) => (j === i ? "#1d4ed8" : j > i ? "#f97316" : "#60a5fa")) }];
     if (a.window !== null && i - a.window >= 0) {
       datasets.push({ label: `outside the window (W = ${a.window})`, data: keys.map((j) => (outside(a, i, j) ? peak : null)),
         backgroundColor: "rgba(156, 163, 175, 0.35)" });
@@ -194,7 +218,7 @@
   function renderHeatmap(a) {
     const cells = [];
     for (let i = 0; i < T; i++) {
-      for (let j = 0; j <= i; j++) cells.push({ x: j, y: i, v: outside(a, i, j) ? null : weight(a, state.head, i, j) });
+      for (let j = 0; j <= lastKey(a, i); j++) cells.push({ x: j, y: i, v: outside(a, i, j) ? null : weight(a, state.head, i, j) });
     }
     const sel = state.pos;
     setChart("heatmap", "attn-heatmap", {
