@@ -83,6 +83,8 @@ def test_an_image_prompt_among_text_prompts_gives_lollm_run_image_and_the_loop(l
                                                    [lp.logprob for lp in done[1].logprobs])
     text_alone = llm.generate("tell me a story", GREEDY, max_new_tokens=NEW)[0]
     assert text_alone.token_ids == done[0].token_ids
+    only_image = llm.generate(ImagePrompt("", [picture(1)]), GREEDY, max_new_tokens=1)[0]  # no text: the image alone
+    assert only_image.prompt_ids.count(IMAGE) == TOKENS
 
 
 def test_the_kept_engine_reuses_an_image_only_for_the_same_pixels(llm):
@@ -130,6 +132,10 @@ def test_a_hostile_image_is_an_image_error_naming_it_before_anything_runs(llm, t
                          max_new_tokens=1)
     with pytest.raises(GenerationError, match=r"prompts\[0\]\.images must be a list"):
         llm.generate(ImagePrompt("one", picture(1)), max_new_tokens=1)
+    with pytest.raises(GenerationError, match=r"prompts\[0\] is empty"):
+        llm.generate(ImagePrompt("", []), max_new_tokens=1)
+    with pytest.raises(GenerationError, match=r"prompts\[0\]\.text must be a str"):
+        llm.generate(ImagePrompt(None, [picture(1)]), max_new_tokens=1)
     with pytest.raises(GenerationError, match="parse_special=True"):
         llm.generate(ImagePrompt("one", [picture(1)]), max_new_tokens=1, parse_special=False)
 

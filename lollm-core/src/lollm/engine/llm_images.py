@@ -51,12 +51,14 @@ class ImagePrompt:
 def read_prompt_images(prompt: ImagePrompt, index: int) -> list:
     """Every image of ``prompt`` (the ``index``-th of the call) as a checked RGB ``PIL.Image``, in order.
 
-    Raises GenerationError for an ImagePrompt of the wrong shape (text not a str, images not a list),
+    Raises GenerationError for an ImagePrompt of the wrong shape (text not a str, images not a list; an empty
+    text with no image is the text prompt's error, "is empty"),
     ImageError naming ``prompts[index].images[j]`` (and the file, for a path) for an image of another
     type or one that lollm.vision.image refuses.
     """
-    if not isinstance(prompt.text, str) or not prompt.text:
-        raise GenerationError(f"prompts[{index}].text must be a non-empty str, got {prompt.text!r:.80}")
+    if not isinstance(prompt.text, str):
+        raise GenerationError(f"prompts[{index}].text must be a str (it may be empty when images are given), "
+                              f"got {prompt.text!r:.80}")
     if isinstance(prompt.images, (str, bytes)) or not isinstance(prompt.images, Sequence):
         raise GenerationError(f"prompts[{index}].images must be a list of images, got {type(prompt.images).__name__}")
     return [read_one(image, f"prompts[{index}].images[{j}]") for j, image in enumerate(prompt.images)]
