@@ -27,6 +27,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "LLM": "lollm.engine.llm",
     "Completion": "lollm.engine.llm",
+    "ImagePrompt": "lollm.engine.llm_images",
     "SamplingParams": "lollm.sampling_params",
     "EngineConfig": "lollm.engine",
 }

@@ -193,7 +193,7 @@ def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_s
 
     quantization = prepared.options.quantization
     size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4),
-                        packed=quantization is not None and quantization.mode == "gguf")
+                        packed=quantization is not None and quantization.mode == "gguf", quantization=quantization)
     return ModelEntry(name, spec, size, load=load,
                       has_template=lambda: prepared.checkpoint.tokenizer.chat_template is not None)
 

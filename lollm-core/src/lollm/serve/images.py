@@ -12,7 +12,7 @@ A client sends images as content parts (OpenAI ``image_url`` with a ``data:`` UR
    text, never an image slot;
 2. in the rendered text (before it is tokenized, so the ids are those transformers' processor
    gives) each placeholder becomes ``begin_text + image_token * n + end_text``, n the image's
-   tokens (:func:`lollm.vision.prompt.expand_placeholders`); the client's text is hidden from
+   tokens (:func:`lollm.vision.chat.encode_chat_with_images`); the client's text is hidden from
    this step (``encode_chat(rewrite=...)``);
 3. the images go through the tower once (in the request's preparing thread, before the engine
    sees the request) and are placed: :func:`lollm.vision.prompt.place_images`.
@@ -27,8 +27,9 @@ import threading
 
 from lollm.errors import ImageError
 from lollm.serve.error_shapes import ApiError
+from lollm.vision.chat import encode_chat_with_images
 from lollm.vision.load import open_vision
-from lollm.vision.prompt import encode_images, expand_placeholders, place_images
+from lollm.vision.prompt import encode_images, place_images
 from lollm.vision.spec import ImageBatch, VisionTower
 
 
@@ -58,24 +59,14 @@ def image_prompt(messages: list[dict], images: list, tower: VisionTower, tokeniz
     images:  the request's RGB ``PIL.Image`` s, in order; they go through the tower here, once.
     context: the positions one request may use (``lollm serve --ctx-size``): the prompt must leave one free.
     template_flags: the template variables (``enable_thinking``, ``tools``) as ``encode_chat`` takes them.
-    Returns (ids, ImageBatch). ApiError 400 (param ``messages``) when the template wrote another number of
-    placeholders than there are images, or the images make the prompt longer than the context.
-    The template's error (a LollmError) passes through, for the caller's 400.
+    Returns (ids, ImageBatch). ApiError 400 (param ``messages``) when the images make the prompt longer than the
+    context. An ImageError (the template wrote another number of placeholders than there are images) and the
+    template's error (LollmErrors) pass through, for the caller's 400.
     """
     spec = tower.spec
     encoded = encode_images(tower, images)
     counts = [e.embeds.shape[0] for e in encoded]
-
-    def expand(text: str) -> str:  # the rendered text, the client's special-token text hidden from us
-        found = text.count(spec.placeholder)
-        if found != len(images):
-            raise ApiError(400, f"the chat template of {model!r} wrote {found} image placeholder(s) "
-                                f"({spec.placeholder!r}) for the request's {len(images)} image(s): its template does "
-                                "not render image content parts", param="messages")
-        return expand_placeholders(text, spec, counts)
-
-    ids = tokenizer.encode_chat(messages, add_generation_prompt=True, parse_special=False, rewrite=expand,
-                                **template_flags)
+    ids = encode_chat_with_images(messages, counts, spec, tokenizer, model=model, parse_special=False, **template_flags)
     if len(ids) >= context:
         raise ApiError(400, f"{len(images)} image(s) take {sum(counts)} tokens; with the text the prompt is {len(ids)} "
                             f"tokens, but the server's context is {context} (lollm serve --ctx-size) and the answer needs "

@@ -16,7 +16,7 @@
 
 Each model is a :class:`ModelEntry`: its name, what the user gave for it, its weights' size
 estimated before it loads (:func:`weight_bytes`: every tensor at the dtype it loads in, a GGUF's
-packed matrices at their bytes in the file) and how to load it (a callable that returns a :class:`ModelServer`). The first model
+packed matrices at their bytes in the file, ``--quantize int8/int4`` matrices at their packed size) and how to load it (a callable that returns a :class:`ModelServer`). The first model
 loads when the server starts (:meth:`ServedModels.load_first`); the others on first use.
 
 A model is never unloaded while one of its requests is in flight: from the moment a handler
@@ -37,13 +37,16 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from lollm.errors import LollmError
 from lollm.serve.guard import check_authorization
 from lollm.serve.metrics import metrics_available
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import ApiError, parse_body, short_repr
+
+if TYPE_CHECKING:
+    from lollm.load.quantized import Quantization
 
 log = logging.getLogger("lollm.serve.server")  # one logger for the whole server (docs/serving.md)
 
@@ -59,27 +62,69 @@ def gb(size: int) -> str:
     return f"{size / GB:.3g} GB"
 
 
-def weight_bytes(weights: object, dtype_bytes: int, packed: bool = False) -> int:
+def weight_bytes(weights: object, dtype_bytes: int, packed: bool = False, quantization: Quantization | None = None) -> int:
     """Bytes a checkpoint's weights take once loaded, estimated before the load.
 
-    weights:     a checkpoint's tensor source (``names()``, ``shape(name)``, ``dtype(name)``, ``fmt``: safetensors or GGUF).
-    dtype_bytes: the element size of the dtype it loads in (4 for float32, 2 for bfloat16).
-    packed:      the load keeps a GGUF's blocks packed (``--weights auto``, the default for a GGUF: the resolved
-                 options' ``quantization.mode == "gguf"``, lollm.load.quantized).
+    weights:      a checkpoint's tensor source (``names()``, ``shape(name)``, ``dtype(name)``, ``fmt``: safetensors or GGUF).
+    dtype_bytes:  the element size of the dtype it loads in (4 for float32, 2 for bfloat16).
+    packed:       the load keeps a GGUF's blocks packed (``--weights auto``, the default for a GGUF: the resolved
+                  options' ``quantization.mode == "gguf"``, lollm.load.quantized).
+    quantization: the load's :class:`lollm.load.quantized.Quantization`; mode int8 or int4 (``--quantize``) packs a
+                  safetensors checkpoint's matrices at load (:func:`quantized_matrix_bytes`).
     A tensor counts its elements times ``dtype_bytes``, except, with ``packed``, a GGUF matrix (2 or more
     dimensions) of a quantized ggml type: it counts its bytes in the file, the size its packed form keeps
-    (Q4_K, Q6_K, Q8_0 ... in the file's bits; the load summary names the few it dequantizes instead).
-    Without ``packed`` a 486 MB Q4 GGUF was estimated at 2.5 GB of float32, and no small budget could serve it.
+    (Q4_K, Q6_K, Q8_0 ... in the file's bits; the load summary names the few it dequantizes instead); and, under
+    ``--quantize``, a safetensors matrix counts its packed bytes. Without these a 486 MB Q4 GGUF was estimated at
+    2.5 GB of float32, and a safetensors model under ``--quantize int4`` at its float size (5.4 times what the
+    tiny Qwen2 of tests/test_serve_models_quantized.py loads in).
     """
     from lollm.gguf.quants import ggml_type
 
+    fmt = getattr(weights, "fmt", None)
+    quantize = quantization if quantization is not None and quantization.mode in ("int8", "int4") and fmt != "gguf" else None
     total = 0
     for name in weights.names():
         shape = weights.shape(name)
         elements = math.prod(shape)
-        kind = ggml_type(weights.dtype(name)) if packed and getattr(weights, "fmt", None) == "gguf" else None
-        total += kind.nbytes(elements) if kind is not None and kind.is_quantized and len(shape) >= 2 else elements * dtype_bytes
+        quantized = quantized_matrix_bytes(name, shape, quantize) if quantize is not None else None
+        kind = ggml_type(weights.dtype(name)) if packed and fmt == "gguf" else None
+        if quantized is not None:
+            total += quantized
+        elif kind is not None and kind.is_quantized and len(shape) >= 2:
+            total += kind.nbytes(elements)
+        else:
+            total += elements * dtype_bytes
     return total
+
+
+#: Name pieces of a vision or audio tower's tensors (Gemma 3 ``vision_tower``, ``multi_modal_projector``; Gemma 4
+#: ``embed_vision``, ``audio_tower``; Qwen3.5 ``visual``): the decoder's load leaves them, and the tower loads in
+#: float on the first image, so ``--quantize`` does not shrink them.
+TOWER_MARKS = ("vision", "visual", "audio", "multi_modal")
+
+
+def quantized_matrix_bytes(name: str, shape: tuple[int, ...], quantization: Quantization) -> int | None:
+    """Bytes a safetensors tensor takes packed by ``--quantize`` (``quantization.mode`` int8 or int4), or None
+    when it stays float: anything but a 2-D ``*.weight`` matrix of the decoder.
+
+    The families pack their linear and embedding matrices (each family's ``QUANTIZABLE`` pattern in its
+    weights.py, which core does not read: a few small 2-D matrices outside it are counted packed too):
+
+    * int8, a ``(rows, cols)`` matrix: one byte per weight and a float32 scale per row
+      (lollm.load.packed_linear.Int8Linear, Int8Embedding);
+    * int4: half a byte per weight and a bfloat16 scale and zero per group of ``group_size`` (Int4Linear),
+      except an embedding (a name holding ``embed``), which stays int8, and a matrix the int4 kernel cannot
+      tile (rows not a multiple of 16, columns not of the group size), which falls back to int8
+      (lollm.load.quantized.linear_from_float).
+    """
+    if len(shape) != 2 or not name.endswith(".weight") or any(mark in name for mark in TOWER_MARKS):
+        return None
+    rows, cols = shape
+    int8 = rows * cols + 4 * rows
+    group = quantization.group_size
+    if quantization.mode == "int8" or "embed" in name or rows % 16 or cols % group:
+        return int8
+    return rows * cols // 2 + (cols // group) * rows * 2 * 2
 
 
 def trim_heap() -> bool:

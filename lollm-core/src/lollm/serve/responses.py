@@ -10,6 +10,7 @@ semantic events (:class:`ResponsesShaper`)::
     instructions                        -> a system message first (not carried to a next response)
     input: a string                     -> one user message
     input items: messages (input_text)  -> messages of their role
+      input_image (a data: URL)         -> an image_url content part (images.py: the tower, the placeholders)
       function_call                     -> an assistant message's tool_calls
       function_call_output              -> a tool message (tool_call_id: the call_id)
       reasoning (reasoning_text)        -> the next assistant message's reasoning_content
@@ -23,13 +24,23 @@ semantic events (:class:`ResponsesShaper`)::
 
 State: with ``store`` (the default), a response is kept in a :class:`ResponseStore` of this
 server's process: at most :data:`STORE_SIZE` responses, each for :data:`STORE_SECONDS`
-(the least recently stored goes first); a ``previous_response_id`` or a GET of an id it no
+(the least recently stored goes first), and at most :data:`STORE_BYTES` of conversation (its
+images' data: URLs are most of it); a ``previous_response_id`` or a GET of an id it no
 longer holds is a 404. Source: OpenAI's API reference (Responses, streaming events).
+
+Images: a message's ``input_image`` part, ``{"type": "input_image", "image_url": "data:image/png;base64,...",
+"detail": "auto"}``, becomes the chat part ``{"type": "image_url", "image_url": {"url": ...}}`` and runs as
+an image in a chat completion does (lollm.serve.images). Only ``data:`` URLs (the server fetches nothing);
+a ``file_id`` (this server keeps no files) and a ``detail`` other than ``auto`` (each tower reads an image
+at its own resolution) are 400s naming the part. An image's refusal names its Responses field,
+``input[i].content[j].image_url`` (:func:`renamed` maps the chat request's ``messages[k]`` back).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import re
 import threading
 import time
 import uuid
@@ -45,6 +56,8 @@ from lollm.serve.tool_formats import ToolCall
 #: Responses one server keeps for previous_response_id and GET, and for how long (seconds).
 STORE_SIZE = 1024
 STORE_SECONDS = 3600
+#: The most bytes of stored conversations (as JSON) one server keeps: a few images' data: URLs, not thousands.
+STORE_BYTES = 256 * 1024 * 1024
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed", "stream", "text", "tools",
           "tool_choice", "parallel_tool_calls", "reasoning", "store", "previous_response_id"}
 #: Fields accepted with any value that change nothing here.
@@ -61,23 +74,28 @@ class ResponseStore:
     """Stored responses by id: the response object and the conversation it ends (chat messages), bounded in count
     (``size``) and age (``seconds``); thread-safe."""
 
-    def __init__(self, size: int = STORE_SIZE, seconds: float = STORE_SECONDS):
-        self.size, self.seconds = size, seconds
-        self._items: OrderedDict[str, tuple[float, dict[str, object], list[dict[str, object]]]] = OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, seconds: float = STORE_SECONDS, max_bytes: int = STORE_BYTES):
+        self.size, self.seconds, self.max_bytes = size, seconds, max_bytes
+        self._items: OrderedDict[str, tuple[float, dict[str, object], list[dict[str, object]], int]] = OrderedDict()
+        self._bytes = 0  # the stored conversations' JSON bytes
         self._lock = threading.Lock()
 
     def put(self, response: dict[str, object], conversation: list[dict[str, object]]) -> None:
+        """Keep ``response`` and its ``conversation``; the least recently stored go while more than ``size``
+        responses or ``max_bytes`` of conversation are held (one larger than ``max_bytes`` is not kept)."""
+        size = len(json.dumps(conversation, ensure_ascii=False))
         with self._lock:
-            self._items[response["id"]] = (time.monotonic(), response, conversation)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self._items[response["id"]] = (time.monotonic(), response, conversation, size)
+            self._bytes += size
+            while self._items and (len(self._items) > self.size or self._bytes > self.max_bytes):
+                self._bytes -= self._items.popitem(last=False)[1][3]
 
     def get(self, ident: object, param: str = "previous_response_id") -> tuple[dict[str, object], list[dict[str, object]]]:
         """(response, conversation) of ``ident``; ApiError 404 naming ``param`` when it is not (or no longer) held."""
         with self._lock:
             now = time.monotonic()
             while self._items and now - next(iter(self._items.values()))[0] > self.seconds:
-                self._items.popitem(last=False)
+                self._bytes -= self._items.popitem(last=False)[1][3]
             held = self._items.get(ident) if isinstance(ident, str) else None
         if held is None:
             raise ApiError(404, f"no response {short_repr(ident)} is stored here (this server keeps the last "
@@ -90,20 +108,48 @@ def _refuse(where: str, message: str) -> ApiError:
     return ApiError(400, f"{where}: {message}", param=where)
 
 
-def _text(content: object, where: str) -> str:
-    """A message's content: a string, or input_text / output_text parts joined."""
+def _text(content: object, where: str, images: bool = False) -> str | list[dict[str, object]]:
+    """A message's content: a string, or input_text / output_text parts joined. With ``images`` (a user, system or
+    developer message) input_image parts are read too: then the content is chat parts, text and image_url
+    (:func:`_image`), in order."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _refuse(where, "must be a string or a list of input_text parts")
-    texts = []
+    parts: list[dict[str, object]] = []
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
-                and isinstance(part.get("text"), str)):
-            raise _refuse(f"{where}[{j}]", f"only input_text and output_text parts are supported (no images or files), "
+        kind = part.get("type") if isinstance(part, dict) else None
+        if images and kind == "input_image":
+            parts.append(_image(part, f"{where}[{j}]"))
+        elif kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            allowed = "input_text, output_text and input_image" if images else "input_text and output_text"
+            raise _refuse(f"{where}[{j}]", f"only {allowed} parts are supported here (no files, audio or video), "
                                            f"got {short_repr(part)}")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image(part: dict, where: str) -> dict[str, object]:
+    """An ``input_image`` part as the chat request's ``image_url`` part (decoded and checked there, by
+    lollm.serve.requests.read_image_part); ApiError 400 naming the field for a ``file_id``, a ``detail`` other than
+    auto, an image_url that is not a data: URL (the server fetches nothing), an unknown field."""
+    unknown = set(part) - {"type", "image_url", "file_id", "detail"}
+    if unknown:
+        raise _refuse(f"{where}.{sorted(unknown)[0]}", "is not an input_image field lollm reads (image_url, detail)")
+    if part.get("file_id") is not None:
+        raise _refuse(f"{where}.file_id", "file_id images are not supported (this server keeps no files): send the "
+                                          "image in image_url as a data: URL (data:image/png;base64,...)")
+    if part.get("detail") not in (None, "auto"):
+        raise _refuse(f"{where}.detail", f"must be auto (or left out), got {short_repr(part['detail'])}: each vision "
+                                         "tower reads an image at its own resolution")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise _refuse(f"{where}.image_url", "only data: URLs are accepted (data:image/png;base64,...); the server "
+                                            f"fetches nothing, got {short_repr(url)}")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(out: list[dict[str, object]]) -> dict[str, object]:
@@ -113,8 +159,11 @@ def _assistant(out: list[dict[str, object]]) -> dict[str, object]:
     return out[-1]
 
 
-def chat_messages(items: object) -> list[dict[str, object]]:
-    """``input`` (a string or a list of items) as chat messages; ApiError 400 naming the item that cannot be read."""
+def chat_messages(items: object, origins: dict[int, str] | None = None) -> list[dict[str, object]]:
+    """``input`` (a string or a list of items) as chat messages; ApiError 400 naming the item that cannot be read.
+
+    origins: filled with ``{chat message's index: "input[i]"}`` for each message whose content may hold images
+    (so an image's refusal by the chat request can name its Responses field: :func:`renamed`)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -124,11 +173,14 @@ def chat_messages(items: object) -> list[dict[str, object]]:
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ROLES:
-            text = _text(item.get("content"), f"{where}.content")
-            if item["role"] == "assistant":
+            assistant = item["role"] == "assistant"
+            text = _text(item.get("content"), f"{where}.content", images=not assistant)
+            if assistant:
                 _assistant(out)["content"] += text
             else:
                 out.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
+                if origins is not None:
+                    origins[len(out) - 1] = where
         elif kind == "function_call" and isinstance(item.get("name"), str) and isinstance(item.get("call_id"), str):
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item.get("arguments", "{}")}}
@@ -188,19 +240,24 @@ def chat_tools(body: Body, chat: Body) -> None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
 
 
-def chat_body(body: Body, history: list[dict[str, object]]) -> tuple[Body, list[dict[str, object]]]:
+def chat_body(body: Body, history: list[dict[str, object]],
+              origins: dict[int, str] | None = None) -> tuple[Body, list[dict[str, object]]]:
     """(the Chat Completions request a Responses request ``body`` means, its conversation without the instructions)
-    after the ``history`` of a previous response; ApiError 400 naming the Responses field that cannot be honoured."""
+    after the ``history`` of a previous response; ApiError 400 naming the Responses field that cannot be honoured.
+    origins: filled as :func:`chat_messages` fills it, with the indexes of the chat request's ``messages``."""
     for key, value in body.items():
         if key in FIELDS or key in IGNORED_FIELDS or (key in NEUTRAL and value in (None, NEUTRAL[key])):
             continue
         raise ApiError(400, f"unsupported parameter {short_repr(key)} (value {short_repr(value)}): lollm serve's "
                             "/v1/responses does not implement it", param=str(key)[:100], code="unsupported_parameter")
-    conversation = history + chat_messages(body.get("input"))
+    found: dict[int, str] = {}
+    conversation = history + chat_messages(body.get("input"), found)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _refuse("instructions", "must be a string")
     system = [{"role": "system", "content": instructions}] if instructions else []
+    if origins is not None:
+        origins.update({len(system) + len(history) + k: where for k, where in found.items()})
     chat: Body = {"model": body.get("model"), "messages": system + conversation}
     for name, chat_name in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                             ("seed", "seed"), ("stream", "stream")):
@@ -218,12 +275,25 @@ def chat_body(body: Body, history: list[dict[str, object]]) -> tuple[Body, list[
     return chat, conversation
 
 
-def renamed(error: ApiError) -> ApiError:
-    """``error`` (raised for the translated chat request) naming the Responses field it came from."""
+#: A chat request's image field, ``messages[k].content[j].image_url.url``: k is mapped back to ``input[i]``.
+CHAT_IMAGE = re.compile(r"messages\[(\d+)\](\.content\[\d+\])(\.image_url)?(\.url)?")
+
+
+def renamed(error: ApiError, origins: dict[int, str] | None = None) -> ApiError:
+    """``error`` (raised for the translated chat request) naming the Responses field it came from.
+
+    origins: ``{chat message's index: "input[i]"}`` (:func:`chat_body`): a refused image part of chat message k
+    becomes ``input[i].content[j].image_url``, in the param and in the message."""
     param = error.param or ""
     new = PARAMS.get(param, param)
     if param.startswith("tools[") and ".function." in param:
         new = param.replace(".function.", ".")
+    chat_image = CHAT_IMAGE.fullmatch(param)
+    if chat_image and int(chat_image[1]) in (origins or {}):
+        where = origins[int(chat_image[1])] + chat_image[2]
+        new = where + (chat_image[3] or "")
+        message = error.message.replace(f"messages[{chat_image[1]}]{chat_image[2]}", where)
+        return ApiError(error.status, message, param=new, code=error.code, kind=error.kind, headers=error.headers)
     if new and new != param:
         message = error.message.replace(repr(param), repr(new))
         return ApiError(error.status, message, param=new, code=error.code, kind=error.kind, headers=error.headers)
@@ -271,11 +341,12 @@ class Responses:
         history: list[dict[str, object]] = []
         if body.get("previous_response_id") is not None:
             history = self.store.get(body["previous_response_id"])[1]
+        origins: dict[int, str] = {}
         try:
-            chat, conversation = chat_body(body, history)
+            chat, conversation = chat_body(body, history, origins)
             plan = server.prepare_body(chat, "chat")
         except ApiError as error:
-            raise renamed(error) from None
+            raise renamed(error, origins) from None
         if body.get("store") is not None and not isinstance(body["store"], bool):
             raise _refuse("store", "must be true or false")
         plan.extra = {"body": body, "conversation": conversation, "id": new_id("resp"), "created_at": int(time.time())}

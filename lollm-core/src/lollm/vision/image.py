@@ -138,7 +138,8 @@ def check_header(image: Image.Image, name: str) -> None:
             if image.mode.startswith(("I", "F")) else f"a {image.mode}"
         raise ImageError(f"{name} is {kind} image; accepted are 8-bit RGB, RGBA, grey and palette images "
                          f"(modes {', '.join(ACCEPTED_MODES)}): convert it to 8-bit RGB first")
-    rawmode = image.tile[0].args if image.tile else None  # how the file stores a pixel, e.g. "RGB;16B"
+    tile = getattr(image, "tile", None)  # an image made in memory (not read from a file) has none
+    rawmode = tile[0].args if tile else None  # how the file stores a pixel, e.g. "RGB;16B"
     if isinstance(rawmode, str) and ";16" in rawmode:  # a 16-bit RGB PNG opens as mode RGB, dropping 8 bits
         raise ImageError(f"{name} is a 16-bit PNG; accepted are 8-bit images: convert it to 8-bit RGB first")
 
