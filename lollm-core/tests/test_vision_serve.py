@@ -65,6 +65,17 @@ def test_other_urls_are_refused_naming_the_rule():
     assert error.param == "messages[0].content[0].image_url.url"
 
 
+@pytest.mark.parametrize("detail", ["low", "high"])
+def test_a_detail_other_than_auto_is_refused_naming_it(detail):
+    """As the Responses API's input_image: the tower's own resolution rule decides, so low/high cannot be honoured."""
+    part = {"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": detail}}
+    error = refused(user(part), "detail must be auto", repr(detail))
+    assert error.param == "messages[0].content[0].image_url.detail"
+    accepted: list = []
+    read_messages(user({"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": "auto"}}), accepted)
+    assert len(accepted) == 1
+
+
 def test_bad_base64_truncated_and_animated_images_are_400s():
     refused(user(image_part("data:image/png;base64,@@@@")), "image 1 of the request", "not valid base64")
     refused(user(image_part(data_url(png_bytes()[:40]))), "truncated")
