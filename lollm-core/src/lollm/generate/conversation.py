@@ -155,17 +155,10 @@ class ChatSession:
         images = [e for m in messages for e in m.get("images", ())]
         if not images:
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **self.template_flags)
-        from lollm.errors import ImageError
-        from lollm.vision.prompt import expand_placeholders
+        from lollm.vision.chat import encode_chat_with_images
 
-        spec = self.tower.spec
-
-        def expand(text: str) -> str:
-            if text.count(spec.placeholder) != len(images):
-                raise ImageError(f"the chat template wrote {text.count(spec.placeholder)} image placeholder(s) "
-                                 f"({spec.placeholder!r}) for the conversation's {len(images)} image(s)")
-            return expand_placeholders(text, spec, [e.embeds.shape[0] for e in images])
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, rewrite=expand, **self.template_flags)
+        return encode_chat_with_images(messages, [e.embeds.shape[0] for e in images], self.tower.spec, self.tokenizer,
+                                       model=self.loaded.checkpoint.spec, parse_special=True, **self.template_flags)
 
     def prompt(self, text: str) -> tuple[list[dict[str, str]], list[int], int]:
         """The next prompt with the user message ``text``: ``(messages, ids, dropped)``.
