@@ -26,6 +26,8 @@ the tests then skip, saying it).
 from __future__ import annotations
 
 import inspect
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -53,11 +55,15 @@ class VisionSetup:
     processor:       () -> transformers' image processor for it (a slow PIL class: no torchvision);
                      called as ``processor(images=[...], return_tensors="pt")``.
     reference_class: the transformers class name, e.g. ``"Gemma3ForConditionalGeneration"``.
+    relabel:         optional, config dict -> the config.json this family reads, for a family whose model
+                     types transformers does not know (a copy made by ``lollm new-family`` relabels
+                     transformers' types to its own); the reference reads transformers' config.json.
     """
 
     config: Callable[[], dict]
     processor: Callable[[], Any]
     reference_class: str
+    relabel: Callable[[dict], dict] | None = None
 
 
 def _gemma3_config() -> dict:
@@ -238,12 +244,16 @@ class VisionChecks:
         folder = write_tiny_checkpoint(vision_setup.config(), Path(tmp_path) / "vision", init_std=SENSITIVE_INIT_STD,
                                        model_class=vision_setup.reference_class)
         vision_setup.processor().save_pretrained(folder)  # preprocessor_config.json, as a published checkpoint has it
+        reference = getattr(transformers, vision_setup.reference_class).from_pretrained(str(folder), dtype=torch.float32).eval()
+        if vision_setup.relabel is not None:  # this family's own model types: a copy of the checkpoint, relabelled
+            folder = Path(shutil.copytree(folder, Path(tmp_path) / "vision-relabelled"))
+            config = vision_setup.relabel(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+            (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         checkpoint = load_checkpoint(folder)
         options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float", quantization=Quantization("float"))
         model = installed.family.resolve("load")(checkpoint, options)
         tower = installed.family.resolve("vision")(checkpoint, options)
         assert tower is not None, f"the family's vision loader found no tower in {folder} (a full *ForConditionalGeneration checkpoint)"
-        reference = getattr(transformers, vision_setup.reference_class).from_pretrained(str(folder), dtype=torch.float32).eval()
         return model, tower, reference, checkpoint.config
 
     def test_vision_tower_features_equal_the_reference(self, vision_setup, vision_run):
