@@ -22,6 +22,10 @@ How the reference is found: the installed family's ``load`` string
 (``"lollm_qwen.qwen2.weights:load"``) names its package (``lollm_qwen.qwen2``);
 every ``.py`` file of that package folder is copied. A family that imports
 another package of its distribution cannot be copied alone and is refused.
+A vision family's tower (contract 3, ``Family.vision``) comes too: inside the
+folder (gemma3) it is copied with it; beside it (gemma4's ``gemma4_vision*.py``,
+qwen3_5's ``vision*.py``) its files go beside the copy's folder (:func:`vision_files`).
+The copy's plugin declares it, and its tests run the kit's vision check.
 
 How names change (plain text substitution on whole words, in code and docstrings alike):
 
