@@ -98,6 +98,6 @@ def test_the_vision_check_passes_the_family_and_fails_each_vision_mutant(family,
     """The unchanged copy passes both vision tests; each catalogue mutant (lollm.testing.vision_mutants: gemma3's
     SigLIP and merge, gemma4's tower beside its folder, copied with lollm_gemma) fails those named in its
     FAILS, with the kit's message, and passes the other (a right tower with a wrong merge)."""
-    from lollm.testing.vision_mutants import check_vision_mutant
+    from lollm.testing.mutation import check_vision_mutant
 
     check_vision_mutant(family, mutation, tmp_path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lollm.testing.vision_mutants import check_vision_mutant
+from lollm.testing.mutation import check_vision_mutant
 
 
 @pytest.mark.parametrize("mutation", [None, "patch_order_transposed", "position_embedding_dropped", "merge_one_token_off"])

@@ -54,10 +54,11 @@ from lollm.testing.schedules import SEQUENCE_LENGTH
 from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 from lollm.testing.vision_checks import VISION_TESTS
-from lollm.testing.vision_mutants import VISION_EDITS, VISION_PACKAGES
+from lollm.testing.vision_mutants import FAILS as VISION_FAILS, VISION_EDITS, VISION_PACKAGES
 
 __all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "CONVERTER_TESTS", "FAMILY_ATTRIBUTES", "GGUF_READER_BUGS", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
-           "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit", "stated_attributes"]
+           "NUMERIC_TESTS", "bf16_softmax_attend", "check_vision_mutant", "copy_family", "mutant_registry", "run_kit",
+           "stated_attributes"]
 
 #: The kit tests that can see a wrong number (the others check registration, loading, shapes).
 NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
@@ -431,6 +432,22 @@ MUTANTS: dict[str, tuple[str, dict[str, Mutant]]] = {
 for _family, _bugs in VISION_EDITS.items():
     MUTANTS[_family][1].update({bug: Mutant(bug, edits, VISION_TESTS, VISION_PACKAGES.get(_family))
                                 for bug, edits in _bugs.items()})
+
+
+def check_vision_mutant(family: str, bug: str | None, workdir: str | Path) -> None:
+    """The kit's vision check on a copy of ``family`` with the vision mutant ``bug`` (None: the unchanged copy, which
+    must pass); AssertionError unless exactly the tests of :data:`~lollm.testing.vision_mutants.FAILS` fail, with their
+    messages. The check writes its own checkpoint (``FIRST_PARTY_VISION``) under ``workdir``."""
+    package, mutants = MUTANTS[family]
+    mutant = mutants[bug] if bug else Mutant("", {})
+    copied = mutant.package or package
+    run = run_kit(copied, copy_family(copied, Path(workdir) / "src", f"vision_{family}_{bug}", mutant.edits), family,
+                  workdir, workdir, tests=VISION_TESTS)
+    must_fail = VISION_FAILS.get(bug, {})
+    assert sorted(run.failed) == sorted(must_fail), f"{family} {bug}: outcomes {run.outcomes}"
+    assert sorted(run.passed) == sorted(set(VISION_TESTS) - set(must_fail)), f"{family} {bug}: outcomes {run.outcomes}"
+    for name, needle in must_fail.items():
+        assert needle in run.failed[name], f"{family} {bug}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
 
 
 @dataclass

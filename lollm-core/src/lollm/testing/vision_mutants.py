@@ -18,8 +18,6 @@ whole package (:data:`VISION_PACKAGES`) and name each file from there.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 #: family -> the package its vision mutants copy, when it is not the family's own (the tower lives beside it).
 VISION_PACKAGES = {"gemma4": "lollm_gemma", "qwen3_5": "lollm_qwen3_5", "qwen3_5_moe": "lollm_qwen3_5"}
 
@@ -80,21 +78,3 @@ FAILS = {
     "merge_one_token_off": {"test_vision_logits_equal_the_reference": "vision parity failed"},
 }
 
-
-def check_vision_mutant(family: str, bug: str | None, workdir: str | Path) -> None:
-    """Run the kit's vision check on a copy of ``family`` with the vision mutant ``bug`` (None: the unchanged
-    copy, which must pass both tests); raise AssertionError unless exactly the tests of :data:`FAILS` fail,
-    each with its message. The check writes its own checkpoint (``FIRST_PARTY_VISION``), in ``workdir``."""
-    from lollm.testing.mutation import MUTANTS, copy_family, run_kit
-    from lollm.testing.vision_checks import VISION_TESTS
-
-    package, mutants = MUTANTS[family]
-    mutant = mutants[bug] if bug else None
-    copied = mutant.package or package if mutant else package
-    copy = copy_family(copied, Path(workdir) / "src", f"vision_{family}_{bug or 'clean'}", mutant.edits if mutant else {})
-    run = run_kit(copied, copy, family, workdir, workdir, tests=VISION_TESTS)
-    must_fail = FAILS.get(bug, {})
-    assert sorted(run.failed) == sorted(must_fail), f"{family} {bug}: outcomes {run.outcomes}"
-    assert sorted(run.passed) == sorted(set(VISION_TESTS) - set(must_fail)), f"{family} {bug}: outcomes {run.outcomes}"
-    for name, needle in must_fail.items():
-        assert needle in run.failed[name], f"{family} {bug}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
