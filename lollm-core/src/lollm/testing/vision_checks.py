@@ -11,10 +11,11 @@ would pass), for prompts with 1 and then 2 drawn images of different sizes and a
   transformers' ``get_image_features`` on its processor's output (the ``pooler_output``: the
   projector's output), cosine >= ``vision_min_cosine`` at every token;
 * ``test_vision_logits_equal_the_reference``: the whole image path (our preprocessing, tower,
-  placement and merge, the decoder's image mask) gives transformers' logits at every position of
-  the prompt: the same argmax, cosine >= ``vision_min_cosine``.
+  placement and merge, the decoder's own image rule: Gemma's mask, Qwen3.5's M-RoPE) gives
+  transformers' logits at every position of the prompt: the same argmax, cosine >= ``vision_min_cosine``.
 
-The mutants these checks must fail (:mod:`lollm.testing.mutation`): ``patch_order_transposed``,
+The mutants these checks must fail, on each first-party vision family (:mod:`lollm.testing.vision_mutants`,
+run by :func:`lollm.testing.mutation.check_vision_mutant`): ``patch_order_transposed``,
 ``position_embedding_dropped``, ``merge_one_token_off``.
 
 What the check needs of a family is a :class:`VisionSetup`: the tiny config.json, the transformers
@@ -53,7 +54,8 @@ class VisionSetup:
     config:          () -> the tiny ``*ForConditionalGeneration`` config.json (a dict), written by
                      transformers' class ``reference_class`` (tiny tower, decoder and image tokens).
     processor:       () -> transformers' image processor for it (a slow PIL class: no torchvision);
-                     called as ``processor(images=[...], return_tensors="pt")``.
+                     called as ``processor(images=[...], return_tensors="pt")``, and saved beside the
+                     checkpoint (``preprocessor_config.json``, which a dynamic-resolution tower reads).
     reference_class: the transformers class name, e.g. ``"Gemma3ForConditionalGeneration"``.
     relabel:         optional, config dict -> the config.json this family reads, for a family whose model
                      types transformers does not know (a copy made by ``lollm new-family`` relabels
