@@ -31,3 +31,35 @@ def test_an_existing_folder_is_refused(tmp_path):
     (tmp_path / "lollm-mine").mkdir()
     with pytest.raises(NewFamilyError, match="already exists"):
         render("mine", "qwen2", tmp_path)
+
+
+def _fake_distribution(root, tower_imports: str):
+    """A package ``fakedist`` with a family folder ``fam/``, another folder ``other/``, a tower module beside them."""
+    for folder in ("fakedist", "fakedist/fam", "fakedist/other"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "fakedist/helper.py").write_text("from .fam.blocks import norm\n")
+    (root / "fakedist/tower.py").write_text(tower_imports)
+
+
+def test_the_vision_files_beside_a_family_folder_are_found_and_a_tower_that_is_not_self_contained_is_refused(
+        tmp_path, monkeypatch):
+    """vision_files: the module Family.vision names, plus each sibling it imports relatively, in turn; a tower
+    importing another family's folder, or kept outside the distribution's package, is refused by name."""
+    from types import SimpleNamespace
+
+    from lollm.cli.new_family import NewFamilyError, vision_files
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _fake_distribution(tmp_path, "from .helper import norm\nfrom .fam.blocks import rope\n")
+    family = SimpleNamespace(name="fam", vision="fakedist.tower:load_vision")
+    assert [p.name for p in vision_files(family, "fakedist.fam", "fakedist")] == ["helper.py", "tower.py"]
+    inside = SimpleNamespace(name="fam", vision="fakedist.fam.vision:load_vision")
+    assert vision_files(inside, "fakedist.fam", "fakedist") == []  # copied with the folder
+    assert vision_files(SimpleNamespace(name="fam", vision=None), "fakedist.fam", "fakedist") == []
+
+    (tmp_path / "fakedist/tower.py").write_text("from .other.blocks import rope\n")
+    with pytest.raises(NewFamilyError, match=r"tower.py imports \.other, another part of fakedist"):
+        vision_files(family, "fakedist.fam", "fakedist")
+    with pytest.raises(NewFamilyError, match="loads its vision tower from 'elsewhere.tower', outside fakedist"):
+        vision_files(SimpleNamespace(name="fam", vision="elsewhere.tower:load_vision"), "fakedist.fam", "fakedist")

@@ -92,29 +92,12 @@ def test_the_blind_spots_of_issue_38_pass_every_float32_check_and_fail_the_new_o
     assert result.caught == {b: expected[b] for b in bugs}, result.caught
 
 
-#: The kit's vision check on gemma3's image path (lollm.testing.vision_checks): name -> {test: text its message holds}.
-VISION_MUTANTS = {
-    "patch_order_transposed": {"test_vision_tower_features_equal_the_reference": "vision features",
-                               "test_vision_logits_equal_the_reference": "vision parity failed"},
-    "position_embedding_dropped": {"test_vision_tower_features_equal_the_reference": "vision features",
-                                   "test_vision_logits_equal_the_reference": "vision parity failed"},
-    "merge_one_token_off": {"test_vision_logits_equal_the_reference": "vision parity failed"},
-}
+@pytest.mark.parametrize("mutation", [None, "patch_order_transposed", "position_embedding_dropped", "merge_one_token_off"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_the_vision_check_passes_the_family_and_fails_each_vision_mutant(family, mutation, tmp_path):
+    """The unchanged copy passes both vision tests; each catalogue mutant (lollm.testing.vision_mutants: gemma3's
+    SigLIP and merge, gemma4's tower beside its folder, copied with lollm_gemma) fails those named in its
+    FAILS, with the kit's message, and passes the other (a right tower with a wrong merge)."""
+    from lollm.testing.mutation import check_vision_mutant
 
-
-@pytest.mark.parametrize("mutation", [None, *sorted(VISION_MUTANTS)])
-def test_the_vision_check_passes_gemma3_and_fails_each_vision_mutant(mutation, tmp_path):
-    """The unchanged copy passes both vision tests; each catalogue mutant (lollm.testing.mutation.MUTANTS)
-    fails those named, with the kit's message, and passes the others (a right tower with a wrong merge)."""
-    from lollm.testing.mutation import MUTANTS
-    from lollm.testing.vision_checks import VISION_TESTS
-
-    edits = MUTANTS["gemma3"][1][mutation].edits if mutation else {}
-    copy = copy_family(PACKAGE, tmp_path / "src", f"vision_gemma3_{mutation or 'clean'}", edits)
-    # the vision tests write their own checkpoint (lollm.testing.vision_checks.FIRST_PARTY_VISION): none needed here
-    run = run_kit(PACKAGE, copy, "gemma3", tmp_path, tmp_path, tests=VISION_TESTS)
-    must_fail = VISION_MUTANTS.get(mutation, {})
-    assert sorted(run.failed) == sorted(must_fail), f"{mutation}: outcomes {run.outcomes}"
-    assert sorted(run.passed) == sorted(set(VISION_TESTS) - set(must_fail)), run.outcomes
-    for name, needle in must_fail.items():
-        assert needle in run.failed[name], f"{mutation}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
+    check_vision_mutant(family, mutation, tmp_path)

@@ -16,7 +16,6 @@ import pytest
 
 from lollm.cli.new_family import find_hub_config
 from lollm.testing.conformance import FamilyConformance
-from lollm.testing.mutation import FAMILY_ATTRIBUTES
 from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 
@@ -46,7 +45,6 @@ def _kit_checkpoint(tmp_path_factory, name: str, model_types: tuple[str, ...]):
 
 class TestQwen3_5Conformance(FamilyConformance):
     reference_available = True
-    vision_waiver = FAMILY_ATTRIBUTES["qwen3_5"]["vision_waiver"]  # the kit's vision check: gemma3 first
     # Batch invariance: the routed experts, the router and the DeltaNet's decay and write gates
     # (in_proj_a, in_proj_b) stay float32 matmuls over the step's rows (weights.QUANTIZABLE), and the
     # chunked delta rule's float32 products run over chunks the token budget cuts: torch's float32
@@ -73,7 +71,6 @@ class TestQwen3_5Conformance(FamilyConformance):
 
 class TestQwen3_5MoeConformance(FamilyConformance):
     reference_available = True
-    vision_waiver = FAMILY_ATTRIBUTES["qwen3_5"]["vision_waiver"]  # the kit's vision check: gemma3 first
     # Batch invariance: the routed experts, the router and the DeltaNet's decay and write gates
     # (in_proj_a, in_proj_b) stay float32 matmuls over the step's rows (weights.QUANTIZABLE), and the
     # chunked delta rule's float32 products run over chunks the token budget cuts: torch's float32

@@ -22,6 +22,10 @@ How the reference is found: the installed family's ``load`` string
 (``"lollm_qwen.qwen2.weights:load"``) names its package (``lollm_qwen.qwen2``);
 every ``.py`` file of that package folder is copied. A family that imports
 another package of its distribution cannot be copied alone and is refused.
+A vision family's tower (contract 3, ``Family.vision``) comes too: inside the
+folder (gemma3) it is copied with it; beside it (gemma4's ``gemma4_vision*.py``,
+qwen3_5's ``vision*.py``) its files go beside the copy's folder (:func:`vision_files`).
+The copy's plugin declares it, and its tests run the kit's vision check.
 
 How names change (plain text substitution on whole words, in code and docstrings alike):
 
@@ -71,7 +75,9 @@ from importlib import import_module
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from lollm.cli.new_family_templates import CI, MANIFEST_TAIL, PACKAGE_INIT, PARITY, PLUGIN, PYPROJECT, README, TESTS
+from lollm.cli.new_family_templates import (
+    CI, MANIFEST_TAIL, PACKAGE_INIT, PARITY, PLUGIN, PYPROJECT, README, TESTS, TESTS_VISION, VISION_LINE,
+)
 from lollm.errors import LollmError
 from lollm.family import CONTRACT_VERSION
 
@@ -244,12 +250,49 @@ def render(name: str, like: str, into: Path | str = ".", *, model_type: str | No
     model_type = types[family.model_types[0]]
     hub = find_hub_config(family.model_types)
 
+    vision = vision_files(family, ref_package, ref_top)
+
     # 2. Build the distribution in a sibling folder, then move it in place (no half-written output).
     written = _write_in_place(into, folder, name=name, types=types, like=like, family=family, entry=entry,
-                              ref_package=ref_package, ref_top=ref_top, files=files, hub=hub)
+                              ref_package=ref_package, ref_top=ref_top, files=files, hub=hub, vision=vision)
     batched = any(re.search(r"^\s+def cache_layers\(", p.read_text(encoding="utf-8"), re.MULTILINE) for p in files)
     return Rendered(folder=folder, name=name, model_type=model_type, like=like, reference_package=ref_package,
                     hub_config=hub, files=tuple(written), batched=batched)
+
+
+def vision_files(family, ref_package: str, ref_top: str) -> list[Path]:
+    """The vision modules of the reference that lie beside its family folder, which the copy takes too.
+
+    ``family.vision`` (contract 3, ``"module:function"``) names the tower's module: inside the family
+    package (gemma3's ``lollm_gemma.gemma3.vision``) it is copied with the folder, and this returns [];
+    beside it, in the distribution's package (gemma4's ``lollm_gemma.gemma4_vision_contract``, qwen3_5's
+    ``lollm_qwen3_5.vision_family``), this returns that module's file and every sibling module it
+    imports relatively (``from .gemma4_vision import ...``), in turn; the copy keeps them beside its
+    own folder, so their imports (``from .gemma4.blocks``, renamed ``from .NAME.blocks``) still hold.
+    [] for a family without vision. NewFamilyError for a tower that imports another family's folder or
+    lies outside the distribution's package: the copy could not stand alone.
+    """
+    if family.vision is None or family.vision.startswith(f"{ref_package}."):
+        return []
+    module = family.vision.split(":")[0]
+    if module.rsplit(".", 1)[0] != ref_top:
+        raise NewFamilyError(f"family {family.name!r} loads its vision tower from {module!r}, outside {ref_top}; "
+                             f"lollm new-family copies a tower kept in the family's own distribution package")
+    top = Path(import_module(ref_top).__file__).parent
+    folder = ref_package.split(".", 1)[1]
+    found, todo = [], [module.rsplit(".", 1)[1]]
+    while todo:
+        path = top / f"{todo.pop()}.py"
+        if path in found:
+            continue
+        found.append(path)
+        for sibling in re.findall(r"^\s*from\s+\.(\w+)", path.read_text(encoding="utf-8"), re.MULTILINE):
+            if (top / f"{sibling}.py").is_file():
+                todo.append(sibling)
+            elif sibling != folder:
+                raise NewFamilyError(f"{path} imports .{sibling}, another part of {ref_top} than the family folder "
+                                     f"{folder}/; the vision tower of a copied family must be self-contained")
+    return sorted(found)
 
 
 #: The longest NAME accepted. NAME appears up to four times in one generated path
@@ -365,7 +408,7 @@ def _work_folder(into: Path, name: str) -> Path:
     return work
 
 
-def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top, files, hub) -> list[str]:
+def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top, files, hub, vision) -> list[str]:
     from lollm.cli.hub_configs import hub_config
 
     model_type = types[family.model_types[0]]
@@ -396,11 +439,15 @@ def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top
                 like=like, ref_package=ref_package, dist=entry.distribution, version=entry.version,
                 back=back, top=top, name=name) + "\n"
         put(f"src/{top}/{name}/{target}", text)
+    for path in vision:  # the tower beside the family folder (gemma4, qwen3_5): beside the copy's folder too
+        put(f"src/{top}/{rename(path.name, subs)}", rename(path.read_text(encoding="utf-8"), subs))
     put(f"src/{top}/{name}/parity.py", PARITY.format(name=name))
     put(f"src/{top}/__init__.py", PACKAGE_INIT.format(name=name, dist=dist, like=like))
     caps = family.capabilities
-    cap_args = ", ".join(f"{k}=True" for k in ("thinking_toggle", "speculative_head") if getattr(caps, k, False))
-    put(f"src/{top}/plugin.py", PLUGIN.format(name=name, top=top, caps=cap_args, contract=CONTRACT_VERSION))
+    cap_args = ", ".join(f"{k}=True" for k in ("thinking_toggle", "speculative_head", "vision") if getattr(caps, k, False))
+    has_vision = family.vision is not None  # contract 3: the manifest's VISION, renamed, names the copied tower
+    put(f"src/{top}/plugin.py", PLUGIN.format(name=name, top=top, caps=cap_args, contract=CONTRACT_VERSION,
+                                              vision=VISION_LINE.format(name=name) if has_vision else ""))
     core = core_range()
     put("pyproject.toml", PYPROJECT.format(dist=dist, name=name, top=top, like=like, core=core,
                                            core_test=core.replace("lollm-core", "lollm-core[parity,test]")))
@@ -408,7 +455,8 @@ def _write(work: Path, *, name, types, like, family, entry, ref_package, ref_top
                                    ref_model_type=ref_model_type, hub=hub, ref_dist=entry.distribution,
                                    contract=CONTRACT_VERSION))
     put(".github/workflows/ci.yml", CI.format(dist=dist))
-    put("tests/test_conformance.py", TESTS.format(name=name, top=top, hub=hub, camel=camel(name)))
+    put("tests/test_conformance.py", TESTS.format(name=name, top=top, hub=hub, camel=camel(name),
+                                                  vision=TESTS_VISION.format(like=like) if has_vision else ""))
     leftover = [rel for rel in written if rel.endswith(".py") and re.search(rf"^\s*(from|import)\s+{re.escape(ref_top)}\b",
                                                                            (work / rel).read_text(), re.MULTILINE)]
     if leftover:

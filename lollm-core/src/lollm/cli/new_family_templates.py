@@ -116,7 +116,7 @@ FAMILY = Family(
     capabilities=Capabilities({caps}),
     parity_reference={name}.PARITY_REFERENCE,
     description={name}.DESCRIPTION,
-)
+{vision})
 
 
 @hookimpl
@@ -151,6 +151,12 @@ test = ["pytest>=8", "{core_test}"]
 
 [tool.setuptools.packages.find]
 where = ["src"]
+'''
+
+#: The plugin's line for a copy of a vision family (contract 3): the tower the manifest's VISION names.
+VISION_LINE = '''\
+    # contract 3: the vision tower (module:function), copied with the family; images in, docs/vision.md
+    vision={name}.VISION,
 '''
 
 README = '''\
@@ -297,4 +303,18 @@ class Test{camel}Conformance(FamilyConformance):
     def checkpoint_dir(cls, tmp_path_factory):
         # one checkpoint for the class: the kit's tests only read it (the broken copies go elsewhere)
         return write_tiny(tmp_path_factory.mktemp("{name}"))
+{vision}'''
+
+#: The vision fixture of a copy of a vision family (the kit's section 13, lollm.testing.vision_checks).
+TESTS_VISION = '''
+    @pytest.fixture
+    def vision_setup(self):
+        # the kit's vision check on {like}'s tiny image checkpoint (FIRST_PARTY_VISION), written by transformers
+        # under {like}'s model types; this family reads it relabelled with its own. Write your own VisionSetup
+        # (tiny config, transformers' image processor and class) once your tower departs from {like}'s.
+        import dataclasses
+
+        from lollm.testing.vision_checks import FIRST_PARTY_VISION
+
+        return dataclasses.replace(FIRST_PARTY_VISION[{like!r}], relabel=relabel)
 '''

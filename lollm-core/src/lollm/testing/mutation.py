@@ -54,9 +54,11 @@ from lollm.testing.schedules import SEQUENCE_LENGTH
 from lollm.cli.hub_configs import hub_config
 from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
 from lollm.testing.vision_checks import VISION_TESTS
+from lollm.testing.vision_mutants import FAILS as VISION_FAILS, VISION_EDITS, VISION_PACKAGES
 
 __all__ = ["BLIND_SPOT_BUGS", "BUG_CLASSES", "CONVERTER_TESTS", "FAMILY_ATTRIBUTES", "GGUF_READER_BUGS", "KIT_CHECKS", "KitRun", "MUTANTS", "Mutant",
-           "NUMERIC_TESTS", "bf16_softmax_attend", "copy_family", "mutant_registry", "run_kit", "stated_attributes"]
+           "NUMERIC_TESTS", "bf16_softmax_attend", "check_vision_mutant", "copy_family", "mutant_registry", "run_kit",
+           "stated_attributes"]
 
 #: The kit tests that can see a wrong number (the others check registration, loading, shapes).
 NUMERIC_TESTS = ("test_parity_with_the_reference", "test_cached_decode_matches_the_reference",
@@ -86,11 +88,8 @@ MAY_SKIP = ("test_both_config_schemas_give_the_same_logits",) + CONVERTER_TESTS 
 #: the copies ``lollm new-family`` makes state them too (:func:`stated_attributes`).
 #: No bf16_error_fraction today: qwen3_5 and qwen3_5_moe stated 1.0 until their DeltaNet's beta took its
 #: sigmoid in the model dtype, as transformers does; since then every family rounds where transformers does.
-#: The vision check (lollm.testing.vision_checks) runs for gemma3; the other vision families wait for their
-#: VisionSetup (their own tests compare their towers with transformers: tests/test_gemma4_vision.py, test_vision_tower.py).
-_VISION_LATER = "the kit's vision check has no VisionSetup for this family yet (issue 39: gemma3 first); its own vision tests compare the tower with transformers"
-FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {name: {"vision_waiver": _VISION_LATER}
-                                                   for name in ("gemma4", "qwen3_5", "qwen3_5_moe")}
+#: The vision check (lollm.testing.vision_checks) runs for every vision family: none states a ``vision_waiver``.
+FAMILY_ATTRIBUTES: dict[str, dict[str, object]] = {}
 
 
 def stated_attributes(model_types: Iterable[str]) -> dict[str, object]:
@@ -140,7 +139,8 @@ def mutant_registry(package: str, family_name: str, copy: str, folder: str | Pat
     The copy (made by :func:`copy_family` in ``folder``) is put on ``sys.path``;
     the Family record is the installed one with ``package`` replaced by ``copy``
     in its ``load`` target (and ``parity_reference`` and ``vision``, when the family has them
-    inside its package).
+    inside ``package``: gemma4's tower, ``lollm_gemma.gemma4_vision_contract``, stays the installed
+    one in a copy of ``lollm_gemma.gemma4``; a copy of ``lollm_gemma`` takes both).
     """
     folder = str(Path(folder))
     if folder not in sys.path:
@@ -150,11 +150,13 @@ def mutant_registry(package: str, family_name: str, copy: str, folder: str | Pat
     if installed is None:
         raise LookupError(f"no installed family is named {family_name!r}")
     family = installed.family
-    family = dataclasses.replace(
-        family, load=family.load.replace(package, copy),
-        parity_reference=None if family.parity_reference is None else family.parity_reference.replace(package, copy),
-        vision=None if family.vision is None else family.vision.replace(package, copy),
-    )
+
+    def moved(target: str | None) -> str | None:  # "package.module:function" inside package -> the copy's
+        inside = target is not None and target.startswith((f"{package}.", f"{package}:"))
+        return copy + target[len(package):] if inside else target
+
+    family = dataclasses.replace(family, load=moved(family.load), parity_reference=moved(family.parity_reference),
+                                 vision=moved(family.vision))
     plugin = types.ModuleType(f"{copy}_plugin")
 
     @hookimpl
@@ -288,11 +290,14 @@ BUG_CLASSES = {
 class Mutant:
     """One bug in one family: ``edits`` maps a file of the family package to its (old, new) pairs
     (each old text must occur exactly once, :func:`copy_family`); ``judged_by``: kit tests the suite runs on
-    this mutant besides its judging tests (the converter's GGUF for a bug of the GGUF reader)."""
+    this mutant besides its judging tests (the converter's GGUF for a bug of the GGUF reader); ``package``:
+    the package copied and edited when not the family's own (a vision tower kept beside the family folder:
+    the distribution's package, e.g. ``lollm_gemma``, whose files ``edits`` then names from there)."""
 
     bug: str
     edits: Mapping[str, Sequence[tuple[str, str]]]
     judged_by: tuple[str, ...] = ()
+    package: str | None = None
 
 
 def bf16_softmax_attend(q, k, v, *, start: int, ring: bool = False, window: int | None = None,
@@ -387,8 +392,6 @@ def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[s
         shift = 'return tensor - GGUF_NORM_SHIFT if model_name.endswith("norm.weight") else tensor'
         out["gguf_norm_shift_kept"] = Mutant("gguf_norm_shift_kept", {"weights.py": [(
             shift, shift.replace('"norm.weight"', '"layernorm.weight"'))]}, CONVERTER_TESTS[:1])
-    if name == "gemma3":  # the vision check's three (lollm.testing.vision_checks): SigLIP's patches, positions, the merge
-        out.update(_gemma3_vision())
     if name == "gemma3":  # the family that reads both spellings of two RoPE bases
         local = 'local_base = read.rope_theta("rope_local_base_freq")'
         out["local_rope_from_rope_theta"] = Mutant("local_rope_from_rope_theta", {"config.py": [(
@@ -398,22 +401,6 @@ def _gemma(name: str, call: str, scale: tuple[str, str, str], rope: list[tuple[s
         out["local_layers_on_global_rope"] = Mutant("local_layers_on_global_rope", {"config.py": [(pick, "return self.rope_global")]})
         out["global_layers_on_local_rope"] = Mutant("global_layers_on_local_rope", {"config.py": [(pick, "return self.rope_local")]})
     return out
-
-
-def _gemma3_vision() -> dict[str, Mutant]:
-    """The bugs only the vision check sees: the text tests never give the tower or the merge an image."""
-    flatten = "x = x.flatten(2).transpose(1, 2)  # (1, P, D): patches in reading order, row by row"
-    positions = "return x + self.position_embedding.weight[None]  # patch i gets position vector i"
-    merge = "x = scatter_step_images(x, images, start)"
-    return {
-        "patch_order_transposed": Mutant("patch_order_transposed", {"vision.py": [(
-            flatten, flatten.replace("x.flatten(2)", "x.transpose(2, 3).flatten(2)"))]}, VISION_TESTS),
-        "position_embedding_dropped": Mutant("position_embedding_dropped", {"vision.py": [(
-            positions, "return x  # the position table never added")]}, VISION_TESTS),
-        # an image placed at p lands at p + 1 (an int start only: the kit's forward; the text tests never scatter)
-        "merge_one_token_off": Mutant("merge_one_token_off", {"modeling_gemma3.py": [(
-            merge, merge.replace("start)", "start - 1 if isinstance(start, int) else start)"))]}, VISION_TESTS),
-    }
 
 
 _GEMMA_ROPE = [("inv_freq = 1.0 / (rope.theta**exponents)", "inv_freq = 1.0 / ((1.5 * rope.theta)**exponents)")]
@@ -441,6 +428,26 @@ MUTANTS: dict[str, tuple[str, dict[str, Mutant]]] = {
     "qwen3_5": ("lollm_qwen3_5.qwen3_5", _qwen3_5("qwen3_5")),
     "qwen3_5_moe": ("lollm_qwen3_5.qwen3_5_moe", _qwen3_5("qwen3_5_moe")),
 }
+# the vision check's three, in each vision family's own source (lollm.testing.vision_mutants)
+for _family, _bugs in VISION_EDITS.items():
+    MUTANTS[_family][1].update({bug: Mutant(bug, edits, VISION_TESTS, VISION_PACKAGES.get(_family))
+                                for bug, edits in _bugs.items()})
+
+
+def check_vision_mutant(family: str, bug: str | None, workdir: str | Path) -> None:
+    """The kit's vision check on a copy of ``family`` with the vision mutant ``bug`` (None: the unchanged copy, which
+    must pass); AssertionError unless exactly the tests of :data:`~lollm.testing.vision_mutants.FAILS` fail, with their
+    messages. The check writes its own checkpoint (``FIRST_PARTY_VISION``) under ``workdir``."""
+    package, mutants = MUTANTS[family]
+    mutant = mutants[bug] if bug else Mutant("", {})
+    copied = mutant.package or package
+    run = run_kit(copied, copy_family(copied, Path(workdir) / "src", f"vision_{family}_{bug}", mutant.edits), family,
+                  workdir, workdir, tests=VISION_TESTS)
+    must_fail = VISION_FAILS.get(bug, {})
+    assert sorted(run.failed) == sorted(must_fail), f"{family} {bug}: outcomes {run.outcomes}"
+    assert sorted(run.passed) == sorted(set(VISION_TESTS) - set(must_fail)), f"{family} {bug}: outcomes {run.outcomes}"
+    for name, needle in must_fail.items():
+        assert needle in run.failed[name], f"{family} {bug}: {name} failed without the kit's message: {run.failed[name][-2000:]}"
 
 
 @dataclass
@@ -504,9 +511,10 @@ def run_suite(family_name: str, workdir: str | Path, only: Sequence[str] = (), *
     for name, mutant in mutants.items():
         if only and name not in only:
             continue
-        copy = copy_family(package, workdir / "src", f"mutant_{family_name}_{name.replace('.', '_')}", mutant.edits)
+        copied = mutant.package or package
+        copy = copy_family(copied, workdir / "src", f"mutant_{family_name}_{name.replace('.', '_')}", mutant.edits)
         with contextlib.redirect_stdout(io.StringIO()):  # pytest's report of each expected failure: the table says it
-            run = run_kit(package, copy, family_name, checkpoint, workdir, tests=tuple(tests) + mutant.judged_by,
+            run = run_kit(copied, copy, family_name, checkpoint, workdir, tests=tuple(tests) + mutant.judged_by,
                           attributes=FAMILY_ATTRIBUTES.get(family_name))
         result.caught[name] = sorted(run.failed)
         found = [float(m) for test, text in run.failed.items() if test not in _OTHER_UNITS for m in _DELTA.findall(text)]

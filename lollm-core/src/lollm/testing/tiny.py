@@ -191,6 +191,7 @@ def write_tiny_checkpoint(
     schema: Literal["hub", "transformers5"] = "transformers5",
     seed: int = 0,
     init_std: float | None = None,
+    model_class: str | None = None,
 ) -> Path:
     """Build the transformers model of ``raw_config`` with random float32 weights and save it in ``folder``.
 
@@ -209,6 +210,8 @@ def write_tiny_checkpoint(
               model barely depend on positions or scales and a wrong RoPE can pass a parity
               check; 0.3 (:data:`SENSITIVE_INIT_STD`) makes them depend on both (see
               docs/conformance-kit.md: the conformance kit checks it).
+    model_class: the transformers class to build, e.g. ``"Qwen3_5ForConditionalGeneration"`` (default:
+              ``AutoModelForCausalLM``'s, which for Qwen3.5 is the text-only model).
     """
     import transformers
 
@@ -220,7 +223,10 @@ def write_tiny_checkpoint(
 
     config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(copy.deepcopy(raw))
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_class is None:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = getattr(transformers, model_class)(config).to(torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in model.parameters():

@@ -6,14 +6,16 @@ A family whose ``Family`` declares vision (``Capabilities.vision``) must show, o
 order hardly move the features, so a tower that transposes its patches or drops its positions
 would pass), for prompts with 1 and then 2 drawn images of different sizes and aspect ratios:
 
-* ``test_vision_tower_features_equal_the_reference``: the tower's (n, C) features for each image,
-  fed the reference processor's pixels, equal transformers' ``get_image_features`` (its
-  ``pooler_output``: the projector's output), cosine >= ``vision_min_cosine`` at every token;
+* ``test_vision_tower_features_equal_the_reference``: the tower's (n, C) features for each image
+  (``tower(tower.preprocess(image))``: a fixed-size or a dynamic-resolution tower alike) equal
+  transformers' ``get_image_features`` on its processor's output (the ``pooler_output``: the
+  projector's output), cosine >= ``vision_min_cosine`` at every token;
 * ``test_vision_logits_equal_the_reference``: the whole image path (our preprocessing, tower,
-  placement and merge, the decoder's image mask) gives transformers' logits at every position of
-  the prompt: the same argmax, cosine >= ``vision_min_cosine``.
+  placement and merge, the decoder's own image rule: Gemma's mask, Qwen3.5's M-RoPE) gives
+  transformers' logits at every position of the prompt: the same argmax, cosine >= ``vision_min_cosine``.
 
-The mutants these checks must fail (:mod:`lollm.testing.mutation`): ``patch_order_transposed``,
+The mutants these checks must fail, on each first-party vision family (:mod:`lollm.testing.vision_mutants`,
+run by :func:`lollm.testing.mutation.check_vision_mutant`): ``patch_order_transposed``,
 ``position_embedding_dropped``, ``merge_one_token_off``.
 
 What the check needs of a family is a :class:`VisionSetup`: the tiny config.json, the transformers
@@ -25,6 +27,8 @@ the tests then skip, saying it).
 from __future__ import annotations
 
 import inspect
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -50,13 +54,18 @@ class VisionSetup:
     config:          () -> the tiny ``*ForConditionalGeneration`` config.json (a dict), written by
                      transformers' class ``reference_class`` (tiny tower, decoder and image tokens).
     processor:       () -> transformers' image processor for it (a slow PIL class: no torchvision);
-                     called as ``processor(images=[...], return_tensors="pt")``.
+                     called as ``processor(images=[...], return_tensors="pt")``, and saved beside the
+                     checkpoint (``preprocessor_config.json``, which a dynamic-resolution tower reads).
     reference_class: the transformers class name, e.g. ``"Gemma3ForConditionalGeneration"``.
+    relabel:         optional, config dict -> the config.json this family reads, for a family whose model
+                     types transformers does not know (a copy made by ``lollm new-family`` relabels
+                     transformers' types to its own); the reference reads transformers' config.json.
     """
 
     config: Callable[[], dict]
     processor: Callable[[], Any]
     reference_class: str
+    relabel: Callable[[dict], dict] | None = None
 
 
 def _gemma3_config() -> dict:
@@ -80,8 +89,69 @@ def _gemma3_processor():
     return Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
 
 
+#: Gemma 4's soft-token budget in the kit: the smallest its processor takes (70 tokens, 630 patches at most).
+GEMMA4_SOFT_TOKENS = 70
+
+
+def _multimodal(hub: str, vision: dict, **top) -> dict:
+    """The hub config ``hub`` with the kit's decoder (:func:`lollm.testing.tiny.kit_config`) as its
+    ``text_config``, its vision_config updated by ``vision``, no audio tower, and the top-level token ids
+    of the tiny decoder (kit_config moves them under its vocabulary), plus ``top``."""
+    from lollm.cli.hub_configs import hub_config
+
+    raw = hub_config(hub)
+    text = {**kit_config(raw), "model_type": raw["text_config"]["model_type"]}
+    ids = {k: text[k] for k in raw if k.endswith(("_token_id", "_token_index")) and isinstance(text.get(k), int)}
+    out = {**raw, **ids, "text_config": text, "vision_config": {**raw["vision_config"], **vision}, **top}
+    if "audio_config" in out:
+        out["audio_config"] = None  # the kit reads images only
+    return out
+
+
+def _gemma4_config() -> dict:
+    """gemma-4-E2B-it shrunk: the kit's decoder (per-layer inputs, shared KV layers, window 6), a 2-layer
+    tower of 16-pixel patches pooled 3 x 3, at most :data:`GEMMA4_SOFT_TOKENS` soft tokens per image."""
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "position_embedding_size": 64}
+    return _multimodal("google__gemma-4-E2B-it", vision, vision_soft_tokens_per_image=GEMMA4_SOFT_TOKENS)
+
+
+def _gemma4_processor():
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    return Gemma4ImageProcessorPil(max_soft_tokens=GEMMA4_SOFT_TOKENS)
+
+
+def _qwen3_5_config(hub: str) -> Callable[[], dict]:
+    """``hub`` (Qwen3.5-0.8B, 35B-A3B) shrunk: the kit's decoder (linear and full attention, M-RoPE), a
+    1-block ViT of 16-pixel patches merged 2 x 2, its position table a 4 x 4 grid (interpolated)."""
+    def config() -> dict:
+        out = _multimodal(hub, {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                                "num_position_embeddings": 16})
+        out["vision_config"]["out_hidden_size"] = out["text_config"]["hidden_size"]
+        if "num_experts" in out["text_config"]:
+            out["text_config"].pop("intermediate_size", None)  # kit_config writes a dense width the MoE has none of
+        return out
+    return config
+
+
+def _qwen3_5_processor():
+    """Qwen3.5's processor with a small pixel budget, 64 x 96 .. 128 x 128 pixels: the kit's drawings become
+    grids of 4 x 8 to 8 x 8 patches (at most 16 tokens), wide enough that a transposed order moves edges."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 96, "longest_edge": 128 * 128}, patch_size=16,
+                                    temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
 #: family name -> its setup, for the first-party families whose kit runs the check.
-FIRST_PARTY_VISION = {"gemma3": VisionSetup(_gemma3_config, _gemma3_processor, "Gemma3ForConditionalGeneration")}
+FIRST_PARTY_VISION = {
+    "gemma3": VisionSetup(_gemma3_config, _gemma3_processor, "Gemma3ForConditionalGeneration"),
+    "gemma4": VisionSetup(_gemma4_config, _gemma4_processor, "Gemma4ForConditionalGeneration"),
+    "qwen3_5": VisionSetup(_qwen3_5_config("Qwen__Qwen3.5-0.8B"), _qwen3_5_processor, "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": VisionSetup(_qwen3_5_config("Qwen__Qwen3.5-35B-A3B"), _qwen3_5_processor,
+                               "Qwen3_5MoeForConditionalGeneration"),
+}
 
 
 def drawing(width: int, height: int, seed: int):
@@ -118,12 +188,31 @@ def _cosines(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_kwargs(reference, processed: dict, ids: torch.Tensor, image_token_id: int) -> dict:
-    """The processor's outputs (and ``token_type_ids``: 1 at image tokens) that the reference's forward takes."""
+    """What the reference's forward takes of the processor's outputs (``pixel_values``; Gemma 4's
+    ``image_position_ids``; Qwen3.5's ``image_grid_thw``), plus the token types some read: 1 at image tokens
+    (Gemma 3's ``token_type_ids``, the ``mm_token_type_ids`` of Gemma 4's mask and Qwen3.5's M-RoPE positions)."""
     accepted = inspect.signature(reference.forward).parameters
     kwargs = {k: v for k, v in processed.items() if k in accepted}
-    if "token_type_ids" in accepted:
-        kwargs["token_type_ids"] = (ids == image_token_id).long()
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if name in accepted:
+            kwargs[name] = (ids == image_token_id).long()
     return kwargs
+
+
+def reference_features(reference, processed: dict) -> torch.Tensor:
+    """transformers' (n, C) features of the one image in ``processed`` (its processor's output).
+
+    ``get_image_features`` gets the outputs its signature takes (Gemma 4 also reads ``image_position_ids``,
+    Qwen3.5 ``image_grid_thw``); its ``pooler_output`` (the projector's output) is a tensor (Gemma 3) or
+    one tensor per image (Gemma 4, Qwen3.5).
+    """
+    model = reference if hasattr(reference, "get_image_features") else reference.model
+    accepted = inspect.signature(model.get_image_features).parameters
+    out = model.get_image_features(**{k: v for k, v in processed.items() if k in accepted})
+    out = out if isinstance(out, torch.Tensor) else out.pooler_output
+    if isinstance(out, (list, tuple)):
+        out = torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
+    return out.reshape(-1, out.shape[-1])
 
 
 class VisionChecks:
@@ -154,32 +243,36 @@ class VisionChecks:
         """(our decoder, our tower, transformers' model, the config) on the tiny vision checkpoint, float32 CPU."""
         import transformers
 
-        folder = write_tiny_checkpoint(vision_setup.config(), Path(tmp_path) / "vision", init_std=SENSITIVE_INIT_STD)
+        folder = write_tiny_checkpoint(vision_setup.config(), Path(tmp_path) / "vision", init_std=SENSITIVE_INIT_STD,
+                                       model_class=vision_setup.reference_class)
+        vision_setup.processor().save_pretrained(folder)  # preprocessor_config.json, as a published checkpoint has it
+        reference = getattr(transformers, vision_setup.reference_class).from_pretrained(str(folder), dtype=torch.float32).eval()
+        if vision_setup.relabel is not None:  # this family's own model types: a copy of the checkpoint, relabelled
+            folder = Path(shutil.copytree(folder, Path(tmp_path) / "vision-relabelled"))
+            config = vision_setup.relabel(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+            (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
         checkpoint = load_checkpoint(folder)
         options = LoadOptions(device="cpu", dtype="float32", attn="sdpa", weights="float", quantization=Quantization("float"))
         model = installed.family.resolve("load")(checkpoint, options)
         tower = installed.family.resolve("vision")(checkpoint, options)
         assert tower is not None, f"the family's vision loader found no tower in {folder} (a full *ForConditionalGeneration checkpoint)"
-        reference = getattr(transformers, vision_setup.reference_class).from_pretrained(str(folder), dtype=torch.float32).eval()
         return model, tower, reference, checkpoint.config
 
     def test_vision_tower_features_equal_the_reference(self, vision_setup, vision_run):
-        """Each image's features, from the reference processor's pixels: ours == ``get_image_features``."""
+        """Each image alone: our preprocessing and tower give transformers' ``get_image_features`` on its processor's output."""
         _, tower, reference, _ = vision_run
         processor = vision_setup.processor()
-        for n_images, sizes in IMAGE_SIZES.items():
-            for width, height, seed in sizes:
-                processed = processor(images=[drawing(width, height, seed)], return_tensors="pt")
-                with torch.inference_mode():
-                    out = reference.get_image_features(**{k: v for k, v in processed.items() if k != "num_crops"})
-                    expected = (out if isinstance(out, torch.Tensor) else out.pooler_output).reshape(-1, out_width(out))
-                    got = tower(processed["pixel_values"][0])
-                assert got.shape == expected.shape, f"image {width}x{height}: tower features {tuple(got.shape)}, transformers {tuple(expected.shape)}"
-                cos = _cosines(got, expected)
-                worst = int(cos.argmin())
-                assert cos[worst] >= self.vision_min_cosine, (
-                    f"vision features of a {width}x{height} image: cosine {float(cos[worst]):.6f} at token {worst} "
-                    f"(< {self.vision_min_cosine}; max |Δ| {float((got - expected).abs().max()):.3g})")
+        for width, height, seed in [size for sizes in IMAGE_SIZES.values() for size in sizes]:
+            image = drawing(width, height, seed)
+            with torch.inference_mode():
+                got = tower(tower.preprocess(image))
+                expected = reference_features(reference, processor(images=[image], return_tensors="pt"))
+            assert got.shape == expected.shape, f"image {width}x{height}: tower features {tuple(got.shape)}, transformers {tuple(expected.shape)}"
+            cos = _cosines(got, expected)
+            worst = int(cos.argmin())
+            assert cos[worst] >= self.vision_min_cosine, (
+                f"vision features of a {width}x{height} image: cosine {float(cos[worst]):.6f} at token {worst} "
+                f"(< {self.vision_min_cosine}; max |Δ| {float((got - expected).abs().max()):.3g})")
 
     def test_vision_logits_equal_the_reference(self, vision_setup, vision_run):
         """Prompts with 1 and 2 images, our whole image path: the same argmax and cosine at every position."""
@@ -205,7 +298,3 @@ class VisionChecks:
                 f"{float(cos[worst]):.6f} at position {worst} (< {self.vision_min_cosine}?), image tokens at "
                 f"{[(im.start, im.end) for im in batch.images]}")
 
-
-def out_width(out) -> int:
-    """The feature width C of ``get_image_features``' output (a tensor, or an output whose ``pooler_output`` it is)."""
-    return (out if isinstance(out, torch.Tensor) else out.pooler_output).shape[-1]
