@@ -59,7 +59,7 @@ def test_a_chat_refusal_names_the_responses_field_of_the_image():
 @pytest.mark.parametrize("part, field", [
     (image("http://example.com/a.png"), "input[0].content[0].image_url"),
     (image(file_id="file-1"), "input[0].content[0].file_id"),
-    (image(detail="high"), "input[0].content[0].detail"),
+    (image(detail="ultra"), "input[0].content[0].detail"),
     (image(extra=1), "input[0].content[0].extra"),
     ({"type": "input_audio", "input_audio": {}}, "input[0].content[0]"),
 ])

@@ -65,15 +65,18 @@ def test_other_urls_are_refused_naming_the_rule():
     assert error.param == "messages[0].content[0].image_url.url"
 
 
-@pytest.mark.parametrize("detail", ["low", "high"])
-def test_a_detail_other_than_auto_is_refused_naming_it(detail):
-    """As the Responses API's input_image: the tower's own resolution rule decides, so low/high cannot be honoured."""
-    part = {"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": detail}}
-    error = refused(user(part), "detail must be auto", repr(detail))
-    assert error.param == "messages[0].content[0].image_url.detail"
+@pytest.mark.parametrize("detail", ["auto", "low", "high"])
+def test_openai_details_are_accepted_without_effect(detail):
+    """As the Responses API's input_image: each tower reads at its own resolution, whatever ``detail`` asks."""
     accepted: list = []
-    read_messages(user({"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": "auto"}}), accepted)
-    assert len(accepted) == 1
+    read_messages(user({"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": detail}}), accepted)
+    assert [im.size for im in accepted] == [(12, 8)]
+
+
+def test_an_unknown_detail_is_refused_naming_it():
+    part = {"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": "ultra"}}
+    error = refused(user(part), "detail must be one of auto, low, high", "'ultra'")
+    assert error.param == "messages[0].content[0].image_url.detail"
 
 
 def test_bad_base64_truncated_and_animated_images_are_400s():

@@ -71,7 +71,7 @@ REFUSED = [
     ({"type": "input_image", "image_url": "https://example.com/cat.png", "detail": "auto"},
      "input[0].content[1].image_url", "fetches nothing"),
     ({"type": "input_image", "file_id": "file-123", "detail": "auto"}, "input[0].content[1].file_id", "keeps no files"),
-    ({**input_image(picture(1)), "detail": "low"}, "input[0].content[1].detail", "must be auto"),
+    ({**input_image(picture(1)), "detail": "ultra"}, "input[0].content[1].detail", "must be one of auto, low, high"),
     ({"type": "input_image", "image_url": "data:image/png;base64,@@@@", "detail": "auto"},
      "input[0].content[1].image_url", "image 1 of the request (input[0].content[1]): the data: URL's payload is not valid"),
     ({"type": "input_image", "image_url": "data:image/png;base64," + png_bytes_cut(), "detail": "auto"},

@@ -305,11 +305,16 @@ def _content_parts(content: list, where: str, images: list | None) -> str | list
     return "\n".join(p["text"] for p in parts)
 
 
+#: OpenAI's image ``detail`` values: accepted, without effect. OpenAI resizes an image by it ("low": one 512-pixel
+#: tile); here each vision tower reads an image at its own resolution rule (docs/vision.md), whatever the client asks.
+IMAGE_DETAILS = (None, "auto", "low", "high")
+
+
 def read_image_part(part: dict, where: str, number: int) -> object:
     """One ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` part -> an RGB PIL image.
 
     Only ``data:`` URLs: the server fetches nothing. ApiError 400 naming ``where`` for another URL,
-    an ``image_url.detail`` other than ``auto`` (the tower's own resolution rule decides, as for Responses),
+    an ``image_url.detail`` that is not one of :data:`IMAGE_DETAILS` (all accepted without effect, as for Responses),
     bad base64, a hostile image (lollm.vision.image: bomb, truncated, CMYK, 16-bit, animated, 0x0),
     and for video or audio parts (not supported).
     """
@@ -322,9 +327,9 @@ def read_image_part(part: dict, where: str, number: int) -> object:
         raise ApiError(400, f"{where}: {UNSUPPORTED_MEDIA['audio' if 'audio' in kind else 'video']}", param=where)
     url = part.get("image_url")
     detail = url.get("detail") if isinstance(url, dict) else None
-    if detail not in (None, "auto"):  # the Responses API's input_image refuses the same (lollm.serve.responses)
-        raise ApiError(400, f"{where}.image_url.detail must be auto (or left out), got {detail!r}: each vision tower "
-                       "reads an image at its own resolution rule (docs/vision.md)", param=f"{where}.image_url.detail")
+    if detail not in IMAGE_DETAILS:  # the Responses API's input_image reads the same (lollm.serve.responses)
+        raise ApiError(400, f"{where}.image_url.detail must be one of auto, low, high (or left out), got {detail!r}",
+                       param=f"{where}.image_url.detail")
     url = url.get("url") if isinstance(url, dict) else url
     name = f"image {number} of the request ({where})"
     try:

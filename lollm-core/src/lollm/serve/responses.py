@@ -31,8 +31,8 @@ longer holds is a 404. Source: OpenAI's API reference (Responses, streaming even
 Images: a message's ``input_image`` part, ``{"type": "input_image", "image_url": "data:image/png;base64,...",
 "detail": "auto"}``, becomes the chat part ``{"type": "image_url", "image_url": {"url": ...}}`` and runs as
 an image in a chat completion does (lollm.serve.images). Only ``data:`` URLs (the server fetches nothing);
-a ``file_id`` (this server keeps no files) and a ``detail`` other than ``auto`` (each tower reads an image
-at its own resolution) are 400s naming the part. An image's refusal names its Responses field,
+a ``file_id`` (this server keeps no files) is a 400 naming the part; ``detail`` (auto, low, high) is
+accepted without effect, as in chat completions (each tower reads an image at its own resolution). An image's refusal names its Responses field,
 ``input[i].content[j].image_url`` (:func:`renamed` maps the chat request's ``messages[k]`` back).
 """
 
@@ -49,7 +49,7 @@ from collections import OrderedDict
 from lollm.generate.loop import GenerationResult
 from lollm.serve.answers import AnswerParts, answer_parts
 from lollm.serve.model_server import ModelServer
-from lollm.serve.requests import ApiError, Body, PreparedRequest, parse_body, short_repr
+from lollm.serve.requests import IMAGE_DETAILS, ApiError, Body, PreparedRequest, parse_body, short_repr
 from lollm.serve.stream import sse
 from lollm.serve.tool_formats import ToolCall
 
@@ -134,17 +134,16 @@ def _text(content: object, where: str, images: bool = False) -> str | list[dict[
 
 def _image(part: dict, where: str) -> dict[str, object]:
     """An ``input_image`` part as the chat request's ``image_url`` part (decoded and checked there, by
-    lollm.serve.requests.read_image_part); ApiError 400 naming the field for a ``file_id``, a ``detail`` other than
-    auto, an image_url that is not a data: URL (the server fetches nothing), an unknown field."""
+    lollm.serve.requests.read_image_part); ApiError 400 naming the field for a ``file_id``, a ``detail`` that is
+    not auto, low or high, an image_url that is not a data: URL (the server fetches nothing), an unknown field."""
     unknown = set(part) - {"type", "image_url", "file_id", "detail"}
     if unknown:
         raise _refuse(f"{where}.{sorted(unknown)[0]}", "is not an input_image field lollm reads (image_url, detail)")
     if part.get("file_id") is not None:
         raise _refuse(f"{where}.file_id", "file_id images are not supported (this server keeps no files): send the "
                                           "image in image_url as a data: URL (data:image/png;base64,...)")
-    if part.get("detail") not in (None, "auto"):
-        raise _refuse(f"{where}.detail", f"must be auto (or left out), got {short_repr(part['detail'])}: each vision "
-                                         "tower reads an image at its own resolution")
+    if part.get("detail") not in IMAGE_DETAILS:
+        raise _refuse(f"{where}.detail", f"must be one of auto, low, high (or left out), got {short_repr(part['detail'])}")
     url = part.get("image_url")
     if not isinstance(url, str) or not url.startswith("data:"):
         raise _refuse(f"{where}.image_url", "only data: URLs are accepted (data:image/png;base64,...); the server "
