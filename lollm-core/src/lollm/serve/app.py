@@ -134,9 +134,10 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
             batching]
 
 
-#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames).
+#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames);
+#: its <img> elements show data: URLs only (the thumbnails of the images it attaches, read from the user's files).
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+                 "img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
 
 
 def chat_page_html() -> str:
