@@ -6,6 +6,8 @@ writes ``<start_of_image>`` for an image part), served in this process through S
 * an ordinary photo (a 1.1 MB JPEG, 1.5 MB as base64) is answered, though the body is past the
   text-only limit of the same context (lollm.serve.requests.body_limit: 1 MiB + 64 B a position);
   a body past the limit with images is a 413 that names its parts, images included;
+* behind one server with a text model (Gemma 3 1B), the body is read up to the larger limit, then the
+  text model refuses the photo with its own limit;
 * /v1/models says ``vision: true``;
 * the log says why a request was refused (status, code, message), and a request line says ``images=N``.
 """
@@ -95,3 +97,38 @@ def test_the_log_says_why_a_request_was_refused_and_how_many_images_a_request_he
     assert ask(client, [{"type": "text", "text": "hello"}]).status_code == 200
     requests = [r.getMessage() for r in caplog.records if "generated" in r.getMessage()]
     assert len(requests) == 2 and "images=2," in requests[0] and "images=" not in requests[1], requests
+
+
+def test_several_models_read_up_to_the_largest_limit_then_each_checks_its_own(loaded, tmp_path):  # noqa: F811
+    """A vision model and a text one (Gemma 3 1B: the family reads images, the checkpoint has no tower) behind one
+    server: the body is read up to the vision model's limit, then the text model refuses the photo with its own."""
+    from starlette.testclient import TestClient
+
+    from _gemma_testing import tiny_gemma3_1b
+    from lollm.load.options import LoadOptions
+    from lollm.load.pipeline import open_model
+    from lollm.serve.models import ModelEntry, ServedModels
+    from lollm.testing.tiny import write_tiny_checkpoint, write_tiny_tokenizer
+
+    folder = write_tiny_checkpoint(tiny_gemma3_1b(), tmp_path / "text")
+    write_tiny_tokenizer(folder)
+    text = ModelServer(open_model(str(folder), LoadOptions(device="cpu", dtype="float32")), name="text", context=CONTEXT)
+    vision = ModelServer(loaded, name=NAME, context=CONTEXT)
+    assert not text.reads_images and text.max_body_bytes == body_limit(CONTEXT)
+    entries = [ModelEntry(s.name, s.name, 0, load=lambda s=s: s, images=s.reads_images) for s in (text, vision)]
+    models = ServedModels(entries, max_body_bytes=max(s.max_body_bytes for s in (text, vision)))
+    photo = [{"type": "image_url", "image_url": {"url": photo_data_url()}}]
+    try:
+        models.load_first()
+        with TestClient(create_app(models)) as client:
+            listed = {m["id"]: m["vision"] for m in client.get("/v1/models").json()["data"]}
+            assert listed == {"text": False, NAME: True}
+            replies = {name: client.post("/v1/chat/completions", json={"model": name, "max_tokens": 1, "messages": [
+                {"role": "user", "content": photo}]}) for name in ("text", NAME)}
+    finally:
+        text.close()
+        vision.close()
+    assert replies[NAME].status_code == 200, replies[NAME].text
+    assert replies["text"].status_code == 413, replies["text"].text
+    refused = replies["text"].json()["error"]["message"]
+    assert f"{body_limit(CONTEXT):,} bytes" in refused and "images" not in refused, refused
