@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lollm.serve.app import create_app
+from lollm.serve.app import banner, create_app
 from lollm.serve.model_server import ModelServer
 from lollm.serve.requests import IMAGE_BODY_BYTES, body_limit
 
@@ -79,9 +79,12 @@ def test_a_body_past_the_image_allowance_is_a_413_naming_images(client):
     assert "64 bytes per position" in error["message"] and "48 MiB for images" in error["message"]
 
 
-def test_v1_models_says_the_model_reads_images(client):
+def test_v1_models_and_the_banner_say_the_model_reads_images(client):
     (entry,) = client.get("/v1/models").json()["data"]
     assert entry["id"] == NAME and entry["vision"] is True and entry["chat"] is True
+    assert banner(client.server, "gemma3 on cpu", "127.0.0.1", 8000)[-1] == (
+        "images: image_url parts as data: URLs, bodies up to 49.0 MiB; the vision tower from its checkpoint, "
+        "loaded on the first image")
 
 
 def test_the_log_says_why_a_request_was_refused_and_how_many_images_a_request_held(client, caplog):

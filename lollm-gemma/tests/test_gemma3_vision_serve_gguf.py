@@ -24,7 +24,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from lollm.errors import LollmError
-from lollm.serve.app import create_app
+from lollm.serve.app import banner, create_app
 from lollm.serve.model_server import ModelServer
 from lollm.testing import serving
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
@@ -121,7 +121,7 @@ def test_the_text_gguf_alone_refuses_an_image_naming_mmproj(files):
     _, gguf, _ = files
     server = ModelServer(open_model(str(gguf), LoadOptions(device="cpu", dtype="float32")), name="model", context=128)
     try:
-        assert not server.reads_images
+        assert not server.reads_images and not any(line.startswith("images:") for line in banner(server, "g", "h", 1))
         with TestClient(create_app(server)) as client:
             reply = client.post("/v1/chat/completions", json={"model": "model", "max_tokens": 2, "messages": MESSAGES})
             assert client.get("/v1/models").json()["data"][0]["vision"] is False

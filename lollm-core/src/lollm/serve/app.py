@@ -127,11 +127,16 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
                     f"{config.block_size}, {config.max_batch_tokens} tokens a step, {server.max_queue} may wait")
     else:
         batching = f"note: {server.single_reason}"
-    return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
-            + (" (API key required: export LOLLM_API_KEY=<the key> for the curl line below)" if server.api_key else ""),
-            f"chat page: {root}/",
-            f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
-            batching]
+    lines = [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
+             + (" (API key required: export LOLLM_API_KEY=<the key> for the curl line below)" if server.api_key else ""),
+             f"chat page: {root}/",
+             f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+             batching]
+    if server.reads_images:  # where its tower comes from, and the body limit that carries images
+        source = f"mmproj {server.towers.mmproj}" if server.towers.mmproj else "its checkpoint"
+        lines.append(f"images: image_url parts as data: URLs, bodies up to {server.max_body_bytes / 2**20:.1f} MiB; "
+                     f"the vision tower from {source}, loaded on the first image")
+    return lines
 
 
 #: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames);
