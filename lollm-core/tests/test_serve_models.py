@@ -241,8 +241,9 @@ def test_the_command_line_names_the_models_of_a_folder_and_refuses_a_clash(tmp_p
     for name in ("c.gguf", "mmproj-c.gguf", "d.gguf"):
         (tmp_path / "site" / name).write_bytes(b"")
     specs = model_specs(None, [str(tmp_path / "site")])
-    assert [served_name(s) for s in specs] == ["a-model", "b-model", "c", "d"]  # mmproj: a projector, not a model
-    assert model_specs(None, [str(tmp_path / "site" / "a-model")]) == [str(tmp_path / "site" / "a-model")]
+    assert [served_name(s.model) for s in specs] == ["a-model", "b-model", "c", "d"]  # mmproj: a projector, not a model
+    assert [s.mmproj for s in specs] == [None, None, str(tmp_path / "site" / "mmproj-c.gguf"), None]  # paired by name
+    assert [s.model for s in model_specs(None, [str(tmp_path / "site" / "a-model")])] == [str(tmp_path / "site" / "a-model")]
     assert served_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen2.5-0.5B-Instruct"
     with pytest.raises(LollmError, match=r"--model-name serves one model; 2 were given"):
         check_several(["x", "y"], tp=1, mtp=False, model_name="z", memory_budget=None)

@@ -123,6 +123,7 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(client, no_tokenizin
     response = client.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
     body = error_of(response, 413)
     assert body["code"] == "request_too_large" and f"{limit:,}" in body["message"]
+    assert "images" not in body["message"]  # a text model's limit has no room for images (lollm-gemma's vision test)
 
 
 def test_the_issue_s_8_mib_prompt_gets_its_413_over_http(server, no_tokenizing):

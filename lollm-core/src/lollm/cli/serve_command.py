@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Callable, Optional
 
@@ -13,7 +14,7 @@ import typer
 from lollm.cli import report as show
 from lollm.cli.checks import (check_ctx_size, check_draft_head, check_family, check_model_exists, check_port_free,
                               check_run_flags, check_serve_flags, open_for_command, require_extra)
-from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, ModelOpt, Mtp,
+from lollm.cli.options import (CtxSize, Device, DraftTokens, Dtype, Family, GroupSize, MinP, MmprojFile, ModelOpt, Mtp,
                                Quantize, RepetitionPenalty, Temperature, Think, Threads, TopK, TopP, Tp, Weights,
                                load_options, sampling_flags, with_help)
 from lollm.cli.report import err
@@ -67,10 +68,11 @@ def serve(
     allowed_host: Optional[list[str]] = typer.Option(None, "--allowed-host", metavar="NAME", help="Also answer requests whose Host header is NAME (repeatable; '*': any). Localhost names and IP addresses are always allowed (docs/security.md)."),
     cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin", metavar="ORIGIN", help="Let web pages of ORIGIN (http://host:port) call the API from a browser (repeatable; default: none)."),
     memory_budget: Optional[float] = typer.Option(None, "--memory-budget", metavar="GB", help="With several models: at most GB gigabytes of weights loaded at once; the least recently used idle model is unloaded to make room (default: no budget)."),
+    mmproj: with_help(MmprojFile, "The vision tower of a GGUF model: the mmproj GGUF file llama.cpp's convert_hf_to_gguf.py --mmproj writes (one model; in a folder of models an mmproj file beside its GGUF is paired with it: docs/serving.md, \"Images\"). A safetensors model carries its tower in its own files.") = None,
     model_opt: ModelOpt = None,
 ) -> None:
     """Serve one model or several over OpenAI- and Anthropic-compatible HTTP APIs, with a chat page for the browser. The page is at /, the API at /v1/chat/completions, /v1/completions, /v1/messages, /v1/responses and /v1/models."""
-    specs = model_specs(model_opt, model_args)
+    specs = with_mmproj(model_specs(model_opt, model_args), mmproj)
     check_several(specs, tp=tp, mtp=mtp, model_name=model_name, memory_budget=memory_budget)
     user = sampling_flags(temperature, top_k, top_p, min_p, repetition_penalty)
     check_run_flags(max_new_tokens=None, seed=None, device=device, threads=threads, mtp=mtp, draft_tokens=draft_tokens,
@@ -93,17 +95,18 @@ def serve(
     check_family(options.family)
     require_serve_extra()
     for spec in specs:
-        check_model_exists(spec)
+        check_model_exists(spec.model)
     settings = dict(sampling_flags=user, draft_tokens=draft_tokens if mtp else 0, api_key=api_key,
                     max_running=max_running, kv_blocks=kv_blocks, max_batch_tokens=max_batch_tokens, max_queue=max_queue)
 
     def opened(spec: str):  # --tp: the other ranks wait for requests in a collective, far longer than torch's default
         return open_for_command(spec, options, threads=threads, think=think, mtp=mtp, tp_timeout=SERVE_TP_TIMEOUT)
 
-    entries = [model_entry(model_name or served_name(spec), spec, opened, settings, ctx_size=ctx_size, first=i == 0)
+    entries = [model_entry(model_name or served_name(spec.model), spec, opened, settings, ctx_size=ctx_size, first=i == 0)
                for i, spec in enumerate(specs)]
+    largest = max(body_limit(ctx_size or DEFAULT_CONTEXT, entry.images) for entry in entries)  # each checks its own
     models = ServedModels(entries, budget_bytes=None if memory_budget is None else int(memory_budget * 1e9),
-                          api_key=api_key, max_body_bytes=body_limit(ctx_size or DEFAULT_CONTEXT))
+                          api_key=api_key, max_body_bytes=largest)
     label = banner_label(models.load_first().loaded, tp)  # no local keeps the first model: it may be unloaded
     serve_or_follow(models, host=host, port=port, label=label, shutdown_timeout=shutdown_timeout, guard=guard)
 
@@ -122,35 +125,103 @@ def served_name(spec: str) -> str:
     return Path(spec).stem if Path(spec).suffix == ".gguf" else Path(spec.rstrip("/")).name
 
 
-def model_specs(option: Optional[str], positionals: Optional[list[str]]) -> list[str]:
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of ``lollm serve``: what the user gave (or a file of a folder of models), and its tower's file.
+
+    model:  a checkpoint folder, a .gguf file, a local name or a hub id (:func:`lollm.load.loader.load_checkpoint`).
+    mmproj: a GGUF model's vision tower, llama.cpp's mmproj file (``--mmproj``, or paired in a folder), else None.
+    """
+
+    model: str
+    mmproj: Optional[str] = None
+
+    def __str__(self) -> str:
+        return self.model
+
+
+def model_specs(option: Optional[str], positionals: Optional[list[str]]) -> list[ModelSpec]:
     """The models given (``-m`` first, then the arguments), each folder of models replaced by the models it holds.
 
-    A folder of models has no config.json of its own and holds model folders (with a config.json) or two
-    or more .gguf files (``mmproj*`` files, vision projectors, are not models); they are taken in name order.
-    Raises typer.BadParameter when none is given or one is empty.
+    A folder of models has no config.json of its own and holds model folders (with a config.json) or .gguf
+    files, taken in name order; its mmproj files (vision towers, a name holding ``mmproj``) are not models but
+    are paired with a GGUF model (:func:`pair_mmproj`). Raises typer.BadParameter when none is given or one is
+    empty, LollmError for an mmproj file that pairs with no model.
     """
     given = ([option] if option is not None else []) + list(positionals or [])
     if not given:
         raise typer.BadParameter("missing; give the model as the first argument or with -m/--model",
                                  param_hint="MODEL (or -m/--model)")
-    specs: list[str] = []
+    specs: list[ModelSpec] = []
     for spec in given:
         if not spec.strip():
             raise typer.BadParameter("empty", param_hint="MODEL (or -m/--model)")
-        specs += [str(p) for p in models_in_folder(Path(spec).expanduser())] or [spec]
+        specs += models_in_folder(Path(spec).expanduser()) or [ModelSpec(spec)]
     return specs
 
 
-def models_in_folder(folder: Path) -> list[Path]:
+def is_mmproj(path: Path) -> bool:
+    """A vision tower's GGUF file rather than a model: its name holds ``mmproj``, as llama.cpp's converter names
+    one (``--mmproj`` writes ``mmproj-NAME.gguf`` for ``--outfile NAME.gguf``) and its ``-hf`` download finds one."""
+    return "mmproj" in path.name.lower()
+
+
+def models_in_folder(folder: Path) -> list[ModelSpec]:
     """The models in ``folder`` when it is a folder of models (:func:`model_specs`), else []."""
     if not folder.is_dir() or (folder / "config.json").exists():
         return []
     inner = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "config.json").exists())
-    files = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
-    return inner + files if inner or len(files) > 1 else []
+    ggufs = sorted(folder.glob("*.gguf"))
+    files = [p for p in ggufs if not is_mmproj(p)]
+    if not inner and not files:
+        return []
+    return [ModelSpec(str(p)) for p in inner] + pair_mmproj(folder, files, [p for p in ggufs if is_mmproj(p)])
 
 
-def check_several(specs: list[str], *, tp: int, mtp: bool, model_name: Optional[str],
+def pair_mmproj(folder: Path, files: list[Path], projectors: list[Path]) -> list[ModelSpec]:
+    """The GGUF models ``files`` of ``folder``, each with its mmproj file among ``projectors`` (or None).
+
+    One GGUF model: the folder's one mmproj file is its tower, whatever its name (``mmproj-F16.gguf``);
+    two mmproj files for it are refused, naming them. Several GGUF models: ``mmproj-NAME.gguf`` goes with
+    ``NAME.gguf``, the name llama.cpp's converter writes; an mmproj file named otherwise is refused, naming
+    it and the rule (never a guess at which model it fits). Raises LollmError.
+    """
+    if len(files) == 1 and projectors:
+        if len(projectors) > 1:
+            raise LollmError(f"{folder} holds {len(projectors)} mmproj files for {files[0].name} "
+                             f"({', '.join(p.name for p in projectors)}): keep one there, or give one: "
+                             f"lollm serve {files[0]} --mmproj FILE")
+        return [ModelSpec(str(files[0]), str(projectors[0]))]
+    towers: dict[Path, Path] = {}
+    for projector in projectors:
+        model = folder / projector.name[len("mmproj-"):]
+        if not projector.name.startswith("mmproj-") or model not in files:
+            raise LollmError(f"{projector}: in a folder of several GGUF models an mmproj file goes with the model "
+                             f"of its name, mmproj-NAME.gguf with NAME.gguf (as llama.cpp's converter names it), and "
+                             f"{folder} holds no {model.name if projector.name.startswith('mmproj-') else 'such file'} "
+                             f"({', '.join(p.name for p in files)}): rename it, or serve its model alone with --mmproj")
+        towers[model] = projector
+    return [ModelSpec(str(p), str(towers[p]) if p in towers else None) for p in files]
+
+
+def with_mmproj(specs: list[ModelSpec], mmproj: Optional[str]) -> list[ModelSpec]:
+    """``specs`` with ``--mmproj FILE`` given to its one model; LollmError for several models (each folder's
+    mmproj files are paired by name), a model already paired with one, or a FILE that is not a file."""
+    if mmproj is None:
+        return specs
+    if len(specs) != 1:
+        raise LollmError(f"--mmproj serves one model; {len(specs)} were given ({', '.join(map(str, specs[:4]))}"
+                         f"{', ...' if len(specs) > 4 else ''}): in a folder of models, name each mmproj file "
+                         "mmproj-NAME.gguf beside NAME.gguf, or serve one model at a time")
+    if specs[0].mmproj is not None:
+        raise LollmError(f"--mmproj {mmproj}: the folder's model {specs[0].model} has its mmproj file already, "
+                         f"{specs[0].mmproj}; give one of them")
+    if not Path(mmproj).expanduser().is_file():
+        raise LollmError(f"--mmproj {mmproj}: no such file")
+    return [ModelSpec(specs[0].model, str(Path(mmproj).expanduser()))]
+
+
+def check_several(specs: list[ModelSpec], *, tp: int, mtp: bool, model_name: Optional[str],
                   memory_budget: Optional[float]) -> None:
     """The flags that take one model only (--tp, --mtp, --model-name), and --memory-budget's value."""
     if memory_budget is not None and not (0 < memory_budget < float("inf")):
@@ -159,43 +230,61 @@ def check_several(specs: list[str], *, tp: int, mtp: bool, model_name: Optional[
         return
     for flag, given in (("--tp", tp != 1), ("--mtp", mtp), ("--model-name", model_name is not None)):
         if given:
-            raise LollmError(f"{flag} serves one model; {len(specs)} were given ({', '.join(specs[:4])}"
+            raise LollmError(f"{flag} serves one model; {len(specs)} were given ({', '.join(map(str, specs[:4]))}"
                              f"{', ...' if len(specs) > 4 else ''}): serve them without {flag}, or one at a time")
 
 
-def model_entry(name: str, spec: str, opened: Callable, settings: dict, *, ctx_size: Optional[int],
+def model_entry(name: str, spec: ModelSpec, opened: Callable, settings: dict, *, ctx_size: Optional[int],
                 first: bool) -> ModelEntry:
     """The :class:`lollm.serve.models.ModelEntry` of ``spec``: its checkpoint opened now (configs, tokenizer, tensor
     table: the weights' size), its weights loaded by the entry's ``load`` (at start for the first, else on first use).
 
-    A model other than the first that cannot be opened is served as a failed one: its requests get the error.
+    A model other than the first that cannot be opened (or whose mmproj file cannot go with it) is served as a
+    failed one: its requests get the error.
     """
     from lollm.generate.conversation import DEFAULT_CONTEXT
     from lollm.load.pipeline import open_model
+    from lollm.serve.images import reads_images
     from lollm.serve.model_server import ModelServer
     from lollm.serve.models import ModelEntry, weight_bytes
 
     try:
-        prepared = opened(spec)
+        prepared = opened(spec.model)
+        check_mmproj(prepared, spec)
     except LollmError as error:
         if first:
             raise
         err.print(f"[yellow]{name}: {error}; its requests get this error, the other models are served[/yellow]")
-        return ModelEntry(name, spec, 0, load=None, error=str(error))
+        return ModelEntry(name, spec.model, 0, load=None, error=str(error))
 
     def load() -> ModelServer:
         loaded = open_model(prepared.checkpoint, prepared.options)
         silence_followers(loaded.tp, err)
         show.weights_summary(loaded)
-        check_draft_head(loaded, spec, settings["draft_tokens"] > 0)
+        check_draft_head(loaded, spec.model, settings["draft_tokens"] > 0)
         return ModelServer(loaded, name=name, context=ctx_size or min(DEFAULT_CONTEXT, loaded.model.max_context),
-                           template_flags=prepared.template_flags, **settings)
+                           template_flags=prepared.template_flags, mmproj=spec.mmproj, **settings)
 
     quantization = prepared.options.quantization
     size = weight_bytes(prepared.checkpoint.weights, DTYPE_BYTES.get(prepared.options.dtype, 4),
                         packed=quantization is not None and quantization.mode == "gguf", quantization=quantization)
-    return ModelEntry(name, spec, size, load=load,
+    return ModelEntry(name, spec.model, size, load=load, images=reads_images(prepared.family.family,
+                                                                             prepared.checkpoint, spec.mmproj),
                       has_template=lambda: prepared.checkpoint.tokenizer.chat_template is not None)
+
+
+def check_mmproj(prepared, spec: ModelSpec) -> None:
+    """An mmproj file goes with a GGUF model of a family that reads images: else LollmError naming both, before
+    any weight loads (its tensors are read on the first image request, lollm.vision.load.open_vision)."""
+    if spec.mmproj is None:
+        return
+    family = prepared.family.family
+    if prepared.checkpoint.fmt != "gguf":
+        raise LollmError(f"--mmproj {spec.mmproj}: an mmproj file goes with a GGUF model; {spec.model} is "
+                         f"{prepared.checkpoint.fmt}, whose own files hold the tower")
+    if not family.capabilities.vision:
+        raise LollmError(f"mmproj {spec.mmproj}: the family {family.name} of {spec.model} reads no images "
+                         "(it declares no vision tower, docs/plugins.md)")
 
 
 def serve_or_follow(models: ServedModels, *, host: str, port: int, label: str, shutdown_timeout: float,

@@ -27,17 +27,19 @@ FINISH_REASON = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length
                  SHUTDOWN: SHUTDOWN}
 
 
-def request_line(endpoint: str, result: GenerationResult) -> str:
+def request_line(endpoint: str, result: GenerationResult, images: int = 0) -> str:
     """One request's log line: endpoint, prompt / cached / generated tokens, time to first token, tok/s, finish.
 
     Time to first token is the prefill (the uncached part of the prompt's
     forward plus the first sample), in milliseconds; tok/s counts the tokens
     after the first over the decode time (``-`` when there were none).
+    ``images``: how many images the prompt holds, shown as ``images=N`` when any.
     """
     new = len(result.new_ids)
     speed = f"{(new - 1) / result.decode_seconds:.1f}" if new > 1 and result.decode_seconds > 0 else "-"
     finish = FINISH_REASON[result.stop_reason] if result.stop_reason != "cancelled" else "cancelled"
-    return (f"{endpoint or '-'}: prompt {len(result.prompt_ids)} tokens (cached {result.reused_tokens}), "
+    shown = f" images={images}," if images else ""
+    return (f"{endpoint or '-'}: prompt {len(result.prompt_ids)} tokens (cached {result.reused_tokens}),{shown} "
             f"generated {new}, first token {1000 * result.prefill_seconds:.0f} ms, {speed} tok/s, finish {finish}")
 
 

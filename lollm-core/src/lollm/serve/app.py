@@ -31,7 +31,7 @@ from lollm.serve.model_server import ModelServer
 from lollm.serve.models import ServedModels, check_metrics_available
 from lollm.serve.guard import Guard, GuardConfig
 from lollm.serve.openapi import openapi_schema
-from lollm.serve.requests import BODY_BYTES_PER_POSITION, ApiError, Job, internal_error
+from lollm.serve.requests import ApiError, Job, internal_error, log_refusal
 from lollm.serve.stream import ChunkShaper, stream
 from lollm.serve.thinking_budget import budgeted
 
@@ -54,14 +54,14 @@ DRAIN_BYTES = 64 << 20
 # -- HTTP ------------------------------------------------------------------------------------
 
 
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes (1 MiB plus "
-                         f"{BODY_BYTES_PER_POSITION} bytes per position of its context, lollm serve --ctx-size)",
+def too_large(limit: int, rule: str) -> ApiError:
+    """The 413 of a body over ``limit`` bytes; ``rule``: what the limit is made of (lollm.serve.requests.body_limit_rule)."""
+    return ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes ({rule})",
                     code="request_too_large")
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
-    """The body of a Starlette ``request``: at most ``limit`` bytes, else ApiError 413.
+async def read_limited(request: Request, limit: int, rule: str) -> bytes:
+    """The body of a Starlette ``request``: at most ``limit`` bytes, else ApiError 413 saying ``rule`` (:func:`too_large`).
 
     An oversized body is still read, and dropped, up to :data:`DRAIN_BYTES`
     (then the connection is given up), so that a client that writes all of
@@ -70,7 +70,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > DRAIN_BYTES:
-        raise too_large(limit)
+        raise too_large(limit, rule)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -82,7 +82,7 @@ async def read_limited(request: Request, limit: int) -> bytes:
             if size > DRAIN_BYTES:
                 break
     if size > limit:
-        raise too_large(limit)
+        raise too_large(limit, rule)
     return b"".join(chunks)
 
 
@@ -127,16 +127,22 @@ def banner(server: ModelServer, family: str, host: str, port: int) -> list[str]:
                     f"{config.block_size}, {config.max_batch_tokens} tokens a step, {server.max_queue} may wait")
     else:
         batching = f"note: {server.single_reason}"
-    return [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
-            + (" (API key required: export LOLLM_API_KEY=<the key> for the curl line below)" if server.api_key else ""),
-            f"chat page: {root}/",
-            f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
-            batching]
+    lines = [f"lollm serve: {server.name} ({family}, context {server.context}) at {root}/v1"
+             + (" (API key required: export LOLLM_API_KEY=<the key> for the curl line below)" if server.api_key else ""),
+             f"chat page: {root}/",
+             f"try: curl {root}/v1/{endpoint} -H 'Content-Type: application/json'{key} -d {shlex.quote(body)}",
+             batching]
+    if server.reads_images:  # where its tower comes from, and the body limit that carries images
+        source = f"mmproj {server.towers.mmproj}" if server.towers.mmproj else "its checkpoint"
+        lines.append(f"images: image_url parts as data: URLs, bodies up to {server.max_body_bytes / 2**20:.1f} MiB; "
+                     f"the vision tower from {source}, loaded on the first image")
+    return lines
 
 
-#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames).
+#: The chat page may run its own inline script and style and talk to this server only (no other origin, no frames);
+#: its <img> elements show data: URLs only (the thumbnails of the images it attaches, read from the user's files).
 CHAT_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-                 "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+                 "img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
 
 
 def chat_page_html() -> str:
@@ -170,16 +176,19 @@ def guarded_as(shape: ErrorShape) -> Callable[[Handler], Handler]:
             from starlette.requests import ClientDisconnect
             from starlette.responses import Response
 
+            where = f"{request.method} {request.url.path}"
             try:
                 return await handler(self, request)
             except ApiError as error:
+                log_refusal(where, error)
                 return error_response(error, shape=shape)
             except LollmError as error:
+                log_refusal(where, ApiError(400, str(error)))
                 return error_response(ApiError(400, str(error)), shape=shape)
             except ClientDisconnect:
                 return Response(status_code=499)
             except Exception as error:
-                return error_response(internal_error(f"{request.method} {request.url.path}", error), shape=shape)
+                return error_response(internal_error(where, error), shape=shape)
 
         return endpoint
 
@@ -207,13 +216,13 @@ class Routes:
         field when the request needs a chat template (refused before a load when the model has none)."""
         async with self.served.use(raw, chat) as server:
             if len(raw) > server.max_body_bytes:
-                raise too_large(server.max_body_bytes)
+                raise too_large(server.max_body_bytes, server.body_rule)
             yield server
 
     async def generation(self, request: Request, kind: str) -> Response:
         """POST of ``kind`` ("chat" or "completion"): the answer as JSON, or as server-sent events."""
         self.served.check_auth(request.headers.get("authorization"))
-        raw = await read_limited(request, self.served.max_body_bytes)
+        raw = await read_limited(request, self.served.max_body_bytes, self.served.body_rule)
         async with self.model_for(raw, "messages" if kind == "chat" else None) as server:
             return await self.generate(request, server, raw, kind)
 
@@ -242,7 +251,7 @@ class Routes:
         """The body of a request whose key is checked: ``Authorization: Bearer``, or ``x-api-key`` (Anthropic's clients)."""
         key = request.headers.get("x-api-key")
         self.served.check_auth(request.headers.get("authorization") or (f"Bearer {key}" if key else None), x_api_key=True)
-        return await read_limited(request, self.served.max_body_bytes)
+        return await read_limited(request, self.served.max_body_bytes, self.served.body_rule)
 
     async def api_generation(self, request: Request, prepare: Callable, shaper: Callable, answer: Callable,
                              chat: str) -> Response:
@@ -345,7 +354,9 @@ class Routes:
         """Starlette's HTTPException (an unknown path: 404, a wrong method: 405) as an OpenAI-style error."""
         kind = "not_found" if error.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path[:200]}: {error.detail}"
-        return error_response(ApiError(error.status_code, message, kind=kind), headers=error.headers)
+        refusal = ApiError(error.status_code, message, kind=kind)
+        log_refusal(f"{request.method} {request.url.path[:200]}", refusal)
+        return error_response(refusal, headers=error.headers)
 
 
 def served(server: ModelServer | ServedModels) -> ServedModels:

@@ -148,9 +148,11 @@ def check_cors_origin(origin: str) -> str:
 def _refusal(status: int, message: str, code: str, path: str = "") -> tuple[int, bytes]:
     """(status, JSON body) of a refusal: in Anthropic's error shape on ``/v1/messages``, OpenAI's elsewhere."""
     from lollm.serve.error_shapes import error_for_path
-    from lollm.serve.requests import ApiError
+    from lollm.serve.requests import ApiError, log_refusal
 
-    return status, json.dumps(error_for_path(ApiError(status, message, code=code), path)).encode()
+    error = ApiError(status, message, code=code)
+    log_refusal(path or "-", error)
+    return status, json.dumps(error_for_path(error, path)).encode()
 
 
 async def answer(send: Send, refusal: tuple[int, bytes]) -> None:

@@ -33,11 +33,32 @@ from lollm.vision.prompt import encode_images, place_images
 from lollm.vision.spec import ImageBatch, VisionTower
 
 
-class Towers:
-    """The served model's vision tower, opened on the first image request (a text request never pays for it)."""
+def reads_images(family: object, checkpoint: object, mmproj: str | None) -> bool:
+    """Whether a served model may read images, known before its weights load (no tower is opened).
 
-    def __init__(self, loaded: object, name: str):
-        self.loaded, self.name = loaded, name
+    family: its :class:`lollm.family.Family`; checkpoint: its :class:`lollm.load.loader.Checkpoint`; mmproj:
+    the tower's own GGUF file given for a GGUF model (``lollm serve --mmproj``, or paired in a folder).
+    True when the family declares vision (``Capabilities.vision``) and the tower has somewhere to come from:
+    the mmproj file, or a safetensors checkpoint whose config.json has a ``vision_config`` (transformers'
+    ``*ForConditionalGeneration``). The family's loader still decides on the first image: a request with
+    an image to a model whose loader finds no tower is a 400 (:meth:`Towers.tower`). It sizes the body limit
+    (lollm.serve.requests.body_limit) and /v1/models' ``vision`` flag (the chat page's image button).
+    """
+    if not family.capabilities.vision:
+        return False
+    if mmproj is not None:
+        return True
+    return checkpoint.fmt != "gguf" and "vision_config" in checkpoint.config
+
+
+class Towers:
+    """The served model's vision tower, opened on the first image request (a text request never pays for it).
+
+    mmproj: a GGUF model's tower file (:func:`lollm.vision.load.open_vision`), None for a safetensors model.
+    """
+
+    def __init__(self, loaded: object, name: str, mmproj: str | None = None):
+        self.loaded, self.name, self.mmproj = loaded, name, mmproj
         self._tower: VisionTower | None = None
         self._lock = threading.Lock()
 
@@ -45,10 +66,13 @@ class Towers:
         """The tower; ApiError 400 when the model has none (a text-only model, a checkpoint without one)."""
         with self._lock:
             if self._tower is None:
-                self._tower = open_vision(self.loaded)
+                self._tower = open_vision(self.loaded, self.mmproj)
             if self._tower is None:
+                gguf = getattr(self.loaded.checkpoint, "fmt", None) == "gguf"
+                hint = (": a GGUF model's tower is its mmproj file, lollm serve MODEL.gguf --mmproj FILE" if gguf
+                        else "")
                 raise ApiError(400, f"model {self.name!r} has no vision tower: it reads text only, and the request "
-                                    "holds an image", param="messages")
+                                    f"holds an image{hint}", param="messages")
             return self._tower
 
 

@@ -28,10 +28,10 @@ from lollm.engine.engine import why_not_batched
 from lollm.engine.driver import EngineLoop, QueueFull, serve_kv_blocks
 from lollm.serve.answers import SHUTDOWN, request_line
 from lollm.serve.guard import check_authorization
-from lollm.serve.images import Towers, image_prompt
+from lollm.serve.images import Towers, image_prompt, reads_images
 from lollm.serve.metrics import metrics_for
 from lollm.serve.requests import (CHAT_FIELDS, COMPLETION_FIELDS, RESERVED_TEMPLATE_VARIABLES, SAMPLING_FIELDS, ApiError,
-                                  Body, Job, PreparedRequest, body_limit, chat_logprobs, check_fields, flag,
+                                  Body, Job, PreparedRequest, body_limit, body_limit_rule, chat_logprobs, check_fields, flag,
                                   longest_token_bytes, number, parse_body, read_messages, response_format, short_repr,
                                   stops, stream_options, text_bytes)
 from lollm.serve.reasoning import EFFORTS, after_thinking, opening
@@ -65,7 +65,9 @@ class ModelServer:
     template_flags:   server-wide template variables (``--think``), under a request's chat_template_kwargs.
     draft_tokens:     MTP draft tokens per step (0: off).
     api_key:          when set, every /v1 request must carry ``Authorization: Bearer <api_key>``.
-    max_body_bytes:   the largest request body, in bytes (default: :func:`body_limit` of the context).
+    max_body_bytes:   the largest request body, in bytes (default: :func:`body_limit` of the context, with room for
+                      images when the model reads them: :func:`lollm.serve.images.reads_images`).
+    mmproj:           a GGUF model's vision tower, llama.cpp's mmproj file (``lollm serve --mmproj``).
     batched:          run requests through the batched engine when the model can (see :attr:`single_reason`).
     max_running:      the engine's most requests at once (its ``max_sequences``).
     kv_blocks:        the engine's KV pool in blocks (None: :func:`lollm.engine.driver.serve_kv_blocks`).
@@ -79,7 +81,7 @@ class ModelServer:
                  template_flags: dict[str, object] | None = None, draft_tokens: int = 0, api_key: str | None = None,
                  max_body_bytes: int | None = None, batched: bool = True, max_running: int = DEFAULT_MAX_RUNNING,
                  kv_blocks: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, mmproj: str | None = None):
         self.loaded = loaded
         self.model: CausalLM = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
@@ -89,12 +91,15 @@ class ModelServer:
         self.template_flags = dict(template_flags or {})
         self.draft_tokens = draft_tokens
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes or body_limit(self.context)
+        #: whether the model may read images (the body limit's room for them, /v1/models' vision flag)
+        self.reads_images = reads_images(loaded.family.family, loaded.checkpoint, mmproj)
+        self.max_body_bytes = max_body_bytes or body_limit(self.context, self.reads_images)
+        self.body_rule = body_limit_rule(self.reads_images)  # what the limit is made of, for a 413
         #: no token stands for more bytes of text than this (the early prompt-length check)
         self.token_bytes_bound = longest_token_bytes(self.tokenizer)
         self.stop_ids = stop_token_ids(loaded.checkpoint.generation_config, loaded.checkpoint.config, self.tokenizer)
         self.created = int(time.time())
-        self.towers = Towers(loaded, name)  # the vision tower, opened by the first image request
+        self.towers = Towers(loaded, name, mmproj)  # the vision tower, opened by the first image request
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0}
         #: jobs submitted whose Future is not done yet, by id(job); closing: the server is shutting down
         self.live: dict[int, Job] = {}
@@ -446,7 +451,9 @@ class ModelServer:
             log.info("%s %s", why, made)
         if result is not None:  # a job the shutdown stopped: its client was told "shutdown", so is the log
             stopped = getattr(job, "shutdown", False) and result.stop_reason == "cancelled"
-            log.info("%s", request_line(job.endpoint, dataclasses.replace(result, stop_reason=SHUTDOWN) if stopped else result))
+            images = len(job.images.images) if getattr(job, "images", None) is not None else 0
+            log.info("%s", request_line(job.endpoint, dataclasses.replace(result, stop_reason=SHUTDOWN) if stopped else result,
+                                        images))
         if self.metrics is not None:
             if self.engine_loop is None and result is not None:  # the engine counts its tokens as they come
                 self.metrics.generated.inc(len(result.new_ids))

@@ -43,7 +43,7 @@ from lollm.errors import LollmError
 from lollm.serve.guard import check_authorization
 from lollm.serve.metrics import metrics_available
 from lollm.serve.model_server import ModelServer
-from lollm.serve.requests import ApiError, parse_body, short_repr
+from lollm.serve.requests import ApiError, body_limit_rule, parse_body, short_repr
 
 if TYPE_CHECKING:
     from lollm.load.quantized import Quantization
@@ -154,6 +154,8 @@ class ModelEntry:
     has_template: whether it has a chat template, read from its tokenizer alone (no weights); None: not known
                   before it loads. A chat request to an unloaded model without one is refused before any
                   load or unload (:meth:`ServedModels.check_chat`).
+    images:       whether it may read images (:func:`lollm.serve.images.reads_images`, known before it loads):
+                  its body limit has room for them, and /v1/models says ``vision``.
     """
 
     name: str
@@ -161,6 +163,7 @@ class ModelEntry:
     weight_bytes: int
     load: Callable[[], ModelServer]
     has_template: Callable[[], bool] | None = None
+    images: bool = False
     server: ModelServer | None = None
     chat: bool | None = None  # has_template's answer, once asked (None: not asked yet, or unknown)
     error: str | None = None  # why its load failed (kept: its requests get it until the server restarts)
@@ -178,7 +181,8 @@ class ServedModels:
     entries:        the models, in the order given; the first is the default (chat page, banner).
     budget_bytes:   the most bytes of weights loaded at once (None: no budget, nothing is unloaded).
     api_key:        when set, every /v1 request must show it (:func:`lollm.serve.guard.check_authorization`).
-    max_body_bytes: the largest request body read before the model is known (each model then checks its own).
+    max_body_bytes: the largest request body read before the model is known, the largest of the models' limits
+                    (each model then checks its own: :attr:`ModelServer.max_body_bytes`).
     Raises LollmError on a name given twice, or a model whose weights alone exceed the budget.
     """
 
@@ -196,13 +200,16 @@ class ServedModels:
                                  f"alone needs about {gb(entry.weight_bytes)} of weights; raise the budget")
             self.entries[entry.name] = entry
         self.budget_bytes, self.api_key, self.max_body_bytes = budget_bytes, api_key, max_body_bytes
+        #: what max_body_bytes is made of, for its 413: with room for images when a model reads them
+        self.body_rule = body_limit_rule(any(e.images for e in entries))
         self.closing = False
         self._loading: asyncio.Lock | None = None  # one load at a time (made on the event loop, on first use)
 
     @classmethod
     def one(cls, server: ModelServer) -> ServedModels:
         """A server of one model, loaded already: its name, key and body limit (never unloaded: no budget)."""
-        entry = ModelEntry(server.name, server.name, 0, load=lambda: server, server=server, loads=1, created=server.created)
+        entry = ModelEntry(server.name, server.name, 0, load=lambda: server, server=server, loads=1, created=server.created,
+                           images=server.reads_images)
         return cls([entry], api_key=server.api_key, max_body_bytes=server.max_body_bytes)
 
     # -- which model ----------------------------------------------------------------------------
@@ -375,10 +382,12 @@ class ServedModels:
 
     # -- what the server tells: /v1/models, /health, /metrics --------------------------------------
     def listing(self) -> list[dict[str, object]]:
-        """``/v1/models``' ``data``: every model, with lollm's extension fields ``loaded`` and ``chat`` (it has a
-        chat template: false means Completions only; null: not known before it loads). Blocking: in a thread."""
+        """``/v1/models``' ``data``: every model, with lollm's extension fields ``loaded``, ``chat`` (it has a
+        chat template: false means Completions only; null: not known before it loads) and ``vision`` (it may
+        read images: :func:`lollm.serve.images.reads_images`). Blocking: in a thread."""
         return [{"id": e.name, "object": "model", "created": e.created, "owned_by": "lollm",
-                 "loaded": e.server is not None, "chat": self.can_chat(e)} for e in self.entries.values()]
+                 "loaded": e.server is not None, "chat": self.can_chat(e), "vision": e.images}
+                for e in self.entries.values()]
 
     def render_metrics(self) -> bytes:
         """Prometheus' text of every loaded model: one model as it is; several, each series labelled ``model``."""

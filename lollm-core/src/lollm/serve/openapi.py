@@ -204,7 +204,8 @@ def openapi_schema(server: ModelServer | ServedModels) -> Schema:
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}), "response_format": _RESPONSE_FORMAT}}
     listing = {"type": "object", "required": ["object", "data"], "properties": {"object": {"type": "string"}, "data": {
         "type": "array", "items": {"type": "object", "required": ["id"], "properties": {
-            "id": {"type": "string"}, "loaded": {"type": "boolean", "description": "lollm's: whether it is in memory"}}}}}}
+            "id": {"type": "string"}, "loaded": {"type": "boolean", "description": "lollm's: whether it is in memory"},
+            "vision": {"type": "boolean", "description": "lollm's: whether it may read images (image_url parts)"}}}}}}
     health = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     paths: dict[str, dict[str, Schema]] = {
         "/v1/chat/completions": {"post": _generation_operation("chat: messages through the chat template", chat, _CHAT_ANSWER)},

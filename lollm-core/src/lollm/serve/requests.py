@@ -47,24 +47,39 @@ RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "documents", "add_generation
 
 # -- the server's limits (docs/serving.md, "Limits") ---------------------------------------
 
-#: A request body may hold BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context bytes (see body_limit).
+#: A request body may hold BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context bytes, plus IMAGE_BODY_BYTES
+#: when the model reads images (see body_limit).
 BODY_BYTES_BASE = 1 << 20
 BODY_BYTES_PER_POSITION = 64
+#: The room images add to the body limit of a server whose model reads images: 48 MiB, so that one image of
+#: lollm.vision.image.MAX_BYTES (32 MiB of file) fits as base64 (4/3 of it: 42.7 MiB), or a few phone photos
+#: (a 4 MB JPEG is 5.3 MB as base64: nine of them), while the body stays under app.DRAIN_BYTES (64 MiB).
+IMAGE_BODY_BYTES = 48 << 20
 #: How deep a request's JSON may nest: OpenAI's bodies need 4 (messages[i].content[j].text).
 MAX_JSON_DEPTH = 32
 #: The largest integer a request field may hold (a seed goes up to 2**64-1).
 MAX_INTEGER = SEED_MAX
 
 
-def body_limit(context: int) -> int:
-    """Most bytes a request body may have for a server of ``context`` positions.
+def body_limit(context: int, images: bool = False) -> int:
+    """Most bytes a request body may have for a server of ``context`` positions (``images``: its model reads images).
 
     1 MiB plus 64 bytes a position: a prompt that fills the context takes about
     4 bytes a token as plain text, up to about 12 with every character
     JSON-escaped (``\\u00e9``), and about 8 as a list of token ids. 4096
-    positions (the default --ctx-size): 1.25 MiB; 131,072: 9 MiB.
+    positions (the default --ctx-size): 1.25 MiB; 131,072: 9 MiB. A model that
+    reads images adds :data:`IMAGE_BODY_BYTES` (48 MiB): an image travels as a
+    base64 ``data:`` URL, 4/3 of its file's size.
     """
-    return BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context
+    return BODY_BYTES_BASE + BODY_BYTES_PER_POSITION * context + (IMAGE_BODY_BYTES if images else 0)
+
+
+def body_limit_rule(images: bool) -> str:
+    """What :func:`body_limit` is made of, in words, for the 413's message (``images``: as there)."""
+    rule = f"1 MiB plus {BODY_BYTES_PER_POSITION} bytes per position of its context, lollm serve --ctx-size"
+    if images:
+        return rule + f", plus {IMAGE_BODY_BYTES >> 20} MiB for images, sent as base64 data: URLs"
+    return rule
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:
@@ -113,6 +128,24 @@ def internal_error(where: str, error: BaseException) -> ApiError:
     log.error("%s: internal error %s: %s: %s%s", where, ident, type(error).__name__, first, at)
     log.debug("internal error %s", ident, exc_info=error)
     return ApiError(500, f"internal error {ident} (see the server log)", kind="server_error")
+
+
+#: The most characters of a refusal's message its log line keeps (a message may quote what the client sent).
+REFUSAL_LOG_CHARS = 300
+
+
+def log_refusal(where: str, error: ApiError) -> None:
+    """One log line (INFO) for a request the server refuses, beside uvicorn's access line, which gives no reason:
+    ``where`` (``"POST /v1/chat/completions"``), the status, the error code (else its type), the message
+    (cut at :data:`REFUSAL_LOG_CHARS`, one line). A 500 has its line from :func:`internal_error` and a 499
+    (the client went away) is no refusal: neither is logged here."""
+    if error.status in (499, 500):
+        return
+    message = " ".join(error.message.split())
+    if len(message) > REFUSAL_LOG_CHARS:
+        message = message[:REFUSAL_LOG_CHARS] + "..."
+    param = f", param {error.param}" if error.param else ""
+    log.info("%s: refused %d %s%s: %s", where, error.status, error.code or error.kind, param, message)
 
 
 # -- reading a request --------------------------------------------------------------
