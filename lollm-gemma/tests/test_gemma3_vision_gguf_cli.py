@@ -140,6 +140,12 @@ def test_a_gguf_given_an_image_without_mmproj_is_told_to_pass_one(files, tmp_pat
     assert "error: model" in done.output and "given with --mmproj FILE" in done.output, done.output
 
 
+def test_run_names_a_missing_mmproj_file(files, tmp_path):
+    _, gguf, _, boat, _ = files
+    with pytest.raises(LollmError, match=r"--mmproj .*gone.gguf: no such file \(the mmproj GGUF"):
+        lollm("run", gguf, "--mmproj", tmp_path / "gone.gguf", "--image", boat, "-p", "hi", "--device", "cpu")
+
+
 def test_an_mmproj_file_given_as_the_model_says_it_goes_with_mmproj(files):
     _, _, mmproj, _, _ = files
     with pytest.raises(UnknownModelType, match=r"this GGUF is an mmproj file \(general.architecture 'clip'\): it holds "

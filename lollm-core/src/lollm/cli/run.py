@@ -87,7 +87,6 @@ def run(
     check_attn(options)
     check_family(options.family)
     check_model_exists(model)
-    check_mmproj_exists(mmproj)
     prompts = read_prompts(prompt, prompts_file)
 
     # 2. The checkpoint (configs, tokenizer, tensor table) and its family: checks that need them, before the weights load.
@@ -203,7 +202,8 @@ def chat(
     think: Think = None,
     mtp: Mtp = False,
     draft_tokens: with_help(DraftTokens, "Tokens drafted per step with --mtp.") = 3,
-    mmproj: MmprojFile = None,  # docs/vision.md: a GGUF model's tower, for /image
+    mmproj: with_help(MmprojFile, "The vision tower of a GGUF model, for /image: the mmproj GGUF file llama.cpp's "
+                                  "convert_hf_to_gguf.py --mmproj writes (a safetensors model carries its own).") = None,
     ctx_size: CtxSize = None,
     context_shift: ContextShift = True,
     device: Device = "auto",
