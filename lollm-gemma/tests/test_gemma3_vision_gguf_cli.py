@@ -146,6 +146,18 @@ def test_run_names_a_missing_mmproj_file(files, tmp_path):
         lollm("run", gguf, "--mmproj", tmp_path / "gone.gguf", "--image", boat, "-p", "hi", "--device", "cpu")
 
 
+def test_chat_refuses_an_mmproj_beside_a_family_without_images(files, tmp_path):
+    from _gemma_testing import tiny_gemma2
+
+    from lollm.testing.tiny import write_tiny_tokenizer
+
+    folder = write_tiny_checkpoint(tiny_gemma2(), tmp_path / "gemma2")
+    write_tiny_tokenizer(folder, vocab_size=512)
+    with pytest.raises(LollmError, match=r"--mmproj .*mmproj-f32.gguf: .*gemma2 is of the family gemma2, which reads "
+                                         r"no images"):
+        lollm("chat", folder, "--mmproj", files[2], "--device", "cpu", input="hi\n")
+
+
 def test_an_mmproj_file_given_as_the_model_says_it_goes_with_mmproj(files):
     _, _, mmproj, _, _ = files
     with pytest.raises(UnknownModelType, match=r"this GGUF is an mmproj file \(general.architecture 'clip'\): it holds "

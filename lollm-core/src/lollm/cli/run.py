@@ -236,6 +236,8 @@ def chat(
 
     prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)
     checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags
+    if mmproj is not None and not family.capabilities.vision:
+        raise LollmError(f"--mmproj {mmproj}: {model} is of the family {family.name}, which reads no images")
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
     loaded = open_model(checkpoint, prepared.options)
