@@ -17,6 +17,7 @@ is :class:`lollm.generate.conversation.ChatSession`.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -117,7 +118,13 @@ def _command(session: ChatSession, text: str, note: Callable[[str], None]) -> bo
 
 
 def _attach(session: ChatSession, path: str, note: Callable[[str], None]) -> None:
-    """``/image PATH``: the image read, checked (lollm.vision.image) and encoded for the next message; an error is noted."""
+    """``/image PATH``: the image read, checked (lollm.vision.image) and encoded for the next message; an error is noted.
+
+    PATH as a shell would take one word: surrounding quotes go (a path with spaces, pasted quoted), ``~`` expands.
+    """
+    if len(path) >= 2 and path[0] == path[-1] and path[0] in "'\"":
+        path = path[1:-1]
+    path = os.path.expanduser(path)
     if not path:
         note("usage: /image PATH  (attach an image to your next message)")
         return

@@ -166,6 +166,16 @@ def check_model_exists(spec: str) -> None:
     raise unknown_model(spec)
 
 
+def check_mmproj_exists(mmproj: Optional[str]) -> None:
+    """``--mmproj FILE`` names a file (LollmError naming the flag otherwise), checked before torch is imported.
+
+    What the file holds is read with the model (:func:`lollm.vision.load.open_vision`).
+    """
+    if mmproj is not None and not Path(mmproj).expanduser().is_file():
+        raise LollmError(f"--mmproj {mmproj}: no such file (the mmproj GGUF of llama.cpp's convert_hf_to_gguf.py "
+                         "--mmproj, which holds a GGUF model's vision tower)")
+
+
 def open_for_command(model: str, options: LoadOptions, *, threads: Optional[int], think: Optional[bool], mtp: bool,
                      tp_timeout: Optional[float] = None) -> Prepared:
     """Step 2 of ``run``, ``chat`` and ``serve``: :func:`lollm.load.pipeline.open_checkpoint`, its advice on the

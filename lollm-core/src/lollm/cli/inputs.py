@@ -155,7 +155,7 @@ def encode_prompts(tokenizer: Any, prompts: list[str], *, system: Optional[str],
 def read_images(paths: list[str], mmproj: Optional[str], *, prompts: int, family: Any, model: str) -> list[Any]:
     """The ``--image`` files, decoded and checked (lollm.vision.image: every hostile case refused), before the weights load.
 
-    mmproj: the ``--mmproj`` file, which needs images (LollmError without them; its contents are read later).
+    mmproj: the ``--mmproj`` file, which needs images and must exist (LollmError; its contents are read later).
 
     prompts: how many prompts the command got; images go with one prompt (LollmError otherwise).
     family: the checkpoint's :class:`lollm.family.Family`; one without vision (``Capabilities.vision``
@@ -164,6 +164,9 @@ def read_images(paths: list[str], mmproj: Optional[str], *, prompts: int, family
     """
     if mmproj is not None and not paths:
         raise LollmError("--mmproj holds a vision tower: it goes with --image")
+    from lollm.cli.checks import check_mmproj_exists
+
+    check_mmproj_exists(mmproj)
     if not paths:
         return []
     if prompts != 1:

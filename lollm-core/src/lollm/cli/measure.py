@@ -9,10 +9,11 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.batch import bench_concurrency, parse_levels
-from lollm.cli.checks import check_family, require_extra
+from lollm.cli.checks import check_family, check_mmproj_exists, require_extra
 from lollm.cli.inputs import read_stdin
-from lollm.cli.options import (Attn, Device, Dtype, Family, GroupSize, Json, ModelArg, ModelOpt, NoChat, Prompt,
-                               Quantize, System, Think, Threads, Tp, Weights, load_options, which_model, with_help)
+from lollm.cli.options import (Attn, Device, Dtype, Family, GroupSize, Json, MmprojFile, ModelArg, ModelOpt, NoChat,
+                               Prompt, Quantize, System, Think, Threads, Tp, Weights, load_options, which_model,
+                               with_help)
 from lollm.cli.report import err, out
 from lollm.errors import LollmError
 from lollm.load.options import LoadOptions, check_threads
@@ -41,9 +42,15 @@ def parity(
     tp: with_help(Tp, "Our model split over N processes started by torchrun: `torchrun --nproc-per-node N -m lollm parity --tp N …`; the reference runs whole on rank 0 (docs/tensor-parallel.md).") = 1,
     model_opt: ModelOpt = None,
     image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Compare the image path too (repeatable): the prompt gets each image, ours reads it through the family's vision tower, the reference is transformers' whole *ForConditionalGeneration on the same pixels (docs/vision.md)."),
+    mmproj: with_help(MmprojFile, "Refused, with the way to go: transformers reads no mmproj file, so a GGUF's image "
+                                  "path has no reference on the same weights (compare its safetensors checkpoint).") = None,
 ) -> None:
     """Compare our logits with transformers' at every prompt position. Exit 1 on failure."""
     model, _ = which_model(model_opt, model_arg)
+    if mmproj is not None or (image and model.lower().endswith(".gguf")):  # before anything loads
+        from lollm.proof.parity_images import refuse_gguf_images
+
+        refuse_gguf_images(model)
     check_family(family_name)
     options = load_options("parity", device=device, dtype=dtype, attn=attn, weights=weights, quantize=quantize,
                            group_size=group_size, tp=tp, family=family_name)
@@ -74,6 +81,7 @@ def trace(
     dtype: with_help(Dtype, "float32 (the default: the numbers of the parity gate), bfloat16, float16.") = "float32",
     max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="Refuse longer prompts (the page keeps every attention weight, T² per head); the model's context and the memory free bound it too."),
     image: Optional[list[str]] = typer.Option(None, "--image", metavar="FILE", help="Put an image in the prompt (repeatable): the page draws its tokens on the picture and the attention the last positions gave each of them (docs/vision.md)."),
+    mmproj: MmprojFile = None,
 ) -> None:
     """Run a prompt through the model once and draw what happens inside as an HTML page.
 
@@ -88,6 +96,9 @@ def trace(
         raise LollmError(f"--max-tokens must be >= 1, got {max_tokens}")
     check_family(family_name)
     options = load_options("trace", device=device, dtype=dtype, family=family_name, progress=True)
+    check_mmproj_exists(mmproj)
+    if mmproj is not None and not image:
+        raise LollmError("--mmproj holds a vision tower: it goes with --image")
     if compare:
         require_extra("parity", "lollm trace --compare")
     from lollm.cli.trace.page import check_output
@@ -99,7 +110,8 @@ def trace(
 
     result = run_trace(spec, prompt=prompt, output=output, system=system, chat=not no_chat, think=think,
                        compare_reference=compare, options=options, max_tokens=max_tokens,
-                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True), images=image or ())
+                       log=lambda line: err.print(f"[dim]{escape(line)}[/dim]", soft_wrap=True), images=image or (),
+                       mmproj=mmproj)
     if not no_chat and not result.templated:
         err.print("[dim]note: the checkpoint has no chat template; using the prompt as raw text[/dim]")
     out.print(escape(trace_summary(result)), soft_wrap=True)

@@ -182,8 +182,8 @@ ImageFiles = Annotated[list[str], typer.Option(
          "Gemma 3), else before the prompt's text. Video and audio are not read.")]
 MmprojFile = Annotated[Optional[str], typer.Option(
     "--mmproj", metavar="FILE",
-    help="The vision tower of a GGUF model: the mmproj GGUF file llama.cpp's convert_hf_to_gguf.py --mmproj writes "
-         "(with --image; a safetensors model carries its tower in its own files).")]
+    help="The vision tower of a GGUF model: the mmproj GGUF file llama.cpp's convert_hf_to_gguf.py --mmproj writes, "
+         "for the images (--image; /image in chat). A safetensors model carries its tower in its own files.")]
 #: each command says what ``--think`` decides there: ``with_help(Think, ...)``
 Think = Annotated[Optional[bool], typer.Option("--think/--no-think", help="The chat template's enable_thinking flag (templates that read it).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", metavar="N", help="Most tokens to generate.")]

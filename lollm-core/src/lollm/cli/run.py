@@ -11,8 +11,8 @@ from rich.markup import escape
 
 from lollm.cli import report as show
 from lollm.cli.batch import batch_reason, run_batched
-from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_model_exists,
-                              check_run_flags, open_for_command, require_extra)
+from lollm.cli.checks import (check_attn, check_ctx_size, check_draft_head, check_family, check_mmproj_exists,
+                              check_model_exists, check_run_flags, open_for_command, require_extra)
 from lollm.cli.inputs import encode_prompts, image_prompt, read_images, read_prompts
 from lollm.cli.options import (Attn, ContextShift, CtxSize, Device, DraftTokens, Dtype, Family, GrammarFlag,
                                GroupSize, ImageFiles, Json, JsonSchemaFlag, MaxNewTokens, MinP, MmprojFile, ModelArg,
@@ -202,6 +202,8 @@ def chat(
     think: Think = None,
     mtp: Mtp = False,
     draft_tokens: with_help(DraftTokens, "Tokens drafted per step with --mtp.") = 3,
+    mmproj: with_help(MmprojFile, "The vision tower of a GGUF model, for /image: the mmproj GGUF file llama.cpp's "
+                                  "convert_hf_to_gguf.py --mmproj writes (a safetensors model carries its own).") = None,
     ctx_size: CtxSize = None,
     context_shift: ContextShift = True,
     device: Device = "auto",
@@ -222,6 +224,7 @@ def chat(
                            family=family_name, progress=True)
     check_family(options.family)
     check_model_exists(model)
+    check_mmproj_exists(mmproj)
     if terminal_is_interactive():  # line editing comes from the chat extra; piped input needs none
         require_extra("chat", "lollm chat in a terminal")
 
@@ -233,6 +236,8 @@ def chat(
 
     prepared = open_for_command(model, options, threads=threads, think=think, mtp=mtp)
     checkpoint, family, template_flags = prepared.checkpoint, prepared.family.family, prepared.template_flags
+    if mmproj is not None and not family.capabilities.vision:
+        raise LollmError(f"--mmproj {mmproj}: {model} is of the family {family.name}, which reads no images")
     sampling = resolve_sampling(user, checkpoint.generation_config, family.sampling_defaults, seed=seed,
                                 generation_config_name=str(checkpoint.path / "generation_config.json"))
     loaded = open_model(checkpoint, prepared.options)
@@ -241,8 +246,10 @@ def chat(
     session = ChatSession(
         loaded, sampling=sampling, stop_ids=stop_token_ids(checkpoint.generation_config, checkpoint.config, loaded.tokenizer),
         system=system, template_flags=template_flags, max_new_tokens=max_new_tokens,
-        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size, context_shift=context_shift,
+        speculative_tokens=draft_tokens if mtp else 0, context=ctx_size, context_shift=context_shift, mmproj=mmproj,
     )
+    if mmproj is not None:
+        session.open_tower()  # a wrong file is said now, not at the first /image
     err.print(f"[dim]lollm chat: {escape(model)} ({family.name} on {loaded.device} "
               f"{str(loaded.dtype).removeprefix('torch.')}, context {session.cache.max_tokens})[/dim]", soft_wrap=True)
     repl(session, note=show.note)

@@ -48,6 +48,8 @@ class ChatSession:
                         :data:`DEFAULT_CONTEXT`, at most the model's context; at least 2).
     context_shift:      when a message would not fit: drop the oldest turns (True, the
                         default, as ollama does) or raise an error that says how to go on.
+    mmproj:             a GGUF model's vision tower file (llama.cpp's mmproj GGUF, ``lollm chat --mmproj``),
+                        opened by :meth:`open_tower`; a safetensors model's tower is in its own files.
 
     Raises LollmError when the tokenizer has no chat template, GenerationError for a context below 2.
     """
@@ -64,6 +66,7 @@ class ChatSession:
         speculative_tokens: int = 0,
         context: int | None = None,
         context_shift: bool = True,
+        mmproj: str | None = None,
     ):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -85,7 +88,8 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         self.last: GenerationResult | None = None
         self.dropped = 0  # the oldest turns the last answer made room by dropping
-        self.tower = None  # the model's vision tower, opened by the first attach_image
+        self.mmproj = mmproj
+        self.tower = None  # the model's vision tower, opened by open_tower (the first attach_image at the latest)
         self.pending: list = []  # images (lollm.vision.prompt.EncodedImage) for the next user message
         self.reset()
 
@@ -141,13 +145,23 @@ class ChatSession:
         for a model without a tower. A conversation holding images prefills its whole prompt every turn:
         the prompt cache matches prompts by ids, and every image's placeholder ids are the same.
         """
+        from lollm.vision.prompt import encode_images
+
+        self.pending.extend(encode_images(self.open_tower(), [image]))
+        return len(self.pending)
+
+    def open_tower(self):
+        """The model's :class:`lollm.vision.spec.VisionTower` (from ``mmproj`` for a GGUF), opened once.
+
+        Raises ImageError for a model without a tower (a GGUF without ``mmproj`` is told to pass one),
+        LollmError for an ``mmproj`` beside a safetensors model or one that does not fit the model.
+        """
         from lollm.vision.load import open_vision
-        from lollm.vision.prompt import encode_images, require_tower
+        from lollm.vision.prompt import require_tower
 
         if self.tower is None:
-            self.tower = require_tower(open_vision(self.loaded), self.loaded.checkpoint.spec)
-        self.pending.extend(encode_images(self.tower, [image]))
-        return len(self.pending)
+            self.tower = require_tower(open_vision(self.loaded, self.mmproj), self.loaded.checkpoint.spec)
+        return self.tower
 
     def _encode(self, messages: list[dict]) -> list[int]:
         """The chat prompt of ``messages``; with images among them, each placeholder the template wrote expanded
@@ -212,13 +226,17 @@ class ChatSession:
         An answer stopped by ``should_stop`` joins it as far as it got. When the
         oldest turns must go to make room (:meth:`prompt`), ``on_drop(n)`` hears
         it before the answer starts. On an error (a message longer than the
-        context, a full context without ``context_shift``, ...) the conversation is
-        left as it was.
+        context, a full context without ``context_shift``, a template that does not render
+        image parts ...) the conversation is left as it was before the message, and the images
+        attached for it are dropped too (the error says so): the next message starts clean.
         """
-        messages, ids, dropped = self.prompt(text)
+        try:
+            messages, ids, dropped = self.prompt(text)
+            images = self._placed(messages, ids)
+        except LollmError as error:
+            raise self._failed_turn(error) from None
         if dropped and on_drop is not None:
             on_drop(dropped)
-        images = self._placed(messages, ids)
         if images is not None:
             self.cache.reset()  # its ids say nothing of the pixels: the whole prompt runs (docs/vision.md)
         result = generate(
@@ -232,6 +250,14 @@ class ChatSession:
         self.messages = messages + [{"role": "assistant", "content": result.text}]
         self.last, self.dropped = result, dropped
         return result
+
+    def _failed_turn(self, error: LollmError) -> LollmError:
+        """``error``, of the same class, saying the images attached for the failed message were dropped (if any)."""
+        if not self.pending:
+            return error
+        n, self.pending = len(self.pending), []
+        return type(error)(f"{error} (the {n} image(s) attached for this message were dropped with it; the "
+                           "conversation is as it was: /image attaches again)")
 
     def _placed(self, messages: list[dict], ids: list[int]):
         """The ImageBatch of the images in ``messages`` (in order) over ``ids``, or None without images."""

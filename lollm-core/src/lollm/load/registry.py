@@ -55,6 +55,9 @@ LOAD_PLUGINS_ENV = "LOLLM_LOAD_PLUGINS"
 
 MODEL_TYPE = "model type"
 GGUF_ARCHITECTURE = "GGUF architecture"
+#: The ``general.architecture`` of llama.cpp's mmproj files (``convert_hf_to_gguf.py --mmproj``): a vision tower
+#: that goes beside a text GGUF (``--mmproj FILE``), never a model of its own.
+MMPROJ_ARCHITECTURE = "clip"
 
 # PEP 508 distribution name, with optional extras for an install hint ("lollm-x[cuda]")
 _DIST_NAME = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
@@ -216,6 +219,10 @@ class Registry:
             )
         if key in index:
             return index[key]
+        if kind == GGUF_ARCHITECTURE and key == MMPROJ_ARCHITECTURE:
+            raise UnknownModelType(
+                f"this GGUF is an mmproj file (general.architecture {key!r}): it holds a vision tower, not a model. "
+                "Give the text model's GGUF as the model and this file beside it with --mmproj FILE (docs/vision.md)")
         raise UnknownModelType(self._unknown_message(kind, key))
 
     def family_named(self, name: str) -> InstalledFamily:

@@ -40,8 +40,13 @@ class ImagePrompt:
     reference_inputs: dict[str, torch.Tensor]  # the image keyword arguments of transformers' forward
 
 
-def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: str) -> ImagePrompt:
+def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: str, mmproj: str | None = None,
+                 system: str | None = None, template_flags: dict | None = None) -> ImagePrompt:
     """The parity prompt with the images of ``paths`` (each checked by lollm.vision.image) for ``loaded``.
+
+    mmproj: a GGUF model's tower file (``lollm trace --mmproj``; :func:`lollm.vision.load.open_vision`).
+    system, template_flags: a system message before the user's, and the template's variables
+    (``enable_thinking``), with ``chat`` (``lollm trace --image --system``).
 
     Raises ImageError for a hostile image, a model without a tower, a prompt the images make longer
     than the context.
@@ -52,16 +57,31 @@ def image_prompt(loaded, paths: list[str], prompt: str, *, chat: bool, model: st
     from lollm.vision.reference import reference_inputs
 
     images = [read_image_file(path) for path in paths]
-    tower = require_tower(open_vision(loaded), model)
+    tower = require_tower(open_vision(loaded, mmproj), model)
     placeholder = tower.spec.placeholder
     text = prompt if placeholder in prompt else " ".join([placeholder] * len(images) + [prompt])
     if chat:
-        text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        text = loaded.tokenizer.apply_chat_template(messages, **(template_flags or {}))
     ready = prepare_prompt(text, images, tower, loaded.tokenizer, model=model, max_context=loaded.model.max_context,
                            add_special_tokens=not chat)
     pixels = [tower.preprocess(image) for image in images]
     return ImagePrompt(ready.ids, ready.images, pixels, tower.spec.image_token_id, tower.spec,
                        reference_inputs(tower, pixels))
+
+
+def refuse_gguf_images(model: str, command: str = "lollm parity --image") -> None:
+    """LollmError: ``command`` (parity's, trace's ``--compare``) has no image reference for a GGUF ``model``.
+
+    The gate's reference reads the very weights lollm reads (a text GGUF: transformers on the same file,
+    lollm.proof.parity.reference_weights), and transformers reads no mmproj file. The way to go: the
+    safetensors checkpoint the files were converted from; that a GGUF plus its mmproj give that
+    checkpoint's logits is the families' tests' to prove (docs/vision.md, "From GGUF").
+    """
+    raise LollmError(f"{command} compares with transformers on the same weights, and transformers reads no mmproj "
+                     f"file, so {model} (a GGUF, its tower in an mmproj file) has no image reference: compare the "
+                     "safetensors checkpoint the GGUF was converted from instead; without images, the GGUF's text "
+                     "path has its reference (transformers reads the text GGUF)")
 
 
 def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):
@@ -78,8 +98,7 @@ def image_reference(checkpoint, dtype: torch.dtype, prompt: ImagePrompt):
     except ImportError:
         raise LollmError("the reference needs transformers: pip install 'lollm-core[parity]'") from None
     if checkpoint.fmt != "safetensors":
-        raise LollmError(f"lollm parity --image compares a safetensors checkpoint (the whole *ForConditionalGeneration); "
-                         f"{checkpoint.spec} is {checkpoint.fmt}")
+        refuse_gguf_images(checkpoint.spec)  # lollm trace --compare refuses before its forward pass
     try:
         model = AutoModelForImageTextToText.from_pretrained(str(checkpoint.path), dtype=dtype).eval()
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError ... for checkpoints it refuses

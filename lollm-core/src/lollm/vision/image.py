@@ -72,7 +72,8 @@ def decode_data_url(url: str, *, name: str) -> bytes:
     or its payload is not valid base64, or is over :data:`MAX_BYTES` once decoded.
     """
     if not isinstance(url, str) or not url.startswith("data:"):
-        raise ImageError(f"{name}: only data: URLs are accepted (data:image/png;base64,...); the server fetches nothing")
+        raise ImageError(f"{name}: only data: URLs are accepted (data:image/png;base64,...); lollm fetches nothing "
+                         "(no web address or file path is read)")
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
         raise ImageError(f"{name}: the data: URL has no ',' before its payload")
@@ -134,7 +135,7 @@ def check_header(image: Image.Image, name: str) -> None:
         raise ImageError(f"{name} is animated ({image.n_frames} frames): video is not supported, "
                          "send one frame as a still image")
     if image.mode not in ACCEPTED_MODES:
-        kind = "CMYK" if image.mode == "CMYK" else f"a {image.mode} (16-bit, 32-bit or float)" \
+        kind = "a CMYK" if image.mode == "CMYK" else f"a {image.mode} (16-bit, 32-bit or float)" \
             if image.mode.startswith(("I", "F")) else f"a {image.mode}"
         raise ImageError(f"{name} is {kind} image; accepted are 8-bit RGB, RGBA, grey and palette images "
                          f"(modes {', '.join(ACCEPTED_MODES)}): convert it to 8-bit RGB first")

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from lollm.errors import LollmError
+from lollm.errors import ImageError, LollmError
 from lollm.vision.prompt import encode_images, expand_placeholders, place_images, require_tower
 from lollm.vision.spec import ImageBatch, VisionTower
 
@@ -25,9 +25,10 @@ def open_vision(loaded, mmproj: str | None = None) -> VisionTower | None:
     (the image token's id is the text model's).
 
     None when the family declares no vision (``Capabilities.vision`` False) or its loader finds
-    no tower (a text-only checkpoint, a GGUF without ``mmproj``). Raises the family's LollmError
-    (ConfigError, WeightsError) for a broken tower, GGUFError for a broken mmproj file,
-    PluginError for a failing plugin.
+    no tower in a safetensors checkpoint (a text-only one). Raises ImageError for a GGUF of a family
+    with vision given no ``mmproj`` (it says a GGUF keeps its tower in an mmproj file: ``--mmproj FILE``),
+    the family's LollmError (ConfigError, WeightsError) for a broken tower, GGUFError for a broken
+    mmproj file, PluginError for a failing plugin.
     """
     family = loaded.family.family
     if not family.capabilities.vision:
@@ -40,7 +41,13 @@ def open_vision(loaded, mmproj: str | None = None) -> VisionTower | None:
             raise LollmError(f"--mmproj {mmproj}: an mmproj file goes with a GGUF model; {checkpoint.spec} is "
                              f"{checkpoint.fmt}, whose own files hold the tower")
         checkpoint = dataclasses.replace(load_gguf(Path(mmproj)), _tokenizer=loaded.tokenizer)
-    return family.resolve("vision")(checkpoint, loaded.options)
+    tower = family.resolve("vision")(checkpoint, loaded.options)
+    if tower is None and mmproj is None and checkpoint.fmt == "gguf":
+        raise ImageError(f"model {checkpoint.spec} is a GGUF, and a GGUF keeps no vision tower in its own file: "
+                         f"the {family.name} tower is a separate mmproj file, given with --mmproj FILE "
+                         "(LLM(..., mmproj=FILE) in Python). llama.cpp's convert_hf_to_gguf.py --mmproj writes one "
+                         "from the safetensors checkpoint; a text-only checkpoint has none (docs/vision.md)")
+    return tower
 
 
 @dataclass

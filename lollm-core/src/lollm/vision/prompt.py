@@ -45,7 +45,10 @@ class EncodedImage:
 
 
 def require_tower(tower: VisionTower | None, model: str) -> VisionTower:
-    """``tower``, or ImageError naming ``model`` when it has none (a text-only model given an image)."""
+    """``tower``, or ImageError naming ``model`` when it has none (a text-only model given an image).
+
+    A GGUF of a family with vision but no ``--mmproj`` file is refused earlier, with its own message
+    (:func:`lollm.vision.load.open_vision`)."""
     if tower is None:
         raise ImageError(f"model {model} has no vision tower: it reads text only, and an image was given "
                          "(use a checkpoint with a vision tower, e.g. a Gemma 3 4B or a Qwen3.5)")
@@ -77,8 +80,14 @@ def expand_placeholders(text: str, spec: VisionSpec, counts: list[int]) -> str:
 
     A prompt without any placeholder gets one per image in front, each followed by a space
     (``lollm run --image a.png --prompt "What is this?"``), as transformers' processors do.
-    Raises ImageError when the prompt holds placeholders but not one per image.
+    Raises ImageError when the prompt holds placeholders but not one per image, or holds the image
+    token itself outside a placeholder (Qwen's ``<|image_pad|>`` written alone: lollm writes it, n times).
     """
+    stray = text.replace(spec.placeholder, "").count(spec.image_token) if spec.image_token != spec.placeholder else 0
+    if stray:
+        raise ImageError(f"the prompt holds the image token {spec.image_token!r} {stray} time(s) outside a placeholder: "
+                         f"write the placeholder {spec.placeholder!r} (one per image, or none), not the image token "
+                         f"{spec.image_token!r}, which lollm writes itself once per image position")
     found = text.count(spec.placeholder)
     if found == 0:
         text = " ".join([spec.placeholder] * len(counts) + [text]) if counts else text

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from lollm.errors import LollmError
 from lollm.load.pipeline import LoadedModel, open_model, template_flags
 from lollm.cli.trace.capture import Trace, capture, check_capture, compare
 from lollm.cli.trace.page import check_output, write_page
+from lollm.proof.parity_images import ImagePrompt, image_prompt, image_reference, refuse_gguf_images
 
 # Lazy import below: lollm.proof.parity, only with --compare (it needs the parity extra's transformers).
 
@@ -65,12 +67,19 @@ def prompt_ids(loaded: LoadedModel, prompt: str, *, system: str | None = None, c
     return tokenizer.encode_chat(messages, add_generation_prompt=True, **flags), True
 
 
-def reference_for(loaded: LoadedModel):
-    """The parity gate's reference for this checkpoint (the family's own builder, else transformers)."""
+def reference_for(loaded: LoadedModel, pictured: ImagePrompt | None = None):
+    """The parity gate's reference for this checkpoint (the family's own builder, else transformers).
+
+    pictured: the prompt's images (``--image``): then transformers' whole ``*ForConditionalGeneration`` on
+    the same pixels (:func:`lollm.proof.parity_images.image_reference`; LollmError for a GGUF).
+    """
     from lollm.proof.parity import default_reference
 
     family = loaded.family.family
-    build = family.resolve("parity_reference") if family.parity_reference else default_reference
+    if pictured is not None:
+        build = functools.partial(image_reference, prompt=pictured)
+    else:
+        build = family.resolve("parity_reference") if family.parity_reference else default_reference
     try:
         return build(loaded.checkpoint, loaded.dtype)
     except ImportError as exc:
@@ -84,7 +93,7 @@ TRACE_OPTIONS = LoadOptions(dtype="float32")
 def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", system: str | None = None, chat: bool = True,
               think: bool | None = None, compare_reference: bool = False, options: LoadOptions = TRACE_OPTIONS,
               max_tokens: int = MAX_TOKENS, log: Callable[[str], None] = lambda line: None,
-              images: Sequence[str] = ()) -> TraceResult:
+              images: Sequence[str] = (), mmproj: str | None = None) -> TraceResult:
     """Trace one forward pass of ``prompt`` through the model at ``spec`` and write the page to ``output``.
 
     compare_reference: also run the parity gate's reference (transformers) and store the
@@ -95,7 +104,9 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
                        the reference, writing the page); ``lollm trace`` prints them on stderr.
     images:            image files (``lollm trace --image``): the prompt gets them (lollm.proof.parity_images'
                        prompt), and the page draws each image's tokens and the attention they received
-                       (:mod:`lollm.cli.trace.images`). Not with ``compare_reference`` or ``system``.
+                       (:mod:`lollm.cli.trace.images`); with ``compare_reference``, the reference is
+                       transformers' whole ``*ForConditionalGeneration`` on the same pixels (as ``lollm parity --image``).
+    mmproj:            a GGUF model's vision tower file (llama.cpp's mmproj GGUF), for ``images``.
     Raises LollmError subclasses (bad checkpoint, an output path :func:`check_output` refuses, a prompt
     longer than ``max_tokens`` or the model's context or whose capture would not fit the memory free
     (:func:`lollm.cli.trace.capture.check_capture`): these before the capture; no transformers for a comparison).
@@ -105,12 +116,14 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
     loaded = open_model(spec, options)
     pictured = None
     if images:
-        if compare_reference or system:
-            raise LollmError("lollm trace --image: not with --compare or --system yet")
-        from lollm.proof.parity_images import image_prompt
-
+        if compare_reference and loaded.checkpoint.fmt != "safetensors":
+            refuse_gguf_images(model_label(spec), "lollm trace --image --compare")
         templated = chat and loaded.tokenizer.chat_template is not None
-        pictured = image_prompt(loaded, list(images), prompt, chat=templated, model=model_label(spec))
+        if system and not templated:
+            raise LollmError("--system needs the chat template; it cannot be used with --no-chat or a model without one")
+        flags = template_flags(loaded.tokenizer, think, loaded.checkpoint.spec) if templated else {}
+        pictured = image_prompt(loaded, list(images), prompt, chat=templated, model=model_label(spec), mmproj=mmproj,
+                                system=system, template_flags=flags)
         ids = pictured.ids
     else:
         ids, templated = prompt_ids(loaded, prompt, system=system, chat=chat, think=think)
@@ -134,7 +147,7 @@ def run_trace(spec: str, *, prompt: str, output: str | Path = "trace.html", syst
         loaded.model = None  # one model in memory at a time, as in the parity gate
         gc.collect()
         log(f"reference: transformers on the same {len(ids)} tokens, to compare every hidden state ...")
-        reference = reference_for(loaded)
+        reference = reference_for(loaded, pictured)
         compare(trace, reference, required=required)
         del reference
         gc.collect()
