@@ -235,10 +235,13 @@ def _tokenizer(family: str, folder: Path, base: int, specials: list[str], config
     else:
         write_tiny_tokenizer(folder, vocab_size=base, chat_template=False)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
-    got = [tok.token_to_id(t) for t in specials]
-    if got != list(range(base, base + len(specials))):
-        raise RuntimeError(f"{family}: the image tokens {specials} landed at ids {got}, not {base}..")
+    # Gemma's turn markers are pieces 4 and 5 of the SentencePiece model: special, so that the template's are one token
+    turns = {4: "<start_of_turn>", 5: "<end_of_turn>"} if family.startswith("gemma") else {}
+    wanted = {**turns, **{i: text for i, text in enumerate(specials, start=base)}}
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in wanted.values()])
+    got = {tok.token_to_id(t): t for t in wanted.values()}
+    if got != wanted:
+        raise RuntimeError(f"{family}: the special tokens landed at ids {got}, not {wanted}")
     tok.save(str(folder / "tokenizer.json"))
     path = folder / "tokenizer_config.json"
     tokenizer_config = json.loads(path.read_text(encoding="utf-8"))
@@ -246,7 +249,7 @@ def _tokenizer(family: str, folder: Path, base: int, specials: list[str], config
     if family.startswith("qwen"):  # the ChatML end of turn ends a reply, as Qwen3.5's generation config says
         tokenizer_config["eos_token"] = "<|im_end|>"
     added = tokenizer_config.setdefault("added_tokens_decoder", {})  # Gemma 3's mmproj converter reads the ids here
-    for i, text in enumerate(specials, start=base):
+    for i, text in wanted.items():
         added[str(i)] = {"content": text, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                          "special": True}
     path.write_text(json.dumps(tokenizer_config, indent=2), encoding="utf-8")
