@@ -12,15 +12,13 @@ GGUF with it gives the safetensors checkpoint's logits and ``lollm run`` tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from _gemma_testing import assert_close_logits
+from _gemma_testing import assert_close_logits, lollm_run
 from lollm.errors import LollmError
 from lollm.load.options import LoadOptions
 from lollm.testing.tiny_vision import drawing, write_tiny_vision_checkpoint
@@ -114,16 +112,6 @@ def test_text_gguf_plus_mmproj_give_the_safetensors_logits(files, converted):
     (ids, want), (gguf_ids, logits) = got
     assert gguf_ids == ids and ids.count(IMAGE) == 2 * 16
     assert_close_logits(logits, want, ids)
-
-
-def lollm_run(model: str, picture: Path, *extra: str) -> dict:
-    from lollm.cli import app
-
-    done = CliRunner().invoke(app, ["run", model, "--image", str(picture), *extra, "-p", "what is this?", "-n", "8",
-                                    "--temperature", "0", "--json", "--device", "cpu", "--dtype", "float32"],
-                              catch_exceptions=False)
-    assert done.exit_code == 0, done.output
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_lollm_run_with_mmproj_gives_the_safetensors_greedy_tokens(files, tmp_path):

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from _gemma_testing import assert_close_logits
+from _gemma_testing import assert_close_logits, lollm_run
 from lollm.errors import ConfigError
 from lollm.load.options import LoadOptions
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
@@ -157,16 +156,6 @@ def test_the_flipped_rule_fails_the_bound(models, monkeypatch):
         model.config = right
     with pytest.raises(AssertionError, match="argmax differs|cosine"):
         assert_close_logits(got, want, ids)
-
-
-def lollm_run(model: str, picture: Path, *extra: str) -> dict:
-    from lollm.cli import app
-
-    done = CliRunner().invoke(app, ["run", model, "--image", str(picture), *extra, "-p", "what is this?", "-n", "8",
-                                    "--temperature", "0", "--json", "--device", "cpu", "--dtype", "float32"],
-                              catch_exceptions=False)
-    assert done.exit_code == 0, done.output
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

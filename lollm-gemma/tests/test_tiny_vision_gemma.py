@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from _gemma_testing import lollm_run
 from lollm.testing.tiny_vision import drawing, write_tiny_vision_checkpoint
 
 FAMILIES = ["gemma3", "gemma4"]
@@ -32,19 +33,13 @@ def made(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, write_tiny_vision_checkpoint(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
 
 
-def lollm(*args: str) -> str:
-    """What the command printed (it must exit 0)."""
+def parity(folder: Path, picture: Path) -> dict:
+    """``lollm parity FOLDER --image PICTURE --json``'s report; the command must exit 0."""
     from lollm.cli import app
 
-    done = CliRunner().invoke(app, list(args), catch_exceptions=False)
+    done = CliRunner().invoke(app, ["parity", str(folder), "--image", str(picture), "--json"], catch_exceptions=False)
     assert done.exit_code == 0, done.output
-    return done.stdout
-
-
-def run(model: str, picture: Path, *extra: str) -> dict:
-    """``lollm run --json``'s record (its last line) for one image and greedy decoding."""
-    return json.loads(lollm("run", model, "--image", str(picture), *extra, "-p", "what is this?", "-n", "6", "--temperature", "0",
-                 "--json", "--device", "cpu", "--dtype", "float32").strip().splitlines()[-1])
+    return json.loads(done.stdout)
 
 
 def test_the_chat_template_renders_an_image_as_its_special_tokens(made):
@@ -67,10 +62,10 @@ def test_the_chat_template_renders_an_image_as_its_special_tokens(made):
 
 def test_run_and_parity_with_an_image(made, picture):
     family, folder = made
-    out = run(str(folder), picture)
+    out = lollm_run(str(folder), picture, n=6)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     image_id = config.get("image_token_index", config.get("image_token_id"))
     assert out["prompt_ids"].count(image_id) > 0 and len(out["ids"]) == 6
-    report = json.loads(lollm("parity", str(folder), "--image", str(picture), "--json"))
+    report = parity(folder, picture)
     assert report["passed"] and report["min_cosine"] >= 0.9999
 
