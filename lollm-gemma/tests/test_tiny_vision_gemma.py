@@ -58,6 +58,7 @@ def test_the_chat_template_renders_an_image_as_its_special_tokens(made):
     placeholder = loaded.tokenizer.encode(spec.placeholder, add_special_tokens=False)
     special = {v for k, v in config.items() if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)}
     assert placeholder and set(placeholder) <= special, f"{spec.placeholder!r} is {placeholder}, not the config's ids"
+    assert loaded.tokenizer.vocab_size == config["text_config"]["vocab_size"]  # every id the model can emit has a token
 
 
 def test_run_and_parity_with_an_image(made, picture):

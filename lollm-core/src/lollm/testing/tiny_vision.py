@@ -167,6 +167,10 @@ TOKENS = {
                                        "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}),
 }
 TOKENS["qwen3_5_moe"] = TOKENS["qwen3_5"]
+#: Special tokens of Qwen's vocabulary that fill the ids above the image tokens, up to the config's vocabulary size.
+UNUSED = ["<|box_start|>", "<|box_end|>"]
+#: ``<|im_end|>`` in :func:`lollm.testing.tiny.write_tiny_tokenizer`'s vocabulary: the Qwen checkpoints' end of sequence.
+QWEN_IM_END = 2
 #: Gemma 4's text width here: gemma-4-E2B's, one of those whose image rule lollm_gemma's GGUF reader knows.
 GEMMA4_GGUF_WIDTH = 1536
 #: The text the Gemma SentencePiece tokenizers are trained on (its 120 most frequent characters kept).
@@ -183,21 +187,28 @@ def write_tiny_vision_checkpoint(family: str, folder: str | Path, *, seed: int =
     """
     if family not in FIRST_PARTY_VISION:
         raise ValueError(f"family {family!r}: a tiny vision checkpoint is made for {', '.join(FIRST_PARTY_VISION)}")
-    setup, (hub, names) = FIRST_PARTY_VISION[family], TOKENS[family]
+    setup, names = FIRST_PARTY_VISION[family], TOKENS[family][1]
     folder = Path(folder)
     config = setup.config()
     ids = sorted((int(config[key]), text) for key, text in names.items())
     base = ids[0][0]
     if [i for i, _ in ids] != list(range(base, base + len(ids))):
         raise ValueError(f"{family}: the tiny config's image token ids {ids} are not consecutive")
+    specials = [text for _, text in ids]
+    vocab = int(config["text_config"]["vocab_size"])
+    specials += UNUSED[:vocab - base - len(specials)]  # no id without a token
+    if base + len(specials) != vocab:
+        raise ValueError(f"{family}: ids {base + len(specials)}..{vocab - 1} of the tiny vocabulary would have no token")
     if family.startswith("gemma"):
         _gemma_convertible(family, config)
+    else:  # a reply ends at the end of its turn, as Qwen3.5's generation config says (the kit's id 511 is no token)
+        config["text_config"]["eos_token_id"] = QWEN_IM_END
     write_tiny_checkpoint(config, folder, seed=seed, init_std=SENSITIVE_INIT_STD, model_class=setup.reference_class)
     setup.processor().save_pretrained(folder)
     if family == "gemma3":  # as gemma-3-4b-it's file: the mmproj converter reads the tokens per image here
         _update_json(folder / "preprocessor_config.json", image_seq_length=int(config["mm_tokens_per_image"]),
                      processor_class="Gemma3Processor")
-    _tokenizer(family, folder, base, [text for _, text in ids], config)
+    _tokenizer(family, folder, base, specials)
     if family == "gemma3":
         _published_spelling(folder)
     return folder
@@ -221,7 +232,7 @@ def _gemma_convertible(family: str, config: dict) -> None:
         text["hidden_size"] = GEMMA4_GGUF_WIDTH
 
 
-def _tokenizer(family: str, folder: Path, base: int, specials: list[str], config: dict) -> None:
+def _tokenizer(family: str, folder: Path, base: int, specials: list[str]) -> None:
     """tokenizer.json (+ tokenizer.model for Gemma) of ``base`` ids, then ``specials`` at ids base.., and
     tokenizer_config.json with the family's chat template."""
     from tokenizers import AddedToken, Tokenizer
