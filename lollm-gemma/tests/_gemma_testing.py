@@ -366,3 +366,17 @@ def write_gemma4_gguf(folder: Path, out: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def lollm_run(model: str, picture: Path, *extra: str, n: int = 8) -> dict:
+    """``lollm run MODEL --image PICTURE *extra -p "what is this?" --json``, greedy, ``n`` tokens, float32 CPU:
+    its JSON record (the last line); the command must exit 0."""
+    from typer.testing import CliRunner
+
+    from lollm.cli import app
+
+    done = CliRunner().invoke(app, ["run", model, "--image", str(picture), *extra, "-p", "what is this?", "-n", str(n),
+                                    "--temperature", "0", "--json", "--device", "cpu", "--dtype", "float32"],
+                              catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,12 +14,12 @@ import gc
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from _gemma_testing import assert_close_logits, load_ours, tiny_gemma3_4b
 
 from lollm.errors import ConfigError, ImageError
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.testing.tiny_vision import drawing
 from lollm.vision.load import open_vision
 from lollm.vision.prompt import encode_images, expand_placeholders, place_images, require_tower
 
@@ -57,18 +57,6 @@ def reference(folder):
     yield model
     del model
     gc.collect()
-
-
-def drawing(width: int, height: int, seed: int) -> Image.Image:
-    """A drawing of ``width`` x ``height``: a coloured background, an ellipse and a line, placed by ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda n: int(torch.randint(0, n, (1,), generator=g))  # noqa: E731
-    img = Image.new("RGB", (width, height), (r(256), r(256), r(256)))
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((r(width // 2), r(height // 2), width - r(width // 3), height - r(height // 3)),
-                 fill=(r(256), r(256), r(256)))
-    draw.line((0, r(height), width, r(height)), fill=(r(256), r(256), r(256)), width=3)
-    return img
 
 
 def processor():

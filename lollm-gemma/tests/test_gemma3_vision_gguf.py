@@ -1,58 +1,54 @@
-"""Gemma 3's vision tower from llama.cpp's mmproj GGUF (``convert_hf_to_gguf.py --mmproj``), read by lollm's reader.
+"""Gemma 3 images from GGUF: llama.cpp's text GGUF and mmproj file (``convert_hf_to_gguf.py``), read by lollm's reader.
 
-The tiny checkpoint of test_gemma3_vision.py, its tower renamed to the published spelling
-(``vision_tower.vision_model.*``, the only one the converter maps) and a preprocessor_config.json
-saying 16 tokens per image, converted by llama.cpp's own converter (never a writer of ours).
+The tiny checkpoint a learner makes (:func:`lollm.testing.tiny_vision.write_tiny_vision_checkpoint`: the
+kit's gemma3 config, a SentencePiece tokenizer with the image tokens at the config's ids, the tower under
+the published names ``vision_tower.vision_model.*``, a preprocessor_config.json saying 16 tokens per
+image), converted by llama.cpp's own converter (never a writer of ours), text GGUF and ``--mmproj``.
 The tower from the mmproj file must hold the safetensors tower's tensors (the converter's +1 on
-the projector's norm undone; its float16 projection rounded), and give the same logits.
+the projector's norm undone; its float16 projection rounded), and give the same logits; the text
+GGUF with it gives the safetensors checkpoint's logits and ``lollm run`` tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from _gemma_testing import assert_close_logits
+from _gemma_testing import assert_close_logits, lollm_run
 from lollm.errors import LollmError
-from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.load.options import LoadOptions
+from lollm.testing.tiny_vision import drawing, write_tiny_vision_checkpoint
 from lollm.vision.load import open_vision
 from lollm.vision.prompt import encode_images, place_images
 
-from test_gemma3_vision import IMAGES, TOKENS, prompt, tiny_gemma3_vision
-from test_gemma3_vision_cli import with_image_tokens
+from test_gemma3_vision import IMAGE, IMAGES, prompt
 
-
-def published_spelling(folder: Path) -> None:
-    """``vision_tower.*`` (transformers 5's save_pretrained) -> ``vision_tower.vision_model.*`` (the hub files)."""
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    renamed = {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
-               for k, v in tensors.items()}
-    save_file(renamed, str(path), metadata={"format": "pt"})
+CPU = LoadOptions(device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    from lollm.load.options import LoadOptions
-    from lollm.load.pipeline import open_model
+def files(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(the safetensors folder, its text GGUF, its mmproj GGUF); the two conversions run side by side."""
     from lollm.testing.converter import convert
 
-    folder = write_tiny_checkpoint(tiny_gemma3_vision(), tmp_path_factory.mktemp("gemma3-mmproj"),
-                                   init_std=SENSITIVE_INIT_STD)
-    with_image_tokens(folder)
-    published_spelling(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps({  # gemma-3-4b-it's, at the tiny sizes
-        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor", "image_seq_length": TOKENS,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 1 / 255,
-        "size": {"height": 64, "width": 64}, "do_normalize": True, "do_rescale": True, "do_resize": True}))
-    mmproj = convert(folder, folder.parent / "mmproj.gguf", "f32", ("--mmproj",))
-    loaded = open_model(str(folder), LoadOptions(device="cpu", dtype="float32"))
-    return loaded, mmproj
+    folder = write_tiny_vision_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3-vision"))
+    out = tmp_path_factory.mktemp("gemma3-vision-gguf")
+    jobs = [(out / "model-f32.gguf", ()), (out / "mmproj-f32.gguf", ("--mmproj",))]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # each conversion is a child process
+        list(pool.map(lambda job: convert(folder, job[0], "f32", job[1]), jobs))
+    return folder, jobs[0][0], jobs[1][0]
+
+
+@pytest.fixture(scope="module")
+def converted(files):
+    from lollm.load.pipeline import open_model
+
+    folder, _, mmproj = files
+    return open_model(str(folder), CPU), mmproj
 
 
 def mmproj_tower(loaded, mmproj: Path):
@@ -95,3 +91,34 @@ def test_mmproj_with_a_safetensors_model_is_refused(converted):
     loaded, mmproj = converted
     with pytest.raises(LollmError, match="an mmproj file goes with a GGUF model"):
         open_vision(loaded, str(mmproj))
+
+
+def test_text_gguf_plus_mmproj_give_the_safetensors_logits(files, converted):
+    """The whole GGUF path (text GGUF decoder and tokenizer, mmproj tower) on a prompt with 2 images, as ``lollm run``
+    makes it: the safetensors checkpoint's ids and logits at every position."""
+    from lollm.load.pipeline import open_model
+    from lollm.vision.load import prepare_prompt
+
+    _, gguf, mmproj = files
+    source = converted[0]
+    gguf_model = open_model(str(gguf), CPU)
+    got = []
+    for loaded, tower in ((source, open_vision(source)), (gguf_model, open_vision(gguf_model, str(mmproj)))):
+        text = f"one {tower.spec.placeholder} and two {tower.spec.placeholder} the end"
+        ready = prepare_prompt(text, IMAGES[2], tower, loaded.tokenizer, model="tiny",
+                               max_context=loaded.model.max_context, add_special_tokens=True)
+        with torch.inference_mode():
+            got.append((ready.ids, loaded.model(torch.tensor([ready.ids]), images=ready.images)[0]))
+    (ids, want), (gguf_ids, logits) = got
+    assert gguf_ids == ids and ids.count(IMAGE) == 2 * 16
+    assert_close_logits(logits, want, ids)
+
+
+def test_lollm_run_with_mmproj_gives_the_safetensors_greedy_tokens(files, tmp_path):
+    folder, gguf, mmproj = files
+    picture = tmp_path / "picture.png"
+    drawing(90, 140, 11).save(picture)
+    want = lollm_run(str(folder), picture)
+    got = lollm_run(str(gguf), picture, "--mmproj", str(mmproj))
+    assert got["prompt_ids"] == want["prompt_ids"] and want["prompt_ids"].count(IMAGE) == 16
+    assert (got["ids"], got["text"]) == (want["ids"], want["text"])

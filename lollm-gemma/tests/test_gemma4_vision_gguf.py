@@ -6,7 +6,8 @@ checkpoints (lollm_gemma/gemma4/config_gguf.py, ``IMAGE_ATTENTION_BY_WIDTH``). T
 ``Gemma4ForConditionalGeneration`` checkpoints written by transformers, at the two published
 widths of each rule, everything else tiny:
 
-* "e2b": text width 1536, ``use_bidirectional_attention`` null: images attend causally;
+* "e2b": text width 1536, ``use_bidirectional_attention`` null: images attend causally; this one is the
+  checkpoint a learner makes (:func:`lollm.testing.tiny_vision.write_tiny_vision_checkpoint`, "gemma4");
 * "26b": text width 2816, ``use_bidirectional_attention: "vision"``: bidirectional inside each
   image (a dense decoder here: the 26B's MoE block is not implemented, the rule is what is tested).
 
@@ -32,12 +33,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from _gemma_testing import assert_close_logits
+from _gemma_testing import assert_close_logits, lollm_run
 from lollm.errors import ConfigError
 from lollm.load.options import LoadOptions
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.testing.tiny_vision import GEMMA4_GGUF_WIDTH, write_tiny_vision_checkpoint
 from lollm.vision.load import open_vision
 from lollm.vision.prompt import encode_images, place_images
 
@@ -48,7 +49,7 @@ from test_gemma4_vision_decoder import reference_logits
 
 CPU = LoadOptions(device="cpu", dtype="float32")
 #: variant -> (text width, use_bidirectional_attention): one published width of each rule.
-VARIANTS = {"e2b": (1536, None), "26b": (2816, "vision")}
+VARIANTS = {"e2b": (GEMMA4_GGUF_WIDTH, None), "26b": (2816, "vision")}
 #: (width, height, seed) of the drawn images, sizes the other Gemma 4 tests do not use.
 IMAGE_SETS = {1: [(150, 260, 7)], 2: [(260, 90, 8), (121, 121, 9)]}
 
@@ -81,7 +82,8 @@ def files(tmp_path_factory):
 
     out, jobs = {}, []
     for variant, (width, rule) in VARIANTS.items():
-        folder = write_source(tmp_path_factory.mktemp(f"gemma4-{variant}"), width, rule)
+        made = tmp_path_factory.mktemp(f"gemma4-{variant}")
+        folder = write_tiny_vision_checkpoint("gemma4", made) if variant == "e2b" else write_source(made, width, rule)
         gguf = tmp_path_factory.mktemp(f"gemma4-{variant}-gguf")
         # the mmproj carries no soft-token budget: lollm reads it from a preprocessor_config.json beside the file
         shutil.copy(folder / "preprocessor_config.json", gguf / "preprocessor_config.json")
@@ -127,7 +129,7 @@ def test_text_gguf_plus_mmproj_give_the_safetensors_logits(models, n_images):
     images = [drawing(w, h, seed) for w, h, seed in IMAGE_SETS[n_images]]
     ids, batch = prompt(source, tower, images)
     mm_ids, mm_batch = prompt(converted, mm_tower, images)
-    assert mm_ids == ids and ids.count(IMAGE) == sum(i.embeds.shape[0] for i in batch.images)
+    assert mm_ids == ids and ids.count(tower.spec.image_token_id) == sum(i.embeds.shape[0] for i in batch.images)
     with torch.inference_mode():
         want = source.model(torch.tensor([ids]), images=batch)[0]
         got = converted.model(torch.tensor([ids]), images=mm_batch)[0]
@@ -156,16 +158,6 @@ def test_the_flipped_rule_fails_the_bound(models, monkeypatch):
         assert_close_logits(got, want, ids)
 
 
-def lollm_run(model: str, picture: Path, *extra: str) -> dict:
-    from lollm.cli import app
-
-    done = CliRunner().invoke(app, ["run", model, "--image", str(picture), *extra, "-p", "what is this?", "-n", "8",
-                                    "--temperature", "0", "--json", "--device", "cpu", "--dtype", "float32"],
-                              catch_exceptions=False)
-    assert done.exit_code == 0, done.output
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_lollm_run_with_mmproj_gives_the_safetensors_greedy_tokens(files, tmp_path, variant):
     folder, gguf, mmproj = files[variant]
@@ -173,7 +165,8 @@ def test_lollm_run_with_mmproj_gives_the_safetensors_greedy_tokens(files, tmp_pa
     drawing(90, 140, 11).save(picture)
     want = lollm_run(str(folder), picture)
     got = lollm_run(str(gguf), picture, "--mmproj", str(mmproj))
-    assert got["prompt_ids"] == want["prompt_ids"] and IMAGE in want["prompt_ids"]
+    image = json.loads((folder / "config.json").read_text(encoding="utf-8"))["image_token_id"]
+    assert got["prompt_ids"] == want["prompt_ids"] and image in want["prompt_ids"]
     assert (got["ids"], got["text"]) == (want["ids"], want["text"])
 
 

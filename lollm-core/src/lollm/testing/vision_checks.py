@@ -29,9 +29,7 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -39,133 +37,14 @@ import torch
 from lollm.load.loader import load_checkpoint
 from lollm.load.options import LoadOptions
 from lollm.load.quantized import Quantization
-from lollm.testing.tiny import SENSITIVE_INIT_STD, kit_config, write_tiny_checkpoint
+from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+# the setups live in a module without pytest (a learner's tiny vision checkpoint is made from them); re-exported here
+from lollm.testing.tiny_vision import FIRST_PARTY_VISION, GEMMA4_SOFT_TOKENS, VisionSetup, drawing  # noqa: F401
 
 #: The kit's vision tests (the mutation suite runs them on the vision mutants).
 VISION_TESTS = ("test_vision_tower_features_equal_the_reference", "test_vision_logits_equal_the_reference")
 #: (width, height, seed) of the drawn images: prompts with 1 and with 2 images, no two of one size or shape.
 IMAGE_SIZES = {1: [(50, 30, 1)], 2: [(23, 71, 2), (90, 90, 3)]}
-
-
-@dataclass(frozen=True)
-class VisionSetup:
-    """What the vision check needs of a family.
-
-    config:          () -> the tiny ``*ForConditionalGeneration`` config.json (a dict), written by
-                     transformers' class ``reference_class`` (tiny tower, decoder and image tokens).
-    processor:       () -> transformers' image processor for it (a slow PIL class: no torchvision);
-                     called as ``processor(images=[...], return_tensors="pt")``, and saved beside the
-                     checkpoint (``preprocessor_config.json``, which a dynamic-resolution tower reads).
-    reference_class: the transformers class name, e.g. ``"Gemma3ForConditionalGeneration"``.
-    relabel:         optional, config dict -> the config.json this family reads, for a family whose model
-                     types transformers does not know (a copy made by ``lollm new-family`` relabels
-                     transformers' types to its own); the reference reads transformers' config.json.
-    """
-
-    config: Callable[[], dict]
-    processor: Callable[[], Any]
-    reference_class: str
-    relabel: Callable[[dict], dict] | None = None
-
-
-def _gemma3_config() -> dict:
-    """gemma-3-4b-it shrunk: the kit's decoder (window 6, shorter than an image), a 2-layer SigLIP on
-    64 x 64 images in 8-pixel patches (an 8 x 8 grid), pooled 2 x 2 into 16 tokens per image."""
-    from lollm.cli.hub_configs import hub_config
-
-    raw = hub_config("google__gemma-3-4b-it")
-    text = kit_config(raw)
-    vocab = int(text["vocab_size"])
-    vision = {**raw["vision_config"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "image_size": 64, "patch_size": 8}
-    return {**raw, "text_config": {**text, "model_type": raw["text_config"]["model_type"]}, "vision_config": vision,
-            "mm_tokens_per_image": 16, "boi_token_index": vocab - 3, "eoi_token_index": vocab - 2,
-            "image_token_index": vocab - 1}
-
-
-def _gemma3_processor():
-    from transformers import Gemma3ImageProcessorPil
-
-    return Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
-
-
-#: Gemma 4's soft-token budget in the kit: the smallest its processor takes (70 tokens, 630 patches at most).
-GEMMA4_SOFT_TOKENS = 70
-
-
-def _multimodal(hub: str, vision: dict, **top) -> dict:
-    """The hub config ``hub`` with the kit's decoder (:func:`lollm.testing.tiny.kit_config`) as its
-    ``text_config``, its vision_config updated by ``vision``, no audio tower, and the top-level token ids
-    of the tiny decoder (kit_config moves them under its vocabulary), plus ``top``."""
-    from lollm.cli.hub_configs import hub_config
-
-    raw = hub_config(hub)
-    text = {**kit_config(raw), "model_type": raw["text_config"]["model_type"]}
-    ids = {k: text[k] for k in raw if k.endswith(("_token_id", "_token_index")) and isinstance(text.get(k), int)}
-    out = {**raw, **ids, "text_config": text, "vision_config": {**raw["vision_config"], **vision}, **top}
-    if "audio_config" in out:
-        out["audio_config"] = None  # the kit reads images only
-    return out
-
-
-def _gemma4_config() -> dict:
-    """gemma-4-E2B-it shrunk: the kit's decoder (per-layer inputs, shared KV layers, window 6), a 2-layer
-    tower of 16-pixel patches pooled 3 x 3, at most :data:`GEMMA4_SOFT_TOKENS` soft tokens per image."""
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16, "position_embedding_size": 64}
-    return _multimodal("google__gemma-4-E2B-it", vision, vision_soft_tokens_per_image=GEMMA4_SOFT_TOKENS)
-
-
-def _gemma4_processor():
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    return Gemma4ImageProcessorPil(max_soft_tokens=GEMMA4_SOFT_TOKENS)
-
-
-def _qwen3_5_config(hub: str) -> Callable[[], dict]:
-    """``hub`` (Qwen3.5-0.8B, 35B-A3B) shrunk: the kit's decoder (linear and full attention, M-RoPE), a
-    1-block ViT of 16-pixel patches merged 2 x 2, its position table a 4 x 4 grid (interpolated)."""
-    def config() -> dict:
-        out = _multimodal(hub, {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
-                                "num_position_embeddings": 16})
-        out["vision_config"]["out_hidden_size"] = out["text_config"]["hidden_size"]
-        if "num_experts" in out["text_config"]:
-            out["text_config"].pop("intermediate_size", None)  # kit_config writes a dense width the MoE has none of
-        return out
-    return config
-
-
-def _qwen3_5_processor():
-    """Qwen3.5's processor with a small pixel budget, 64 x 96 .. 128 x 128 pixels: the kit's drawings become
-    grids of 4 x 8 to 8 x 8 patches (at most 16 tokens), wide enough that a transposed order moves edges."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil(size={"shortest_edge": 64 * 96, "longest_edge": 128 * 128}, patch_size=16,
-                                    temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-
-
-#: family name -> its setup, for the first-party families whose kit runs the check.
-FIRST_PARTY_VISION = {
-    "gemma3": VisionSetup(_gemma3_config, _gemma3_processor, "Gemma3ForConditionalGeneration"),
-    "gemma4": VisionSetup(_gemma4_config, _gemma4_processor, "Gemma4ForConditionalGeneration"),
-    "qwen3_5": VisionSetup(_qwen3_5_config("Qwen__Qwen3.5-0.8B"), _qwen3_5_processor, "Qwen3_5ForConditionalGeneration"),
-    "qwen3_5_moe": VisionSetup(_qwen3_5_config("Qwen__Qwen3.5-35B-A3B"), _qwen3_5_processor,
-                               "Qwen3_5MoeForConditionalGeneration"),
-}
-
-
-def drawing(width: int, height: int, seed: int):
-    """An RGB ``PIL.Image`` of ``width`` x ``height``: a coloured ground, an ellipse and a line placed by ``seed``."""
-    from PIL import Image, ImageDraw
-
-    g = torch.Generator().manual_seed(seed)
-    r = lambda n: int(torch.randint(0, n, (1,), generator=g))  # noqa: E731
-    img = Image.new("RGB", (width, height), (r(256), r(256), r(256)))
-    draw = ImageDraw.Draw(img)
-    draw.ellipse((r(width // 2), r(height // 2), width - r(width // 3), height - r(height // 3)),
-                 fill=(r(256), r(256), r(256)))
-    draw.line((0, r(height), width, r(height)), fill=(r(256), r(256), r(256)), width=3)
-    return img
 
 
 def vision_prompt(config: dict, image_token_id: int, counts: list[int]) -> list[int]:
