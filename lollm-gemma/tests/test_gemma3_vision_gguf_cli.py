@@ -29,10 +29,10 @@ from _gemma_testing import assert_close_logits
 from lollm.errors import ImageError, LollmError, UnknownModelType
 from lollm.load.options import LoadOptions
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.testing.tiny_vision import published_spelling
 
 from test_converter_gguf_gemma import CORPUS
 from test_gemma3_vision import BOI, EOI, IMAGE, TOKENS, tiny_gemma3_vision
-from test_gemma3_vision_gguf import published_spelling
 
 CPU = LoadOptions(device="cpu", dtype="float32")
 IMAGE_TOKENS = {BOI: "<start_of_image>", EOI: "<end_of_image>", IMAGE: "<image_soft_token>"}

@@ -28,11 +28,11 @@ from lollm.serve.app import banner, create_app
 from lollm.serve.model_server import ModelServer
 from lollm.testing import serving
 from lollm.testing.tiny import SENSITIVE_INIT_STD, write_tiny_checkpoint
+from lollm.testing.tiny_vision import published_spelling
 
 from test_converter_gguf_gemma import CORPUS
 from test_gemma3_vision import TOKENS, tiny_gemma3_vision
 from test_gemma3_vision_engine_entry_points import TEMPLATE, openai_image
-from test_gemma3_vision_gguf import published_spelling
 
 IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 
@@ -127,7 +127,8 @@ def test_the_text_gguf_alone_refuses_an_image_naming_mmproj(files):
             assert client.get("/v1/models").json()["data"][0]["vision"] is False
     finally:
         server.close()
-    assert reply.status_code == 400 and "lollm serve MODEL.gguf --mmproj FILE" in reply.json()["error"]["message"]
+    message = reply.json()["error"]["message"]
+    assert reply.status_code == 400 and "a GGUF keeps no vision tower" in message and "--mmproj FILE" in message, message
 
 
 def test_a_folder_pairs_its_mmproj_files_or_refuses_them(tmp_path):

@@ -67,12 +67,9 @@ class Towers:
         with self._lock:
             if self._tower is None:
                 self._tower = open_vision(self.loaded, self.mmproj)
-            if self._tower is None:
-                gguf = getattr(self.loaded.checkpoint, "fmt", None) == "gguf"
-                hint = (": a GGUF model's tower is its mmproj file, lollm serve MODEL.gguf --mmproj FILE" if gguf
-                        else "")
+            if self._tower is None:  # (a GGUF of a family with vision and no --mmproj: open_vision says what to do)
                 raise ApiError(400, f"model {self.name!r} has no vision tower: it reads text only, and the request "
-                                    f"holds an image{hint}", param="messages")
+                                    "holds an image", param="messages")
             return self._tower
 
 

@@ -210,7 +210,7 @@ def write_tiny_vision_checkpoint(family: str, folder: str | Path, *, seed: int =
                      processor_class="Gemma3Processor")
     _tokenizer(family, folder, base, specials)
     if family == "gemma3":
-        _published_spelling(folder)
+        published_spelling(folder)
     return folder
 
 
@@ -272,7 +272,7 @@ def _update_json(path: Path, **values: object) -> None:
     path.write_text(json.dumps({**data, **values}, indent=2), encoding="utf-8")
 
 
-def _published_spelling(folder: Path) -> None:
+def published_spelling(folder: Path) -> None:
     """Gemma 3's tower ``vision_tower.*`` (what transformers 5 saves) renamed ``vision_tower.vision_model.*``, the
     published checkpoints' names: the only ones llama.cpp's converter maps; transformers and lollm read both."""
     from safetensors.torch import load_file, save_file
