@@ -70,12 +70,11 @@ def _reference_kwargs(reference, processed: dict, ids: torch.Tensor, image_token
     """What the reference's forward takes of the processor's outputs (``pixel_values``; Gemma 4's
     ``image_position_ids``; Qwen3.5's ``image_grid_thw``), plus the token types some read: 1 at image tokens
     (Gemma 3's ``token_type_ids``, the ``mm_token_type_ids`` of Gemma 4's mask and Qwen3.5's M-RoPE positions)."""
+    from lollm.vision.reference import token_type_inputs
+
     accepted = inspect.signature(reference.forward).parameters
     kwargs = {k: v for k, v in processed.items() if k in accepted}
-    for name in ("token_type_ids", "mm_token_type_ids"):
-        if name in accepted:
-            kwargs[name] = (ids == image_token_id).long()
-    return kwargs
+    return {**kwargs, **token_type_inputs(reference.forward, ids, image_token_id)}
 
 
 def reference_features(reference, processed: dict) -> torch.Tensor:
